@@ -1,0 +1,51 @@
+"""The one interface every attention backend implements, and the metadata they share.
+
+A backend receives the projected q/k/v of a padded token batch, writes k/v into the
+paged KV cache at `slot_mapping` (skipping slot -1), and attends each query token to
+its request's cached context (causal within the request). Every field of
+`AttentionMetadata` is a view of a persistent runner buffer, so the same metadata
+object is valid inside a captured graph.
+
+KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 = keys, 1 = values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout for attention. Padded requests have query length 0 and seq_len 0;
+    padded tokens (index >= query_start_loc[num_reqs]) have slot -1."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, non-decreasing; tail = real token count
+    seq_lens: torch.Tensor  # [num_reqs] int32: context + query length; 0 for padded requests
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32: physical block ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each token's k/v; -1 = skip
+    num_reqs: int  # rows of the batch (padded count under FULL graphs)
+    num_tokens: int  # tokens of the batch (padded count under graphs)
+    max_query_len: int  # host-side upper bound on any query length in the batch
+    max_seq_len: int  # host-side upper bound on any seq_len in the batch
+
+
+class AttentionBackend(Protocol):
+    """What the model calls once per layer."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place if given
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of padded tokens are unspecified
+        ...

@@ -1,0 +1,199 @@
+"""Frozen configuration dataclasses.
+
+Every knob of a run lives here, grouped by owner. The configs are frozen so that a
+runner's shapes (and later its captured graphs) can never drift from what it was
+built with; derive a changed copy with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
+    """`"auto"`/None -> bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: 'auto', {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF `rope_scaling` / `rope_parameters` minus theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    eos_token_id: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    num_blocks=None lets `ModelRunner.determine_num_kv_blocks` size the cache from a
+    profile run and `gpu_memory_utilization` (CUDA) or `cpu_kv_cache_bytes` (CPU).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks={self.num_blocks} must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits. They size every persistent buffer of the runner."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len} "
+                "needs enable_chunked_prefill=True"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How steps run: graph mode and sizes (the capture issue fills these in)."""
+
+    cudagraph_mode: str | None = None  # None = default of the capture layer
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = True
+    debug_cudagraphs: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where weights come from: a Hugging Face folder, or `dummy` random weights from `seed`."""
+
+    model: str = "builtin:tiny-llama"
+    load_format: str = "auto"  # "auto" (safetensors in the folder) or "dummy"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Everything a `ModelRunner` needs, in one frozen object."""
+
+    model: ModelConfig
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        limit = self.model.max_position_embeddings
+        if self.scheduler.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+
+    @property
+    def max_num_blocks_per_req(self) -> int:
+        return -(-self.scheduler.max_model_len // self.cache.block_size)
+
+    def replace(self, **changes: Any) -> "RunnerConfig":
+        return dataclasses.replace(self, **changes)
