@@ -1,0 +1,1 @@
+"""graphrunner: an LLM model runner built for CUDA graphs."""
