@@ -1,0 +1,133 @@
+"""InputBuffers (persistent, max-size) and InputBatch (one step's views of them).
+
+Every tensor the step reads or writes is a view of a buffer allocated here once, at
+maximum size (DESIGN.md §4). Per step the runner writes the two host arrays that only
+the scheduler knows (idx_mapping and query_start_loc) into one pinned staging buffer
+and uploads it with a single H2D copy; everything else is derived on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrunner.attention.base import AttentionMetadata
+from graphrunner.sample.sampler import SamplingFeatures
+
+
+class InputBuffers:
+    """Owns every static tensor a step touches, sized for the largest batch."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_num_blocks_per_req: int, device: torch.device):
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.device = device
+        # idx_mapping [max_reqs] followed by query_start_loc [max_reqs + 1]: one packed
+        # buffer so that a step's host inputs travel in one copy.
+        packed_len = 2 * max_num_reqs + 1
+        pin = device.type == "cuda"
+        self.host_packed = torch.zeros(packed_len, dtype=torch.int32, pin_memory=pin)
+        self.host_packed_np = self.host_packed.numpy()
+        self.packed = torch.zeros(packed_len, dtype=torch.int32, device=device)
+        self.idx_mapping = self.packed[:max_num_reqs]  # [max_reqs] int32: batch entry -> state row
+        self.query_start_loc = self.packed[max_num_reqs:]  # [max_reqs + 1] int32
+
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)  # [T]
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)  # [T]
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)  # [T]
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R]
+        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R]
+        self.block_table = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)  # [R, M]
+        self.sampled = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R]
+
+    def upload(self, idx_mapping: np.ndarray, query_lens: np.ndarray, num_reqs_padded: int, pad_row: int) -> None:
+        """Write one step's host arrays (padded) and copy them to the device.
+
+        Padded entries point at `pad_row` (the scratch row) and have query length 0,
+        so query_start_loc stays non-decreasing and ends at the real token count.
+        """
+        n = len(idx_mapping)
+        host = self.host_packed_np
+        R = self.max_num_reqs
+        host[:n] = idx_mapping
+        host[n:R] = pad_row
+        qsl = host[R:]
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1 : n + 1])
+        qsl[n + 1 :] = qsl[n]
+        self.packed.copy_(self.host_packed, non_blocking=True)
+
+
+@dataclass
+class InputBatch:
+    """One step: the batch order, its sizes, and views of the persistent buffers."""
+
+    req_ids: list[str]  # batch order (decodes first)
+    idx_mapping_np: np.ndarray  # [num_reqs] state rows
+    query_lens_np: np.ndarray  # [num_reqs] scheduled tokens per request
+    num_reqs: int
+    num_tokens: int
+    num_reqs_padded: int
+    num_tokens_padded: int
+    sampling_features: SamplingFeatures
+    # Views (padded sizes):
+    idx_mapping: torch.Tensor  # [R_pad] int32
+    query_start_loc: torch.Tensor  # [R_pad + 1] int32
+    input_ids: torch.Tensor  # [T_pad] int32
+    positions: torch.Tensor  # [T_pad] int64
+    seq_lens: torch.Tensor  # [R_pad] int32
+    slot_mapping: torch.Tensor  # [T_pad] int64
+    block_table: torch.Tensor  # [R_pad, M] int32
+    logits_indices: torch.Tensor  # [R_pad] int64
+    sampled: torch.Tensor  # [R_pad] int32
+    attn_metadata: AttentionMetadata
+
+    @classmethod
+    def from_buffers(
+        cls,
+        buffers: InputBuffers,
+        req_ids: list[str],
+        idx_mapping_np: np.ndarray,
+        query_lens_np: np.ndarray,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        sampling_features: SamplingFeatures,
+        max_seq_len: int,
+    ) -> "InputBatch":
+        R, T = num_reqs_padded, num_tokens_padded
+        qsl = buffers.query_start_loc[: R + 1]
+        seq_lens = buffers.seq_lens[:R]
+        block_table = buffers.block_table[:R]
+        slot_mapping = buffers.slot_mapping[:T]
+        metadata = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            num_reqs=R,
+            num_tokens=T,
+            max_query_len=int(query_lens_np.max()) if len(query_lens_np) else 0,
+            max_seq_len=max_seq_len,
+        )
+        return cls(
+            req_ids=req_ids,
+            idx_mapping_np=idx_mapping_np,
+            query_lens_np=query_lens_np,
+            num_reqs=len(req_ids),
+            num_tokens=int(query_lens_np.sum()),
+            num_reqs_padded=R,
+            num_tokens_padded=T,
+            sampling_features=sampling_features,
+            idx_mapping=buffers.idx_mapping[:R],
+            query_start_loc=qsl,
+            input_ids=buffers.input_ids[:T],
+            positions=buffers.positions[:T],
+            seq_lens=seq_lens,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            logits_indices=buffers.logits_indices[:R],
+            sampled=buffers.sampled[:R],
+            attn_metadata=metadata,
+        )

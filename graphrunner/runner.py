@@ -1,0 +1,323 @@
+"""ModelRunner: the API an engine uses to run one step of an LLM.
+
+    runner = ModelRunner(config, device)
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_kv_blocks())
+    while ...:
+        runner.execute_model(scheduler_output)
+        output = runner.sample_tokens()
+
+A step (DESIGN.md §3): validate the scheduler's plan without touching state, apply
+request-state changes as staged writes, order the batch decode-first, upload the two
+per-step host arrays, then run the step body — input preparation, forward, logits,
+sampling and the post-update of request state — entirely on the device over views of
+persistent buffers. The step body is the same code whether it runs eagerly or, later,
+from a captured graph.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrunner.attention import get_attention_backend
+from graphrunner.block_table import BlockTables, compute_slot_mapping
+from graphrunner.config import RunnerConfig, resolve_dtype
+from graphrunner.input_batch import InputBatch, InputBuffers
+from graphrunner.kernels.input_prep import (
+    compute_logits_indices,
+    post_update,
+    prepare_input_ids,
+    prepare_positions_seq_lens,
+)
+from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
+from graphrunner.states import RequestState
+from graphrunner.validation import validate_scheduler_output
+
+logger = logging.getLogger("graphrunner.runner")
+
+_GIB = 1 << 30
+
+
+@dataclass
+class _PendingStep:
+    """What `execute_model` leaves for `sample_tokens`."""
+
+    batch: InputBatch
+    produces_token: np.ndarray  # [num_reqs] bool: the chunk reached the end of the known tokens
+
+
+class ModelRunner:
+    """Runs steps of one model on one device over persistent, max-size buffers."""
+
+    def __init__(self, config: RunnerConfig, device: torch.device | str):
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = config.model
+        self.vocab_size = config.model.vocab_size
+        self.max_model_len = config.scheduler.max_model_len
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        self.block_size = config.cache.block_size
+        self.max_num_blocks_per_req = config.max_num_blocks_per_req
+        self.eos_token_ids: tuple[int, ...] = tuple(config.model.eos_token_id)
+
+        self.req_states = RequestState(self.max_num_reqs, self.max_model_len, self.device)
+        self.sampling_states = SamplingStates(self.req_states.num_rows, self.device, base_seed=config.seed)
+        self.sampler = Sampler(self.sampling_states)
+        self.input_buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, self.max_num_blocks_per_req, self.device)
+        self.attn_backend = get_attention_backend(self.device)
+
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_tables: BlockTables | None = None
+        self.num_kv_blocks = 0
+        self._pending: _PendingStep | None = None
+
+    # ---- set-up -----------------------------------------------------------------
+    def load_model(self) -> None:
+        """Build the model and load its weights (a HF folder, or dummy weights)."""
+        from graphrunner.models.loader import load_model
+
+        start = time.perf_counter()
+        self.model = load_model(
+            self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device
+        )
+        logger.info(
+            "loaded %s (%.2f GiB of %s weights) on %s in %.2f s",
+            self.model_config.name,
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) / _GIB,
+            self.dtype,
+            self.device,
+            time.perf_counter() - start,
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        m = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        m = self.model_config
+        shape = (2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit: a fixed count if configured, else profile + memory budget.
+
+        On CUDA a profile run at the largest batch measures peak activation memory; the
+        cache gets `gpu_memory_utilization` of the device minus everything else in use.
+        On CPU the cache gets `cpu_kv_cache_bytes`.
+        """
+        self._require_model()
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type != "cuda":
+            num_blocks = cache.cpu_kv_cache_bytes // self.kv_block_bytes
+        else:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._profile_run()
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            current = torch.cuda.memory_allocated(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cache.gpu_memory_utilization - (total - free) - (peak - current)
+            num_blocks = int(budget // self.kv_block_bytes)
+            logger.info(
+                "KV cache budget %.2f GiB (%d blocks of %d tokens); activation peak %.2f GiB",
+                max(budget, 0) / _GIB, num_blocks, self.block_size, (peak - current) / _GIB,
+            )
+        if num_blocks < self.max_num_blocks_per_req:
+            raise RuntimeError(
+                f"only {num_blocks} KV blocks fit, fewer than the {self.max_num_blocks_per_req} one request of "
+                f"max_model_len={self.max_model_len} needs; lower max_model_len or raise the memory budget"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache (one tensor per layer) and the block tables."""
+        self._require_model()
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be positive")
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.block_tables = BlockTables(
+            self.req_states.num_rows, self.max_num_blocks_per_req, self.block_size, num_blocks, self.device
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * self.kv_block_bytes / _GIB
+        )
+
+    # ---- the step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run one step. Tokens are kept on the device until `sample_tokens()`.
+
+        Invalid input raises ValueError before any state changes, so the runner keeps
+        serving the other requests.
+        """
+        self._require_kv_cache()
+        if self._pending is not None:
+            raise RuntimeError("execute_model() called twice without sample_tokens() in between")
+        validate_scheduler_output(self, scheduler_output)
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        batch = self._prepare_batch(scheduler_output)
+        self._run_step(batch)
+        nc_before = self.req_states.num_computed_np[batch.idx_mapping_np]
+        produces = nc_before + batch.query_lens_np >= self.req_states.prefill_len_np[batch.idx_mapping_np]
+        self.req_states.num_computed_np[batch.idx_mapping_np] += batch.query_lens_np
+        self._pending = _PendingStep(batch, produces)
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Return the step's sampled tokens (one D2H copy)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return ModelRunnerOutput.empty()
+        batch = pending.batch
+        tokens = batch.sampled[: batch.num_reqs].tolist()
+        sampled = [[tok] if produces else [] for tok, produces in zip(tokens, pending.produces_token)]
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        assert self.block_tables is not None
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            row = self.req_states.remove_request(req_id)
+            if row is not None:
+                self.block_tables.clear_row(row)
+        for new in so.scheduled_new_reqs:
+            self._add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_block_ids:
+                self.block_tables.append_block_ids(self.req_states.req_id_to_index[req_id], new_block_ids, overwrite=False)
+        self.req_states.apply_staged_writes()
+        self.sampling_states.apply_staged_writes()
+        self.block_tables.apply_staged_writes()
+
+    def _add_request(self, new: NewRequestData) -> None:
+        assert self.block_tables is not None
+        row = self.req_states.add_request(new.req_id, new.all_token_ids, new.num_computed_tokens)
+        self.sampling_states.add_request(row, new.req_id, new.sampling_params, self.vocab_size)
+        self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
+
+    def _prepare_batch(self, so: SchedulerOutput) -> InputBatch:
+        """Order decode-first, upload idx_mapping and query_start_loc, return the views."""
+        num_scheduled = so.num_scheduled_tokens
+        # Stable sort on query length: decodes (1 token) first, then prefill chunks.
+        req_ids = sorted(num_scheduled, key=num_scheduled.__getitem__)
+        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int32, count=len(req_ids))
+        index = self.req_states.req_id_to_index
+        idx_mapping = np.fromiter((index[r] for r in req_ids), dtype=np.int32, count=len(req_ids))
+        num_reqs, num_tokens = len(req_ids), int(query_lens.sum())
+        # Eager: no padding. The capture layer will choose padded sizes here.
+        num_reqs_padded, num_tokens_padded = num_reqs, num_tokens
+        self.input_buffers.upload(idx_mapping, query_lens, num_reqs_padded, self.req_states.scratch_row)
+        max_seq_len = int((self.req_states.num_computed_np[idx_mapping] + query_lens).max())
+        return InputBatch.from_buffers(
+            self.input_buffers,
+            req_ids,
+            idx_mapping,
+            query_lens,
+            num_reqs_padded,
+            num_tokens_padded,
+            self.sampling_states.features(idx_mapping),
+            max_seq_len,
+        )
+
+    def _run_step(self, batch: InputBatch) -> None:
+        """The step body: everything after the upload, on the device, no host sync."""
+        self._prepare_inputs(batch)
+        self._forward_and_sample(batch)
+        s = self.req_states
+        post_update(batch.idx_mapping, batch.query_start_loc, batch.seq_lens, batch.sampled,
+                    s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids)
+
+    def _prepare_inputs(self, batch: InputBatch) -> None:
+        assert self.block_tables is not None
+        s = self.req_states
+        prepare_positions_seq_lens(batch.idx_mapping, batch.query_start_loc, s.num_computed_tokens,
+                                   batch.positions, batch.seq_lens)
+        prepare_input_ids(batch.idx_mapping, batch.query_start_loc, batch.positions, s.all_token_ids,
+                          s.prefill_len, s.last_sampled, batch.input_ids)
+        self.block_tables.gather(batch.idx_mapping, batch.block_table)
+        compute_slot_mapping(batch.block_table, batch.query_start_loc, batch.positions, self.block_size,
+                             batch.slot_mapping)
+        compute_logits_indices(batch.query_start_loc, batch.logits_indices)
+
+    def _forward_and_sample(self, batch: InputBatch) -> None:
+        assert self.model is not None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
+        # The token being sampled sits at position seq_len: that keys its random noise.
+        self.sampler(logits, batch.idx_mapping, batch.seq_lens, batch.sampling_features, out=batch.sampled)
+
+    # ---- profiling --------------------------------------------------------------
+    def _profile_run(self) -> None:
+        """Run the largest forward and the largest sampling batch on scratch state.
+
+        All dummy entries point at the scratch row (whose block table is all block 0)
+        over a one-block temporary cache, so nothing live is touched.
+        """
+        real_caches = self.kv_caches
+        self.kv_caches = self._allocate_kv_caches(1)
+        real_tables = self.block_tables
+        self.block_tables = BlockTables(self.req_states.num_rows, self.max_num_blocks_per_req, self.block_size, 1, self.device)
+        try:
+            per_req = min(self.max_num_tokens, self.max_model_len)
+            num_reqs = min(-(-self.max_num_tokens // per_req), self.max_num_reqs)
+            query_lens = np.full(num_reqs, per_req, dtype=np.int32)
+            query_lens[-1] = self.max_num_tokens - per_req * (num_reqs - 1)
+            self._dummy_step(query_lens, SamplingFeatures())
+            decodes = np.ones(min(self.max_num_reqs, self.max_num_tokens), dtype=np.int32)
+            self._dummy_step(decodes, SamplingFeatures.all_on())
+        finally:
+            self.kv_caches = real_caches
+            self.block_tables = real_tables
+            self._reset_scratch_row()
+
+    def _dummy_step(self, query_lens: np.ndarray, features: SamplingFeatures) -> None:
+        scratch = self.req_states.scratch_row
+        idx_mapping = np.full(len(query_lens), scratch, dtype=np.int32)
+        self.input_buffers.upload(idx_mapping, query_lens, len(query_lens), scratch)
+        batch = InputBatch.from_buffers(
+            self.input_buffers, [f"_dummy_{i}" for i in range(len(query_lens))], idx_mapping, query_lens,
+            len(query_lens), int(query_lens.sum()), features, int(query_lens.max()),
+        )
+        self._prepare_inputs(batch)
+        self._forward_and_sample(batch)
+
+    def _reset_scratch_row(self) -> None:
+        row = self.req_states.scratch_row
+        for t in (self.req_states.num_computed_tokens, self.req_states.prefill_len, self.req_states.last_sampled):
+            t[row] = 0
+
+    # ---- helpers ----------------------------------------------------------------
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError("call load_model() first")
+
+    def _require_kv_cache(self) -> None:
+        self._require_model()
+        if self.block_tables is None:
+            raise RuntimeError("call initialize_kv_cache(num_blocks) first")

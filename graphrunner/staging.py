@@ -1,0 +1,54 @@
+"""Staged writes into persistent per-row device tensors.
+
+Admitting a request changes a handful of scalars per row in several tensors. Writing
+each one with its own tiny H2D copy would cost a launch per value; staging them on the
+host and scattering once per tensor at `apply()` keeps admission O(tensors), not
+O(requests x tensors), and leaves the device tensors' addresses untouched (graphs that
+captured them stay valid).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StagedRowWrites:
+    """Collects `row -> value` writes for several `[rows]` tensors; `apply()` scatters them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device):
+        for name, t in tensors.items():
+            if t.dim() != 1:
+                raise ValueError(f"staged tensor {name!r} must be 1-D [rows], got shape {tuple(t.shape)}")
+        self._tensors = tensors
+        self._device = device
+        self._rows: list[int] = []
+        self._values: dict[str, list] = {name: [] for name in tensors}
+
+    def stage(self, row: int, **values) -> None:
+        missing = set(self._tensors) - set(values)
+        unknown = set(values) - set(self._tensors)
+        if missing or unknown:
+            raise ValueError(f"stage() needs exactly {sorted(self._tensors)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
+        self._rows.append(row)
+        for name, value in values.items():
+            self._values[name].append(value)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def apply(self) -> None:
+        if not self._rows:
+            return
+        # Later writes to the same row win: keep the last occurrence of each row.
+        rows = np.asarray(self._rows, dtype=np.int64)
+        _, last_from_end = np.unique(rows[::-1], return_index=True)
+        keep = np.sort(len(rows) - 1 - last_from_end)
+        index = torch.from_numpy(rows[keep]).to(self._device, non_blocking=True)
+        for name, tensor in self._tensors.items():
+            values = np.asarray(self._values[name])[keep]
+            src = torch.from_numpy(values).to(device=self._device, dtype=tensor.dtype, non_blocking=True)
+            tensor.index_copy_(0, index, src)
+        self._rows.clear()
+        for v in self._values.values():
+            v.clear()

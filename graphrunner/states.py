@@ -1,0 +1,118 @@
+"""RequestState: one persistent row per live request.
+
+A request owns a row from admission until it finishes or is preempted (preemption is
+removal: a resumed request is admitted again and recomputes its KV). Rows hold the
+token history and the counters the step reads on the device; the host keeps mirrors of
+the counters so the runner can validate scheduler input and decide which requests
+produce a token without ever reading the device.
+
+Row `max_num_reqs` is a scratch row that is never live: padded batch entries point at
+it, so a padded entry can never read or write a live request's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrunner.staging import StagedRowWrites
+
+
+@dataclass(frozen=True)
+class _Admission:
+    row: int
+    token_ids: list[int]
+    num_computed_tokens: int
+
+
+class RequestState:
+    """Per-request rows on the device plus host-side bookkeeping."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.num_rows = max_num_reqs + 1
+        self.scratch_row = max_num_reqs
+
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: list[str | None] = [None] * self.num_rows
+        # Lowest row first: keeps live rows dense, which keeps gathers cache-friendly.
+        self._free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+
+        # Device state, read and written by the step (and so by captured graphs).
+        self.all_token_ids = torch.zeros(self.num_rows, max_model_len, dtype=torch.int32, device=device)  # [rows, L]
+        self.num_computed_tokens = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
+        self.prefill_len = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
+        self.last_sampled = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
+
+        # Host mirrors of the device counters (kept in step by the runner).
+        self.num_computed_np = np.zeros(self.num_rows, dtype=np.int64)
+        self.prefill_len_np = np.zeros(self.num_rows, dtype=np.int64)
+
+        self._admissions: list[_Admission] = []
+        self._row_writes = StagedRowWrites(
+            {
+                "num_computed_tokens": self.num_computed_tokens,
+                "prefill_len": self.prefill_len,
+                "last_sampled": self.last_sampled,
+            },
+            device=device,
+        )
+
+    # ---- predicates -------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        return len(self.req_id_to_index)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self.req_id_to_index
+
+    def can_add(self, n: int = 1) -> bool:
+        return len(self._free_rows) >= n
+
+    # ---- actions ----------------------------------------------------------------
+    def add_request(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> int:
+        """Admit a request (staged until `apply_staged_writes`). Returns its row.
+
+        The caller validates the request first; this only checks invariants that
+        would otherwise corrupt rows.
+        """
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"request {req_id!r} is already live")
+        if not self._free_rows:
+            raise ValueError(f"no free request row: {self.num_live} live requests, max_num_reqs={self.max_num_reqs}")
+        row = self._free_rows.pop()
+        self.req_id_to_index[req_id] = row
+        self.index_to_req_id[row] = req_id
+        self.num_computed_np[row] = num_computed_tokens
+        self.prefill_len_np[row] = len(token_ids)
+        self._admissions.append(_Admission(row, list(token_ids), num_computed_tokens))
+        self._row_writes.stage(row, num_computed_tokens=num_computed_tokens, prefill_len=len(token_ids), last_sampled=0)
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Free a request's row. Returns the row, or None if the id was not live."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self.index_to_req_id[row] = None
+        self.num_computed_np[row] = 0
+        self.prefill_len_np[row] = 0
+        self._free_rows.append(row)
+        # An admission staged in the same step for this row is void now.
+        self._admissions = [a for a in self._admissions if a.row != row]
+        return row
+
+    def apply_staged_writes(self) -> None:
+        """Push admitted requests' token histories and counters to the device."""
+        if self._admissions:
+            rows = np.concatenate([np.full(len(a.token_ids), a.row, dtype=np.int64) for a in self._admissions])
+            cols = np.concatenate([np.arange(len(a.token_ids), dtype=np.int64) for a in self._admissions])
+            values = np.concatenate([np.asarray(a.token_ids, dtype=np.int32) for a in self._admissions])
+            flat_index = torch.from_numpy(rows * self.max_model_len + cols).to(self.device, non_blocking=True)
+            self.all_token_ids.view(-1).index_copy_(0, flat_index, torch.from_numpy(values).to(self.device, non_blocking=True))
+            self._admissions.clear()
+        self._row_writes.apply()
