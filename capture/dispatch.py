@@ -1,0 +1,328 @@
+"""DispatchTable: capture sizes -> descriptors -> per-token-count candidates -> dispatch().
+
+Pure standard library (no torch), so every rule here is testable with hypothesis on a
+CPU. Built once from the resolved mode, the capture sizes and the batch limits:
+
+- uniform-decode FULL descriptors (modes whose decode routine is FULL and differs from
+  the mixed one): each capture size rounded up to a multiple of q, kept while
+  num_reqs = size / q <= max_num_reqs and size <= max_num_batched_tokens;
+- mixed descriptors, one per capture size: PIECEWISE pads tokens only, FULL pads tokens
+  and requests (num_reqs = min(size, max_num_reqs));
+- `candidates(t)`: for every token count t, the smallest uniform-decode descriptor with
+  >= t tokens, then the smallest mixed one. A uniform-decode batch prefers its FULL
+  graph even when a mixed graph would pad less: a FULL replay beats PIECEWISE pieces
+  with eager attention.
+
+`dispatch()` walks that precomputed list (at most two entries) and returns the first
+descriptor the batch fits, else NONE with the real sizes: O(1), no scan over sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+from capture.descriptor import BatchExecutionDescriptor
+from capture.modes import CUDAGraphMode, Resolution
+
+logger = logging.getLogger("graphrunner.capture")
+
+__all__ = ["CandidateVerdict", "DispatchTable", "Explanation", "default_capture_sizes", "validate_capture_sizes"]
+
+# Default ladder (DESIGN.md §5): dense where small decode batches live, coarser above.
+_SMALL_SIZES = (1, 2, 4)
+_STEP_BELOW_256 = 8
+_STEP_FROM_256 = 16
+# Beyond ~512 tokens a step is compute-bound: a graph saves little launch time but
+# costs capture time and pool memory.
+_DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return value
+
+
+def default_capture_sizes(
+    max_num_reqs: int, max_num_batched_tokens: int, uniform_decode_query_len: int = 1
+) -> tuple[int, ...]:
+    """[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16), kept <= max, where
+    max = min(2 * max_num_reqs * q, 512, max_num_batched_tokens)."""
+    _check_positive_int("max_num_reqs", max_num_reqs)
+    _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    q = _check_positive_int("uniform_decode_query_len", uniform_decode_query_len)
+    # 2x the largest decode batch leaves room for short mixed steps above it.
+    top = min(2 * max_num_reqs * q, _DEFAULT_MAX_CAPTURE_SIZE, max_num_batched_tokens)
+    ladder = [*_SMALL_SIZES, *range(8, 256, _STEP_BELOW_256), *range(256, top + 1, _STEP_FROM_256)]
+    return tuple(s for s in ladder if s <= top)
+
+
+def validate_capture_sizes(sizes: Iterable[int], max_num_batched_tokens: int) -> tuple[int, ...]:
+    """User sizes: ints >= 1, de-duplicated and sorted; sizes above max_num_batched_tokens
+    are dropped with a warning; an empty result is an error."""
+    if isinstance(sizes, (str, bytes)):
+        raise ValueError(f"capture_sizes={sizes!r} must be a sequence of ints, not a string")
+    sizes = tuple(sizes)
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise ValueError(f"capture size {s!r} in capture_sizes={list(sizes)} must be an int >= 1")
+    unique = sorted(set(sizes))
+    kept = [s for s in unique if s <= max_num_batched_tokens]
+    dropped = unique[len(kept):]
+    if dropped:
+        logger.warning(
+            "capture sizes %s exceed max_num_batched_tokens=%d and are dropped", dropped, max_num_batched_tokens
+        )
+    if not kept:
+        raise ValueError(
+            f"capture_sizes={list(sizes)} leaves no size <= max_num_batched_tokens={max_num_batched_tokens}"
+        )
+    return tuple(kept)
+
+
+@dataclass(frozen=True)
+class CandidateVerdict:
+    """One candidate considered by `DispatchTable.explain`."""
+
+    descriptor: BatchExecutionDescriptor
+    accepted: bool
+    reason: str
+    reached: bool = True  # False: an earlier candidate was accepted, this one was never checked
+
+    @property
+    def label(self) -> str:
+        return "accepted" if self.accepted else ("rejected" if self.reached else "skipped")
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why `dispatch` chose what it chose, for logs and `graphrunner inspect`."""
+
+    num_reqs: int
+    num_tokens: int
+    uniform_token_count: int | None
+    verdicts: tuple[CandidateVerdict, ...]
+    chosen: BatchExecutionDescriptor
+    note: str  # why the step runs eager, when it does
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.chosen.padded_tokens(self.num_tokens)
+
+    @property
+    def padding_reqs(self) -> int:
+        return self.chosen.padded_reqs(self.num_reqs)
+
+    @property
+    def waste(self) -> float:
+        """Fraction of the step's tokens that are padding."""
+        return self.padding_tokens / self.chosen.num_tokens
+
+    def __str__(self) -> str:
+        q = self.uniform_token_count
+        kind = "mixed" if q is None else f"uniform q={q}"
+        lines = [f"batch: num_reqs={self.num_reqs} num_tokens={self.num_tokens} ({kind})"]
+        width = max((len(str(v.descriptor)) for v in self.verdicts), default=0)
+        for v in self.verdicts:
+            lines.append(f"  {str(v.descriptor):<{width}}  {v.label}: {v.reason}")
+        if not self.verdicts:
+            lines.append("  no candidates")
+        result = f"-> {self.chosen}: {self.padding_tokens} padding tokens ({self.waste:.1%} of the step)"
+        if self.chosen.num_reqs is not None and self.chosen.is_full:
+            result += f", {self.padding_reqs} padding requests"
+        if self.note:
+            result += f"; {self.note}"
+        lines.append(result)
+        return "\n".join(lines)
+
+
+class DispatchTable:
+    """Which descriptor (graph) each batch runs with; built once, then `dispatch` per step.
+
+    mode: a resolved `Resolution` (from `resolve_mode`), a `CUDAGraphMode` or its name.
+    capture_sizes: token counts to capture; None = `default_capture_sizes(...)`.
+    uniform_decode_query_len: q = 1 + num_speculative_tokens, the tokens of each request
+    in a uniform-decode batch.
+    """
+
+    def __init__(
+        self,
+        mode: Resolution | CUDAGraphMode | str,
+        capture_sizes: Iterable[int] | None = None,
+        *,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        uniform_decode_query_len: int = 1,
+    ) -> None:
+        if isinstance(mode, Resolution):
+            self.resolution = mode
+        else:
+            self.resolution = Resolution(CUDAGraphMode.parse(mode), None, "given to DispatchTable")
+        self.mode: CUDAGraphMode = self.resolution.mode
+        self.max_num_reqs = _check_positive_int("max_num_reqs", max_num_reqs)
+        self.max_num_batched_tokens = _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.uniform_decode_query_len = _check_positive_int("uniform_decode_query_len", uniform_decode_query_len)
+        if capture_sizes is None:
+            self.capture_sizes = default_capture_sizes(max_num_reqs, max_num_batched_tokens, uniform_decode_query_len)
+        else:
+            self.capture_sizes = validate_capture_sizes(capture_sizes, max_num_batched_tokens)
+
+        self._decode_descs = self._build_decode_descs()  # ascending num_tokens
+        self._mixed_descs = self._build_mixed_descs()  # ascending num_tokens
+        self._descriptors = self._capture_order(self._decode_descs + self._mixed_descs)
+        self._candidates = self._build_candidates()  # index: num_tokens
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _build_decode_descs(self) -> tuple[BatchExecutionDescriptor, ...]:
+        mode, q = self.mode, self.uniform_decode_query_len
+        # Single-routine FULL needs no separate decode graphs: its mixed FULL graphs take
+        # uniform batches too.
+        if not (mode.separate_routine and mode.decode_mode is CUDAGraphMode.FULL):
+            return ()
+        out: dict[int, BatchExecutionDescriptor] = {}
+        for size in self.capture_sizes:
+            tokens = -(-size // q) * q  # a uniform batch always holds a multiple of q tokens
+            reqs = tokens // q
+            if reqs > self.max_num_reqs or tokens > self.max_num_batched_tokens:
+                continue
+            out.setdefault(tokens, BatchExecutionDescriptor(CUDAGraphMode.FULL, tokens, reqs, q))
+        return tuple(out[t] for t in sorted(out))
+
+    def _build_mixed_descs(self) -> tuple[BatchExecutionDescriptor, ...]:
+        mixed = self.mode.mixed_mode
+        if mixed is CUDAGraphMode.PIECEWISE:
+            return tuple(BatchExecutionDescriptor(mixed, s) for s in self.capture_sizes)
+        if mixed is CUDAGraphMode.FULL:
+            # Every request has >= 1 token, so a t-token batch has <= min(t, max_num_reqs) requests.
+            return tuple(BatchExecutionDescriptor(mixed, s, min(s, self.max_num_reqs)) for s in self.capture_sizes)
+        return ()
+
+    @staticmethod
+    def _capture_order(descs: Iterable[BatchExecutionDescriptor]) -> tuple[BatchExecutionDescriptor, ...]:
+        # PIECEWISE first, then FULL, each largest first: the largest graphs size the shared
+        # pool and PIECEWISE activations are the larger, so later graphs reuse that memory.
+        def key(d: BatchExecutionDescriptor) -> tuple[int, int, int]:
+            return (0 if d.is_piecewise else 1, -d.num_tokens, -(d.num_reqs or 0))
+
+        return tuple(sorted(descs, key=key))
+
+    def _build_candidates(self) -> tuple[tuple[BatchExecutionDescriptor, ...], ...]:
+        top = max((d.num_tokens for d in self._descriptors), default=0)
+        decode = _ceilings(self._decode_descs, top)
+        mixed = _ceilings(self._mixed_descs, top)
+        return tuple(tuple(d for d in (decode[t], mixed[t]) if d is not None) for t in range(top + 1))
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def descriptors(self) -> tuple[BatchExecutionDescriptor, ...]:
+        """Everything to capture, in capture order: PIECEWISE before FULL, largest first."""
+        return self._descriptors
+
+    @property
+    def max_graph_tokens(self) -> int:
+        """Largest token count any graph takes (0 when nothing is captured)."""
+        return len(self._candidates) - 1
+
+    def candidates(self, num_tokens: int) -> tuple[BatchExecutionDescriptor, ...]:
+        """Ordered candidates for a batch of `num_tokens` tokens: uniform-decode FULL first,
+        then the mixed mode's descriptor; empty when no graph is large enough."""
+        if not 1 <= num_tokens <= self.max_num_batched_tokens:
+            raise ValueError(self._tokens_range_error(num_tokens))
+        return self._candidates[num_tokens] if num_tokens < len(self._candidates) else ()
+
+    def dispatch(
+        self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None
+    ) -> BatchExecutionDescriptor:
+        """Descriptor for a batch: the first compatible candidate (least padding of its kind),
+        else NONE with the real sizes.
+
+        uniform_token_count=q only when every request has exactly q tokens (a pure decode
+        batch); then num_tokens must equal num_reqs * q. A prompt chunk that happens to be
+        q long is not a decode: pass None for any batch with a prefill.
+        """
+        self._check_batch(num_reqs, num_tokens, uniform_token_count)
+        if num_tokens < len(self._candidates):
+            for desc in self._candidates[num_tokens]:
+                if desc.fits(num_reqs, num_tokens, uniform_token_count):
+                    return desc
+        return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+
+    def explain(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None) -> Explanation:
+        """What `dispatch` considers for this batch, why each candidate is taken or not, and
+        the padding waste of the result."""
+        self._check_batch(num_reqs, num_tokens, uniform_token_count)
+        verdicts: list[CandidateVerdict] = []
+        chosen: BatchExecutionDescriptor | None = None
+        for desc in self.candidates(num_tokens):
+            if chosen is not None:
+                verdicts.append(CandidateVerdict(desc, False, f"{chosen} was accepted first", reached=False))
+                continue
+            why = desc.misfit(num_reqs, num_tokens, uniform_token_count)
+            if why is None:
+                chosen = desc
+                pads = f"+{desc.padded_tokens(num_tokens)} tokens"
+                if desc.num_reqs is not None:
+                    pads += f", +{desc.padded_reqs(num_reqs)} requests"
+                verdicts.append(CandidateVerdict(desc, True, f"smallest graph of its kind that fits; {pads}"))
+            else:
+                verdicts.append(CandidateVerdict(desc, False, why))
+        note = ""
+        if chosen is None:
+            chosen = BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+            note = self._eager_reason(num_tokens, uniform_token_count, bool(verdicts))
+        return Explanation(num_reqs, num_tokens, uniform_token_count, tuple(verdicts), chosen, note)
+
+    def _eager_reason(self, num_tokens: int, uniform_token_count: int | None, had_candidates: bool) -> str:
+        if not self._descriptors:
+            return f"mode {self.mode.name} captures no graphs"
+        if uniform_token_count is None and self.mode.mixed_mode is CUDAGraphMode.NONE:
+            return f"mode {self.mode.name} runs mixed batches eager"
+        if had_candidates:
+            return "every candidate was rejected"
+        return f"num_tokens={num_tokens} exceeds the largest graph ({self.max_graph_tokens} tokens)"
+
+    def _tokens_range_error(self, num_tokens: int) -> str:
+        return f"num_tokens={num_tokens} must be in [1, max_num_batched_tokens={self.max_num_batched_tokens}]"
+
+    def _check_batch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None) -> None:
+        if not 1 <= num_tokens <= self.max_num_batched_tokens:
+            raise ValueError(self._tokens_range_error(num_tokens))
+        if not 1 <= num_reqs <= self.max_num_reqs:
+            raise ValueError(f"num_reqs={num_reqs} must be in [1, max_num_reqs={self.max_num_reqs}]")
+        if num_reqs > num_tokens:
+            raise ValueError(f"num_reqs={num_reqs} exceeds num_tokens={num_tokens}: every request has >= 1 token")
+        if uniform_token_count is not None and (
+            uniform_token_count < 1 or num_tokens != num_reqs * uniform_token_count
+        ):
+            raise ValueError(
+                f"uniform_token_count={uniform_token_count} needs num_tokens == num_reqs * uniform_token_count, "
+                f"got num_tokens={num_tokens}, num_reqs={num_reqs}"
+            )
+
+    def __repr__(self) -> str:
+        sizes = self.capture_sizes
+        span = f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if len(sizes) > 3 else str(list(sizes))
+        n_full = sum(d.is_full for d in self._descriptors)
+        return (
+            f"DispatchTable(mode={self.mode.name}, q={self.uniform_decode_query_len}, "
+            f"max_num_reqs={self.max_num_reqs}, max_num_batched_tokens={self.max_num_batched_tokens}, "
+            f"capture_sizes={span}, graphs={len(self._descriptors)} "
+            f"[{len(self._descriptors) - n_full} PIECEWISE, {n_full} FULL])"
+        )
+
+
+def _ceilings(
+    ascending: tuple[BatchExecutionDescriptor, ...], top: int
+) -> list[BatchExecutionDescriptor | None]:
+    """For t in 0..top: the first descriptor (ascending num_tokens) with num_tokens >= t."""
+    out: list[BatchExecutionDescriptor | None] = []
+    i = 0
+    for t in range(top + 1):
+        while i < len(ascending) and ascending[i].num_tokens < t:
+            i += 1
+        out.append(ascending[i] if i < len(ascending) else None)
+    return out
