@@ -1,0 +1,293 @@
+"""Model configs and weights: built-in shapes or Hugging Face checkpoint folders.
+
+`load_model_config` turns `builtin:NAME` or a folder's config.json (old or
+transformers-5 keys) into a `ModelConfig`; `load_model` builds the model on its device
+and fills it with dummy weights or the folder's safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from graphrunner.config import LoadConfig, ModelConfig, resolve_dtype
+from graphrunner.layers.rotary import normalize_rope_scaling
+from graphrunner.models.registry import check_architecture, get_builtin, is_builtin
+
+logger = logging.getLogger("graphrunner.models")
+
+__all__ = [
+    "checkpoint_dtype",
+    "init_dummy_weights",
+    "is_builtin",
+    "iter_checkpoint_weights",
+    "load_model",
+    "load_model_config",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LOAD_FORMATS = ("auto", "dummy")
+
+# config.json `model_type` -> architecture, for configs that omit `architectures`.
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# HF class defaults that differ per architecture (used when a key is absent).
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """`builtin:NAME` -> the built-in config; a folder -> its parsed config.json.
+
+    Raises ValueError for an unknown builtin (listing them) or an unsupported
+    architecture (naming it and the supported set), FileNotFoundError naming a missing
+    folder or config.json.
+    """
+    if is_builtin(model):
+        return get_builtin(model)
+    folder = Path(model)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (and {model!r} is not 'builtin:NAME')")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {str(folder)!r} (looked for {str(path)!r})")
+    with open(path) as f:
+        raw = json.load(f)
+    return model_config_from_dict(raw, name=str(folder))
+
+
+def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> ModelConfig:
+    """Parse a HF config.json dict, accepting both pre- and post-transformers-5 keys."""
+    arch = _architecture(raw)
+    check_architecture(arch)
+    defaults = _ARCH_DEFAULTS[arch]
+
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    _warn_sliding_window(raw, arch)
+
+    heads = raw["num_attention_heads"]
+    hidden = raw["hidden_size"]
+    max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    rope_theta, rope_scaling = _rope(raw, max_pos)
+
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps") or defaults["rms_norm_eps"]),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=_attention_bias(raw, arch),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_id=_eos(raw.get("eos_token_id")),
+        architecture=arch,
+        name=name,
+    )
+
+
+def checkpoint_dtype(model: str) -> torch.dtype | None:
+    """The dtype a folder's config.json declares (`dtype`, or the older `torch_dtype`);
+    None for builtins or when absent. ModelConfig does not carry it: `dtype="auto"`
+    picks the runtime dtype from the device instead."""
+    if is_builtin(model):
+        return None
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {str(path)!r}")
+    with open(path) as f:
+        raw = json.load(f)
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    return resolve_dtype(name, "cpu") if name else None
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures")
+    if archs:
+        return archs[0]
+    model_type = raw.get("model_type")
+    if model_type in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[model_type]
+    raise ValueError(
+        f"config.json has no 'architectures' and model_type={model_type!r} is not one of {sorted(_MODEL_TYPE_TO_ARCH)}"
+    )
+
+
+def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from new `rope_parameters` or old `rope_theta` + `rope_scaling`."""
+    params = dict(raw.get("rope_parameters") or {})
+    old_scaling = raw.get("rope_scaling") or {}
+    if not params:
+        params = dict(old_scaling)
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta), normalize_rope_scaling(params, max_position_embeddings=max_pos)
+
+
+def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
+    # Qwen2 hard-codes bias on q/k/v (its config has no key for it); Mistral never has one.
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "MistralForCausalLM":
+        return False
+    return bool(raw.get("attention_bias", False))
+
+
+def _eos(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _warn_sliding_window(raw: dict[str, Any], arch: str) -> None:
+    # Attention backends are full-causal; a window shorter than the context would
+    # change results past the window, so say so instead of failing to load.
+    window = raw.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is not None:
+        logger.warning(
+            "config sets sliding_window=%s; graphrunner attends over the full context, so "
+            "outputs past %s tokens differ from the reference model",
+            window,
+            window,
+        )
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def iter_checkpoint_weights(folder: str | Path, *, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, CPU tensor) from a folder's safetensors.
+
+    One `model.safetensors`, or the shards listed in `model.safetensors.index.json`
+    (every shard is checked to exist before the first tensor is yielded). With
+    `progress`, a tqdm bar over shards is shown when there is more than one.
+    """
+    from safetensors import safe_open
+
+    files = _checkpoint_files(Path(folder))
+    bar = None
+    if progress and len(files) > 1:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(files), desc="loading shards", unit="shard")
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {str(file)!r} listed in {str(index)!r} is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    raise FileNotFoundError(f"no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}) in folder {str(folder)!r}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+    """Fill every parameter in place with reproducible random values on its own device.
+
+    Matrices and biases ~ N(0, std); norm weights ~ 1 + N(0, std), so activations stay
+    finite through deep stacks while outputs still vary with the input.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dtype.is_floating_point:
+            param.normal_(0.0, std, generator=gen)
+            if name.endswith("norm.weight"):  # RMSNorm scales: near 1, not near 0
+                param.add_(1.0)
+
+
+def load_model(
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    *,
+    attn_backend: Any,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+) -> "torch.nn.Module":
+    """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
+
+    `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.
+    `"auto"`: safetensors from the folder `load_config.model` (cast and moved as loaded).
+    """
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    if load_config.load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_config.load_format!r}; allowed: {list(LOAD_FORMATS)}")
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    start = time.perf_counter()
+    model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device)
+    if load_config.load_format == "dummy" or is_builtin(load_config.model):
+        init_dummy_weights(model, seed=load_config.seed)
+        source = f"dummy weights (seed {load_config.seed})"
+    else:
+        model.load_weights(iter_checkpoint_weights(load_config.model, progress=True))
+        source = repr(load_config.model)
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # so the logged time includes the copies
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info(
+        "loaded %s from %s: %.2f GiB of parameters (%s) in %.2f s",
+        model_config.name,
+        source,
+        nbytes / 2**30,
+        dtype,
+        time.perf_counter() - start,
+    )
+    return model

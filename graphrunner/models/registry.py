@@ -1,0 +1,131 @@
+"""Built-in model shapes and the set of supported architectures.
+
+Built-in models run on dummy (random) weights: they let tests, benchmarks and graph
+capture exercise real model shapes without downloading a checkpoint. Their shapes copy
+the public Hugging Face configs of the models they are named after.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from graphrunner.config import ModelConfig
+
+BUILTIN_PREFIX = "builtin:"
+
+# Hugging Face `architectures[0]` values the Llama-family model implements. They differ
+# only in flags the config carries (qkv bias, q/k norm, tied embeddings), so one model
+# class serves them all.
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+_LLAMA3_EOS = (128001, 128008, 128009)
+
+
+def _llama3_rope(factor: float) -> dict[str, float | int | str]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# Read-only so that no caller can mutate a shared config (no module-global mutable state).
+BUILTIN_MODELS: Mapping[str, ModelConfig] = MappingProxyType(
+    {
+        "builtin:tiny-llama": ModelConfig(
+            name="builtin:tiny-llama",
+            architecture="LlamaForCausalLM",
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            eos_token_id=(2,),
+        ),
+        "builtin:qwen2.5-0.5b": ModelConfig(
+            name="builtin:qwen2.5-0.5b",
+            architecture="Qwen2ForCausalLM",
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            eos_token_id=(151643, 151645),
+        ),
+        "builtin:llama-3.2-1b": ModelConfig(
+            name="builtin:llama-3.2-1b",
+            architecture="LlamaForCausalLM",
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3_rope(32.0),
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            eos_token_id=_LLAMA3_EOS,
+        ),
+        "builtin:llama-3.1-8b": ModelConfig(
+            name="builtin:llama-3.1-8b",
+            architecture="LlamaForCausalLM",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3_rope(8.0),
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            eos_token_id=_LLAMA3_EOS,
+        ),
+    }
+)
+
+
+def is_builtin(model: str) -> bool:
+    """True when `model` names a built-in shape (`builtin:NAME`), known or not."""
+    return model.startswith(BUILTIN_PREFIX)
+
+
+def get_builtin(model: str) -> ModelConfig:
+    """The built-in config named `model`; ValueError listing the built-ins if unknown."""
+    try:
+        return BUILTIN_MODELS[model]
+    except KeyError:
+        raise ValueError(f"unknown builtin model {model!r}; available: {sorted(BUILTIN_MODELS)}") from None
+
+
+def check_architecture(architecture: str) -> None:
+    """Raise ValueError naming `architecture` and the supported set unless it is supported."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )

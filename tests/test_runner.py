@@ -1,0 +1,161 @@
+"""ModelRunner on CPU: incremental decoding over the paged cache, and bad input."""
+
+import pytest
+import torch
+
+from graphrunner.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from tests.runner_driver import Driver, make_runner
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return make_runner()
+
+
+def _recompute_greedy(runner, prompt, n_tokens, req_prefix):
+    """Reference: every token from a fresh full prefill (no KV reuse across steps)."""
+    tokens = list(prompt)
+    for i in range(n_tokens):
+        d = Driver(runner)
+        d.add(f"{req_prefix}{i}", tokens)
+        out = d.step()
+        tokens.append(out[f"{req_prefix}{i}"][0])
+        d.finish(f"{req_prefix}{i}")
+    return tokens[len(prompt):]
+
+
+def test_incremental_decode_matches_full_recompute(runner):
+    prompts = {"a": [5, 9, 11, 3, 7, 100, 200], "b": [42] * 13, "c": list(range(1, 30))}
+    d = Driver(runner)
+    for rid, p in prompts.items():
+        d.add(rid, p)
+    for _ in range(8):
+        d.step()
+    for rid, p in prompts.items():
+        got = d.reqs[rid].outputs
+        assert len(got) == 8
+        assert got == _recompute_greedy(runner, p, 8, f"ref-{rid}-")
+    for rid in list(d.reqs):
+        d.finish(rid)
+
+
+def test_chunked_prefill_matches_single_prefill(runner):
+    prompt = list(range(3, 60))
+    whole = Driver(runner)
+    whole.add("w", prompt)
+    while len(whole.reqs["w"].outputs) < 6:
+        whole.step()
+    chunked = Driver(runner)
+    chunked.add("c", prompt)
+    while len(chunked.reqs["c"].outputs) < 6:
+        chunked.step(chunk=10)
+    assert chunked.reqs["c"].outputs == whole.reqs["w"].outputs
+    whole.finish("w")
+    chunked.finish("c")
+
+
+def test_seeded_sampling_independent_of_batch(runner):
+    params = SamplingParams(temperature=1.0, top_k=20, seed=1234)
+    alone = Driver(runner)
+    alone.add("s", [7, 8, 9], params)
+    for _ in range(5):
+        alone.step()
+    alone_tokens = alone.reqs["s"].outputs
+    alone.finish("s")
+    crowd = Driver(runner)
+    crowd.add("x", [1, 2, 3, 4, 5], SamplingParams(temperature=0.9, seed=1))
+    crowd.add("s", [7, 8, 9], params)
+    crowd.add("y", [10] * 20, SamplingParams(temperature=0.0))
+    for _ in range(5):
+        crowd.step()
+    assert crowd.reqs["s"].outputs == alone_tokens
+    for rid in ("x", "s", "y"):
+        crowd.finish(rid)
+
+
+def _new(rid, tokens, blocks=(0, 1, 2, 3), **kw):
+    return NewRequestData(rid, list(tokens), SamplingParams(temperature=0.0), list(blocks), **kw)
+
+
+def _step(runner, new=(), cached=(), sched=None, finished=()):
+    so = SchedulerOutput(scheduled_new_reqs=list(new), finished_req_ids=set(finished))
+    for rid, nc, blocks in cached:
+        so.scheduled_cached_reqs.req_ids.append(rid)
+        so.scheduled_cached_reqs.new_block_ids.append(blocks)
+        so.scheduled_cached_reqs.num_computed_tokens.append(nc)
+    so.num_scheduled_tokens = dict(sched or {})
+    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+    runner.execute_model(so)
+    return runner.sample_tokens()
+
+
+BAD_STEPS = {
+    "prompt too long": (dict(new=[_new("bad", [1] * 129, blocks=range(16))], sched={"bad": 64}), "max_model_len=128"),
+    "token out of vocab": (dict(new=[_new("bad", [1, 2, 999999])], sched={"bad": 3}), "999999"),
+    "negative token": (dict(new=[_new("bad", [1, -1])], sched={"bad": 2}), "-1"),
+    "unknown cached id": (dict(cached=[("ghost", 0, None)], sched={"ghost": 1}), "ghost"),
+    "unknown scheduled id": (dict(sched={"nobody": 1}), "nobody"),
+    "duplicate new id": (dict(new=[_new("live", [1, 2])], sched={"live": 2}), "already live"),
+    "too many tokens": (dict(new=[_new("bad", [1] * 100, blocks=range(13))], sched={"bad": 100}),
+                        "max_num_batched_tokens=64"),
+    "block id out of range": (dict(new=[_new("bad", [1, 2], blocks=[96])], sched={"bad": 2}), "block id 96"),
+    "too few blocks": (dict(new=[_new("bad", [1] * 20, blocks=[5])], sched={"bad": 20}), "holds 1"),
+    "decode of several tokens": (dict(cached=[("live", 4, None)], sched={"live": 3}), "exactly 1"),
+    "wrong num_computed": (dict(cached=[("live", 2, None)], sched={"live": 1}), "num_computed_tokens=2"),
+    "total mismatch": (None, "total_num_scheduled_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STEPS))
+def test_bad_input_is_rejected_and_runner_keeps_serving(runner, case):
+    """Each bad step raises naming the value, changes nothing, and the live request continues exactly."""
+    kwargs, needle = BAD_STEPS[case]
+    reference = Driver(runner)
+    reference.add("ref", [3, 1, 4, 1])
+    for _ in range(3):
+        reference.step()
+    expected = reference.reqs["ref"].outputs
+    reference.finish("ref")
+
+    blocks = list(range(40, 56))
+    out = _step(runner, new=[NewRequestData("live", [3, 1, 4, 1], SamplingParams(temperature=0.0), blocks)],
+                sched={"live": 4})
+    tokens = out.sampled_token_ids[0]
+    with pytest.raises(ValueError, match=needle):
+        if kwargs is None:
+            so = SchedulerOutput(num_scheduled_tokens={"live": 1}, total_num_scheduled_tokens=7)
+            runner.execute_model(so)
+        else:
+            _step(runner, **kwargs)
+    computed = 4
+    for _ in range(2):
+        out = _step(runner, cached=[("live", computed, None)], sched={"live": 1})
+        computed += 1
+        tokens += out.sampled_token_ids[0]
+    assert tokens == expected
+    _step(runner, finished={"live"})
+    assert runner.req_states.num_live == 0
+
+
+def test_not_initialized_errors():
+    from tests.runner_driver import make_runner as mk  # noqa: F401
+    from graphrunner.runner import ModelRunner
+    r = ModelRunner(make_runner().config, "cpu")
+    with pytest.raises(RuntimeError, match="load_model"):
+        r.execute_model(SchedulerOutput())
+
+
+@pytest.mark.gpu
+def test_gpu_incremental_decode_matches_cpu():
+    """Same dummy weights on CUDA (fp32) and CPU give the same greedy tokens."""
+    cpu = make_runner()
+    gpu = make_runner(device="cuda")
+    outs = []
+    for r in (cpu, gpu):
+        d = Driver(r)
+        d.add("a", [5, 9, 11, 3, 7])
+        d.add("b", list(range(1, 40)))
+        for _ in range(10):
+            d.step()
+        outs.append({k: v.outputs for k, v in d.reqs.items()})
+    assert outs[0] == outs[1]
