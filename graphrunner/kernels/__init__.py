@@ -1,0 +1,40 @@
+"""Graph-safe kernels of the step outside the model (input preparation, bookkeeping).
+
+Every kernel here has two implementations with identical results: a Triton kernel,
+used when the tensors live on CUDA and triton imports, and a torch reference made of
+vectorized torch ops, used elsewhere (CPU CI). Both write into preallocated outputs
+and never synchronize with the host, so either can run inside a captured CUDA graph.
+
+`HAS_TRITON` is decided once at import; it is a constant, not a switch to flip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional: without it every kernel falls back to its torch reference
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when `tensor`'s kernels should run the Triton implementation."""
+    return HAS_TRITON and tensor.is_cuda
+
+
+def check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raise ValueError unless `tensor` has exactly `shape` and one of `dtypes`.
+
+    Host-side metadata checks only (no device access), so they are safe during capture.
+    """
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} has dtype {tensor.dtype}, expected one of: {allowed}")
+
+
+__all__ = ["HAS_TRITON", "use_triton", "check_tensor"]

@@ -1,0 +1,324 @@
+"""Persistent block tables, the per-step gather of a batch's rows, and slot mapping.
+
+`BlockTables` keeps one row of physical KV-block ids per state row. Changes are staged
+on the host (numpy mirror) while the scheduler output is applied, then pushed to the
+device table in one packed upload by `apply_staged_writes`, outside any graph. The
+device-side functions (`BlockTables.gather`, `compute_slot_mapping`) are graph-safe:
+they write into preallocated outputs and never synchronize with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
+from graphrunner.kernels.input_prep import token_entries
+
+_I32 = (torch.int32,)
+_I64 = (torch.int64,)
+
+
+class BlockTables:
+    """Block table of every state row: `table[row, j]` is the j-th KV block of `row`.
+
+    Only the first `num_blocks[row]` entries of a row are meaningful; readers bound
+    their accesses by sequence length, so stale ids past that count are harmless.
+    The host mirror `table_np` and `num_blocks` reflect staged writes immediately;
+    the device `table` sees them only after `apply_staged_writes`.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        num_kv_blocks: int,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_rows", num_rows),
+            ("max_num_blocks_per_req", max_num_blocks_per_req),
+            ("block_size", block_size),
+            ("num_kv_blocks", num_kv_blocks),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        self.num_rows = num_rows
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.device = torch.device(device)
+        # table: [num_rows, max_num_blocks_per_req] int32
+        self.table = torch.zeros(num_rows, max_num_blocks_per_req, dtype=torch.int32, device=self.device)
+        self.table_np = np.zeros((num_rows, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+        # Staged region per row: columns [dirty_from[row], num_blocks[row]) may differ
+        # from the device table; rows absent from the dict have nothing to upload.
+        self._dirty_from: dict[int, int] = {}
+        # Pinned host staging buffer (CUDA only), reused across steps; the event guards
+        # it against being rewritten while its previous async upload is in flight.
+        self._pinned: torch.Tensor | None = None
+        self._upload_done: torch.cuda.Event | None = None
+
+    # ------------------------------------------------------------------ host-side staging
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row={row} is out of range [0, {self.num_rows})")
+
+    def append_block_ids(self, row: int, block_ids: Sequence[int], overwrite: bool) -> None:
+        """Stage new blocks for `row`: replace its blocks (`overwrite`, a new request) or append.
+
+        Raises ValueError, before staging anything, when `row` is out of range, a block
+        id is outside `[0, num_kv_blocks)`, or the row would exceed `max_num_blocks_per_req`.
+        """
+        self._check_row(row)
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if ids.size:
+            bad = ids[(ids < 0) | (ids >= self.num_kv_blocks)]
+            if bad.size:
+                raise ValueError(f"block id {int(bad[0])} is out of range [0, {self.num_kv_blocks})")
+        start = 0 if overwrite else int(self.num_blocks[row])
+        end = start + ids.size
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"row {row} would hold {end} blocks, more than max_num_blocks_per_req={self.max_num_blocks_per_req}"
+            )
+        self.table_np[row, start:end] = ids
+        self.num_blocks[row] = end
+        if end > start:
+            self._dirty_from[row] = min(self._dirty_from.get(row, start), start)
+
+    def clear_row(self, row: int) -> None:
+        """The row holds no blocks. Host-only: with `num_blocks[row] == 0` nothing reads it."""
+        self._check_row(row)
+        self.num_blocks[row] = 0
+        self._dirty_from.pop(row, None)
+
+    def row_block_ids(self, row: int) -> np.ndarray:
+        """The blocks `row` holds, staged writes included (a read-only host view)."""
+        self._check_row(row)
+        view = self.table_np[row, : self.num_blocks[row]]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def has_staged_writes(self) -> bool:
+        return bool(self._dirty_from)
+
+    def apply_staged_writes(self) -> None:
+        """Push every staged change to the device table in one packed H2D copy.
+
+        Runs outside graphs (it reads host state). The flat indices are unique because
+        each row contributes one contiguous column range, so the scatter is deterministic.
+        """
+        if not self._dirty_from:
+            return
+        width = self.max_num_blocks_per_req
+        flat = np.concatenate(
+            [np.arange(row * width + lo, row * width + int(self.num_blocks[row])) for row, lo in self._dirty_from.items()]
+        )
+        self._dirty_from.clear()
+        n = flat.size
+        if n == 0:
+            return
+        if self.device.type == "cuda":
+            packed = self._pinned_staging(n)
+            host = packed.numpy()
+            host[0] = flat
+            host[1] = self.table_np.reshape(-1)[flat]
+            upload = packed.to(self.device, non_blocking=True)
+            self._upload_done = torch.cuda.Event()
+            self._upload_done.record()
+        else:
+            upload = torch.from_numpy(np.stack([flat, self.table_np.reshape(-1)[flat].astype(np.int64)]))
+            upload = upload.to(self.device)
+        # upload: [2, n] int64 = (flat index, block id)
+        self.table.view(-1).index_copy_(0, upload[0], upload[1].to(torch.int32))
+
+    def _pinned_staging(self, n: int) -> torch.Tensor:
+        """A pinned [2, n] int64 view, safe to overwrite (the previous upload has finished)."""
+        if self._upload_done is not None:
+            self._upload_done.synchronize()
+        # Flat storage so that the [2, n] view is contiguous: a strided pinned source
+        # would silently turn the non_blocking copy into a staged, synchronous one.
+        if self._pinned is None or self._pinned.numel() < 2 * n:
+            capacity = max(2 * n, 2 * (0 if self._pinned is None else self._pinned.numel()), 512)
+            self._pinned = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        return self._pinned[: 2 * n].view(2, n)
+
+    # ------------------------------------------------------------------ device-side, graph-safe
+
+    def gather(self, idx_mapping: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[b, :] = table[idx_mapping[b], :]` for every batch entry b (graph-safe)."""
+        # idx_mapping: [R_pad] int32; out: [R_pad, max_num_blocks_per_req] int32
+        num_reqs = idx_mapping.shape[0]
+        check_tensor("idx_mapping", idx_mapping, (num_reqs,), _I32)
+        check_tensor("out", out, (num_reqs, self.max_num_blocks_per_req), _I32)
+        impl = gather_block_table_triton if use_triton(out) else gather_block_table_torch
+        impl(self.table, idx_mapping, out)
+
+
+# --------------------------------------------------------------------------- torch references
+
+
+def gather_block_table_torch(table: torch.Tensor, idx_mapping: torch.Tensor, out: torch.Tensor) -> None:
+    """Torch reference of `BlockTables.gather`: `out[b] = table[idx_mapping[b]]`."""
+    # copy_ rather than index_select(out=...): `out` may be any view of a persistent buffer.
+    out.copy_(table.index_select(0, idx_mapping))
+
+
+def compute_slot_mapping_torch(
+    block_table: torch.Tensor,  # [R, M] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    positions: torch.Tensor,  # [T] int64
+    block_size: int,
+    out: torch.Tensor,  # [T] int64
+) -> None:
+    """Torch reference of `compute_slot_mapping`."""
+    max_blocks = block_table.shape[1]
+    entry, _, is_real = token_entries(query_start_loc, out.shape[0])
+    # Clamped so that padded tokens' gather stays in bounds; real tokens are in range.
+    col = torch.div(positions, block_size, rounding_mode="floor").clamp_(0, max_blocks - 1)
+    block = block_table[entry, col].long()  # [T]
+    slot = block * block_size + torch.remainder(positions, block_size)
+    out.copy_(torch.where(is_real, slot, torch.full_like(slot, -1)))
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_kernel(table_ptr, table_stride, idx_ptr, out_ptr, out_stride, width, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        row = tl.load(idx_ptr + b).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, width, BLOCK):
+            o = i + offs
+            m = o < width
+            tl.store(out_ptr + b * out_stride + o, tl.load(table_ptr + row * table_stride + o, mask=m), mask=m)
+
+    @triton.jit
+    def _slot_mapping_kernel(
+        bt_ptr,
+        bt_stride,
+        qsl_ptr,
+        pos_ptr,
+        out_ptr,
+        num_reqs,
+        num_tokens,
+        max_blocks,
+        block_size,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per batch entry, plus one (pid == num_reqs) for the padded token tail.
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        if pid < num_reqs:
+            start = tl.load(qsl_ptr + pid)
+            qlen = tl.load(qsl_ptr + pid + 1) - start
+            row_ptr = bt_ptr + pid.to(tl.int64) * bt_stride
+            for i in range(0, qlen, BLOCK):
+                o = i + offs
+                m = o < qlen
+                pos = tl.load(pos_ptr + start + o, mask=m, other=0)
+                col = tl.minimum(tl.maximum(pos // block_size, 0), max_blocks - 1)
+                block = tl.load(row_ptr + col, mask=m, other=0).to(tl.int64)
+                tl.store(out_ptr + start + o, block * block_size + pos % block_size, mask=m)
+        else:
+            tail = tl.load(qsl_ptr + num_reqs)
+            for i in range(tail, num_tokens, BLOCK):
+                o = i + offs
+                tl.store(out_ptr + o, tl.full([BLOCK], -1, dtype=tl.int64), mask=o < num_tokens)
+
+
+_COL_BLOCK = 256  # block-table columns per loop iteration
+_TOKEN_BLOCK = 1024  # tokens per loop iteration
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable; use the torch reference implementation")
+
+
+def gather_block_table_triton(table: torch.Tensor, idx_mapping: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton implementation of `BlockTables.gather` (one program per batch entry)."""
+    _require_triton()
+    if table.stride(1) != 1 or out.stride(1) != 1 or not idx_mapping.is_contiguous():
+        raise ValueError("gather_block_table_triton needs unit-stride rows and a contiguous idx_mapping")
+    _gather_kernel[(idx_mapping.shape[0],)](
+        table, table.stride(0), idx_mapping, out, out.stride(0), table.shape[1], BLOCK=_COL_BLOCK
+    )
+
+
+def compute_slot_mapping_triton(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Triton implementation of `compute_slot_mapping` (R_pad + 1 programs)."""
+    _require_triton()
+    if block_table.stride(1) != 1 or not (
+        query_start_loc.is_contiguous() and positions.is_contiguous() and out.is_contiguous()
+    ):
+        raise ValueError("compute_slot_mapping_triton needs unit-stride block-table rows and contiguous 1-D tensors")
+    num_reqs = block_table.shape[0]
+    _slot_mapping_kernel[(num_reqs + 1,)](
+        block_table,
+        block_table.stride(0),
+        query_start_loc,
+        positions,
+        out,
+        num_reqs,
+        out.shape[0],
+        block_table.shape[1],
+        block_size,
+        BLOCK=_TOKEN_BLOCK,
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def compute_slot_mapping(
+    block_table: torch.Tensor,  # [R_pad, M] int32, the batch's gathered rows
+    query_start_loc: torch.Tensor,  # [R_pad + 1] int32
+    positions: torch.Tensor,  # [T_pad] int64
+    block_size: int,
+    out: torch.Tensor,  # [T_pad] int64
+) -> None:
+    """Write each token's KV-cache slot: `block_table[b, pos // bs] * bs + pos % bs`.
+
+    Padded tokens (`t >= query_start_loc[R_pad]`) get slot -1, which the KV-write
+    kernel skips (DESIGN.md §4).
+    """
+    if block_table.dim() != 2 or block_table.shape[0] < 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}, expected [R_pad, M] with R_pad >= 1")
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size} must be positive")
+    num_reqs = block_table.shape[0]
+    num_tokens = out.shape[0]
+    check_tensor("block_table", block_table, tuple(block_table.shape), _I32)
+    check_tensor("query_start_loc", query_start_loc, (num_reqs + 1,), _I32)
+    check_tensor("positions", positions, (num_tokens,), _I64)
+    check_tensor("out", out, (num_tokens,), _I64)
+    impl = compute_slot_mapping_triton if use_triton(out) else compute_slot_mapping_torch
+    impl(block_table, query_start_loc, positions, block_size, out)
+
+
+__all__ = [
+    "BlockTables",
+    "compute_slot_mapping",
+    "compute_slot_mapping_torch",
+    "compute_slot_mapping_triton",
+    "gather_block_table_torch",
+    "gather_block_table_triton",
+]
