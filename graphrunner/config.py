@@ -147,12 +147,26 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """How steps run: graph mode and sizes (the capture issue fills these in)."""
+    """How steps run: graph mode, capture sizes, compile backend, debug checks.
 
-    cudagraph_mode: str | None = None  # None = default of the capture layer
+    cudagraph_mode None takes the capture layer's default (FULL_AND_PIECEWISE, downgraded
+    with a logged reason when the attention backend cannot serve it). enforce_eager runs
+    every step eagerly and captures nothing. compile_backend is what compiles the
+    PIECEWISE pieces ("inductor"; "eager"/"aot_eager" skip code generation, for tests).
+    """
+
+    cudagraph_mode: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     debug_cudagraphs: bool = False
+    compile_backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_capture_sizes is not None:
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(self.cudagraph_capture_sizes))
+        allowed = ("inductor", "aot_eager", "eager")
+        if self.compile_backend not in allowed:
+            raise ValueError(f"compile_backend={self.compile_backend!r}; allowed: {allowed}")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,10 @@ from graphrunner.kernels.input_prep import (
 from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
 from graphrunner.states import RequestState
+from graphrunner.step_graphs import StepGraphs
 from graphrunner.validation import validate_scheduler_output
+from capture.descriptor import BatchExecutionDescriptor
+from capture.report import CaptureRecord, CaptureReport
 
 logger = logging.getLogger("graphrunner.runner")
 
@@ -50,6 +53,7 @@ class _PendingStep:
     """What `execute_model` leaves for `sample_tokens`."""
 
     batch: InputBatch
+    descriptor: BatchExecutionDescriptor
     produces_token: np.ndarray  # [num_reqs] bool: the chunk reached the end of the known tokens
 
 
@@ -70,6 +74,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_num_blocks_per_req = config.max_num_blocks_per_req
         self.eos_token_ids: tuple[int, ...] = tuple(config.model.eos_token_id)
+        self.uniform_decode_query_len = 1 + config.speculative.num_speculative_tokens
 
         self.req_states = RequestState(self.max_num_reqs, self.max_model_len, self.device)
         self.sampling_states = SamplingStates(self.req_states.num_rows, self.device, base_seed=config.seed)
@@ -81,7 +86,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.block_tables: BlockTables | None = None
         self.num_kv_blocks = 0
+        self.graphs: StepGraphs | None = None
         self._pending: _PendingStep | None = None
+        self._current_batch: InputBatch | None = None
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -161,6 +168,31 @@ class ModelRunner:
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * self.kv_block_bytes / _GIB
         )
+        self.graphs = StepGraphs(self)
+
+    @torch.inference_mode()
+    def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
+        """Capture every descriptor of the dispatch table; steps dispatch to NONE until then.
+
+        Must run on an idle runner (no live requests). `inspect_nodes` keeps each CUDA
+        graph's node list for the report (kernel names, node counts) at some memory cost.
+        """
+        self._require_kv_cache()
+        assert self.graphs is not None
+        return self.graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
+
+    def shutdown(self) -> None:
+        """Release graphs and the graph pool first, then the KV cache (lifecycle order)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+        self.kv_caches = []
+        self.block_tables = None
+        self.model = None
+        self._pending = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- the step ---------------------------------------------------------------
     @torch.inference_mode()
@@ -177,12 +209,17 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return
-        batch = self._prepare_batch(scheduler_output)
-        self._run_step(batch)
+        batch, desc = self._prepare_batch(scheduler_output)
+        self._current_batch = batch
+        if desc.is_full:
+            assert self.graphs is not None
+            self.graphs.replay_full(desc, batch.sampling_features)
+        else:
+            self._run_step(batch)
         nc_before = self.req_states.num_computed_np[batch.idx_mapping_np]
         produces = nc_before + batch.query_lens_np >= self.req_states.prefill_len_np[batch.idx_mapping_np]
         self.req_states.num_computed_np[batch.idx_mapping_np] += batch.query_lens_np
-        self._pending = _PendingStep(batch, produces)
+        self._pending = _PendingStep(batch, desc, produces)
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -221,8 +258,8 @@ class ModelRunner:
         self.sampling_states.add_request(row, new.req_id, new.sampling_params, self.vocab_size)
         self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
 
-    def _prepare_batch(self, so: SchedulerOutput) -> InputBatch:
-        """Order decode-first, upload idx_mapping and query_start_loc, return the views."""
+    def _prepare_batch(self, so: SchedulerOutput) -> tuple[InputBatch, BatchExecutionDescriptor]:
+        """Order decode-first, dispatch, upload idx_mapping and query_start_loc, return the views."""
         num_scheduled = so.num_scheduled_tokens
         # Stable sort on query length: decodes (1 token) first, then prefill chunks.
         req_ids = sorted(num_scheduled, key=num_scheduled.__getitem__)
@@ -230,11 +267,16 @@ class ModelRunner:
         index = self.req_states.req_id_to_index
         idx_mapping = np.fromiter((index[r] for r in req_ids), dtype=np.int32, count=len(req_ids))
         num_reqs, num_tokens = len(req_ids), int(query_lens.sum())
-        # Eager: no padding. The capture layer will choose padded sizes here.
-        num_reqs_padded, num_tokens_padded = num_reqs, num_tokens
+        q = self.uniform_decode_query_len
+        uniform = q if num_tokens == num_reqs * q and bool((query_lens == q).all()) else None
+        assert self.graphs is not None
+        desc = self.graphs.dispatch(num_reqs, num_tokens, uniform)
+        # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (DESIGN.md §4.3).
+        num_reqs_padded = desc.num_reqs if desc.is_full else num_reqs
+        num_tokens_padded = desc.num_tokens
         self.input_buffers.upload(idx_mapping, query_lens, num_reqs_padded, self.req_states.scratch_row)
         max_seq_len = int((self.req_states.num_computed_np[idx_mapping] + query_lens).max())
-        return InputBatch.from_buffers(
+        batch = InputBatch.from_buffers(
             self.input_buffers,
             req_ids,
             idx_mapping,
@@ -244,11 +286,16 @@ class ModelRunner:
             self.sampling_states.features(idx_mapping),
             max_seq_len,
         )
+        return batch, desc
 
-    def _run_step(self, batch: InputBatch) -> None:
-        """The step body: everything after the upload, on the device, no host sync."""
+    def _run_step(self, batch: InputBatch, piecewise: bool = False) -> None:
+        """The step body: everything after the upload, on the device, no host sync.
+
+        The same code is the eager path, the body FULL graphs capture, and (with the
+        forward swapped for the compiled pieces) the PIECEWISE path.
+        """
         self._prepare_inputs(batch)
-        self._forward_and_sample(batch)
+        self._forward_and_sample(batch, piecewise)
         s = self.req_states
         post_update(batch.idx_mapping, batch.query_start_loc, batch.seq_lens, batch.sampled,
                     s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids)
@@ -265,9 +312,10 @@ class ModelRunner:
                              batch.slot_mapping)
         compute_logits_indices(batch.query_start_loc, batch.logits_indices)
 
-    def _forward_and_sample(self, batch: InputBatch) -> None:
+    def _forward_and_sample(self, batch: InputBatch, piecewise: bool = False) -> None:
         assert self.model is not None
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+        forward = self._piecewise_forward if piecewise else self.model
+        hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         self.sampler(logits, batch.idx_mapping, batch.seq_lens, batch.sampling_features, out=batch.sampled)
@@ -294,23 +342,101 @@ class ModelRunner:
         finally:
             self.kv_caches = real_caches
             self.block_tables = real_tables
-            self._reset_scratch_row()
+            self.reset_scratch_row()
 
     def _dummy_step(self, query_lens: np.ndarray, features: SamplingFeatures) -> None:
-        scratch = self.req_states.scratch_row
-        idx_mapping = np.full(len(query_lens), scratch, dtype=np.int32)
-        self.input_buffers.upload(idx_mapping, query_lens, len(query_lens), scratch)
-        batch = InputBatch.from_buffers(
-            self.input_buffers, [f"_dummy_{i}" for i in range(len(query_lens))], idx_mapping, query_lens,
-            len(query_lens), int(query_lens.sum()), features, int(query_lens.max()),
-        )
+        batch = self._dummy_batch(query_lens, features, len(query_lens), int(query_lens.sum()))
         self._prepare_inputs(batch)
         self._forward_and_sample(batch)
 
-    def _reset_scratch_row(self) -> None:
+    def _dummy_batch(
+        self, query_lens: np.ndarray, features: SamplingFeatures, num_reqs_padded: int, num_tokens_padded: int
+    ) -> InputBatch:
+        """Upload a batch whose every entry points at the scratch row; return its views.
+
+        Graph batches carry static upper bounds in their host-side metadata ints, since
+        a replay serves many batches (no backend may size work by them).
+        """
+        scratch = self.req_states.scratch_row
+        idx_mapping = np.full(len(query_lens), scratch, dtype=np.int32)
+        self.input_buffers.upload(idx_mapping, query_lens, num_reqs_padded, scratch)
+        batch = InputBatch.from_buffers(
+            self.input_buffers, [f"_dummy_{i}" for i in range(len(query_lens))], idx_mapping, query_lens,
+            num_reqs_padded, num_tokens_padded, features, self.max_model_len,
+        )
+        batch.attn_metadata.max_query_len = num_tokens_padded
+        return batch
+
+    def reset_scratch_row(self) -> None:
+        """Dummy steps advance the scratch row's counters; padded entries need them at 0."""
         row = self.req_states.scratch_row
         for t in (self.req_states.num_computed_tokens, self.req_states.prefill_len, self.req_states.last_sampled):
             t[row] = 0
+
+    # ---- graph hooks (called by StepGraphs) -----------------------------------------
+    def _capture_query_lens(self, desc: BatchExecutionDescriptor) -> np.ndarray:
+        """Query lengths of the dummy batch a descriptor is captured with."""
+        if desc.uniform_token_count is not None:
+            return np.full(desc.num_reqs, desc.uniform_token_count, dtype=np.int32)
+        num_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, self.max_num_reqs)
+        # Spread tokens evenly so no dummy entry outgrows max_model_len or its block-table row.
+        lens = np.full(num_reqs, desc.num_tokens // num_reqs, dtype=np.int32)
+        lens[: desc.num_tokens % num_reqs] += 1
+        return lens
+
+    def make_full_step(self, desc: BatchExecutionDescriptor, features: SamplingFeatures):
+        """The step function a FULL graph captures for `desc`: views fixed at padded sizes."""
+        query_lens = self._capture_query_lens(desc)
+        batch = self._dummy_batch(query_lens, features, desc.num_reqs, desc.num_tokens)
+
+        def step() -> None:
+            self._run_step(batch)
+
+        return step
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured step reads or writes, by name (debug address checks)."""
+        ib, s = self.input_buffers, self.req_states
+        tensors = {
+            "packed_host_inputs": ib.packed, "input_ids": ib.input_ids, "positions": ib.positions,
+            "slot_mapping": ib.slot_mapping, "seq_lens": ib.seq_lens, "logits_indices": ib.logits_indices,
+            "block_table": ib.block_table, "sampled": ib.sampled, "all_token_ids": s.all_token_ids,
+            "num_computed_tokens": s.num_computed_tokens, "prefill_len": s.prefill_len,
+            "last_sampled": s.last_sampled,
+        }
+        if self.block_tables is not None:
+            tensors["block_tables.table"] = self.block_tables.table
+        for i, cache in enumerate(self.kv_caches):
+            tensors[f"kv_cache[{i}]"] = cache
+        return tensors
+
+    def check_padding_invariants(self) -> None:
+        """Debug mode, after a replay: padding is neutral (DESIGN.md §4.2). Raises AssertionError."""
+        batch = self._current_batch
+        if batch is None:
+            return
+        R, Rp, T, Tp = batch.num_reqs, batch.num_reqs_padded, batch.num_tokens, batch.num_tokens_padded
+        qsl = batch.query_start_loc.cpu()
+        assert bool((qsl[1:] >= qsl[:-1]).all()), f"query_start_loc decreases: {qsl.tolist()}"
+        assert int(qsl[R]) == T and bool((qsl[R:] == T).all()), f"padded query_start_loc != {T}: {qsl[R:].tolist()}"
+        idx = batch.idx_mapping.cpu()
+        scratch = self.req_states.scratch_row
+        assert bool((idx[R:Rp] == scratch).all()), f"padded entries point at live rows {idx[R:Rp].tolist()}"
+        seq_lens = batch.seq_lens.cpu()
+        assert bool((seq_lens[R:Rp] == 0).all()), f"padded seq_lens not 0: {seq_lens[R:Rp].tolist()}"
+        slots = batch.slot_mapping.cpu()
+        assert bool((slots[T:Tp] == -1).all()), f"padded slots not -1 (a padded row would write KV): {slots[T:Tp].tolist()}"
+        limit = self.num_kv_blocks * self.block_size
+        assert bool(((slots[:T] >= 0) & (slots[:T] < limit)).all()), f"real slots outside [0, {limit})"
+
+    def capture_piecewise_size(self, desc: BatchExecutionDescriptor, pool, label: str) -> CaptureRecord:
+        raise NotImplementedError("PIECEWISE capture is not wired into the runner yet")
+
+    def release_piecewise(self) -> None:
+        pass
+
+    def _piecewise_forward(self, *args):
+        raise NotImplementedError("PIECEWISE forward is not wired into the runner yet")
 
     # ---- helpers ----------------------------------------------------------------
     def _require_model(self) -> None:

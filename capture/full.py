@@ -1,0 +1,136 @@
+"""FULL graphs: capture and replay of a whole step function over static buffers.
+
+A `FullGraph` owns one captured step for one graph key. The step function reads and
+writes only persistent buffers (DESIGN.md §4), so replay needs no arguments: the caller
+writes the per-step host inputs into their static buffers and calls `replay()`.
+
+On CUDA the step is captured into a `torch.cuda.CUDAGraph` in the shared pool. On a
+CPU there are no graphs, so capture *records* the step and replay re-runs it over the
+same buffers (DESIGN.md §7): CI still exercises dispatch, padding and buffer discipline.
+
+Debug mode (a flag, not a log level): capture snapshots the addresses of the static
+tensors the step reads; each replay checks them and then runs the caller's invariant
+check, raising `GraphReplayError` that names the graph key.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from capture.pool import GraphPool
+from capture.report import CaptureRecord, read_graph_dot
+
+StaticTensors = Callable[[], dict[str, torch.Tensor]]
+
+
+class GraphReplayError(RuntimeError):
+    """A replay whose inputs moved or whose padding broke an invariant."""
+
+
+class FullGraph:
+    """One step function captured for one key (a CUDA graph, or its CPU stand-in)."""
+
+    def __init__(
+        self,
+        key: str,
+        step: Callable[[], None],
+        pool: GraphPool,
+        *,
+        static_tensors: StaticTensors | None = None,
+        check_invariants: Callable[[], None] | None = None,
+        debug: bool = False,
+    ):
+        self.key = key
+        self._step = step
+        self._pool = pool
+        self._static_tensors = static_tensors
+        self._check_invariants = check_invariants
+        self.debug = debug
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._captured_ptrs: dict[str, int] = {}
+        self.captured = False
+
+    def capture(self, *, warmup: int = 1, inspect_nodes: bool = False) -> CaptureRecord:
+        """Warm up, then capture (CUDA) or record (CPU) the step. Returns its cost."""
+        reserved_before = self._pool.reserved_bytes()
+        start = time.perf_counter()
+        if self._pool.is_cuda:
+            stream = self._pool.stream
+            stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    self._step()
+            torch.cuda.current_stream(self._pool.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if inspect_nodes:
+                graph.enable_debug_mode()
+            with torch.cuda.graph(graph, pool=self._pool.handle, stream=stream):
+                self._step()
+            torch.cuda.synchronize(self._pool.device)
+            self._graph = graph
+        else:
+            for _ in range(warmup):
+                self._step()
+        seconds = time.perf_counter() - start
+        self._captured_ptrs = self._snapshot()
+        self.captured = True
+        num_nodes, kernels = (self._dump_nodes() if inspect_nodes and self._graph is not None else (None, {}))
+        return CaptureRecord(self.key, seconds, self._pool.reserved_bytes() - reserved_before, num_nodes, kernels)
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise RuntimeError(f"graph {self.key} replayed before capture")
+        if self.debug:
+            self._check_addresses()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._step()
+        if self.debug and self._check_invariants is not None:
+            try:
+                self._check_invariants()
+            except AssertionError as e:
+                raise GraphReplayError(f"graph {self.key}: padding invariant broken: {e}") from None
+
+    def write_dot(self, path: str | os.PathLike) -> None:
+        """Graphviz DOT of the captured graph (CUDA, captured with inspect_nodes=True)."""
+        if self._graph is None:
+            raise RuntimeError(f"graph {self.key} has no CUDA graph to dump (CPU emulation or not captured)")
+        self._graph.debug_dump(str(path))
+
+    def release(self) -> None:
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self.captured = False
+
+    # ---- internals ----------------------------------------------------------------
+    def _snapshot(self) -> dict[str, int]:
+        if self._static_tensors is None:
+            return {}
+        return {name: t.data_ptr() for name, t in self._static_tensors().items()}
+
+    def _check_addresses(self) -> None:
+        now = self._snapshot()
+        for name, ptr in self._captured_ptrs.items():
+            if now.get(name) != ptr:
+                raise GraphReplayError(
+                    f"graph {self.key}: static input {name!r} moved since capture "
+                    f"(captured at {ptr:#x}, now at {now.get(name, 0):#x}); a graph only reads captured addresses"
+                )
+
+    def _dump_nodes(self) -> tuple[int | None, dict[str, int]]:
+        fd, path = tempfile.mkstemp(suffix=".dot")
+        os.close(fd)
+        try:
+            self._graph.debug_dump(path)
+            return read_graph_dot(path)
+        except Exception:  # node introspection is best effort across torch/CUDA versions
+            return None, {}
+        finally:
+            os.unlink(path)
