@@ -1,0 +1,394 @@
+"""Triton paged attention for mixed batches (decodes + prefill chunks), graph-safe.
+
+One launch serves the whole padded batch. Its grid depends only on Python ints (the
+padded token / request counts and head counts), never on tensor values, so a CUDA
+graph captured for one padded shape replays correctly with any batch of that shape.
+
+Work split. Each request's query tokens are cut into tiles of `BLOCK_Q` tokens. A
+program handles one (tile, kv head) pair: its `BLOCK_M = BLOCK_Q * G_PAD` rows are the
+tile's tokens times the kv head's GQA group of query heads (the group padded to a power
+of two, so that `tl.dot` sees at least 16 rows even for decode). Tile j of request b
+is program `query_start_loc[b] // BLOCK_Q + b + j`; since that start is strictly
+increasing in b, a program finds its request by binary search, and
+
+    num_tokens // BLOCK_Q + num_reqs + 1
+
+programs cover every tile of every request plus the padded tokens after
+`query_start_loc[num_reqs]` (handled as a pseudo-request with no keys, so their rows
+come out as zeros). Programs left over inside a request's range find an empty tile and
+store nothing.
+
+Keys are read page by page through the block table, `BLOCK_N` at a time, up to the
+tile's causal limit read from `seq_lens` at runtime, with an online softmax in fp32
+(base 2). Query token i of a request with `seq_len` keys and `query_len` tokens sees
+keys `0 .. seq_len - query_len + i`.
+
+Split-KV (flash-decoding). When the batch is too small to fill the GPU (batch-1
+decode at long context), a third grid axis cuts each tile's key range into
+`num_kv_splits` chunks; every split writes an unnormalized partial result to scratch
+and a second kernel merges them. The split count is also a function of padded sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphrunner.attention.base import AttentionMetadata
+from graphrunner.attention.kv_write import write_kv
+from graphrunner.attention.torch_ref import check_attention_args
+from graphrunner.kernels import HAS_TRITON
+
+# Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
+# for rows that have seen no visible key yet.
+_NEG_BIG = -1.0e30
+_MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
+_MAX_KV_SPLITS = 32
+_LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    _NEG_BIG_C: tl.constexpr = tl.constexpr(_NEG_BIG)
+
+    @triton.jit
+    def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+        """Largest b in [0, num_reqs] with query_start_loc[b] // BLOCK_Q + b <= pid."""
+        lo = 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(start <= pid, mid, lo)
+            hi = tl.where(start <= pid, hi, mid - 1)
+        return lo
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        part_o_ptr,  # [S, T, H, D_PAD] fp32 scratch (split-KV only)
+        part_ml_ptr,  # [S, T, H, 2] fp32 scratch: running max (base 2) and denominator
+        num_reqs,
+        num_tokens,
+        block_size,
+        qk_scale,  # softmax scale * log2(e)
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_c_kv,
+        stride_c_blk,
+        stride_c_off,
+        stride_c_h,
+        stride_c_d,
+        stride_bt,
+        NUM_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        COMPUTE_FP32: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+
+        b = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+        is_req = b < num_reqs
+        q_start = tl.load(qsl_ptr + b)
+        # b == num_reqs: the padded tokens, a pseudo-request with no keys.
+        q_end = tl.where(is_req, tl.load(qsl_ptr + b + 1, mask=is_req, other=0), num_tokens)
+        seq_len = tl.load(seq_lens_ptr + b, mask=is_req, other=0)
+        tok0 = q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
+        tile_end = tl.minimum(tok0 + BLOCK_Q, q_end)
+        # Keys visible to the tile's last token (<= 0 for an empty tile or padding).
+        kv_hi = tl.maximum(seq_len - q_end + tile_end, 0)
+        if NUM_SPLITS > 1:
+            chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_end = tl.minimum(kv_lo + chunk, kv_hi)
+        else:
+            kv_lo = 0
+            kv_end = kv_hi
+
+        r = tl.arange(0, BLOCK_M)
+        tok = tok0 + r // G_PAD  # [BLOCK_M]
+        g = r % G_PAD
+        head = kvh * GROUP + g
+        row_ok = (tok < q_end) & (g < GROUP)
+        row_lim = seq_len - q_end + tok + 1  # row sees keys n < row_lim
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        tok64 = tok.to(tl.int64)
+
+        q = tl.load(
+            q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # q: [BLOCK_M, D_PAD]
+        if COMPUTE_FP32:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], _NEG_BIG_C, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        head_off = kvh.to(tl.int64) * stride_c_h
+        for start in range(kv_lo, kv_end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < kv_end
+            blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+            base = blk * stride_c_blk + (n % block_size).to(tl.int64) * stride_c_off + head_off  # [BLOCK_N]
+            kv_off = base[:, None] + d[None, :] * stride_c_d
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)  # k: [BLOCK_N, D_PAD]
+            v = tl.load(kv_ptr + stride_c_kv + kv_off, mask=kv_mask, other=0.0)  # v: [BLOCK_N, D_PAD]
+            if COMPUTE_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale  # s: [BLOCK_M, BLOCK_N], log2 domain
+            visible = (n[None, :] < row_lim[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if COMPUTE_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(
+                out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+        else:
+            row = (split * num_tokens + tok64) * NUM_HEADS + head  # [BLOCK_M] row of the scratch
+            tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_o_ptr,  # [S, T, H, D_PAD] fp32
+        part_ml_ptr,  # [S, T, H, 2] fp32
+        out_ptr,
+        num_tokens,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        NUM_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        g_ok = g < GROUP
+        head = kvh * GROUP + g
+        d = tl.arange(0, D_PAD)
+        m_max = tl.full([G_PAD], _NEG_BIG_C, tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            row = (s * num_tokens + t) * NUM_HEADS + head
+            m_max = tl.maximum(m_max, tl.load(part_ml_ptr + row * 2, mask=g_ok, other=_NEG_BIG_C))
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        l_sum = tl.zeros([G_PAD], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            row = (s * num_tokens + t) * NUM_HEADS + head
+            w = tl.exp2(tl.load(part_ml_ptr + row * 2, mask=g_ok, other=_NEG_BIG_C) - m_max)
+            l_sum += w * tl.load(part_ml_ptr + row * 2 + 1, mask=g_ok, other=0.0)
+            o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=g_ok[:, None], other=0.0)
+            acc += w[:, None] * o
+        o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+        tl.store(
+            out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & (d[None, :] < HEAD_DIM),
+        )
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def attention_launch_plan(
+    num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> dict[str, int]:
+    """Tile sizes, grid and launch options of `paged_attention_triton` for a padded batch shape.
+
+    A pure function of Python ints (never of tensor values): that is what lets one
+    captured graph serve every batch of its padded shape. Decode-shaped batches
+    (no more tokens than requests) get the smallest tile that still feeds `tl.dot`
+    and long key blocks; longer queries get taller tiles so that each key block is
+    reused by more rows. Block sizes / stages were picked by a sweep on an H200
+    (bf16, head_dim 64 and 128).
+    """
+    group = num_heads // num_kv_heads
+    g_pad = _next_pow2(group)
+    d_pad = max(_MIN_DOT_ROWS, _next_pow2(head_dim))
+    decode_like = num_tokens <= num_reqs
+    rows = _MIN_DOT_ROWS if decode_like else 64
+    block_q = max(1, rows // g_pad)
+    num_tiles = num_tokens // block_q + num_reqs + 1
+    # Register budget: halve the key block for head dims above 128.
+    block_n = (128 if decode_like else 64) // (1 if d_pad <= 128 else 2)
+    num_kv_splits = 1
+    if device.type == "cuda":
+        # Tiles that can hold real work: one per request at least, more for long queries.
+        busy = max(min(num_reqs, num_tokens), -(-num_tokens // block_q)) * num_kv_heads
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_kv_splits = max(1, min(_MAX_KV_SPLITS, (2 * num_sms) // max(busy, 1)))
+    return {
+        "block_q": block_q,
+        "g_pad": g_pad,
+        "d_pad": d_pad,
+        "num_tiles": num_tiles,
+        "num_kv_splits": num_kv_splits,
+        "block_n": block_n,
+        "num_warps": 4,
+        "num_stages": 3 if decode_like else 2,
+    }
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], written in place
+    *,
+    num_kv_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
+
+    Reads `metadata.query_start_loc[:num_reqs + 1]` (must start at 0),
+    `seq_lens[:num_reqs]` and `block_table[:num_reqs]` on the device; rows of padded
+    tokens are written as zeros. The keyword arguments override `attention_launch_plan`
+    (tests, tuning); they must stay fixed for a captured graph. Works on CPU tensors
+    under TRITON_INTERPRET=1.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
+    check_attention_args(q, kv_cache, metadata, out)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if num_tokens == 0:
+        return out
+    plan = attention_launch_plan(num_tokens, metadata.num_reqs, num_heads, num_kv_heads, head_dim, q.device)
+    splits = plan["num_kv_splits"] if num_kv_splits is None else num_kv_splits
+    if not 1 <= splits <= _MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits={splits} must be in [1, {_MAX_KV_SPLITS}]")
+    d_pad = plan["d_pad"]
+    block_n = plan["block_n"] if block_n is None else block_n
+    num_warps = plan["num_warps"] if num_warps is None else num_warps
+    num_stages = plan["num_stages"] if num_stages is None else num_stages
+    if block_n < _MIN_DOT_ROWS or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two >= {_MIN_DOT_ROWS}")
+    # The interpreter's bf16 arithmetic is broken, and fp32 inputs want exact dots:
+    # both compute in fp32. fp16/bf16 on a GPU keep their native tensor-core dots.
+    compute_fp32 = q.device.type != "cuda" or q.dtype == torch.float32
+    group = num_heads // num_kv_heads
+    if splits > 1:
+        part_o = torch.empty((splits, num_tokens, num_heads, d_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused by the kernel
+    block_table = metadata.block_table
+    _paged_attn_kernel[(plan["num_tiles"], num_kv_heads, splits)](
+        q,
+        kv_cache,
+        out,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        block_table,
+        part_o,
+        part_ml,
+        metadata.num_reqs,
+        num_tokens,
+        block_size,
+        scale * _LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *kv_cache.stride(),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        G_PAD=plan["g_pad"],
+        BLOCK_Q=plan["block_q"],
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        COMPUTE_FP32=compute_fp32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_kv_heads)](
+            part_o,
+            part_ml,
+            out,
+            num_tokens,
+            *out.stride(),
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            G_PAD=plan["g_pad"],
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=splits,
+        )
+    return out
+
+
+class TritonPagedAttentionBackend:
+    """Graph-safe paged attention: Triton KV write, then one mixed-batch Triton launch."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("TritonPagedAttentionBackend needs triton, which failed to import")
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,  # [T, H, D]
+    ) -> torch.Tensor:  # [T, H, D]; rows of padded tokens are 0
+        """Write k/v at `metadata.slot_mapping`, then attend; returns `out` (allocated if None)."""
+        check_attention_args(q, kv_cache, metadata, out)
+        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
+        if out is None:
+            out = torch.empty_like(q)
+        return paged_attention_triton(q, kv_cache, metadata, scale, out)
+
+
+__all__ = ["TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]

@@ -1,0 +1,539 @@
+"""Attention backends and the KV-write kernel against independent references.
+
+CPU: the Triton kernels run interpreted (TRITON_INTERPRET=1, set by conftest) on tiny
+shapes, grids of at most 16 programs. GPU (`gpu` mark): realistic shapes in bf16 and
+capture/replay of the Triton backend in a real CUDA graph.
+
+Tolerances: fp32 compares at atol/rtol 2e-5 (same math, different summation order);
+fp16 outputs at 2e-3 (one fp16 rounding of values of magnitude <= ~1); bf16 on the GPU
+at 3e-2 (bf16 inputs of the P@V dot in the kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphrunner.attention import AttentionMetadata, get_attention_backend
+from graphrunner.attention.kv_write import write_kv, write_kv_torch
+from graphrunner.attention.torch_ref import TorchReferenceBackend, paged_attention_torch
+from graphrunner.kernels import HAS_TRITON
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+if HAS_TRITON:
+    from graphrunner.attention.kv_write import write_kv_triton
+    from graphrunner.attention.triton_attn import (
+        TritonPagedAttentionBackend,
+        attention_launch_plan,
+        paged_attention_triton,
+    )
+
+# triton 3.6's interpreter warns when a loaded scalar bounds a loop (harmless with numpy<2.4).
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+SENTINEL = 7.0
+# CPU-sized tests run wherever the suite runs: interpreted Triton on a CPU, real kernels on a GPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MAX_CPU_PROGRAMS = 16
+
+
+# --------------------------------------------------------------------------- batch builder
+
+
+@dataclass
+class Batch:
+    """A padded attention batch plus everything an independent reference needs."""
+
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D] new keys of this step (garbage on padded tokens)
+    v: torch.Tensor  # [T, Hkv, D]
+    kv_cache: torch.Tensor  # [2, nb, bs, Hkv, D] context already written, new slots still SENTINEL
+    metadata: AttentionMetadata
+    full_k: list[torch.Tensor]  # per real request: [seq_len, Hkv, D], context + new
+    full_v: list[torch.Tensor]
+    reqs: list[tuple[int, int]]  # per real request: (context_len, query_len)
+    num_real_tokens: int
+
+
+def make_batch(
+    reqs: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    pad_reqs: int = 0,
+    pad_tokens: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = DEVICE,
+    seed: int = 0,
+    spare_blocks: int = 2,
+) -> Batch:
+    """Requests `(context_len, query_len)` with shuffled physical blocks, then padding.
+
+    Padded requests get query length 0, seq_len 0 and a garbage block-table row; padded
+    tokens get slot -1 and garbage q/k/v (DESIGN.md §4).
+    """
+    gen = torch.Generator().manual_seed(seed)  # real data: the same whatever the padding
+    junk = torch.Generator().manual_seed(seed + 1)  # garbage in padding and unused entries
+
+    def randn(*shape: int, g: torch.Generator = gen) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    seq_lens = [c + n for c, n in reqs]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + spare_blocks
+    max_blocks = max(blocks_per_req + [1]) + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    num_reqs = len(reqs) + pad_reqs
+    # Garbage everywhere first (valid ids, so a stray read would be wrong, not a crash).
+    block_table = torch.randint(0, num_blocks, (num_reqs, max_blocks), generator=junk, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, dtype=dtype)
+
+    qs, ks, vs, slots, full_k, full_v = [], [], [], [], [], []
+    for b, (ctx, qlen) in enumerate(reqs):
+        phys = [perm.pop() for _ in range(blocks_per_req[b])]
+        block_table[b, : len(phys)] = torch.tensor(phys, dtype=torch.int32)
+        fk, fv = randn(ctx + qlen, num_kv_heads, head_dim), randn(ctx + qlen, num_kv_heads, head_dim)
+        for pos in range(ctx + qlen):
+            slot = phys[pos // block_size] * block_size + pos % block_size
+            if pos < ctx:  # context: already in the cache from earlier steps
+                kv_cache[0, slot // block_size, slot % block_size] = fk[pos]
+                kv_cache[1, slot // block_size, slot % block_size] = fv[pos]
+            else:
+                slots.append(slot)
+        qs.append(randn(qlen, num_heads, head_dim))
+        ks.append(fk[ctx:])
+        vs.append(fv[ctx:])
+        full_k.append(fk)
+        full_v.append(fv)
+    num_real = sum(n for _, n in reqs)
+    qs.append(randn(pad_tokens, num_heads, head_dim, g=junk))
+    ks.append(randn(pad_tokens, num_kv_heads, head_dim, g=junk))
+    vs.append(randn(pad_tokens, num_kv_heads, head_dim, g=junk))
+    slots += [-1] * pad_tokens
+
+    qsl = [0]
+    for _, n in reqs:
+        qsl.append(qsl[-1] + n)
+    qsl += [num_real] * pad_reqs
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_reqs=num_reqs,
+        num_tokens=num_real + pad_tokens,
+        max_query_len=max([n for _, n in reqs] + [1]),
+        max_seq_len=max(seq_lens + [1]),
+    )
+    return Batch(
+        q=torch.cat(qs).to(device),
+        k=torch.cat(ks).to(device),
+        v=torch.cat(vs).to(device),
+        kv_cache=kv_cache.to(device),
+        metadata=metadata,
+        full_k=[t.to(device) for t in full_k],
+        full_v=[t.to(device) for t in full_v],
+        reqs=list(reqs),
+        num_real_tokens=num_real,
+    )
+
+
+def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
+    """Per-request causal attention on the unpaged K/V with SDPA, fp32; padded rows 0."""
+    q = batch.q
+    num_heads, num_kv_heads = q.shape[1], batch.full_k[0].shape[1] if batch.full_k else 1
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for (ctx, qlen), fk, fv in zip(batch.reqs, batch.full_k, batch.full_v):
+        group = num_heads // num_kv_heads
+        qq = q[start : start + qlen].float().transpose(0, 1)  # [H, qlen, D]
+        kk = fk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        vv = fv.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        allowed = torch.arange(ctx + qlen, device=q.device)[None, :] <= (ctx + torch.arange(qlen, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, scale=scale)
+        out[start : start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out
+
+
+def expected_cache(batch: Batch) -> torch.Tensor:
+    """The cache after a step: context untouched, new slots hold k/v, all else SENTINEL."""
+    cache = batch.kv_cache.clone()
+    bs = cache.shape[2]
+    for t, slot in enumerate(batch.metadata.slot_mapping.tolist()):
+        if slot >= 0:
+            cache[0, slot // bs, slot % bs] = batch.k[t]
+            cache[1, slot // bs, slot % bs] = batch.v[t]
+    return cache
+
+
+def num_programs(batch: Batch, num_kv_splits: int) -> int:
+    _, num_heads, head_dim = batch.q.shape
+    num_kv_heads = batch.kv_cache.shape[3]
+    md = batch.metadata
+    plan = attention_launch_plan(md.num_tokens, md.num_reqs, num_heads, num_kv_heads, head_dim, torch.device("cpu"))
+    main = plan["num_tiles"] * num_kv_heads * num_kv_splits
+    return max(main, md.num_tokens * num_kv_heads if num_kv_splits > 1 else 0)
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def request_lists(draw, max_reqs: int, max_ctx: int, max_qlen: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Mixed batches: decodes (query 1) and prefill chunks, each with 0..max_ctx context."""
+    n = draw(st.integers(1, max_reqs))
+    reqs = []
+    for _ in range(n):
+        decode = draw(st.booleans())
+        qlen = 1 if decode else draw(st.integers(1, max_qlen))
+        reqs.append((draw(st.integers(0, max_ctx)), qlen))
+    while sum(q for _, q in reqs) > max_tokens:
+        reqs.pop()
+    return reqs or [(draw(st.integers(0, max_ctx)), 1)]
+
+
+heads = st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2), (3, 1), (6, 2)])  # (num_heads, num_kv_heads)
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+@st.composite
+def kv_write_cases(draw):
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    num_blocks = draw(st.integers(1, 4))
+    num_tokens = draw(st.integers(1, min(6, num_blocks * block_size)))
+    slots = draw(st.lists(st.integers(0, num_blocks * block_size - 1), min_size=num_tokens, max_size=num_tokens, unique=True))
+    skip = draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
+    slots = [-1 if s else x for x, s in zip(slots, skip)]
+    num_kv_heads = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([16, 32, 48]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    return block_size, num_blocks, slots, num_kv_heads, head_dim, dtype, draw(st.integers(0, 2**16))
+
+
+def _kv_write_inputs(block_size, num_blocks, slots, num_kv_heads, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = len(slots)
+    # k, v as strided views of one fused projection output, as a model produces them
+    kv = torch.randn(t, 3, num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+    k, v = kv[:, 0], kv[:, 2]
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, dtype=dtype, device=DEVICE)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    expected = cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            expected[0, s // block_size, s % block_size] = k[i]
+            expected[1, s // block_size, s % block_size] = v[i]
+    return k, v, cache, slot_mapping, expected
+
+
+@settings(deadline=None)
+@given(kv_write_cases())
+def test_write_kv_torch_matches_loop(case):
+    k, v, cache, slot_mapping, expected = _kv_write_inputs(*case)
+    write_kv_torch(k, v, cache, slot_mapping)
+    assert torch.equal(cache, expected)  # includes: slot -1 left every SENTINEL untouched
+
+
+@needs_triton
+@settings(deadline=None)
+@given(kv_write_cases())
+def test_write_kv_triton_matches_torch(case):
+    k, v, cache, slot_mapping, expected = _kv_write_inputs(*case)
+    ref = cache.clone()
+    write_kv_triton(k, v, cache, slot_mapping)
+    write_kv_torch(k, v, ref, slot_mapping)
+    assert torch.equal(cache, ref)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_write_kv_skipped_tokens_never_clobber_slot_zero(impl):
+    """Slot 0 belongs to a live token; skipped tokens around it must not overwrite it."""
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    fn = write_kv_torch if impl == "torch" else write_kv_triton
+    k = torch.arange(4 * 2 * 16, dtype=torch.float32, device=DEVICE).view(4, 2, 16)
+    for slots in ([-1, 0, -1, 5], [0, -1, -1, -1], [-1, -1, -1, 0], [-1, -1, -1, -1]):
+        cache = torch.full((2, 2, 4, 2, 16), SENTINEL, device=DEVICE)
+        fn(k, -k, cache, torch.tensor(slots, device=DEVICE))
+        for i, s in enumerate(slots):
+            if s >= 0:
+                assert torch.equal(cache[0, s // 4, s % 4], k[i]) and torch.equal(cache[1, s // 4, s % 4], -k[i])
+        live = {s for s in slots if s >= 0}
+        for s in set(range(8)) - live:
+            assert (cache[:, s // 4, s % 4] == SENTINEL).all(), (slots, s)
+
+
+def test_write_kv_rejects_bad_shapes():
+    cache = torch.zeros(2, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), cache, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv(torch.zeros(3, 1, 16), torch.zeros(3, 1, 16), cache, torch.zeros(3, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- torch reference backend
+
+
+@settings(deadline=None)
+@given(
+    reqs=request_lists(max_reqs=5, max_ctx=40, max_qlen=9, max_tokens=24),
+    hk=heads,
+    head_dim=st.sampled_from([16, 32, 48]),
+    block_size=st.sampled_from([4, 8, 16]),
+    pad_reqs=st.integers(0, 2),
+    pad_tokens=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_backend_matches_dense(reqs, hk, head_dim, block_size, pad_reqs, pad_tokens, seed):
+    num_heads, num_kv_heads = hk
+    batch = make_batch(
+        reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        pad_reqs=pad_reqs, pad_tokens=pad_tokens, seed=seed,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    want_cache = expected_cache(batch)
+    out = TorchReferenceBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
+    torch.testing.assert_close(out, dense_reference(batch, scale), atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[batch.num_real_tokens :], torch.zeros_like(out[batch.num_real_tokens :]))
+    assert torch.equal(batch.kv_cache, want_cache)  # new k/v in place, padded slot -1 wrote nothing
+
+
+def test_torch_backend_writes_into_out_and_checks_shapes():
+    batch = make_batch([(3, 2)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, pad_tokens=1)
+    out = torch.full_like(batch.q, float("nan"))
+    res = TorchReferenceBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, 0.25, out=out)
+    assert res is out and not out.isnan().any()
+    with pytest.raises(ValueError, match="num_tokens"):
+        TorchReferenceBackend().forward(batch.q[:2], batch.k[:2], batch.v[:2], batch.kv_cache, batch.metadata, 0.25)
+
+
+# --------------------------------------------------------------------------- Triton backend (interpreted on CPU)
+
+
+@needs_triton
+@settings(deadline=None)
+@given(
+    reqs=request_lists(max_reqs=3, max_ctx=40, max_qlen=4, max_tokens=5),
+    hk=heads,
+    head_dim=st.sampled_from([16, 32, 48]),
+    block_size=st.sampled_from([4, 8, 16]),
+    pad_reqs=st.integers(0, 1),
+    pad_tokens=st.integers(0, 1),
+    splits=st.sampled_from([1, 2, 3]),
+    block_n=st.sampled_from([16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_matches_torch_reference(reqs, hk, head_dim, block_size, pad_reqs, pad_tokens, splits, block_n, dtype, seed):
+    num_heads, num_kv_heads = hk
+    batch = make_batch(
+        reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        pad_reqs=pad_reqs, pad_tokens=pad_tokens, dtype=dtype, seed=seed,
+    )  # fmt: skip
+    while splits > 1 and num_programs(batch, splits) > MAX_CPU_PROGRAMS:
+        splits -= 1
+    assert num_programs(batch, splits) <= MAX_CPU_PROGRAMS
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = TorchReferenceBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
+    out = torch.full_like(batch.q, float("nan"))  # every row must be written, padding included
+    paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, out, num_kv_splits=splits, block_n=block_n)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    assert torch.equal(out[batch.num_real_tokens :], torch.zeros_like(out[batch.num_real_tokens :]))
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2])
+def test_triton_backend_forward_mixed_batch(splits):
+    """Decode + prefill chunk with context + fresh prefill, GQA 4/2, through the backend API."""
+    reqs = [(9, 1), (5, 3), (0, 2)]
+    batch = make_batch(reqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, pad_reqs=1, pad_tokens=2, seed=3)
+    scale = 0.2
+    want_cache = expected_cache(batch)
+    ref_batch_cache = batch.kv_cache.clone()
+    ref = TorchReferenceBackend().forward(batch.q, batch.k, batch.v, ref_batch_cache, batch.metadata, scale)
+    if splits == 1:
+        out = TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
+    else:
+        write_kv_triton(batch.k, batch.v, batch.kv_cache, batch.metadata.slot_mapping)
+        out = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(batch.q), num_kv_splits=2)
+    assert torch.equal(batch.kv_cache, want_cache)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, dense_reference(batch, scale), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padding_does_not_change_real_rows(backend):
+    """Padded requests/tokens leave real outputs and the cache as the unpadded batch has them."""
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    reqs = [(6, 1), (3, 2)]
+    kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, seed=11)
+    plain = make_batch(reqs, **kw)
+    padded = make_batch(reqs, pad_reqs=2, pad_tokens=3, **kw)
+    assert torch.equal(plain.q, padded.q[: plain.q.shape[0]]) and torch.equal(plain.kv_cache, padded.kv_cache)
+    impl = get_attention_backend(DEVICE, backend)
+    out_plain = impl.forward(plain.q, plain.k, plain.v, plain.kv_cache, plain.metadata, 0.3)
+    out_padded = impl.forward(padded.q, padded.k, padded.v, padded.kv_cache, padded.metadata, 0.3)
+    n = plain.q.shape[0]
+    torch.testing.assert_close(out_padded[:n], out_plain, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out_padded[n:], torch.zeros_like(out_padded[n:]))
+    assert torch.equal(padded.kv_cache, plain.kv_cache)
+
+
+@needs_triton
+@settings(deadline=None, max_examples=200)
+@given(
+    qlens=st.lists(st.integers(0, 40), min_size=0, max_size=12),
+    pad_tokens=st.integers(0, 40),
+    num_heads=st.sampled_from([1, 2, 4, 7, 14, 16, 32]),
+)
+def test_launch_grid_covers_every_token_once(qlens, pad_tokens, num_heads):
+    """Replays the kernel's tile arithmetic in Python: with the planned grid every token,
+    padded ones included, belongs to exactly one tile, whatever the batch's contents."""
+    num_reqs, num_tokens = len(qlens), sum(qlens) + pad_tokens
+    plan = attention_launch_plan(num_tokens, num_reqs, num_heads, 1, 64, torch.device("cpu"))
+    bq = plan["block_q"]
+    assert bq * plan["g_pad"] >= 16 or plan["g_pad"] >= 16
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    seen = [0] * num_tokens
+    for pid in range(plan["num_tiles"]):
+        b = max(i for i in range(num_reqs + 1) if qsl[i] // bq + i <= pid)  # the kernel's binary search
+        q_end = qsl[b + 1] if b < num_reqs else num_tokens
+        tok0 = qsl[b] + (pid - (qsl[b] // bq + b)) * bq
+        for t in range(tok0, min(tok0 + bq, q_end)):
+            seen[t] += 1
+    assert seen == [1] * num_tokens
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_defaults_and_errors():
+    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    assert isinstance(get_attention_backend("cpu", "torch"), TorchReferenceBackend)
+    if HAS_TRITON:
+        assert get_attention_backend("cpu", "triton").name == "triton"
+    with pytest.raises(ValueError, match=r"'flash'.*allowed.*torch.*triton"):
+        get_attention_backend("cpu", "flash")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _gpu_reqs(gen: torch.Generator, num_decodes: int, prefills: list[tuple[int, int]], max_ctx: int) -> list[tuple[int, int]]:
+    ctx = torch.randint(1, max_ctx, (num_decodes,), generator=gen).tolist()
+    return [(c, 1) for c in ctx] + prefills
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hk", [(14, 2), (32, 8)])
+@pytest.mark.parametrize(
+    "num_decodes,prefills",
+    [(1, []), (7, []), (64, []), (0, [(0, 77)]), (5, [(300, 64), (0, 33)]), (32, [(1500, 128)])],
+)
+def test_gpu_triton_matches_reference(head_dim, hk, num_decodes, prefills):
+    num_heads, num_kv_heads = hk
+    gen = torch.Generator().manual_seed(num_decodes * 1000 + head_dim)
+    reqs = _gpu_reqs(gen, num_decodes, prefills, max_ctx=2048)
+    batch = make_batch(
+        reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+        pad_reqs=3, pad_tokens=5, dtype=torch.bfloat16, device="cuda", seed=head_dim,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    want_cache = expected_cache(batch)
+    ref = dense_reference(batch, scale)  # fp32 from the bf16 inputs
+    out = TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
+    assert torch.equal(batch.kv_cache, want_cache)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    for splits in (1, 4):
+        out2 = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(out), num_kv_splits=splits)
+        torch.testing.assert_close(out2.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes_and_odd_head_dim(dtype):
+    for head_dim in (32, 48, 64):
+        batch = make_batch(
+            [(100, 1), (17, 9), (0, 20)], num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16,
+            pad_reqs=1, pad_tokens=3, dtype=dtype, device="cuda", seed=head_dim,
+        )  # fmt: skip
+        scale = head_dim**-0.5
+        out = TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
+        tol = 2e-3 if dtype == torch.float16 else 1e-4
+        torch.testing.assert_close(out.float(), dense_reference(batch, scale), atol=tol, rtol=tol)
+
+
+def _load_batch_into(static: Batch, batch: Batch) -> None:
+    """Copy a batch's contents into the static buffers of another of the same padded shape."""
+    md, smd = batch.metadata, static.metadata
+    for dst, src in ((static.q, batch.q), (static.k, batch.k), (static.v, batch.v), (static.kv_cache, batch.kv_cache)):
+        dst.copy_(src)
+    for name in ("query_start_loc", "seq_lens", "slot_mapping"):
+        getattr(smd, name).copy_(getattr(md, name))
+    smd.block_table.zero_()
+    smd.block_table[:, : md.block_table.shape[1]].copy_(md.block_table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["decode1", "mixed"])
+def test_gpu_cuda_graph_capture_and_replay(shape):
+    """Capture once, then replay with different batch contents of the same padded shape."""
+    num_heads, num_kv_heads, head_dim, bs = 14, 2, 64, 16
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs, dtype=torch.bfloat16, device="cuda")
+    if shape == "decode1":  # split-KV path: batch-1 decode at long context
+        batches = [[(100, 1)], [(2000, 1)], [(5, 1)]]
+        pad = lambda reqs: dict(pad_reqs=1 - len(reqs), pad_tokens=1 - sum(n for _, n in reqs))  # noqa: E731
+    else:
+        batches = [[(10, 1), (3, 20)], [(700, 1), (40, 1), (0, 25)], [(0, 30)]]
+        pad = lambda reqs: dict(pad_reqs=4 - len(reqs), pad_tokens=32 - sum(n for _, n in reqs))  # noqa: E731
+    # Equal spare blocks make every batch's cache the same size; block tables are copied in.
+    made = [make_batch(r, seed=i, spare_blocks=200 - sum(-(-(c + n) // bs) for c, n in r), **pad(r), **kw) for i, r in enumerate(batches)]
+    width = max(b.metadata.block_table.shape[1] for b in made)
+    md0 = made[0].metadata
+    static = dataclasses.replace(  # the persistent buffers a graph reads, filled per step
+        made[0],
+        q=made[0].q.clone(), k=made[0].k.clone(), v=made[0].v.clone(), kv_cache=made[0].kv_cache.clone(),
+        metadata=dataclasses.replace(
+            md0,
+            query_start_loc=md0.query_start_loc.clone(), seq_lens=md0.seq_lens.clone(), slot_mapping=md0.slot_mapping.clone(),
+            block_table=torch.zeros(md0.num_reqs, width, dtype=torch.int32, device="cuda"),
+        ),
+    )  # fmt: skip
+    _load_batch_into(static, made[0])
+    backend = TritonPagedAttentionBackend()
+    out = torch.empty_like(static.q)
+    scale = head_dim**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+        backend.forward(static.q, static.k, static.v, static.kv_cache, static.metadata, scale, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(static.q, static.k, static.v, static.kv_cache, static.metadata, scale, out=out)
+    for batch in made[1:] + made[:1]:
+        _load_batch_into(static, batch)
+        want_cache = expected_cache(batch)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = dense_reference(batch, scale)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        assert torch.equal(static.kv_cache, want_cache)

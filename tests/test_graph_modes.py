@@ -1,0 +1,181 @@
+"""Graph and eager agree: every cudagraph mode yields the same tokens as NONE.
+
+On CPU, FULL graphs are emulated (capture records the step, replay re-runs it over the
+same static buffers), so these tests exercise dispatch, padding and buffer discipline in
+CI; tests marked `gpu` replay real CUDA graphs.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphrunner import LLM, SamplingParams
+from graphrunner.protocol import SchedulerOutput
+from capture.full import GraphReplayError
+
+CPU_MODES = ["NONE", "FULL", "FULL_DECODE_ONLY"]
+SIZES = (1, 2, 4, 8, 16, 24, 32)
+
+
+def _llm(mode: str, device="cpu", **kw) -> LLM:
+    args = dict(device=device, dtype="float32", max_num_seqs=6, max_num_batched_tokens=32, max_model_len=96,
+                block_size=4, num_kv_blocks=40, seed=0)
+    args.update(kw)
+    if mode == "NONE":
+        return LLM("builtin:tiny-llama", enforce_eager=True, **args)
+    return LLM("builtin:tiny-llama", enforce_eager=False, cudagraph_mode=mode, cudagraph_capture_sizes=SIZES,
+               compile_backend="eager", **args)
+
+
+@pytest.fixture(scope="module")
+def llms():
+    return {mode: _llm(mode, debug_cudagraphs=True) for mode in CPU_MODES}
+
+
+workloads = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 2047), min_size=1, max_size=40),  # prompt
+        st.integers(1, 12),  # max_tokens
+        st.one_of(st.none(), st.integers(0, 2**31)),  # seed: None = greedy
+    ),
+    min_size=1,
+    max_size=7,
+)
+
+
+@settings(max_examples=6)
+@given(workloads)
+def test_all_modes_produce_identical_tokens(llms, workload):
+    prompts = [w[0] for w in workload]
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        if seed is None
+        else SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_k=50, top_p=0.9, seed=seed)
+        for _, n, seed in workload
+    ]
+    results = {mode: [o.token_ids for o in llm.generate(prompts, params)] for mode, llm in llms.items()}
+    for mode in CPU_MODES[1:]:
+        assert results[mode] == results["NONE"], mode
+
+
+def test_graphs_are_actually_replayed(llms):
+    """The FULL runner must serve decode steps from graphs (not silently run eager)."""
+    runner = llms["FULL"].runner
+    seen = []
+    original = runner.graphs.replay_full
+
+    def spy(desc, features):
+        seen.append(desc)
+        return original(desc, features)
+
+    runner.graphs.replay_full = spy
+    try:
+        llms["FULL"].generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.graphs.replay_full = original
+    # One prefill step (5 tokens, padded to 8) and four decode steps of two requests.
+    assert len(seen) == 5 and all(d.is_full for d in seen)
+    assert seen[0].num_tokens == 8 and all(d.num_tokens == 2 and d.num_reqs == 2 for d in seen[1:])
+
+
+def test_preemption_under_graphs_matches_eager():
+    prompts = [[i + 1] * (5 + 7 * i) for i in range(5)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for mode in ("NONE", "FULL"):
+        llm = _llm(mode, num_kv_blocks=26, max_num_batched_tokens=16)
+        outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.scheduler.num_preemptions > 0
+    assert outs["FULL"] == outs["NONE"]
+
+
+def _poison(runner, value=-7777):
+    ib = runner.input_buffers
+    for t in (ib.input_ids, ib.positions, ib.slot_mapping, ib.seq_lens, ib.logits_indices, ib.block_table, ib.sampled):
+        t.fill_(value)
+
+
+def test_poisoned_buffers_are_rewritten_by_replay():
+    """After capture every derived buffer is poisoned; replays must rewrite all they read."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = [o.token_ids for o in _llm("NONE").generate(prompts, params)]
+    llm = _llm("FULL", debug_cudagraphs=True)
+    runner = llm.runner
+    original = runner.input_buffers.upload
+
+    def poisoned_upload(*args, **kwargs):
+        _poison(runner)
+        return original(*args, **kwargs)
+
+    runner.input_buffers.upload = poisoned_upload
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == eager
+
+
+def test_padded_rows_never_write_live_kv():
+    """A FULL replay with padded requests/tokens leaves every KV slot outside the real ones untouched."""
+    llm = _llm("FULL")
+    runner = llm.runner
+    sentinel = 12345.0
+    for cache in runner.kv_caches:
+        cache.fill_(sentinel)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    # Exactly the slots of the request's 5 computed tokens (3 prompt + 2 fed-back samples) changed.
+    written = sum(int((c != sentinel).any(dim=(0, 3, 4)).sum()) for c in runner.kv_caches) // len(runner.kv_caches)
+    assert written == 5
+
+
+def test_debug_mode_catches_reallocated_input():
+    llm = _llm("FULL", debug_cudagraphs=True)
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.runner.input_buffers.positions = torch.zeros_like(llm.runner.input_buffers.positions)
+    with pytest.raises(GraphReplayError, match="positions"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def test_debug_mode_catches_broken_padding_row():
+    llm = _llm("FULL", debug_cudagraphs=True)
+    runner = llm.runner
+    original = runner.input_buffers.upload
+
+    def broken_upload(idx_mapping, query_lens, num_reqs_padded, pad_row):
+        # A padded entry pointing at a live row (row 0) instead of the scratch row.
+        original(idx_mapping, query_lens, num_reqs_padded, pad_row)
+        if num_reqs_padded > len(idx_mapping):
+            runner.input_buffers.idx_mapping[len(idx_mapping)] = 0
+            runner.input_buffers.query_start_loc[-1] = 0
+
+    runner.input_buffers.upload = broken_upload
+    with pytest.raises(GraphReplayError, match="FULL"):
+        llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+
+
+def test_steps_dispatch_to_none_before_capture():
+    llm = _llm("NONE")
+    graphs = llm.runner.graphs
+    assert not graphs.captured
+    assert graphs.dispatch(2, 2, 1).is_eager
+
+
+def test_explicit_impossible_mode_is_an_error():
+    with pytest.raises(ValueError, match="NOT_A_MODE|allowed"):
+        _llm("NOT_A_MODE")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_gpu_modes_match_eager(mode):
+    prompts = [[(7 * i + j) % 2000 for j in range(3 + 9 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)] * 3
+    kw = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+              num_kv_blocks=64)
+    eager = LLM("builtin:tiny-llama", device="cuda", enforce_eager=True, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    graphs = LLM("builtin:tiny-llama", device="cuda", enforce_eager=False, cudagraph_mode=mode,
+                 debug_cudagraphs=True, **kw)
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert got == want
