@@ -146,12 +146,14 @@ def test_not_initialized_errors():
 
 
 @pytest.mark.gpu
-def test_gpu_incremental_decode_matches_cpu():
-    """Same dummy weights on CUDA (fp32) and CPU give the same greedy tokens."""
-    cpu = make_runner()
-    gpu = make_runner(device="cuda")
+def test_gpu_incremental_decode_matches_cpu(tmp_path):
+    """The same checkpoint on CUDA (fp32, Triton kernels) and CPU (torch reference) gives the same tokens."""
+    from tests.hf_fixtures import make_hf_checkpoint
+
+    path = str(make_hf_checkpoint("qwen2", tmp_path))
     outs = []
-    for r in (cpu, gpu):
+    for device in ("cpu", "cuda"):
+        r = make_runner(path, device=device, load_format="auto")
         d = Driver(r)
         d.add("a", [5, 9, 11, 3, 7])
         d.add("b", list(range(1, 40)))
