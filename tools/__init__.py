@@ -1,0 +1,1 @@
+"""Command-line tools built on graphrunner's public API: `inspect` and `bench`."""

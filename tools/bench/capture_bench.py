@@ -1,0 +1,109 @@
+"""`bench capture`: what capturing the graphs of one configuration costs.
+
+Builds a runner, captures every descriptor of its dispatch table (the default capture
+sizes unless told otherwise) and returns the runner's `CaptureReport`: total seconds,
+pool memory, and per-descriptor time, memory and (with `inspect_nodes`) graph nodes.
+
+The KV cache is the smallest legal one (one request of max_model_len): capture's dummy
+steps only touch block 0, and a small cache keeps the free-memory figures about the
+graphs rather than about the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from capture.modes import CUDAGraphMode
+from capture.report import CaptureReport
+from tools.bench.common import (
+    build_runner_config,
+    default_compile_backend,
+    env_info,
+    release_memory,
+    resolve_device,
+)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What `run_capture` captures. capture_sizes None = the runner's default ladder."""
+
+    model: str = "builtin:qwen2.5-0.5b"
+    mode: str = "FULL_AND_PIECEWISE"
+    dtype: str = "auto"
+    device: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    capture_sizes: tuple[int, ...] | None = None
+    compile_backend: str | None = None
+    inspect_nodes: bool = False
+    load_format: str = "auto"
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        mode = CUDAGraphMode.parse(self.mode)
+        if mode is CUDAGraphMode.NONE:
+            raise ValueError("mode=NONE captures nothing; pick one of PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
+        if self.capture_sizes is not None:
+            object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
+
+
+@dataclass
+class CaptureResult:
+    spec: CaptureSpec
+    env: dict
+    capture_sizes: tuple[int, ...]
+    load_seconds: float
+    report: CaptureReport
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "capture",
+            "spec": asdict(self.spec),
+            "env": self.env,
+            "capture_sizes": list(self.capture_sizes),
+            "load_seconds": self.load_seconds,
+            "report": self.report.to_dict(),
+        }
+
+
+def run_capture(spec: CaptureSpec) -> CaptureResult:
+    """Build, capture, report, shut down."""
+    from graphrunner.runner import ModelRunner
+
+    device = resolve_device(spec.device)
+    mode = CUDAGraphMode.parse(spec.mode)
+    num_blocks = spec.num_kv_blocks or -(-spec.max_model_len // spec.block_size)
+    config = build_runner_config(
+        spec.model,
+        mode=mode,
+        dtype=spec.dtype,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len,
+        block_size=spec.block_size,
+        num_blocks=num_blocks,
+        capture_sizes=spec.capture_sizes,
+        compile_backend=spec.compile_backend or default_compile_backend(device),
+        load_format=spec.load_format,
+        seed=spec.seed,
+    )
+    runner = ModelRunner(config, device)
+    try:
+        start = time.perf_counter()
+        runner.load_model()
+        runner.initialize_kv_cache(num_blocks)
+        load_seconds = time.perf_counter() - start
+        assert runner.graphs is not None
+        sizes = tuple(runner.graphs.table.capture_sizes)
+        report = runner.capture_model(inspect_nodes=spec.inspect_nodes, progress=spec.progress)
+        return CaptureResult(spec, env_info(device, spec.dtype), sizes, load_seconds, report)
+    finally:
+        runner.shutdown()
+        del runner
+        release_memory(device)

@@ -1,0 +1,251 @@
+"""`graphrunner bench {latency,capture,throughput}`: argument parsing and output.
+
+Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
+`--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
+everything measured, 1 when a mode failed (its error is printed; the other modes'
+numbers are still written). Bad arguments exit with a one-line message naming the
+offending value, before anything is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_DESCRIPTION = __doc__
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench` and its three subcommands to the `graphrunner` parser."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: decode latency vs roofline, capture cost, offline throughput",
+        description=_DESCRIPTION,
+    )
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    sub.required = True
+    _register_latency(sub)
+    _register_capture(sub)
+    _register_throughput(sub)
+    p.set_defaults(func=run)
+
+
+def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
+    p.add_argument("--model", default=model, help="builtin:NAME (dummy weights) or a Hugging Face checkpoint folder")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        choices=("inductor", "aot_eager", "eager"),
+        help="compiles the PIECEWISE pieces; default inductor on CUDA, eager on CPU",
+    )
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="builtins always use dummy weights")
+    p.add_argument("--seed", type=int, default=0, help="seeds dummy weights, prompts and the random KV fill")
+    p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON ('-' = stdout)")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
+
+
+def _register_latency(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "latency",
+        help="decode step time per mode and batch size, beside the memory-bandwidth roofline",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _common(p)
+    p.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
+    p.add_argument("--modes", default="NONE,PIECEWISE,FULL", help="comma-separated cudagraph modes (one runner each)")
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
+    p.add_argument("--warmup", type=int, default=5, help="untimed decode steps before the timed ones")
+    p.add_argument(
+        "--capture-sizes",
+        default="batch",
+        help="'batch' = exactly the batch sizes, 'default' = the runner's ladder, or a comma-separated list",
+    )
+    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+    p.add_argument("--no-random-kv", action="store_true", help="leave the KV cache zero-filled (not recommended)")
+    p.add_argument("--png", metavar="PATH", default=None, help="plot ms/step and %% of roofline (needs matplotlib)")
+
+
+def _register_capture(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="capture time and pool memory for the default capture sizes",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _common(p)
+    p.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph mode to capture")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sizes the default capture ladder (2 x this, <= 512)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: one request's worth")
+    p.add_argument("--capture-sizes", default=None, help="comma-separated sizes; default: the runner's ladder")
+    p.add_argument("--inspect-nodes", action="store_true", help="record graph node counts and kernel names (CUDA)")
+    p.add_argument("--progress", action="store_true", help="show the capture progress bar")
+
+
+def _register_throughput(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "throughput",
+        help="offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _common(p)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean, with --dist uniform)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (mean, with --dist uniform)")
+    p.add_argument("--dist", default="fixed", choices=("fixed", "uniform"), help="uniform: lengths in [L/2, 3L/2]")
+    p.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph mode (NONE = eager)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; returns the exit status."""
+    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput}
+    return handlers[args.bench_command](args)
+
+
+def _fail(command: str, error: Exception) -> SystemExit:
+    return SystemExit(f"graphrunner bench {command}: {error}")
+
+
+def _copy_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.copy_mib is None else args.copy_mib << 20
+
+
+def _log(msg: str) -> None:
+    # Progress goes to stderr so that `--json -` leaves stdout machine-readable.
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _emit(args: argparse.Namespace, data: dict, text: str, markdown: str) -> None:
+    """Print the table (to stderr when JSON owns stdout), then write the requested files."""
+    print(text, file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        from tools.bench.report import write_json
+
+        write_json(data, args.json)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown)
+
+
+def _run_latency(args: argparse.Namespace) -> int:
+    from tools.bench.common import parse_int_list
+    from tools.bench.latency import LatencySpec, run_latency
+    from tools.bench.report import MissingDependency, latency_markdown, latency_png, latency_table, require_pyplot
+
+    if args.png:
+        try:  # fail before an hour of benchmarking, not after
+            require_pyplot()
+        except MissingDependency as e:
+            raise _fail("latency", e) from None
+    try:
+        sizes = args.capture_sizes
+        capture_sizes = None if sizes == "batch" else "default" if sizes == "default" else parse_int_list(sizes, "--capture-sizes")
+        spec = LatencySpec(
+            model=args.model,
+            batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
+            context=args.context,
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            dtype=args.dtype,
+            device=args.device,
+            steps=args.steps,
+            warmup=args.warmup,
+            block_size=args.block_size,
+            capture_sizes=capture_sizes,
+            compile_backend=args.compile_backend,
+            load_format=args.load_format,
+            seed=args.seed,
+            copy_bytes=_copy_bytes(args),
+            random_kv=not args.no_random_kv,
+        )
+        result = run_latency(spec, log=_log)
+    except ValueError as e:
+        raise _fail("latency", e) from None
+    _emit(args, result.to_dict(), latency_table(result), latency_markdown(result))
+    if args.png and result.rows:
+        latency_png(result, args.png)
+    for err in result.errors:
+        print(f"graphrunner bench latency: mode {err}", file=sys.stderr)
+    return 1 if result.errors else 0
+
+
+def _run_capture(args: argparse.Namespace) -> int:
+    from tools.bench.capture_bench import CaptureSpec, run_capture
+    from tools.bench.common import parse_int_list
+    from tools.bench.report import capture_markdown, capture_text
+
+    try:
+        spec = CaptureSpec(
+            model=args.model,
+            mode=args.mode,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            capture_sizes=parse_int_list(args.capture_sizes, "--capture-sizes") if args.capture_sizes else None,
+            compile_backend=args.compile_backend,
+            inspect_nodes=args.inspect_nodes,
+            load_format=args.load_format,
+            seed=args.seed,
+            progress=args.progress,
+        )
+        result = run_capture(spec)
+    except ValueError as e:
+        raise _fail("capture", e) from None
+    _emit(args, result.to_dict(), capture_text(result), capture_markdown(result))
+    return 0
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from tools.bench.report import throughput_markdown, throughput_text
+    from tools.bench.throughput import ThroughputSpec, run_throughput
+
+    try:
+        spec = ThroughputSpec(
+            model=args.model,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            dist=args.dist,
+            mode=args.mode,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            compile_backend=args.compile_backend,
+            load_format=args.load_format,
+            seed=args.seed,
+            copy_bytes=_copy_bytes(args),
+        )
+        result = run_throughput(spec)
+    except ValueError as e:
+        raise _fail("throughput", e) from None
+    _emit(args, result.to_dict(), throughput_text(result), throughput_markdown(result))
+    if result.output_tokens != result.expected_output_tokens:
+        print(
+            f"graphrunner bench throughput: generated {result.output_tokens} tokens, "
+            f"expected {result.expected_output_tokens} (ignore_eos)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from graphrunner.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,360 @@
+"""`bench latency`: decode step time per (mode, batch size), beside the bandwidth roofline.
+
+For each mode one runner is built (sized for the largest batch), captured, and reused
+for every batch size; it is shut down before the next mode so that a large model fits
+several times in sequence. For each batch size, `bs` requests are admitted with
+`context` prompt tokens of which `context - 1` are already "computed", so the very first
+step is a decode at sequence length `context` and no prefill runs. The KV cache is
+filled with random values first (never time on zeros); its contents are otherwise
+meaningless, which is fine for timing.
+
+A timed step is `execute_model` + `sample_tokens` (which ends with the D2H copy of the
+sampled tokens, i.e. a host sync), measured on the host clock after a synchronize, so
+it includes the runner's CPU overhead — the cost CUDA graphs remove. On CUDA, CUDA
+events recorded just before `execute_model` and just after the sync give a device-side
+span too; it differs from the host figure by the host work done before the first launch
+(and shows whether the host clock itself is trustworthy).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from capture.modes import CUDAGraphMode
+from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
+from tools.bench.common import (
+    Stats,
+    build_runner_config,
+    default_compile_backend,
+    element_size,
+    env_info,
+    release_memory,
+    resolve_device,
+    synchronize,
+)
+from tools.bench.roofline import (
+    Bandwidth,
+    decode_roofline,
+    kv_bytes_per_token,
+    measure_copy_bandwidth,
+    weight_bytes_read,
+)
+
+logger = logging.getLogger("graphrunner.bench")
+
+# Headroom past the last timed step, in tokens: no step ever runs at max_model_len.
+_LEN_MARGIN = 16
+# KV block 0 is what capture's dummy steps write; benchmark requests start after it.
+_FIRST_REQUEST_BLOCK = 1
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class LatencySpec:
+    """What `run_latency` measures.
+
+    capture_sizes: None captures exactly the benchmarked batch sizes (each batch replays
+    a graph of its own size, no padding, quick capture); "default" takes the runner's
+    default ladder; a tuple gives explicit sizes.
+    """
+
+    model: str = "builtin:qwen2.5-0.5b"
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128, 256)
+    context: int = 1024
+    modes: tuple[str, ...] = ("NONE", "PIECEWISE", "FULL")
+    dtype: str = "auto"
+    device: str | None = None
+    steps: int = 50
+    warmup: int = 5
+    block_size: int = 16
+    capture_sizes: tuple[int, ...] | str | None = None
+    compile_backend: str | None = None  # None: inductor on CUDA, eager on CPU
+    load_format: str = "auto"
+    seed: int = 0
+    copy_bytes: int | None = None  # None: 2 GiB on CUDA, 128 MiB on CPU
+    random_kv: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+        object.__setattr__(self, "modes", tuple(self.modes))
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes={list(self.batch_sizes)} must be non-empty, each >= 1")
+        if not self.modes:
+            raise ValueError("modes must name at least one mode")
+        for m in self.modes:
+            CUDAGraphMode.parse(m)  # raises naming the value and the allowed set
+        if self.context < 1:
+            raise ValueError(f"context={self.context} must be >= 1")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if isinstance(self.capture_sizes, str) and self.capture_sizes != "default":
+            raise ValueError(f"capture_sizes={self.capture_sizes!r}; allowed: None, 'default', or a tuple of ints")
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch_sizes)
+
+    @property
+    def tokens_per_request(self) -> int:
+        """Sequence length a request reaches: context, one admission step, warmup, timed steps, margin."""
+        return self.context + 1 + self.warmup + self.steps + _LEN_MARGIN
+
+    def mean_timed_seq_len(self) -> float:
+        """Mean tokens each request's attention reads over the timed steps.
+
+        The admission step reads `context` tokens; each later step one more.
+        """
+        first = self.context + 1 + self.warmup
+        return first + (self.steps - 1) / 2
+
+
+@dataclass
+class ModeInfo:
+    """One mode's runner: what it resolved to and what building it cost."""
+
+    mode: str
+    resolved_mode: str | None = None
+    load_seconds: float | None = None
+    capture_seconds: float | None = None
+    num_graphs: int | None = None
+    pool_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class LatencyRow:
+    """One (mode, batch size) measurement. Times in milliseconds."""
+
+    mode: str
+    batch_size: int
+    context: int
+    descriptor: str  # the graph key the batch dispatched to (shows a padding or a fallback)
+    median_ms: float
+    p90_ms: float
+    mean_ms: float
+    min_ms: float
+    device_median_ms: float | None  # CUDA events around the same region; None on CPU
+    tokens_per_s: float
+    mean_seq_len: float
+    weight_bytes: int
+    kv_bytes: int
+    roofline_ms: float
+    roofline_fraction: float  # roofline / measured median
+
+
+@dataclass
+class LatencyResult:
+    spec: LatencySpec
+    env: dict
+    bandwidth: Bandwidth
+    modes: list[ModeInfo] = field(default_factory=list)
+    rows: list[LatencyRow] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{m.mode}: {m.error}" for m in self.modes if m.error]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "latency",
+            "spec": asdict(self.spec),
+            "env": self.env,
+            "bandwidth": self.bandwidth.to_dict(),
+            "modes": [asdict(m) for m in self.modes],
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+
+def run_latency(spec: LatencySpec, log: Log = print) -> LatencyResult:
+    """Measure every (mode, batch size) of `spec`. A mode that fails is recorded, not raised."""
+    device = resolve_device(spec.device)
+    bandwidth = measure_copy_bandwidth(device, spec.copy_bytes)
+    release_memory(device)  # hand the probe's buffers back before the first runner
+    log(f"copy bandwidth: {bandwidth.bytes_per_s / 1e9:.1f} GB/s ({bandwidth.method})")
+    result = LatencyResult(spec, env_info(device, spec.dtype), bandwidth)
+    for mode_name in spec.modes:
+        mode = CUDAGraphMode.parse(mode_name)
+        info = ModeInfo(mode.name)
+        result.modes.append(info)
+        runner = None
+        try:
+            runner = _build_runner(spec, mode, device, log)
+            _prepare_runner(runner, spec, mode, info, log)
+            for bs in spec.batch_sizes:
+                row = _measure_batch(runner, spec, mode, bs, bandwidth)
+                result.rows.append(row)
+                log(
+                    f"  {mode.name:<9} bs={bs:<4} {row.median_ms:8.3f} ms/step (p90 {row.p90_ms:.3f})  "
+                    f"{row.tokens_per_s:10.1f} tok/s  {100 * row.roofline_fraction:5.1f}% of roofline  [{row.descriptor}]"
+                )
+        except Exception as e:  # one broken mode must not hide the others' numbers
+            info.error = f"{type(e).__name__}: {e}"
+            logger.exception("bench latency: mode %s failed", mode.name)
+            log(f"  {mode.name}: FAILED: {info.error}")
+        finally:
+            if runner is not None:
+                runner.shutdown()
+            del runner
+            release_memory(device)
+    return result
+
+
+def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, log: Log):
+    """A runner sized for the largest batch: every request holds all its blocks from admission."""
+    from graphrunner.runner import ModelRunner
+
+    blocks_per_req = -(-spec.tokens_per_request // spec.block_size)
+    num_blocks = _FIRST_REQUEST_BLOCK + spec.max_batch * blocks_per_req
+    if spec.capture_sizes is None:
+        capture_sizes = spec.batch_sizes
+    elif spec.capture_sizes == "default":
+        capture_sizes = None
+    else:
+        capture_sizes = tuple(spec.capture_sizes)  # type: ignore[arg-type]
+    config = build_runner_config(
+        spec.model,
+        mode=mode,
+        dtype=spec.dtype,
+        max_num_seqs=spec.max_batch,
+        # Decode steps schedule one token per request; the buffers need no more.
+        max_num_batched_tokens=max(spec.max_batch, max(capture_sizes or (1,))),
+        max_model_len=blocks_per_req * spec.block_size,
+        block_size=spec.block_size,
+        num_blocks=num_blocks,
+        capture_sizes=capture_sizes,
+        compile_backend=spec.compile_backend or default_compile_backend(device),
+        load_format=spec.load_format,
+        seed=spec.seed,
+    )
+    log(f"{mode.name}: building {spec.model} on {device} ({num_blocks} KV blocks x {spec.block_size} tokens)")
+    return ModelRunner(config, device)
+
+
+def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeInfo, log: Log) -> None:
+    """Load, allocate the cache, capture, fill the cache with random values."""
+    start = time.perf_counter()
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_kv_blocks())  # the fixed count from the config
+    info.load_seconds = time.perf_counter() - start
+    assert runner.graphs is not None
+    info.resolved_mode = runner.graphs.mode.name
+    if mode is not CUDAGraphMode.NONE:
+        report = runner.capture_model(progress=False)
+        info.capture_seconds = report.total_seconds
+        info.num_graphs = report.num_graphs
+        info.pool_bytes = report.pool_bytes
+        log(f"{mode.name}: captured {report.num_graphs} graphs in {report.total_seconds:.2f} s")
+    if spec.random_kv:
+        gen = torch.Generator(device=runner.device).manual_seed(spec.seed)
+        with torch.inference_mode():
+            for cache in runner.kv_caches:
+                cache.normal_(generator=gen)
+
+
+def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth) -> LatencyRow:
+    device = runner.device
+    req_ids = [f"bench-{bs}-{i}" for i in range(bs)]
+    blocks_per_req = runner.max_num_blocks_per_req
+    rng = np.random.default_rng(spec.seed + bs)
+    params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
+    admit = SchedulerOutput(total_num_scheduled_tokens=bs)
+    for i, rid in enumerate(req_ids):
+        first = _FIRST_REQUEST_BLOCK + i * blocks_per_req
+        prompt = rng.integers(0, runner.vocab_size, size=spec.context).tolist()
+        blocks = list(range(first, first + blocks_per_req))
+        admit.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, blocks, spec.context - 1))
+        admit.num_scheduled_tokens[rid] = 1
+    # Admission is itself a decode at `context`: untimed, like the warmup steps after it.
+    _step(runner, admit, bs)
+    gc.collect()  # start the timed loop with no garbage from admission pending
+    computed = spec.context
+    wall: list[float] = []
+    dev: list[float] = []
+    use_events = device.type == "cuda"
+    # No try/finally: after a failed step the mode is abandoned and its runner shut down,
+    # and a clean-up step here could only mask the original error.
+    for i in range(spec.warmup + spec.steps):
+        so = _decode_output(req_ids, computed)
+        synchronize(device)
+        if use_events:
+            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_evt.record()
+        t0 = time.perf_counter()
+        runner.execute_model(so)
+        out = runner.sample_tokens()  # D2H copy of the sampled tokens: the step is done
+        t1 = time.perf_counter()
+        if use_events:
+            end_evt.record()
+            end_evt.synchronize()
+        _check_output(out, bs)
+        computed += 1
+        if i >= spec.warmup:
+            wall.append(t1 - t0)
+            if use_events:
+                dev.append(start_evt.elapsed_time(end_evt) / 1e3)
+    runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
+    runner.sample_tokens()
+
+    assert runner.graphs is not None
+    desc = runner.graphs.dispatch(bs, bs * runner.uniform_decode_query_len, runner.uniform_decode_query_len)
+    stats = Stats.of(wall)
+    assert runner.model is not None
+    elem = element_size(runner.dtype)
+    mean_seq = spec.mean_timed_seq_len()
+    roof = decode_roofline(
+        weight_bytes_read(runner.model, runner.model_config, bs),
+        kv_bytes_per_token(runner.model_config, elem),
+        bs * mean_seq,
+        bandwidth,
+    )
+    return LatencyRow(
+        mode=mode.name,
+        batch_size=bs,
+        context=spec.context,
+        descriptor=str(desc),
+        median_ms=stats.median * 1e3,
+        p90_ms=stats.p90 * 1e3,
+        mean_ms=stats.mean * 1e3,
+        min_ms=stats.min * 1e3,
+        device_median_ms=Stats.of(dev).median * 1e3 if dev else None,
+        tokens_per_s=bs / stats.median,
+        mean_seq_len=mean_seq,
+        weight_bytes=roof.weight_bytes,
+        kv_bytes=roof.kv_bytes,
+        roofline_ms=roof.seconds * 1e3,
+        roofline_fraction=roof.fraction_of(stats.median),
+    )
+
+
+def _decode_output(req_ids: list[str], computed: int) -> SchedulerOutput:
+    """Every request decodes one token; its blocks were all handed over at admission."""
+    so = SchedulerOutput(total_num_scheduled_tokens=len(req_ids))
+    cached = so.scheduled_cached_reqs
+    cached.req_ids = list(req_ids)
+    cached.new_block_ids = [None] * len(req_ids)
+    cached.num_computed_tokens = [computed] * len(req_ids)
+    so.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    return so
+
+
+def _step(runner, so: SchedulerOutput, bs: int) -> None:
+    runner.execute_model(so)
+    _check_output(runner.sample_tokens(), bs)
+
+
+def _check_output(out, bs: int) -> None:
+    """Each request got exactly one token: the step really was a full decode."""
+    if len(out.req_ids) != bs or any(len(t) != 1 for t in out.sampled_token_ids):
+        raise RuntimeError(
+            f"decode step returned {len(out.req_ids)} requests / tokens {out.sampled_token_ids[:4]}...; expected {bs} x 1"
+        )

@@ -1,0 +1,199 @@
+"""`bench throughput`: offline `LLM.generate` over a synthetic workload, output tokens/s.
+
+Workload: `num_prompts` random-token prompts; input and output lengths either fixed or
+drawn uniformly from [L/2, 3L/2] (mean L) per request, seeded. Every request has
+`ignore_eos`, so it produces exactly its output length. One short untimed generate runs
+first so that lazy initialisation stays out of the timing.
+
+Bandwidth-bound ideal: the engine runs up to `c = min(num_prompts, max_num_seqs)`
+requests at once. If every decode step ran at that full batch and took only the time
+to read all weights plus the batch's KV (at the mean context, input + output/2), output
+tokens/s would be
+
+    ideal = c * bandwidth / (weight bytes + c * mean context * KV bytes per token)
+
+Prefill is ignored (it is compute, not bytes), so the ideal is an upper bound; the
+reported fraction is measured / ideal.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from capture.modes import CUDAGraphMode
+from graphrunner.protocol import SamplingParams
+from tools.bench.common import default_compile_backend, element_size, env_info, release_memory, resolve_device, synchronize
+from tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
+
+DISTRIBUTIONS = ("fixed", "uniform")
+_WARMUP_PROMPTS = 2
+_WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class ThroughputSpec:
+    """What `run_throughput` runs. mode "NONE" runs eagerly (enforce_eager)."""
+
+    model: str = "builtin:qwen2.5-0.5b"
+    num_prompts: int = 256
+    input_len: int = 512
+    output_len: int = 128
+    dist: str = "fixed"
+    mode: str = "FULL_AND_PIECEWISE"
+    dtype: str = "auto"
+    device: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    compile_backend: str | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    copy_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        CUDAGraphMode.parse(self.mode)
+        if self.dist not in DISTRIBUTIONS:
+            raise ValueError(f"dist={self.dist!r}; allowed: {DISTRIBUTIONS}")
+        for name in ("num_prompts", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class ThroughputResult:
+    spec: ThroughputSpec
+    env: dict
+    mode: str
+    bandwidth: Bandwidth
+    input_tokens: int
+    output_tokens: int
+    expected_output_tokens: int
+    elapsed_seconds: float
+    preemptions: int
+    ideal_batch: int
+    ideal_output_tokens_per_s: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.elapsed_seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.spec.num_prompts / self.elapsed_seconds
+
+    @property
+    def ideal_fraction(self) -> float:
+        return self.output_tokens_per_s / self.ideal_output_tokens_per_s
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "throughput",
+            "spec": asdict(self.spec),
+            "env": self.env,
+            "mode": self.mode,
+            "bandwidth": self.bandwidth.to_dict(),
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "expected_output_tokens": self.expected_output_tokens,
+            "elapsed_seconds": self.elapsed_seconds,
+            "preemptions": self.preemptions,
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "ideal_batch": self.ideal_batch,
+            "ideal_output_tokens_per_s": self.ideal_output_tokens_per_s,
+            "ideal_fraction": self.ideal_fraction,
+        }
+
+
+def sample_lengths(n: int, mean: int, dist: str, rng: np.random.Generator) -> np.ndarray:
+    """`n` lengths: all `mean` ("fixed"), or uniform integers in [mean/2, 3*mean/2] ("uniform")."""
+    if dist == "fixed":
+        return np.full(n, mean, dtype=np.int64)
+    if dist == "uniform":
+        lo, hi = max(1, mean // 2), max(1, (3 * mean) // 2)
+        return rng.integers(lo, hi + 1, size=n)
+    raise ValueError(f"dist={dist!r}; allowed: {DISTRIBUTIONS}")
+
+
+def run_throughput(spec: ThroughputSpec) -> ThroughputResult:
+    from graphrunner.engine.llm import LLM
+
+    device = resolve_device(spec.device)
+    bandwidth = measure_copy_bandwidth(device, spec.copy_bytes)
+    # The probe's cached blocks would count as "used" when the engine sizes its KV cache.
+    release_memory(device)
+    rng = np.random.default_rng(spec.seed)
+    input_lens = sample_lengths(spec.num_prompts, spec.input_len, spec.dist, rng)
+    output_lens = sample_lengths(spec.num_prompts, spec.output_len, spec.dist, rng)
+    mode = CUDAGraphMode.parse(spec.mode)
+    eager = mode is CUDAGraphMode.NONE
+    max_model_len = int((input_lens + output_lens).max())
+    max_model_len = -(-max_model_len // spec.block_size) * spec.block_size
+
+    llm = LLM(
+        spec.model,
+        dtype=spec.dtype,
+        device=device,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=spec.block_size,
+        seed=spec.seed,
+        num_kv_blocks=spec.num_kv_blocks,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        load_format=spec.load_format,
+        enforce_eager=eager,
+        cudagraph_mode=None if eager else mode.name,
+        compile_backend=spec.compile_backend or default_compile_backend(device),
+    )
+    try:
+        vocab = llm.vocab_size
+        prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
+        params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
+        warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:_WARMUP_PROMPTS], warm)
+        preempt_before = llm.scheduler.num_preemptions
+
+        synchronize(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+
+        output_tokens = sum(len(o.token_ids) for o in outputs)
+        concurrency = min(spec.num_prompts, spec.max_num_seqs)
+        runner = llm.runner
+        assert runner.model is not None
+        weights = weight_bytes_read(runner.model, runner.model_config, concurrency)
+        kv_per_token = kv_bytes_per_token(runner.model_config, element_size(runner.dtype))
+        mean_context = float(input_lens.mean() + output_lens.mean() / 2)
+        step_bytes = weights + concurrency * mean_context * kv_per_token
+        ideal = concurrency * bandwidth.bytes_per_s / step_bytes
+        resolved = runner.graphs.mode.name if runner.graphs is not None else mode.name
+        return ThroughputResult(
+            spec=spec,
+            env=env_info(device, spec.dtype),
+            mode=resolved,
+            bandwidth=bandwidth,
+            input_tokens=int(input_lens.sum()),
+            output_tokens=output_tokens,
+            expected_output_tokens=int(output_lens.sum()),
+            elapsed_seconds=elapsed,
+            preemptions=llm.scheduler.num_preemptions - preempt_before,
+            ideal_batch=concurrency,
+            ideal_output_tokens_per_s=ideal,
+        )
+    finally:
+        llm.runner.shutdown()
+        del llm
+        release_memory(device)
