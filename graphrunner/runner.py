@@ -148,6 +148,8 @@ class ModelRunner:
                 "KV cache budget %.2f GiB (%d blocks of %d tokens); activation peak %.2f GiB",
                 max(budget, 0) / _GIB, num_blocks, self.block_size, (peak - current) / _GIB,
             )
+        # More blocks than max_num_seqs full-length requests can ever hold would be dead memory.
+        num_blocks = min(num_blocks, self.max_num_reqs * self.max_num_blocks_per_req)
         if num_blocks < self.max_num_blocks_per_req:
             raise RuntimeError(
                 f"only {num_blocks} KV blocks fit, fewer than the {self.max_num_blocks_per_req} one request of "

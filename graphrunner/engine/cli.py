@@ -1,0 +1,144 @@
+"""`graphrunner generate`: offline generation through the reference engine, with throughput.
+
+Prompts are random token ids drawn from `--seed`, or text given with `--prompt` when the
+model folder has a tokenizer.json (needs the optional `tokenizers` package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NUM_SHOWN_OUTPUTS = 3
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `generate` subcommand to the `graphrunner` parser."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate from random or text prompts and report throughput",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a Hugging Face checkpoint folder")
+    p.add_argument("--num-prompts", type=int, default=8, help="random prompts to generate for (ignored with --prompt)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per random prompt")
+    p.add_argument("--prompt", nargs="+", metavar="TEXT", default=None, help="text prompts (needs tokenizer.json)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables top-p")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, dummy weights and sampling")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: min(model limit, 2048)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `generate` with parsed arguments; prints a summary and returns the exit status.
+
+    Bad arguments raise SystemExit with a one-line message, as argparse does."""
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    # Load the tokenizer before the model so that a missing one fails fast.
+    tokenizer = _load_tokenizer(args.model) if args.prompt else None
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: {e}") from None
+    if args.prompt is None and (args.num_prompts < 1 or args.prompt_len < 1):
+        raise SystemExit(
+            f"graphrunner generate: --num-prompts={args.num_prompts} and --prompt-len={args.prompt_len} must be >= 1"
+        )
+
+    load_start = time.perf_counter()
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            seed=args.seed,
+            num_kv_blocks=args.num_kv_blocks,
+        )
+    except (ValueError, FileNotFoundError) as e:  # bad model name, folder or limits: no traceback needed
+        raise SystemExit(f"graphrunner generate: {e}") from None
+    load_seconds = time.perf_counter() - load_start
+
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    else:
+        prompts = _random_prompts(args.num_prompts, args.prompt_len, llm.vocab_size, args.seed)
+
+    start = time.perf_counter()
+    try:
+        outputs = llm.generate(prompts, params)
+    except ValueError as e:  # e.g. a prompt longer than max_model_len
+        raise SystemExit(f"graphrunner generate: {e}") from None
+    elapsed = time.perf_counter() - start
+
+    num_generated = sum(len(o.token_ids) for o in outputs)
+    print(f"model:            {args.model}")
+    print(f"device:           {llm.device}")
+    print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
+    print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")
+    print(f"load seconds:     {load_seconds:.2f}")
+    print(f"num prompts:      {len(prompts)}")
+    print(f"prompt tokens:    {sum(len(p) for p in prompts)}")
+    print(f"generated tokens: {num_generated}")
+    print(f"preemptions:      {llm.scheduler.num_preemptions}")
+    print(f"elapsed seconds:  {elapsed:.3f}")
+    print(f"output tokens/s:  {num_generated / elapsed if elapsed > 0 else float('inf'):.1f}")
+    for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):
+        shown = repr(tokenizer.decode(out.token_ids)) if tokenizer is not None else out.token_ids
+        print(f"output {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {shown}")
+    return 0
+
+
+def _random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(num_prompts, prompt_len)).tolist()
+
+
+def _load_tokenizer(model: str):
+    """The `tokenizers.Tokenizer` of a model folder; SystemExit with the reason when there is none."""
+    path = Path(model) / TOKENIZER_FILE
+    if not path.is_file():
+        raise SystemExit(
+            f"graphrunner generate: --prompt needs {TOKENIZER_FILE} in the model folder, "
+            f"but {str(path)!r} does not exist (builtin models have no tokenizer; omit --prompt for random prompts)"
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise SystemExit(
+            "graphrunner generate: --prompt needs the `tokenizers` package: pip install 'graphrunner[text]'"
+        ) from None
+    return Tokenizer.from_file(str(path))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from graphrunner.cli import main
+
+    sys.exit(main(["generate", *sys.argv[1:]]))

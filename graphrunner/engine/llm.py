@@ -1,0 +1,211 @@
+"""`LLM`: the offline API of the reference engine, in vLLM's shape.
+
+    llm = LLM("builtin:tiny-llama")
+    outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
+    outputs[0].token_ids
+
+It drives a `ModelRunner` only through the runner's public API, the way an outside
+engine would: build a `RunnerConfig`, load, size and allocate the KV cache, then loop
+schedule -> execute_model -> sample_tokens -> update_from_output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphrunner.config import (
+    CacheConfig,
+    CompilationConfig,
+    LoadConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+from graphrunner.engine.request import RequestOutput
+from graphrunner.engine.scheduler import Scheduler
+from graphrunner.protocol import SamplingParams
+
+# The default context when the caller gives none: long enough for demos, small enough
+# that a model with a huge max_position_embeddings does not size huge runner buffers.
+DEFAULT_MAX_MODEL_LEN = 2048
+_COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLM:
+    """Offline batch generation over one `ModelRunner`.
+
+    Args:
+        model: "builtin:NAME" (dummy weights) or a Hugging Face checkpoint folder.
+        dtype: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "float16", "bfloat16".
+        device: defaults to CUDA when available, else CPU.
+        max_num_seqs, max_num_batched_tokens: per-step batch limits.
+        max_model_len: defaults to min(model max_position_embeddings, 2048).
+        block_size: tokens per KV block.
+        seed: seeds dummy weights and sampling; equal seeds give equal outputs.
+        num_kv_blocks: KV blocks to allocate; None sizes the cache from a profile run.
+        gpu_memory_utilization: fraction of GPU memory the runner may use (CUDA only).
+        load_format: "auto" (safetensors; builtins use dummy weights) or "dummy".
+        enforce_eager: run every step eagerly; False captures graphs after the cache is allocated.
+        **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
+    """
+
+    def __init__(
+        self,
+        model: str = "builtin:tiny-llama",
+        *,
+        dtype: str = "auto",
+        device: torch.device | str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        load_format: str = "auto",
+        enforce_eager: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        unknown = set(kwargs) - _COMPILATION_FIELDS
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
+                f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
+            )
+        # Imported here so that the engine package imports without the model stack.
+        from graphrunner.models.loader import is_builtin, load_model_config
+        from graphrunner.runner import ModelRunner
+
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = resolve_dtype(dtype, self.device)
+        model_config = load_model_config(model)
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if load_format == "auto" and is_builtin(model):
+            load_format = "dummy"  # builtins have no checkpoint
+        self.config = RunnerConfig(
+            model=model_config,
+            load=LoadConfig(model=model, load_format=load_format, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size, num_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=True,
+            ),
+            compilation=CompilationConfig(enforce_eager=enforce_eager, **kwargs),
+            dtype=dtype,
+            seed=seed,
+        )
+
+        self.runner = ModelRunner(self.config, self.device)
+        self.runner.load_model()
+        num_blocks = num_kv_blocks if num_kv_blocks is not None else self.runner.determine_num_kv_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        if not enforce_eager:
+            self.runner.capture_model()
+
+        self.scheduler = Scheduler(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+            block_size=block_size,
+            num_blocks=self.runner.num_kv_blocks,
+            enable_chunked_prefill=True,
+            vocab_size=self.runner.vocab_size,
+            eos_token_ids=self.runner.eos_token_ids,
+        )
+        self._next_req_id = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order.
+
+        `sampling_params` is one setting for all prompts, one per prompt, or None for the
+        defaults. A bad prompt raises ValueError before any step runs and leaves no trace.
+        """
+        if isinstance(prompt_token_ids, (str, bytes)) or (
+            len(prompt_token_ids) and isinstance(prompt_token_ids[0], (numbers.Integral, str))
+        ):
+            raise TypeError("prompt_token_ids must be a list of token-id lists, one per prompt")
+        params = self._per_prompt_params(sampling_params, len(prompt_token_ids))
+
+        req_ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompt_token_ids, params):
+                req_id = str(self._next_req_id)
+                self.scheduler.add_request(req_id, prompt, sp)
+                self._next_req_id += 1
+                req_ids.append(req_id)
+        except Exception:
+            for req_id in req_ids:
+                self.scheduler.abort_request(req_id)
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        progress = _progress_bar(len(req_ids)) if use_tqdm else None
+        try:
+            while self.scheduler.has_unfinished_requests():
+                for out in self.step():
+                    results[out.req_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [results[req_id] for req_id in req_ids]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it (none when idle)."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Every request fits the cache on its own (checked on add), so an empty plan
+            # with live requests means the scheduler is stuck: fail instead of spinning.
+            raise RuntimeError(
+                f"scheduler planned no tokens with {self.scheduler.num_unfinished_requests} unfinished requests "
+                f"(free KV blocks: {self.scheduler.block_allocator.num_free}/{self.scheduler.num_blocks})"
+            )
+        self.runner.execute_model(scheduler_output)
+        runner_output = self.runner.sample_tokens()
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    @staticmethod
+    def _per_prompt_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one or one per prompt")
+        return params
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

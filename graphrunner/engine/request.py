@@ -1,0 +1,101 @@
+"""A request's life inside the reference engine, and what the engine hands back when it ends."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from graphrunner.protocol import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted and waiting to be resumed
+    RUNNING = "running"  # admitted: holds KV blocks and a row in the runner
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"  # aborted by the caller
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    """Scheduler-side state of one request.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the last sampled token
+    is never computed until the step after it was sampled, so a running request always
+    has `num_tokens - num_computed_tokens >= 1` tokens left to schedule.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The reason the request ended ("stop", "length" or "abort"); None while it is live."""
+        return self.status.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def to_output(self) -> "RequestOutput":
+        return RequestOutput(
+            req_id=self.req_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+        )
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, shaped like vLLM's: `.token_ids` are the generated tokens only."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,322 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step, `schedule()` plans the batch in two passes:
+
+1. Running requests first, in admission order: decodes and continuing prefill chunks,
+   each under the step's token budget. A request that cannot get the KV blocks it needs
+   preempts the most recently admitted running request (its blocks are freed and it goes
+   back to the front of the waiting queue to be recomputed later), repeatedly, until the
+   blocks fit or it has preempted itself.
+2. Then, unless something was preempted this step (the cache is full), waiting requests
+   are admitted in FCFS order while the token budget, `max_num_seqs` and free blocks allow.
+
+`update_from_output()` folds the runner's sampled tokens back in and finishes requests.
+The runner learns about finished and preempted requests through the *next* step's
+`finished_req_ids` and the current step's `preempted_req_ids`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from graphrunner.engine.block_allocator import BlockAllocator
+from graphrunner.engine.request import Request, RequestOutput, RequestStatus
+from graphrunner.protocol import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Plans one `SchedulerOutput` per step for a `ModelRunner`.
+
+    Args:
+        max_num_seqs: most requests in one step (and most running requests).
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: most tokens (prompt + output) a request may have KV for.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the runner's cache.
+        enable_chunked_prefill: split prompts across steps under the token budget; when
+            False a prompt is scheduled whole or not at all.
+        vocab_size: when given, prompt token ids are checked against `[0, vocab_size)`.
+        eos_token_ids: tokens that end a request unless its `ignore_eos` is set.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_chunked_prefill: bool = True,
+        *,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # Without chunking, a prompt of max_model_len tokens could never be scheduled.
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len} "
+                "needs enable_chunked_prefill=True"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_allocator = BlockAllocator(num_blocks)
+
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the tail is preempted first
+        # Finished since the last schedule(); the runner drops them on the next step.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # running total, for stats and tests
+
+    # ---------------------------------------------------------------- requests
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_allocator.num_blocks
+
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
+        """Queue a request. Raises ValueError (and changes nothing) when it can never run."""
+        if req_id in self.requests or req_id in self._finished_req_ids:
+            raise ValueError(
+                f"duplicate req_id {req_id!r}: a request with this id is still live "
+                "(or finished this step and not yet reported to the runner)"
+            )
+        prompt = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(req_id, prompt, sampling_params)
+        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
+        self.requests[req_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _validate_prompt(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError(f"request {req_id!r}: the prompt is empty")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={self.max_model_len}"
+            )
+        if self.vocab_size is not None:
+            for tok in prompt:
+                if not 0 <= tok < self.vocab_size:
+                    raise ValueError(
+                        f"request {req_id!r}: token id {tok} is out of range for vocab_size={self.vocab_size}"
+                    )
+        # A request must fit in the cache on its own, or preemption could never make room for it.
+        needed = _cdiv(self._max_computed_tokens(len(prompt), params.max_tokens), self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"request {req_id!r}: needs up to {needed} KV blocks (prompt {len(prompt)} + max_tokens "
+                f"{params.max_tokens}, block_size {self.block_size}) but the cache has num_blocks={self.num_blocks}"
+            )
+
+    def _max_computed_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Most tokens a request ever has KV for: the last sampled token is never computed."""
+        return min(prompt_len + max_tokens - 1, max(prompt_len, self.max_model_len - 1))
+
+    def abort_request(self, req_id: str) -> RequestOutput | None:
+        """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            # Only a request the runner holds needs to be announced as finished.
+            self._finished_req_ids.add(req_id)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Always returns an output (possibly with no tokens)."""
+        budget = self.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+
+        # Pass 1: running requests. `self.running` shrinks from the tail as we preempt, and
+        # only unscheduled requests (index > i) or the current one can be preempted.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = self._try_grow(req, num_new, preempted)
+            if new_blocks is None:
+                break  # `req` preempted itself; everything after it is gone too
+            cached.req_ids.append(req.req_id)
+            cached.new_block_ids.append(new_blocks or None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # Pass 2: admit waiting requests, unless the cache was just found to be full.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            remaining = req.num_tokens  # waiting requests have nothing computed
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = self._num_new_tokens(req, budget)
+            needed = _cdiv(num_new, self.block_size)
+            if not self.block_allocator.can_allocate(needed):
+                break  # FCFS: do not let later, smaller requests jump the queue
+            self.waiting.popleft()
+            req.block_ids = self.block_allocator.allocate(needed)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=list(req.block_ids),
+                    num_computed_tokens=req.num_computed_tokens,
+                    output_token_ids=list(req.output_token_ids),
+                )
+            )
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for `req` this step: its uncomputed tokens, capped by the
+        budget and by max_model_len (KV beyond it has no room in the runner's tables)."""
+        room = self.max_model_len - req.num_computed_tokens
+        return max(0, min(req.num_uncomputed_tokens, budget, room))
+
+    def _try_grow(self, req: Request, num_new: int, preempted: set[str]) -> list[int] | None:
+        """Give `req` the blocks for `num_new` more tokens, preempting from the tail of
+        `running` as needed. Returns the new block ids, or None if `req` itself was preempted."""
+        needed = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+        while not self.block_allocator.can_allocate(needed):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.req_id)
+            if victim is req:
+                if self.block_allocator.num_used == 0:
+                    # Alone with the whole cache and still short: add_request's bound was
+                    # broken; retrying would spin forever.
+                    raise RuntimeError(
+                        f"request {req.req_id!r} needs {needed} more KV blocks with the whole cache "
+                        f"(num_blocks={self.num_blocks}) free; it can never be scheduled"
+                    )
+                return None
+        new_blocks = self.block_allocator.allocate(needed)
+        req.block_ids.extend(new_blocks)
+        return new_blocks
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
+        self.block_allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------------- update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply one step's sampled tokens; returns the requests that finished in it.
+
+        Raises RuntimeError when the runner's output does not match the plan (a token for
+        a partial prefill chunk, or none for a chunk that reached the end of its tokens).
+        """
+        finished: list[RequestOutput] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            index = runner_output.req_id_to_index.get(req_id)
+            if index is None:
+                raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
+            sampled = runner_output.sampled_token_ids[index]
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                if sampled:
+                    raise RuntimeError(
+                        f"runner sampled {sampled} for request {req_id!r} whose prefill is partial "
+                        f"({req.num_computed_tokens}/{req.num_tokens} tokens computed)"
+                    )
+                continue
+            if not sampled:
+                raise RuntimeError(
+                    f"runner sampled no token for request {req_id!r} although all its "
+                    f"{req.num_tokens} tokens were computed"
+                )
+            for token in sampled:
+                req.output_token_ids.append(int(token))
+                status = self._check_stop(req)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finished_req_ids.add(req_id)
+                    self._finish(req, status)
+                    finished.append(req.to_output())
+                    break
+        return finished
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Stop tokens take precedence over length: a final EOS reads as "stop"."""
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req.block_ids:
+            self.block_allocator.free(req.block_ids)
+            req.block_ids = []
+        del self.requests[req.req_id]
