@@ -204,7 +204,7 @@ if HAS_TRITON:
             m = o < width
             tl.store(out_ptr + b * out_stride + o, tl.load(table_ptr + row * table_stride + o, mask=m), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
     def _slot_mapping_kernel(
         bt_ptr,
         bt_stride,

@@ -63,7 +63,7 @@ if HAS_TRITON:
             hi = tl.where(start <= pid, hi, mid - 1)
         return lo
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
     def _paged_attn_kernel(
         q_ptr,
         kv_ptr,
@@ -186,7 +186,7 @@ if HAS_TRITON:
             tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_tokens'])
     def _merge_splits_kernel(
         part_o_ptr,  # [S, T, H, D_PAD] fp32
         part_ml_ptr,  # [S, T, H, 2] fp32

@@ -7,6 +7,7 @@ model folder has a tokenizer.json (needs the optional `tokenizers` package).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: min(model limit, 2048)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every step eagerly (default: graphs on CUDA, eager on CPU)")
+    p.add_argument("--cudagraph-mode", default=None,
+                   help="NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE (default)")
+    p.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated token counts to capture")
+    p.add_argument("--compile-backend", default="inductor", help="inductor, aot_eager or eager (PIECEWISE pieces)")
+    p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the workload once untimed first (JIT compiles stay out of the figure)")
     p.set_defaults(func=run)
+
+
+def _sizes(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"graphrunner generate: --cudagraph-capture-sizes={text!r} is not a comma-separated list of ints")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             seed=args.seed,
             num_kv_blocks=args.num_kv_blocks,
+            enforce_eager=args.enforce_eager,
+            cudagraph_mode=args.cudagraph_mode,
+            cudagraph_capture_sizes=_sizes(args.cudagraph_capture_sizes),
+            compile_backend=args.compile_backend,
+            debug_cudagraphs=args.debug_cudagraphs,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model name, folder or limits: no traceback needed
         raise SystemExit(f"graphrunner generate: {e}") from None
@@ -89,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = _random_prompts(args.num_prompts, args.prompt_len, llm.vocab_size, args.seed)
 
+    if args.warmup:
+        try:
+            llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)))
+        except ValueError:
+            pass  # the timed run below reports the error
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)
@@ -99,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"model:            {args.model}")
     print(f"device:           {llm.device}")
+    print(f"cudagraph mode:   {llm.runner.graphs.mode.name if llm.runner.graphs.captured else 'NONE (eager)'}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
     print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")
     print(f"load seconds:     {load_seconds:.2f}")

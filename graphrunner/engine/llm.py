@@ -55,6 +55,7 @@ class LLM:
         gpu_memory_utilization: fraction of GPU memory the runner may use (CUDA only).
         load_format: "auto" (safetensors; builtins use dummy weights) or "dummy".
         enforce_eager: run every step eagerly; False captures graphs after the cache is allocated.
+            None (default): graphs on CUDA, eager on a CPU (where graphs are only emulated).
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -72,7 +73,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         load_format: str = "auto",
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _COMPILATION_FIELDS
@@ -92,6 +93,8 @@ class LLM:
             max_model_len = min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if load_format == "auto" and is_builtin(model):
             load_format = "dummy"  # builtins have no checkpoint
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda"
         self.config = RunnerConfig(
             model=model_config,
             load=LoadConfig(model=model, load_format=load_format, seed=seed),

@@ -153,7 +153,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
     def _positions_seq_lens_kernel(
         idx_ptr, qsl_ptr, computed_ptr, pos_ptr, seq_lens_ptr, num_reqs, num_tokens, BLOCK: tl.constexpr
     ):
@@ -174,7 +174,7 @@ if HAS_TRITON:
                 o = i + offs
                 tl.store(pos_ptr + o, tl.zeros([BLOCK], dtype=tl.int64), mask=o < num_tokens)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
     def _input_ids_kernel(
         idx_ptr,
         qsl_ptr,
@@ -213,14 +213,14 @@ if HAS_TRITON:
                 o = i + offs
                 tl.store(out_ptr + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < num_tokens)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs'])
     def _logits_indices_kernel(qsl_ptr, out_ptr, num_reqs, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < num_reqs
         end = tl.load(qsl_ptr + offs + 1, mask=m, other=0).to(tl.int64)
         tl.store(out_ptr + offs, tl.maximum(end - 1, 0), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['num_reqs'])
     def _post_update_kernel(
         idx_ptr,
         qsl_ptr,
