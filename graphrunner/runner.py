@@ -87,6 +87,7 @@ class ModelRunner:
         self.block_tables: BlockTables | None = None
         self.num_kv_blocks = 0
         self.graphs: StepGraphs | None = None
+        self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self._pending: _PendingStep | None = None
         self._current_batch: InputBatch | None = None
 
@@ -181,7 +182,8 @@ class ModelRunner:
         """
         self._require_kv_cache()
         assert self.graphs is not None
-        return self.graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
+        self.capture_report = self.graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
+        return self.capture_report
 
     def shutdown(self) -> None:
         """Release graphs and the graph pool first, then the KV cache (lifecycle order)."""
