@@ -32,7 +32,8 @@ class CaptureReport:
     mode: str
     device: str
     records: list[CaptureRecord] = field(default_factory=list)
-    total_seconds: float = 0.0
+    total_seconds: float = 0.0  # capture only (compile excluded)
+    compile_seconds: float = 0.0  # torch.compile of the PIECEWISE pieces, once
     free_memory_delta_bytes: int = 0  # device memory the whole capture took (free before - free after)
 
     @property
@@ -55,6 +56,7 @@ class CaptureReport:
             "device": self.device,
             "num_graphs": self.num_graphs,
             "total_seconds": self.total_seconds,
+            "compile_seconds": self.compile_seconds,
             "pool_bytes": self.pool_bytes,
             "free_memory_delta_bytes": self.free_memory_delta_bytes,
             "records": [r.to_dict() for r in self.records],
@@ -69,7 +71,8 @@ class CaptureReport:
             nodes = "-" if r.num_nodes is None else str(r.num_nodes)
             lines.append(f"{r.key:<34} {r.seconds:>8.3f} {r.pool_bytes / (1 << 20):>9.1f} {nodes:>6}")
         lines.append(
-            f"{self.num_graphs} graphs ({self.mode}) on {self.device} in {self.total_seconds:.2f} s; "
+            f"{self.num_graphs} graphs ({self.mode}) on {self.device} in {self.total_seconds:.2f} s "
+            f"(+ {self.compile_seconds:.2f} s compile); "
             f"pool {self.pool_bytes / _GIB:.3f} GiB; free memory -{self.free_memory_delta_bytes / _GIB:.3f} GiB"
         )
         return "\n".join(lines)

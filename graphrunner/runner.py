@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from graphrunner.attention import get_attention_backend
+from graphrunner.attention.op import forward_context
 from graphrunner.block_table import BlockTables, compute_slot_mapping
 from graphrunner.config import RunnerConfig, resolve_dtype
 from graphrunner.input_batch import InputBatch, InputBuffers
@@ -89,6 +90,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self._pending: _PendingStep | None = None
+        self._last_descriptor: BatchExecutionDescriptor | None = None
         self._current_batch: InputBatch | None = None
 
     # ---- set-up -----------------------------------------------------------------
@@ -172,6 +174,7 @@ class ModelRunner:
             "KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * self.kv_block_bytes / _GIB
         )
         self.graphs = StepGraphs(self)
+        self._setup_piecewise()
 
     @torch.inference_mode()
     def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -219,11 +222,17 @@ class ModelRunner:
             assert self.graphs is not None
             self.graphs.replay_full(desc, batch.sampling_features)
         else:
-            self._run_step(batch)
+            self._run_step(batch, piecewise=desc.is_piecewise)
         nc_before = self.req_states.num_computed_np[batch.idx_mapping_np]
         produces = nc_before + batch.query_lens_np >= self.req_states.prefill_len_np[batch.idx_mapping_np]
         self.req_states.num_computed_np[batch.idx_mapping_np] += batch.query_lens_np
         self._pending = _PendingStep(batch, desc, produces)
+        self._last_descriptor = desc
+
+    @property
+    def last_descriptor(self) -> BatchExecutionDescriptor | None:
+        """The descriptor the last executed step ran with (None before the first step)."""
+        return self._last_descriptor
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -318,8 +327,14 @@ class ModelRunner:
 
     def _forward_and_sample(self, batch: InputBatch, piecewise: bool = False) -> None:
         assert self.model is not None
-        forward = self._piecewise_forward if piecewise else self.model
-        hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+        forward = self._piecewise if piecewise else self.model
+        if self.model.attention_op_enabled:
+            # The attention op reads this step's metadata and caches from the context,
+            # so that they are not inputs of the compiled pieces.
+            with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
+                hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+        else:
+            hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         self.sampler(logits, batch.idx_mapping, batch.seq_lens, batch.sampling_features, out=batch.sampled)
@@ -433,14 +448,53 @@ class ModelRunner:
         limit = self.num_kv_blocks * self.block_size
         assert bool(((slots[:T] >= 0) & (slots[:T] < limit)).all()), f"real slots outside [0, {limit})"
 
+    def _setup_piecewise(self) -> None:
+        """Compile-once PIECEWISE model: attention becomes an opaque op the compiler splits at."""
+        from capture.piecewise import PiecewiseCompiled
+
+        assert self.model is not None and self.graphs is not None
+        self._piecewise = None
+        self.model.use_attention_op(self.graphs.mode.has_piecewise_graphs)
+        if self.graphs.mode.has_piecewise_graphs:
+            comp = self.config.compilation
+            self._piecewise = PiecewiseCompiled(
+                self.model,
+                [torch.ops.graphrunner.unified_attention],
+                token_args=(0, 1),  # input_ids, positions: [T_pad]
+                compile_backend=comp.compile_backend,
+                device=self.device,
+                check_addresses=comp.debug_cudagraphs,
+                name=self.model_config.name,
+            )
+
+    def compile_piecewise(self) -> float:
+        """Trace and compile the pieces once (symbolic token count); returns seconds."""
+        assert self._piecewise is not None
+        start = time.perf_counter()
+        lens = np.ones(min(self.max_num_reqs, self.max_num_tokens), dtype=np.int32)
+        batch = self._dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
+        self._prepare_inputs(batch)
+        with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
+            self._piecewise(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        self.reset_scratch_row()
+        return time.perf_counter() - start
+
     def capture_piecewise_size(self, desc: BatchExecutionDescriptor, pool, label: str) -> CaptureRecord:
-        raise NotImplementedError("PIECEWISE capture is not wired into the runner yet")
+        """Capture the pieces for one padded token count (the first call also compiles)."""
+        assert self._piecewise is not None
+        query_lens = self._capture_query_lens(desc)
+        batch = self._dummy_batch(query_lens, SamplingFeatures(), len(query_lens), desc.num_tokens)
+        self._prepare_inputs(batch)
+        reserved = pool.reserved_bytes()
+        start = time.perf_counter()
+        with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
+            self._piecewise.capture(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata,
+                                    pool=pool.handle, stream=pool.stream)
+        return CaptureRecord(label, time.perf_counter() - start, pool.reserved_bytes() - reserved)
 
     def release_piecewise(self) -> None:
-        pass
-
-    def _piecewise_forward(self, *args):
-        raise NotImplementedError("PIECEWISE forward is not wired into the runner yet")
+        if getattr(self, "_piecewise", None) is not None:
+            self._piecewise.release()
 
     # ---- helpers ----------------------------------------------------------------
     def _require_model(self) -> None:

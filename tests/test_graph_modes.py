@@ -15,7 +15,7 @@ from graphrunner import LLM, SamplingParams
 from graphrunner.protocol import SchedulerOutput
 from capture.full import GraphReplayError
 
-CPU_MODES = ["NONE", "FULL", "FULL_DECODE_ONLY"]
+CPU_MODES = ["NONE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"]
 SIZES = (1, 2, 4, 8, 16, 24, 32)
 
 
@@ -179,3 +179,33 @@ def test_gpu_modes_match_eager(mode):
                  debug_cudagraphs=True, **kw)
     got = [o.token_ids for o in graphs.generate(prompts, params)]
     assert got == want
+
+
+def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms):
+    llm = llms["FULL_AND_PIECEWISE"]
+    runner = llm.runner
+    routes = []
+    original_full, original_step = runner.graphs.replay_full, runner._run_step
+
+    in_full = []
+
+    def spy_full(desc, features):
+        routes.append(("full", desc.num_tokens))
+        in_full.append(True)  # on CPU the emulated replay re-runs the step body: not a route
+        try:
+            return original_full(desc, features)
+        finally:
+            in_full.pop()
+
+    def spy_step(batch, piecewise=False):
+        if not in_full:
+            routes.append(("piecewise" if piecewise else "eager", batch.num_tokens_padded))
+        return original_step(batch, piecewise)
+
+    runner.graphs.replay_full, runner._run_step = spy_full, spy_step
+    try:
+        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.graphs.replay_full, runner._run_step = original_full, original_step
+    # Prefill of 8 tokens: PIECEWISE at the capture size 8; then 3 uniform decodes of 2: FULL.
+    assert routes == [("piecewise", 8)] + [("full", 2)] * 3

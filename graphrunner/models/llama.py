@@ -4,7 +4,10 @@ One class covers them all because they differ only in flags carried by `ModelCon
 The forward pass is graph-safe: shapes depend only on the (padded) token count, there
 is no host sync and no branching on tensor values, so the same code runs eagerly, under
 torch.compile, and inside captured CUDA graphs. Attention is the only call into the
-backend, in `Attention.attend`, where torch.compile will later split the graph.
+backend, in `Attention.attend`. In *op mode* (`LlamaForCausalLM.use_attention_op(True)`)
+that call goes through the opaque custom op `graphrunner::unified_attention`, which
+reads the per-step metadata, KV caches and backend from `forward_context`: the model is
+then traceable by dynamo with fullgraph=True and splits at attention (PIECEWISE graphs).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
+from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
 from graphrunner.config import ModelConfig
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
@@ -32,10 +36,19 @@ class Attention(nn.Module):
     """q/k/v projection, optional q/k RMSNorm, rotary, backend attention, output projection."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attn_backend: AttentionBackend, *, dtype, device
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        *,
+        dtype,
+        device,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         d = config.head_dim
+        self.layer_index = layer_index  # which of the forward context's KV caches the op uses
+        self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.scale = d**-0.5
         self.qkv_proj = QKVLinear(
@@ -83,7 +96,16 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
-        """The single call into the attention backend (the future torch.compile split point)."""
+        """The single call into the attention backend: the torch.compile split point.
+
+        In op mode `kv_cache` and `metadata` are ignored (the op reads them from the
+        forward context) and the output is allocated here, so that under PIECEWISE graphs
+        it belongs to the preceding compiled piece and has a stable address.
+        """
+        if self.attention_op_mode:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous for the reshape
+            torch.ops.graphrunner.unified_attention(q, k, v, out, self.layer_index, self.scale)
+            return out
         return self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)
 
 
@@ -106,11 +128,18 @@ class DecoderLayer(nn.Module):
     fuse the preceding residual add (`RMSNorm.add_norm`)."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, attn_backend: AttentionBackend, *, dtype, device
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        *,
+        dtype,
+        device,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, rotary, attn_backend, dtype=dtype, device=device)
+        self.self_attn = Attention(config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(config, dtype=dtype, device=device)
 
@@ -141,9 +170,10 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, attn_backend, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, self.rotary_emb, attn_backend, dtype=dtype, device=device, layer_index=i)
+            for i in range(config.num_hidden_layers)
         )
+        self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(
@@ -153,7 +183,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        if len(kv_caches) != len(self.layers):
+        if self.attention_op_mode:
+            # The op takes each layer's cache from the forward context; not touching the
+            # list here keeps it (and its guards) out of the compiled graph.
+            kv_caches = [None] * len(self.layers)
+        elif len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -196,6 +230,21 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def use_attention_op(self, enabled: bool) -> None:
+        """Route attention through the custom op `graphrunner::unified_attention` (op mode).
+
+        In op mode every forward call must run inside
+        `graphrunner.attention.op.forward_context(metadata, kv_caches, backend)`; the
+        `kv_caches` and `attn_metadata` arguments of `forward` are then ignored.
+        """
+        self.model.attention_op_mode = bool(enabled)
+        for layer in self.model.layers:
+            layer.self_attn.attention_op_mode = bool(enabled)
+
+    @property
+    def attention_op_enabled(self) -> bool:
+        return self.model.attention_op_mode
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
