@@ -28,6 +28,20 @@ from capture.report import CaptureRecord, read_graph_dot
 StaticTensors = Callable[[], dict[str, torch.Tensor]]
 
 
+def _new_graph(keep_graph: bool) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph; `keep_graph` keeps its node list after instantiation (for DOT dumps).
+
+    Newer torch versions free the captured node list at instantiation unless asked to
+    keep it; older ones have no such argument and keep it in debug mode.
+    """
+    if keep_graph:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:
+            pass
+    return torch.cuda.CUDAGraph()
+
+
 class GraphReplayError(RuntimeError):
     """A replay whose inputs moved or whose padding broke an invariant."""
 
@@ -66,11 +80,13 @@ class FullGraph:
                 for _ in range(warmup):
                     self._step()
             torch.cuda.current_stream(self._pool.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = _new_graph(keep_graph=inspect_nodes)
             if inspect_nodes:
                 graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=self._pool.handle, stream=stream):
                 self._step()
+            if inspect_nodes and hasattr(graph, "instantiate"):
+                graph.instantiate()  # a kept graph instantiates lazily; do it inside capture time
             torch.cuda.synchronize(self._pool.device)
             self._graph = graph
         else:

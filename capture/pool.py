@@ -34,6 +34,17 @@ class GraphPool:
         return torch.cuda.memory_reserved(self.device)
 
     def release(self) -> None:
-        """Drop the handle; memory returns once every graph that used it is gone."""
+        """Drop the handle; memory returns once every graph that used it is gone.
+
+        cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ran on, held for the
+        life of the process; the capture stream dies with this pool, so its workspace
+        is dropped too (the others are recreated on next use), or every
+        create/capture/destroy cycle would leak one.
+        """
         self.handle = None
         self.stream = None
+        if self.is_cuda:
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                torch.cuda.synchronize(self.device)
+                clear()

@@ -16,10 +16,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Subcommand name -> module with `register`/`run`. Add "inspect" and "bench" here when
-# their modules (tools/) exist; the order is the order of `graphrunner --help`.
+# Subcommand name -> module with `register`/`run`; the order is the order of
+# `graphrunner --help`.
 SUBCOMMANDS: dict[str, str] = {
     "generate": "graphrunner.engine.cli",
+    "inspect": "tools.inspect.cli",
     "bench": "tools.bench.cli",
 }
 

@@ -50,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the workload once untimed first (JIT compiles stay out of the figure)")
+    p.add_argument("--record-batches", metavar="FILE", default=None,
+                   help="write one JSON line per step of the timed run (num_reqs, num_tokens, query_lens, "
+                        "uniform, descriptor): the trace `graphrunner inspect simulate --trace` reads; "
+                        "FILE is overwritten")
     p.set_defaults(func=run)
 
 
@@ -86,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
             f"graphrunner generate: --num-prompts={args.num_prompts} and --prompt-len={args.prompt_len} must be >= 1"
         )
 
+    if args.record_batches:
+        try:  # fail before loading the model, and start from an empty trace
+            Path(args.record_batches).write_text("")
+        except OSError as e:
+            raise SystemExit(f"graphrunner generate: --record-batches={args.record_batches!r}: {e}") from None
+
     load_start = time.perf_counter()
     try:
         llm = LLM(
@@ -118,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
             llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)))
         except ValueError:
             pass  # the timed run below reports the error
+    # Recording starts after the warmup so that the trace is exactly the timed workload.
+    llm.record_batches = args.record_batches
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params)

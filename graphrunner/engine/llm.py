@@ -12,8 +12,11 @@ schedule -> execute_model -> sample_tokens -> update_from_output.
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +31,7 @@ from graphrunner.config import (
 )
 from graphrunner.engine.request import RequestOutput
 from graphrunner.engine.scheduler import Scheduler
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import SamplingParams, SchedulerOutput
 
 # The default context when the caller gives none: long enough for demos, small enough
 # that a model with a huge max_position_embeddings does not size huge runner buffers.
@@ -56,6 +59,10 @@ class LLM:
         load_format: "auto" (safetensors; builtins use dummy weights) or "dummy".
         enforce_eager: run every step eagerly; False captures graphs after the cache is allocated.
             None (default): graphs on CUDA, eager on a CPU (where graphs are only emulated).
+        record_batches: a file to append one JSON line per executed step to (see
+            `batch_record`): the batch trace `graphrunner inspect simulate --trace` reads.
+            None records nothing. Also a public attribute, so recording can start or stop
+            between `generate` calls.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -74,6 +81,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         load_format: str = "auto",
         enforce_eager: bool | None = None,
+        record_batches: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _COMPILATION_FIELDS
@@ -130,6 +138,7 @@ class LLM:
             eos_token_ids=self.runner.eos_token_ids,
         )
         self._next_req_id = 0
+        self.record_batches: str | os.PathLike | None = record_batches
 
     @property
     def vocab_size(self) -> int:
@@ -191,8 +200,18 @@ class LLM:
                 f"(free KV blocks: {self.scheduler.block_allocator.num_free}/{self.scheduler.num_blocks})"
             )
         self.runner.execute_model(scheduler_output)
+        if self.record_batches is not None:
+            self._record_batch(scheduler_output)
         runner_output = self.runner.sample_tokens()
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _record_batch(self, scheduler_output: SchedulerOutput) -> None:
+        # Host-side only, after the step was launched: nothing here touches the device.
+        record = batch_record(
+            scheduler_output, self.runner.uniform_decode_query_len, self.runner.last_descriptor
+        )
+        with Path(self.record_batches).open("a") as f:  # type: ignore[arg-type]
+            f.write(json.dumps(record) + "\n")
 
     @staticmethod
     def _per_prompt_params(
@@ -206,6 +225,24 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one or one per prompt")
         return params
+
+
+def batch_record(scheduler_output: SchedulerOutput, uniform_decode_query_len: int, descriptor: object) -> dict:
+    """One line of a batch trace: the step's shape as the runner classifies it.
+
+    {"num_reqs", "num_tokens", "query_lens": [...] (scheduler order), "uniform": q when
+    every request has exactly q tokens else None, "descriptor": str(descriptor)}.
+    """
+    query_lens = [int(n) for n in scheduler_output.num_scheduled_tokens.values()]
+    q = uniform_decode_query_len
+    uniform = q if query_lens and all(n == q for n in query_lens) else None
+    return {
+        "num_reqs": len(query_lens),
+        "num_tokens": sum(query_lens),
+        "query_lens": query_lens,
+        "uniform": uniform,
+        "descriptor": None if descriptor is None else str(descriptor),
+    }
 
 
 def _progress_bar(total: int):

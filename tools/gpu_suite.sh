@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU test suite and the benchmarks of the closing notes, in one device call.
+#   tools/gpu_suite.sh tests|bench-small|bench-8b   (writes logs and JSON under $OUT)
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+gr() { python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    python3 - "$OUT" <<'PY'
+import sys
+from graphrunner import LLM
+llm = LLM("builtin:tiny-llama", device="cuda", enforce_eager=True, max_num_seqs=4, num_kv_blocks=64)
+from graphrunner.step_graphs import StepGraphs
+import dataclasses
+from graphrunner.config import CompilationConfig
+llm.runner.config = dataclasses.replace(llm.runner.config, compilation=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=(1,)))
+llm.runner.graphs = StepGraphs(llm.runner)
+report = llm.runner.capture_model(inspect_nodes=True, progress=False)
+print(report)
+print(sorted(report.kernel_histogram().items(), key=lambda kv: -kv[1])[:15])
+graph = next(iter(llm.runner.graphs.full_graphs.values()))
+graph.write_dot(sys.argv[1] + "/sample.dot")
+PY
+    ;;
+  bench-small)
+    gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
+      --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 --enforce-eager 2>&1 | head -14 | tee "$OUT/generate_eager.txt"
+    gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
+      --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 2>&1 | head -14 | tee "$OUT/generate_graphs.txt"
+    gr bench capture --model builtin:qwen2.5-0.5b --inspect-nodes --json "$OUT/capture_qwen.json" 2>&1 | tail -8
+    gr bench latency --model builtin:qwen2.5-0.5b --batch-sizes 1,8,32,128,256 --context 1024 \
+      --modes NONE,PIECEWISE,FULL --json "$OUT/latency_qwen.json" --markdown "$OUT/latency_qwen.md" 2>&1 | tail -22
+    ;;
+  bench-8b)
+    gr bench latency --model builtin:llama-3.1-8b --batch-sizes 1,8,32,128,256 --context 1024 \
+      --modes NONE,PIECEWISE,FULL --json "$OUT/latency_8b.json" --markdown "$OUT/latency_8b.md" 2>&1 | tail -22
+    ;;
+esac

@@ -1,0 +1,14 @@
+"""`graphrunner inspect`: what was captured, what it cost, and which graph a batch uses.
+
+Subcommands (tools/inspect/cli.py parses them; each has a module of its own):
+
+    table      capture sizes, mode resolution, per token count the ordered candidates  (table.py)
+    explain    the descriptor one batch gets and why, with its padding waste           (explain.py)
+    capture    capture a runner and show its CaptureReport; --dot writes one graph     (capture_cmd.py)
+    replay     FULL-graph step latency vs the same batch run eagerly                   (replay.py)
+    simulate   dispatch over a recorded or synthesised batch trace: hit rates, waste   (simulate.py,
+                                                                                        workloads.py)
+
+`table`, `explain` and `simulate` build no model and need no GPU; `capture` and
+`replay` build a runner with dummy weights and also run on a CPU (FULL graphs emulated).
+"""
