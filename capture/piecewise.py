@@ -407,6 +407,16 @@ class PiecewiseCompiled:
         with self._step(num_tokens, use_graphs=device.type == "cuda" and bool(self._captured)):
             return self._compiled(*args)
 
+    def run_compiled(self, *args: Any) -> Any:
+        """Run the compiled pieces with no piece graphs (no replay, no capture).
+
+        For callers that capture the whole call inside a graph of their own (FULL step
+        graphs): they get the compiled, fused kernels without nesting graph replays.
+        """
+        num_tokens, _ = self._prepare(args)
+        with self._step(num_tokens, use_graphs=False):
+            return self._compiled(*args)
+
     def capture(self, *args: Any, pool: Any = None, stream: Any = None) -> Any:
         """Run `fn(*args)`, capturing every compiled piece at this token count; returns the output.
 

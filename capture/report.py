@@ -78,47 +78,43 @@ class CaptureReport:
         return "\n".join(lines)
 
 
+_DOT_NODE = re.compile(r'"(\w+_node_\d+)"\s*\[(.*?)\];', re.DOTALL)
+_NODE_TYPE = re.compile(r'label="\{(\w+)')
+_KERNEL_FUNC = re.compile(r"\{ID \| \d+ \(topoId: \d+\) \| ([^\\<}|]+)")
+
+
 def parse_graph_dot(text: str) -> tuple[int, dict[str, int]]:
     """Node count and kernel-name histogram from a `cudaGraphDebugDotPrint` DOT dump.
 
-    The dump labels each node with its type and, for kernels, the (mangled) function
-    name; the exact layout differs across CUDA versions, so this is a tolerant scan.
+    Each node is `"graph_G_node_N"[... label="{TYPE | {ID | n (topoId: m) | name<<<grid>>>} ..."]`;
+    kernel names are mangled C++ symbols for library kernels, plain for Triton ones.
     """
     nodes = 0
     kernels: Counter = Counter()
-    for line in text.splitlines():
-        s = line.strip()
-        if "->" in s or "[" not in s or s.startswith(("graph", "node", "edge", "subgraph", "digraph")):
-            continue
+    for match in _DOT_NODE.finditer(text):
         nodes += 1
-        name = _kernel_name(s)
-        if name:
-            kernels[name] += 1
+        body = match.group(2)
+        node_type = _NODE_TYPE.search(body)
+        if node_type is None or node_type.group(1) != "KERNEL":
+            continue
+        func = _KERNEL_FUNC.search(body)
+        kernels[short_kernel_name(func.group(1).strip()) if func else "kernel"] += 1
     return nodes, dict(kernels)
 
 
-_FUNC = re.compile(r"(?:func|name|Function)\s*[:=]?\s*\\?\"?([A-Za-z_][A-Za-z0-9_:<>]*)")
-
-
-def _kernel_name(node_line: str) -> str | None:
-    if "KERNEL" not in node_line.upper():
-        return None
-    m = _FUNC.search(node_line)
-    if m:
-        return _demangle_short(m.group(1))
-    # Fall back to the longest identifier on the line (a mangled symbol).
-    idents = re.findall(r"_Z\w+|[A-Za-z_]\w{6,}", node_line)
-    return _demangle_short(max(idents, key=len)) if idents else "kernel"
-
-
-def _demangle_short(name: str) -> str:
-    """A readable short name for a mangled C++ symbol (no external demangler)."""
-    m = re.match(r"_Z(?:N\d*\w*?)?(\d+)(\w+)", name)
-    if m:
-        n = int(m.group(1))
-        rest = m.group(2)
-        if len(rest) >= n:
-            return rest[:n]
+def short_kernel_name(symbol: str) -> str:
+    """The function's own name from an Itanium-mangled symbol (`_ZN2at6native9fooKernelI...` -> fooKernel)."""
+    if not symbol.startswith("_Z"):
+        return symbol
+    i = 3 if symbol.startswith("_ZN") else 2
+    name = symbol
+    while i < len(symbol) and symbol[i].isdigit():
+        j = i
+        while j < len(symbol) and symbol[j].isdigit():
+            j += 1
+        n = int(symbol[i:j])
+        name = symbol[j : j + n]
+        i = j + n
     return name
 
 

@@ -327,7 +327,12 @@ class ModelRunner:
 
     def _forward_and_sample(self, batch: InputBatch, piecewise: bool = False) -> None:
         assert self.model is not None
-        forward = self._piecewise if piecewise else self.model
+        if piecewise:
+            forward = self._piecewise
+        elif self._piecewise is not None:
+            forward = self._piecewise.run_compiled  # FULL graph bodies: fused kernels, no piece graphs
+        else:
+            forward = self.model
         if self.model.attention_op_enabled:
             # The attention op reads this step's metadata and caches from the context,
             # so that they are not inputs of the compiled pieces.
@@ -449,13 +454,20 @@ class ModelRunner:
         assert bool(((slots[:T] >= 0) & (slots[:T] < limit)).all()), f"real slots outside [0, {limit})"
 
     def _setup_piecewise(self) -> None:
-        """Compile-once PIECEWISE model: attention becomes an opaque op the compiler splits at."""
+        """The compile-once model: attention becomes an opaque op the compiler splits at.
+
+        PIECEWISE graphs replay its pieces per token count; FULL graphs capture its
+        compiled (fused) kernels inside the whole-step graph. Eager mode keeps the
+        plain module.
+        """
         from capture.piecewise import PiecewiseCompiled
 
         assert self.model is not None and self.graphs is not None
         self._piecewise = None
-        self.model.use_attention_op(self.graphs.mode.has_piecewise_graphs)
-        if self.graphs.mode.has_piecewise_graphs:
+        mode = self.graphs.mode
+        use_compiled = mode.has_piecewise_graphs or mode.has_full_graphs
+        self.model.use_attention_op(use_compiled)
+        if use_compiled:
             comp = self.config.compilation
             self._piecewise = PiecewiseCompiled(
                 self.model,
@@ -467,6 +479,10 @@ class ModelRunner:
                 name=self.model_config.name,
             )
 
+    @property
+    def has_compiled_model(self) -> bool:
+        return self._piecewise is not None
+
     def compile_piecewise(self) -> float:
         """Trace and compile the pieces once (symbolic token count); returns seconds."""
         assert self._piecewise is not None
@@ -475,7 +491,7 @@ class ModelRunner:
         batch = self._dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
         self._prepare_inputs(batch)
         with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
-            self._piecewise(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+            self._piecewise.run_compiled(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         self.reset_scratch_row()
         return time.perf_counter() - start
 

@@ -119,7 +119,7 @@ class StepGraphs:
         gc.collect()
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        if any(d.is_piecewise for d in descriptors):
+        if runner.has_compiled_model:
             report.compile_seconds = runner.compile_piecewise()
         gc.freeze()  # a GC pass during capture would walk (and time) every frozen object
         try:

@@ -27,7 +27,7 @@ graph.write_dot(sys.argv[1] + "/sample.dot")
 PY
     ;;
   bench-small)
-    gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
+    [ -n "${EAGER_GENERATE:-}" ] && gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
       --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 --enforce-eager 2>&1 | head -14 | tee "$OUT/generate_eager.txt"
     gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
       --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 2>&1 | head -14 | tee "$OUT/generate_graphs.txt"
