@@ -30,10 +30,14 @@ PY
     [ -n "${EAGER_GENERATE:-}" ] && gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
       --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 --enforce-eager 2>&1 | head -14 | tee "$OUT/generate_eager.txt"
     gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
-      --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 2>&1 | head -14 | tee "$OUT/generate_graphs.txt"
+      --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 > "$OUT/generate_graphs.txt" 2>&1; grep -v "capturing graphs" "$OUT/generate_graphs.txt" | tail -25
     gr bench capture --model builtin:qwen2.5-0.5b --inspect-nodes --json "$OUT/capture_qwen.json" 2>&1 | tail -8
     gr bench latency --model builtin:qwen2.5-0.5b --batch-sizes 1,8,32,128,256 --context 1024 \
       --modes NONE,PIECEWISE,FULL --json "$OUT/latency_qwen.json" --markdown "$OUT/latency_qwen.md" 2>&1 | tail -22
+    ;;
+  generate)
+    gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
+      --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 > "$OUT/generate_graphs.txt" 2>&1; grep -v "capturing graphs" "$OUT/generate_graphs.txt" | tail -25
     ;;
   bench-8b)
     gr bench latency --model builtin:llama-3.1-8b --batch-sizes 1,8,32,128,256 --context 1024 \
