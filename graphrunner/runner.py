@@ -92,6 +92,7 @@ class ModelRunner:
         self._pending: _PendingStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
         self._current_batch: InputBatch | None = None
+        self._piecewise = None  # PiecewiseCompiled (compiled model) once the graph mode needs it
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:

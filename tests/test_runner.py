@@ -161,3 +161,13 @@ def test_gpu_incremental_decode_matches_cpu(tmp_path):
             d.step()
         outs.append({k: v.outputs for k, v in d.reqs.items()})
     assert outs[0] == outs[1]
+
+
+def test_profile_run_before_kv_cache_uses_no_live_state():
+    """determine_num_kv_blocks' profile path runs before initialize_kv_cache (as on CUDA)."""
+    from graphrunner.runner import ModelRunner
+
+    r = ModelRunner(make_runner().config, "cpu")
+    r.load_model()
+    r._profile_run()
+    assert r.req_states.num_live == 0 and r.kv_caches == [] and r.block_tables is None
