@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from graphrunner.config import CacheConfig, LoadConfig, RunnerConfig, SchedulerConfig
 from graphrunner.models.loader import load_model_config
-from graphrunner.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.runner import ModelRunner
 
 

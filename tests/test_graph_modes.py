@@ -5,14 +5,13 @@ same static buffers), so these tests exercise dispatch, padding and buffer disci
 CI; tests marked `gpu` replay real CUDA graphs.
 """
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner import LLM, SamplingParams
-from graphrunner.protocol import SchedulerOutput
+
 from capture.full import GraphReplayError
 
 CPU_MODES = ["NONE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"]

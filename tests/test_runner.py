@@ -1,9 +1,8 @@
 """ModelRunner on CPU: incremental decoding over the paged cache, and bad input."""
 
 import pytest
-import torch
 
-from graphrunner.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from tests.runner_driver import Driver, make_runner
 
 
@@ -138,7 +137,6 @@ def test_bad_input_is_rejected_and_runner_keeps_serving(runner, case):
 
 
 def test_not_initialized_errors():
-    from tests.runner_driver import make_runner as mk  # noqa: F401
     from graphrunner.runner import ModelRunner
     r = ModelRunner(make_runner().config, "cpu")
     with pytest.raises(RuntimeError, match="load_model"):

@@ -84,10 +84,11 @@ def paged_attention_torch(
     return out
 
 
-class TorchReferenceBackend:
-    """Attention by paged gather + dense masked softmax, one request at a time (CPU path)."""
+class WriteThenAttendBackend:
+    """The backend protocol as every paged backend implements it: write k/v into the
+    cache at `metadata.slot_mapping`, then attend (subclasses supply `attend`)."""
 
-    name = "torch"
+    name = "base"
 
     def forward(
         self,
@@ -104,4 +105,16 @@ class TorchReferenceBackend:
         write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
         if out is None:
             out = torch.empty_like(q)
+        return self.attend(q, kv_cache, metadata, scale, out)
+
+    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchReferenceBackend(WriteThenAttendBackend):
+    """Attention by paged gather + dense masked softmax, one request at a time (CPU path)."""
+
+    name = "torch"
+
+    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
         return paged_attention_torch(q, kv_cache, metadata, scale, out)

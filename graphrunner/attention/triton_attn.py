@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.kv_write import write_kv
-from graphrunner.attention.torch_ref import check_attention_args
+from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
 from graphrunner.kernels import HAS_TRITON
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
@@ -364,7 +363,7 @@ def paged_attention_triton(
     return out
 
 
-class TritonPagedAttentionBackend:
+class TritonPagedAttentionBackend(WriteThenAttendBackend):
     """Graph-safe paged attention: Triton KV write, then one mixed-batch Triton launch."""
 
     name = "triton"
@@ -373,21 +372,7 @@ class TritonPagedAttentionBackend:
         if not HAS_TRITON:
             raise RuntimeError("TritonPagedAttentionBackend needs triton, which failed to import")
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-        metadata: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor | None = None,  # [T, H, D]
-    ) -> torch.Tensor:  # [T, H, D]; rows of padded tokens are 0
-        """Write k/v at `metadata.slot_mapping`, then attend; returns `out` (allocated if None)."""
-        check_attention_args(q, kv_cache, metadata, out)
-        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
-        if out is None:
-            out = torch.empty_like(q)
+    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
         return paged_attention_triton(q, kv_cache, metadata, scale, out)
 
 

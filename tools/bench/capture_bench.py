@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from capture.modes import CUDAGraphMode
 from capture.report import CaptureReport
@@ -72,16 +73,22 @@ class CaptureResult:
         }
 
 
-def run_capture(spec: CaptureSpec) -> CaptureResult:
-    """Build, capture, report, shut down."""
+if TYPE_CHECKING:
     from graphrunner.runner import ModelRunner
 
-    device = resolve_device(spec.device)
-    mode = CUDAGraphMode.parse(spec.mode)
-    num_blocks = spec.num_kv_blocks or -(-spec.max_model_len // spec.block_size)
+
+def build_loaded_runner(spec, device) -> tuple["ModelRunner", float]:
+    """A runner for capture work, loaded and with its KV cache: (runner, load seconds).
+
+    `spec` is any spec with the runner fields of `CaptureSpec` (the inspect tool's too);
+    `num_kv_blocks` is optional (default: one full-length request's worth).
+    """
+    from graphrunner.runner import ModelRunner
+
+    num_blocks = getattr(spec, "num_kv_blocks", None) or -(-spec.max_model_len // spec.block_size)
     config = build_runner_config(
         spec.model,
-        mode=mode,
+        mode=CUDAGraphMode.parse(spec.mode),
         dtype=spec.dtype,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -94,11 +101,21 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
         seed=spec.seed,
     )
     runner = ModelRunner(config, device)
+    start = time.perf_counter()
     try:
-        start = time.perf_counter()
         runner.load_model()
         runner.initialize_kv_cache(num_blocks)
-        load_seconds = time.perf_counter() - start
+    except BaseException:
+        runner.shutdown()
+        raise
+    return runner, time.perf_counter() - start
+
+
+def run_capture(spec: CaptureSpec) -> CaptureResult:
+    """Build, capture, report, shut down."""
+    device = resolve_device(spec.device)
+    runner, load_seconds = build_loaded_runner(spec, device)
+    try:
         assert runner.graphs is not None
         sizes = tuple(runner.graphs.table.capture_sizes)
         report = runner.capture_model(inspect_nodes=spec.inspect_nodes, progress=spec.progress)

@@ -10,7 +10,6 @@ CPU (where FULL graphs are emulated) it is refused before anything is built.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,34 +87,14 @@ def check_dot_device(device_type: str) -> None:
 
 def run_capture(spec: CaptureSpec) -> CaptureResult:
     """Build, capture with node inspection, optionally write one DOT, shut down."""
-    from graphrunner.runner import ModelRunner
-    from tools.bench.common import build_runner_config, default_compile_backend, env_info, release_memory, resolve_device
+    from tools.bench.capture_bench import build_loaded_runner
+    from tools.bench.common import env_info, release_memory, resolve_device
 
     device = resolve_device(spec.device)
     if spec.dot is not None:
         check_dot_device(device.type)  # before minutes of loading and capture
-    mode = CUDAGraphMode.parse(spec.mode)
-    num_blocks = -(-spec.max_model_len // spec.block_size)
-    config = build_runner_config(
-        spec.model,
-        mode=mode,
-        dtype=spec.dtype,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=spec.max_model_len,
-        block_size=spec.block_size,
-        num_blocks=num_blocks,
-        capture_sizes=spec.capture_sizes,
-        compile_backend=spec.compile_backend or default_compile_backend(device),
-        load_format=spec.load_format,
-        seed=spec.seed,
-    )
-    runner = ModelRunner(config, device)
+    runner, load_seconds = build_loaded_runner(spec, device)
     try:
-        start = time.perf_counter()
-        runner.load_model()
-        runner.initialize_kv_cache(num_blocks)
-        load_seconds = time.perf_counter() - start
         graphs = runner.graphs
         assert graphs is not None
         dot_key = dot_graph_key(spec.dot[0], [str(d) for d in graphs.table.descriptors]) if spec.dot else None
