@@ -237,3 +237,179 @@ def test_parse_int_list():
     for bad in ("", "a", "1,0", "-1"):
         with pytest.raises(ValueError, match="--bs"):
             parse_int_list(bad, "--bs")
+
+
+# ---- peer: Hugging Face transformers on the same weights -----------------------------
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+
+
+class _DenseCausalBackend:
+    """Ignores the KV cache and attends causally over the whole batch (one prefill)."""
+
+    name = "test-dense"
+
+    def forward(self, q, k, v, kv_cache, metadata, scale, out=None):
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale
+        ).transpose(0, 1)  # [T, H, D]
+        return o if out is None else out.copy_(o)
+
+
+def _cpu_sized(name: str, **overrides):
+    """A builtin's flags (bias, tying, rope scaling, GQA, head_dim) at CPU size."""
+    from graphrunner.models import BUILTIN_MODELS
+
+    cfg = BUILTIN_MODELS[name]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    fields = dict(vocab_size=512, hidden_size=group * 2 * cfg.head_dim, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=2 * group, num_key_value_heads=2, name=name + "-cpu")
+    return dataclasses.replace(cfg, **{**fields, **overrides})
+
+
+def _peer_configs():
+    tiny = load_model_config(MODEL)
+    return {
+        "tiny-llama": tiny,
+        "qwen2.5-like": _cpu_sized("builtin:qwen2.5-0.5b"),  # qkv bias, tied embeddings
+        "llama3.2-like": _cpu_sized("builtin:llama-3.2-1b"),  # llama3 rope scaling, tied
+        # Qwen3: q/k RMSNorm, head_dim 32 != hidden / heads = 16, untied.
+        "qwen3": dataclasses.replace(tiny, architecture="Qwen3ForCausalLM", qk_norm=True, hidden_size=64,
+                                     rms_norm_eps=1e-6, rope_theta=1e6, name="qwen3-cpu"),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _ours_and_peer(case: str):
+    from graphrunner.models.loader import init_dummy_weights
+    from tools.bench.peer import hf_model_from_runner
+
+    config = _peer_configs()[case]
+    ours = load_model(config, LoadConfig(model=config.name, load_format="dummy"), attn_backend=_DenseCausalBackend(),
+                      dtype=torch.float32, device="cpu")
+    init_dummy_weights(ours, seed=5, std=0.1)  # larger than the default: logits O(1), so 1e-4 means something
+    return ours, hf_model_from_runner(ours, config, torch.float32, "cpu")
+
+
+@needs_transformers
+@pytest.mark.parametrize("case", ["tiny-llama", "qwen2.5-like", "llama3.2-like", "qwen3"])
+@settings(deadline=None, max_examples=3)
+@given(num_tokens=st.integers(1, 12), offset=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_hf_peer_holds_our_weights(case, num_tokens, offset, seed):
+    ours, hf = _ours_and_peer(case)
+    assert type(hf).__name__ == ours.config.architecture
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ours.config.vocab_size, (num_tokens,), generator=gen)  # [T]
+    pos = torch.arange(offset, offset + num_tokens)  # [T]
+    n = ours.config.num_hidden_layers
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(ids.to(torch.int32), pos, [torch.empty(0)] * n, None))  # [T, V]
+        ref = hf(ids[None], position_ids=pos[None]).logits[0].float()  # [T, V]
+    assert ref.std() > 0.1, "logits too flat for the tolerance to mean anything"
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # Same weights, not copies of copies: every HF tensor equals the matching slice of ours.
+    from tools.bench.peer import hf_state_from_runner
+
+    theirs = dict(hf.named_parameters())
+    for name, t in hf_state_from_runner(ours).items():
+        assert torch.equal(theirs[name], t), name
+
+
+def _throughput_peer_argv(path, *extra: str) -> list[str]:
+    return ["bench", "throughput", "--model", MODEL, "--device", "cpu", "--num-prompts", "2", "--input-len", "6",
+            "--output-len", "4", "--mode", "FULL", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+            "--peer", "--json", str(path), *COPY, *extra]
+
+
+@needs_transformers
+def test_throughput_peer_rows_beside_ours(tmp_path, capsys):
+    out, md = tmp_path / "tp.json", tmp_path / "tp.md"
+    assert main(_throughput_peer_argv(out, "--markdown", str(md))) == 0
+    data = json.loads(out.read_text())
+    assert data["output_tokens"] == 2 * 4
+    peer = data["peer"]
+    assert peer["skipped"] is None and peer["transformers"]
+    assert peer["ours_output_tokens_per_s"] == data["output_tokens_per_s"]
+    rows = {r["variant"]: r for r in peer["rows"]}
+    assert list(rows) == ["hf-eager", "hf-static-compile"]
+    assert rows["hf-eager"]["error"] is None, rows["hf-eager"]["error"]  # the eager peer must run on CPU
+    for r in rows.values():
+        if r["error"] is not None:  # a failed variant is allowed, but must say why
+            assert isinstance(r["error"], str) and r["error"] and r["ours_over_peer"] is None
+            continue
+        assert r["output_tokens"] == 2 * 4 and len(r["first_tokens"]) == 4
+        assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["elapsed_seconds"])
+        assert r["ours_over_peer"] == pytest.approx(data["output_tokens_per_s"] / r["output_tokens_per_s"])
+    # fp32, same weights, greedy: the first tokens agree exactly.
+    assert len(peer["ours_first_tokens"]) == 4
+    assert peer["token_agreement"] == 1.0 and peer["ours_first_tokens"] == rows["hf-eager"]["first_tokens"]
+    text = capsys.readouterr().out
+    assert "hf-eager" in text and "ours/peer" in text
+    table = md.read_text()
+    assert "| graphrunner |" in table and "| hf-eager |" in table and "| hf-static-compile |" in table
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dist", "uniform"], "dist='fixed'"),
+        (["--num-prompts", "3"], "max_num_seqs=2"),
+        (["--peer-variants", "hf-eager,vllm"], "allowed"),
+    ],
+)
+def test_throughput_peer_bad_arguments_fail_before_measuring(tmp_path, argv, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(_throughput_peer_argv(tmp_path / "x.json", *argv))
+    assert needle in str(exc.value)
+    assert not (tmp_path / "x.json").exists()
+
+
+@needs_transformers
+def test_peer_failed_variant_carries_its_error(monkeypatch):
+    from tools.bench import peer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no static cache in this transformers")
+
+    monkeypatch.setattr(peer, "_static_compile_kwargs", broken)
+    ours, hf = _ours_and_peer("tiny-llama")
+    rows = peer.run_peer(hf, [[1, 2, 3], [4, 5, 6]], 2, compile_backend="eager")
+    assert [r.variant for r in rows] == list(peer.PEER_VARIANTS)
+    assert rows[0].error is None and rows[0].output_tokens == 4
+    assert "RuntimeError: no static cache in this transformers" == rows[1].error
+    assert rows[1].output_tokens_per_s is None
+    cmp = peer.PeerComparison(100.0, rows[0].first_tokens, rows)
+    assert cmp.ratio(rows[0]) == pytest.approx(100.0 / rows[0].output_tokens_per_s) and cmp.ratio(rows[1]) is None
+    assert cmp.errors == [f"hf-static-compile: {rows[1].error}"]
+    assert "FAILED: RuntimeError" in peer.peer_text(cmp) and "FAILED: RuntimeError" in peer.peer_markdown(cmp)
+
+
+def test_peer_without_transformers_is_a_named_skip(monkeypatch):
+    from tools.bench import peer
+
+    def missing():
+        raise peer.PeerUnavailable("transformers not installed: pip install transformers")
+
+    monkeypatch.setattr(peer, "_transformers", missing)
+    config, model = _tiny_model(False)
+    cmp = peer.compare_with_peer(model, config, dtype=torch.float32, device=torch.device("cpu"), prompts=[[1, 2]],
+                                 output_len=2, ours_output_tokens_per_s=1.0, ours_first_tokens=[3, 4])
+    assert cmp.rows == [] and "transformers not installed" in cmp.skipped
+    assert cmp.to_dict()["token_agreement"] is None
+    assert "skipped: transformers not installed" in peer.peer_text(cmp)
+
+
+@given(ours=st.lists(st.integers(0, 3), max_size=12), theirs=st.lists(st.integers(0, 3), max_size=12))
+def test_token_agreement(ours, theirs):
+    from tools.bench.peer import AGREEMENT_TOKENS, token_agreement
+
+    k = min(AGREEMENT_TOKENS, len(ours), len(theirs))
+    got = token_agreement(ours, theirs)
+    if k == 0:
+        assert got is None
+    else:
+        assert got == pytest.approx(sum(ours[i] == theirs[i] for i in range(k)) / k)
+        assert token_agreement(ours, ours) == 1.0

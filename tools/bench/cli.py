@@ -104,6 +104,17 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="also run Hugging Face transformers generate on the same weights and prompts (needs transformers, "
+        "--dist fixed, --num-prompts <= --max-num-seqs)",
+    )
+    p.add_argument(
+        "--peer-variants",
+        default="hf-eager,hf-static-compile",
+        help="comma-separated peer variants; hf-static-compile compiles with --compile-backend",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,11 +241,22 @@ def _run_throughput(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             seed=args.seed,
             copy_bytes=_copy_bytes(args),
+            peer=args.peer,
+            peer_variants=tuple(v.strip() for v in args.peer_variants.split(",") if v.strip()),
         )
-        result = run_throughput(spec)
+        result = run_throughput(spec, log=_log)
     except ValueError as e:
         raise _fail("throughput", e) from None
-    _emit(args, result.to_dict(), throughput_text(result), throughput_markdown(result))
+    text, markdown = throughput_text(result), throughput_markdown(result)
+    if result.peer is not None:
+        from tools.bench.peer import peer_markdown, peer_text
+
+        text, markdown = f"{text}\n\n{peer_text(result.peer)}", markdown + peer_markdown(result.peer)
+    _emit(args, result.to_dict(), text, markdown)
+    if result.peer is not None:
+        # A peer failure is reported, not fatal: our numbers are what this command measures.
+        for err in result.peer.errors + ([result.peer.skipped] if result.peer.skipped else []):
+            print(f"graphrunner bench throughput: peer {err}", file=sys.stderr)
     if result.output_tokens != result.expected_output_tokens:
         print(
             f"graphrunner bench throughput: generated {result.output_tokens} tokens, "

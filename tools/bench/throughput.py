@@ -14,18 +14,26 @@ tokens/s would be
 
 Prefill is ignored (it is compute, not bytes), so the ideal is an upper bound; the
 reported fraction is measured / ideal.
+
+Peer (`peer=True`): after our run, Hugging Face transformers `generate` runs the same
+prompts with the same output length on a model holding our weights (tools/bench/peer.py),
+as one batch of all prompts; so the workload must be one batch for us too (`dist`
+"fixed", `num_prompts <= max_num_seqs`). Our KV cache and graphs are released first so
+that the peer's copy of the weights fits where ours ran.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
 from capture.modes import CUDAGraphMode
 from graphrunner.protocol import SamplingParams
 from tools.bench.common import default_compile_backend, element_size, env_info, release_memory, resolve_device, synchronize
+from tools.bench.peer import PEER_VARIANTS, PeerComparison, compare_with_peer
 from tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
 
 DISTRIBUTIONS = ("fixed", "uniform")
@@ -54,6 +62,8 @@ class ThroughputSpec:
     load_format: str = "auto"
     seed: int = 0
     copy_bytes: int | None = None
+    peer: bool = False  # also time Hugging Face transformers generate on the same weights
+    peer_variants: tuple[str, ...] = PEER_VARIANTS
 
     def __post_init__(self) -> None:
         CUDAGraphMode.parse(self.mode)
@@ -62,6 +72,23 @@ class ThroughputSpec:
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        object.__setattr__(self, "peer_variants", tuple(self.peer_variants))
+        if self.peer:
+            self._check_peer()
+
+    def _check_peer(self) -> None:
+        # The peer runs every prompt as one unpadded batch; the comparison is only fair if
+        # our run is the same batch of the same lengths.
+        if self.dist != "fixed":
+            raise ValueError(f"peer comparison needs dist='fixed' (one prompt length, no padding), got dist={self.dist!r}")
+        if self.num_prompts > self.max_num_seqs:
+            raise ValueError(
+                f"peer comparison runs all prompts as one batch: num_prompts={self.num_prompts} must be "
+                f"<= max_num_seqs={self.max_num_seqs}"
+            )
+        bad = [v for v in self.peer_variants if v not in PEER_VARIANTS]
+        if bad or not self.peer_variants:
+            raise ValueError(f"peer_variants={list(self.peer_variants)}; allowed: a non-empty subset of {list(PEER_VARIANTS)}")
 
 
 @dataclass
@@ -77,6 +104,7 @@ class ThroughputResult:
     preemptions: int
     ideal_batch: int
     ideal_output_tokens_per_s: float
+    peer: PeerComparison | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -112,6 +140,7 @@ class ThroughputResult:
             "ideal_batch": self.ideal_batch,
             "ideal_output_tokens_per_s": self.ideal_output_tokens_per_s,
             "ideal_fraction": self.ideal_fraction,
+            "peer": None if self.peer is None else self.peer.to_dict(),
         }
 
 
@@ -125,7 +154,8 @@ def sample_lengths(n: int, mean: int, dist: str, rng: np.random.Generator) -> np
     raise ValueError(f"dist={dist!r}; allowed: {DISTRIBUTIONS}")
 
 
-def run_throughput(spec: ThroughputSpec) -> ThroughputResult:
+def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
+    """Run the workload on our engine (and, with `spec.peer`, on the transformers peer)."""
     from graphrunner.engine.llm import LLM
 
     device = resolve_device(spec.device)
@@ -180,7 +210,9 @@ def run_throughput(spec: ThroughputSpec) -> ThroughputResult:
         step_bytes = weights + concurrency * mean_context * kv_per_token
         ideal = concurrency * bandwidth.bytes_per_s / step_bytes
         resolved = runner.graphs.mode.name if runner.graphs is not None else mode.name
-        return ThroughputResult(
+        # Kept past shutdown (which drops the KV cache and graphs) for the peer's weights.
+        model, model_config, dtype = runner.model, runner.model_config, runner.dtype
+        result = ThroughputResult(
             spec=spec,
             env=env_info(device, spec.dtype),
             mode=resolved,
@@ -197,3 +229,22 @@ def run_throughput(spec: ThroughputSpec) -> ThroughputResult:
         llm.runner.shutdown()
         del llm
         release_memory(device)
+    if spec.peer:
+        try:
+            result.peer = compare_with_peer(
+                model,
+                model_config,
+                dtype=dtype,
+                device=device,
+                prompts=prompts,
+                output_len=spec.output_len,
+                ours_output_tokens_per_s=result.output_tokens_per_s,
+                ours_first_tokens=outputs[0].token_ids,
+                variants=spec.peer_variants,
+                compile_backend=spec.compile_backend or default_compile_backend(device),
+                log=log,
+            )
+        finally:
+            del model
+            release_memory(device)
+    return result
