@@ -44,9 +44,9 @@ PY
     gr inspect table --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 2>&1 | head -30 | tee "$OUT/inspect_table.txt"
     gr inspect explain --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 --num-reqs 3 --query-lens 1,1,7 2>&1 | tee "$OUT/inspect_explain.txt"
     gr inspect simulate --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 --workload mixed 2>&1 | tee "$OUT/inspect_simulate.txt"
-    gr inspect capture --model $M --dot "FULL(t=1,r=1,q=1)[greedy]" "$OUT/full_bs1.dot" 2>&1 | grep -v "capturing graphs" | tail -40 > "$OUT/inspect_capture.txt"; tail -25 "$OUT/inspect_capture.txt"
-    gr inspect replay --model $M --sizes 1,8,32,128 2>&1 | grep -v "capturing graphs" | tail -12 | tee "$OUT/inspect_replay.txt"
-    gr bench throughput --model $M --num-prompts 64 --input-len 128 --output-len 64 --peer 2>&1 | grep -v "capturing graphs" | tail -16 | tee "$OUT/bench_throughput.txt"
+    timeout 120 gr inspect capture --model $M --dot "FULL(t=1,r=1,q=1)[greedy]" "$OUT/full_bs1.dot" 2>&1 | grep -v "capturing graphs" | tail -40 > "$OUT/inspect_capture.txt"; tail -25 "$OUT/inspect_capture.txt"
+    timeout 100 gr inspect replay --model $M --sizes 1,8,32,128 2>&1 | grep -v "capturing graphs" | tail -12 | tee "$OUT/inspect_replay.txt"
+    timeout 200 gr bench throughput --model $M --num-prompts 64 --input-len 128 --output-len 64 --peer 2>&1 | grep -v "capturing graphs" | tail -16 | tee "$OUT/bench_throughput.txt"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_models.py -k bf16 2>&1 | tail -2
     ;;
   bench-8b)
