@@ -5,6 +5,8 @@ set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 gr() { python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+# gr with a time limit in seconds: grt SECONDS ARGS...
+grt() { local t="$1"; shift; timeout "$t" python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 case "${1:-tests}" in
@@ -39,14 +41,16 @@ PY
     gr generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
       --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 > "$OUT/generate_graphs.txt" 2>&1; grep -v "capturing graphs" "$OUT/generate_graphs.txt" | tail -25
     ;;
-  inspect)
+  inspect|inspect-gpu)
     M=builtin:qwen2.5-0.5b
+    if [ "$1" = inspect ]; then
     gr inspect table --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 2>&1 | head -30 | tee "$OUT/inspect_table.txt"
     gr inspect explain --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 --num-reqs 3 --query-lens 1,1,7 2>&1 | tee "$OUT/inspect_explain.txt"
     gr inspect simulate --model $M --max-num-seqs 256 --max-num-batched-tokens 2048 --workload mixed 2>&1 | tee "$OUT/inspect_simulate.txt"
-    timeout 120 gr inspect capture --model $M --dot "FULL(t=1,r=1,q=1)[greedy]" "$OUT/full_bs1.dot" 2>&1 | grep -v "capturing graphs" | tail -40 > "$OUT/inspect_capture.txt"; tail -25 "$OUT/inspect_capture.txt"
-    timeout 100 gr inspect replay --model $M --sizes 1,8,32,128 2>&1 | grep -v "capturing graphs" | tail -12 | tee "$OUT/inspect_replay.txt"
-    timeout 200 gr bench throughput --model $M --num-prompts 64 --input-len 128 --output-len 64 --peer 2>&1 | grep -v "capturing graphs" | tail -16 | tee "$OUT/bench_throughput.txt"
+    fi
+    grt 120 inspect capture --model $M --dot "FULL(t=1,r=1,q=1)[greedy]" "$OUT/full_bs1.dot" 2>&1 | grep -v "capturing graphs" | tail -40 > "$OUT/inspect_capture.txt"; tail -25 "$OUT/inspect_capture.txt"
+    grt 100 inspect replay --model $M --sizes 1,8,32,128 2>&1 | grep -v "capturing graphs" | tail -12 | tee "$OUT/inspect_replay.txt"
+    grt 200 bench throughput --model $M --num-prompts 64 --input-len 128 --output-len 64 --peer 2>&1 | grep -v "capturing graphs" | tail -16 | tee "$OUT/bench_throughput.txt"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_models.py -k bf16 2>&1 | tail -2
     ;;
   bench-8b)
