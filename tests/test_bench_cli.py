@@ -413,3 +413,15 @@ def test_token_agreement(ours, theirs):
     else:
         assert got == pytest.approx(sum(ours[i] == theirs[i] for i in range(k)) / k)
         assert token_agreement(ours, ours) == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_latency_graphs_beat_eager_and_report_device_time(tmp_path):
+    """On CUDA: every mode runs, device-event times exist, and FULL replay beats eager at batch 1."""
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", MODEL, "--batch-sizes", "1,8", "--context", "64", "--steps", "10",
+            "--warmup", "3", "--modes", "NONE,PIECEWISE,FULL", "--device", "cuda", "--json", str(out), *COPY]
+    assert main(argv) == 0
+    rows = {(r["mode"], r["batch_size"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 6 and all(r["device_median_ms"] > 0 for r in rows.values())
+    assert rows[("FULL", 1)]["median_ms"] < rows[("NONE", 1)]["median_ms"]
