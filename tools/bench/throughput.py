@@ -37,7 +37,6 @@ from tools.bench.peer import PEER_VARIANTS, PeerComparison, compare_with_peer
 from tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
 
 DISTRIBUTIONS = ("fixed", "uniform")
-_WARMUP_PROMPTS = 2
 _WARMUP_TOKENS = 4
 
 
@@ -191,7 +190,9 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
         warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:_WARMUP_PROMPTS], warm)
+        # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
+        # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
+        llm.generate(prompts, warm)
         preempt_before = llm.scheduler.num_preemptions
 
         synchronize(device)
