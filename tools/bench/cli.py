@@ -32,18 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
-    p.add_argument("--model", default=model, help="builtin:NAME (dummy weights) or a Hugging Face checkpoint folder")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--compile-backend",
-        default=None,
-        choices=("inductor", "aot_eager", "eager"),
-        help="compiles the PIECEWISE pieces; default inductor on CUDA, eager on CPU",
-    )
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="builtins always use dummy weights")
-    p.add_argument("--seed", type=int, default=0, help="seeds dummy weights, prompts and the random KV fill")
+    from tools.cli_args import add_runner_args
+
+    add_runner_args(p, model=model)
     p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON ('-' = stdout)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
 

@@ -178,3 +178,4 @@ def build_runner_config(
 
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+

@@ -69,13 +69,9 @@ def _table_args(p: argparse.ArgumentParser) -> None:
 
 def _runner_args(p: argparse.ArgumentParser) -> None:
     """How a real runner is built (capture, replay)."""
-    _model_args(p)
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--compile-backend", default=None, choices=("inductor", "aot_eager", "eager"),
-                   help="compiles PIECEWISE pieces; default inductor on CUDA, eager on CPU")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="builtins always use dummy weights")
-    p.add_argument("--seed", type=int, default=0)
+    from tools.cli_args import add_runner_args
+
+    add_runner_args(p, model=_DEFAULT_MODEL)
 
 
 def _register_table(sub: argparse._SubParsersAction) -> None:
