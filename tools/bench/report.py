@@ -180,7 +180,7 @@ def capture_markdown(result: "CaptureResult") -> str:
         "",
         f"- {env_lines(result.env)[0]}",
         f"- {r.num_graphs} graphs in {r.total_seconds:.2f} s; pool {r.pool_bytes / _GIB:.3f} GiB; "
-        f"free memory -{r.free_memory_delta_bytes / _GIB:.3f} GiB",
+        f"device memory in use +{r.free_memory_delta_bytes / _GIB:.3f} GiB",
         "",
         "| graph | seconds | pool MiB | nodes |",
         "|---|---|---|---|",
