@@ -4,6 +4,11 @@ Every tensor the step reads or writes is a view of a buffer allocated here once,
 maximum size (DESIGN.md §4). Per step the runner writes the two host arrays that only
 the scheduler knows (idx_mapping and query_start_loc) into one pinned staging buffer
 and uploads it with a single H2D copy; everything else is derived on the device.
+
+The pinned staging buffer is double-buffered: with async scheduling the host prepares
+step N + 1 while step N's upload may still be queued, so each upload writes the slot
+the previous one did not use, after waiting on the event recorded behind that slot's
+last copy (already complete in practice: it is two uploads old).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.sample.sampler import SamplingFeatures
 
+# Pinned staging slots for the per-step upload: one being filled while one may be in flight.
+NUM_UPLOAD_SLOTS = 2
+
 
 class InputBuffers:
     """Owns every static tensor a step touches, sized for the largest batch."""
@@ -27,9 +35,17 @@ class InputBuffers:
         # idx_mapping [max_reqs] followed by query_start_loc [max_reqs + 1]: one packed
         # buffer so that a step's host inputs travel in one copy.
         packed_len = 2 * max_num_reqs + 1
-        pin = device.type == "cuda"
-        self.host_packed = torch.zeros(packed_len, dtype=torch.int32, pin_memory=pin)
-        self.host_packed_np = self.host_packed.numpy()
+        self._is_cuda = device.type == "cuda"
+        self._host_slots = [
+            torch.zeros(packed_len, dtype=torch.int32, pin_memory=self._is_cuda) for _ in range(NUM_UPLOAD_SLOTS)
+        ]
+        self._host_slots_np = [t.numpy() for t in self._host_slots]
+        # One reusable event per slot, recorded behind the slot's latest copy (CUDA only).
+        self._slot_copied = [torch.cuda.Event() if self._is_cuda else None for _ in range(NUM_UPLOAD_SLOTS)]
+        self._slot = 0
+        # Bumped by every upload: the device `packed` holds the host arrays of upload
+        # number `version` (lets the runner skip re-uploading an unchanged batch).
+        self.version = 0
         self.packed = torch.zeros(packed_len, dtype=torch.int32, device=device)
         self.idx_mapping = self.packed[:max_num_reqs]  # [max_reqs] int32: batch entry -> state row
         self.query_start_loc = self.packed[max_num_reqs:]  # [max_reqs + 1] int32
@@ -49,7 +65,11 @@ class InputBuffers:
         so query_start_loc stays non-decreasing and ends at the real token count.
         """
         n = len(idx_mapping)
-        host = self.host_packed_np
+        slot = (self._slot + 1) % NUM_UPLOAD_SLOTS
+        copied = self._slot_copied[slot]
+        if copied is not None:
+            copied.synchronize()  # the copy that last read this slot (two uploads ago); no-op if never recorded
+        host = self._host_slots_np[slot]
         R = self.max_num_reqs
         host[:n] = idx_mapping
         host[n:R] = pad_row
@@ -57,7 +77,16 @@ class InputBuffers:
         qsl[0] = 0
         np.cumsum(query_lens, out=qsl[1 : n + 1])
         qsl[n + 1 :] = qsl[n]
-        self.packed.copy_(self.host_packed, non_blocking=True)
+        self.packed.copy_(self._host_slots[slot], non_blocking=True)
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
+        self._slot = slot
+        self.version += 1
+
+    @property
+    def host_packed(self) -> torch.Tensor:
+        """The pinned host buffer of the latest upload."""
+        return self._host_slots[self._slot]
 
 
 @dataclass

@@ -6,15 +6,26 @@ few changes. All of these are plain host-side data (lists and dicts of Python in
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings.
+    """Per-request sampling settings (vLLM's names and semantics).
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. A
-    request with a `seed` gets the same tokens whatever batch it shares a step with.
+    temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those
+    filters. repetition_penalty == 1 and frequency/presence_penalty == 0 disable the
+    penalties; repetition counts prompt and output tokens, frequency/presence count
+    output tokens only. logit_bias maps token id -> additive bias; allowed_token_ids
+    restricts sampling to those ids. Until `min_tokens` tokens were generated, the
+    stop ids and EOS (unless ignore_eos) cannot be drawn. `logprobs=k` returns the
+    sampled token's logprob and rank plus the top-k (k=0: the sampled token only);
+    `prompt_logprobs=k` does the same for every prompt position. A request with a
+    `seed` gets the same tokens whatever batch it shares a step with. Vocabulary-
+    dependent limits (token ids < vocab, slot counts) are checked by
+    `SamplingStates.validate`, since the vocabulary is the runner's.
     """
 
     max_tokens: int = 16
@@ -25,24 +36,63 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: "Mapping[int, float] | None" = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be a finite value >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs} must be >= 0")
-        # Accept lists from callers but keep the dataclass hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite value > 0 (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value} must be in [-2, 2] (0 disables it)")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (or None to disable it)")
+        # Accept lists/dicts from callers but keep the dataclass hashable and immutable.
+        stop = tuple(int(t) for t in self.stop_token_ids)
+        if any(t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids={stop} must be >= 0")
+        object.__setattr__(self, "stop_token_ids", stop)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(int(t) for t in self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids=[] is empty: it would allow no token (use None to allow all)")
+            if any(t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids contains a negative id: {min(allowed)}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.logit_bias is not None:
+            bias = FrozenLogitBias(self.logit_bias)
+            object.__setattr__(self, "logit_bias", bias if bias else None)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass
@@ -111,3 +161,58 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
         return cls()
+
+
+# ---- logprob containers (vLLM's shape) ----------------------------------------------
+
+
+class FrozenLogitBias(dict):
+    """An immutable, hashable `{token_id: bias}` mapping (SamplingParams.logit_bias).
+
+    Keys are ints (str keys, as JSON clients send them, are converted); biases must be
+    finite. Mutating methods raise TypeError, so SamplingParams stays hashable.
+    """
+
+    def __init__(self, items: "Mapping[int, float] | None" = None):
+        clean: dict[int, float] = {}
+        for token, bias in dict(items or {}).items():
+            try:
+                token_id = int(token)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias key {token!r} is not a token id") from None
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id {token_id} must be >= 0")
+            bias = float(bias)
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{token_id}]={bias} must be finite")
+            clean[token_id] = bias
+        super().__init__(clean)
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def _immutable(self, *args, **kwargs):
+        raise TypeError("SamplingParams.logit_bias is immutable")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _immutable  # type: ignore[assignment]
+
+    def __ior__(self, other):  # type: ignore[override]
+        self._immutable()
+
+    def __reduce__(self):
+        return (FrozenLogitBias, (dict(self),))
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log probability (vLLM's `Logprob`): rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# A generated position's logprobs: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token
+# Prompt positions' logprobs; the first prompt token has none (no context), as in vLLM.
+PromptLogprobs = list[dict[int, Logprob] | None]  # one entry per prompt token

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphrunner.staging import StagedRowWrites
+from graphrunner.staging import StagedRowWrites, to_device_async
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class RequestState:
         self.num_computed_np = np.zeros(self.num_rows, dtype=np.int64)
         self.prefill_len_np = np.zeros(self.num_rows, dtype=np.int64)
 
+        # Bumped whenever the row of some request changes (admission, removal): host-side
+        # caches keyed on the batch layout (the runner's steady-decode plan) compare it.
+        self.epoch = 0
         self._admissions: list[_Admission] = []
         self._row_writes = StagedRowWrites(
             {
@@ -85,6 +88,7 @@ class RequestState:
         if not self._free_rows:
             raise ValueError(f"no free request row: {self.num_live} live requests, max_num_reqs={self.max_num_reqs}")
         row = self._free_rows.pop()
+        self.epoch += 1
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
         self.num_computed_np[row] = num_computed_tokens
@@ -98,6 +102,7 @@ class RequestState:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self.epoch += 1
         self.index_to_req_id[row] = None
         self.num_computed_np[row] = 0
         self.prefill_len_np[row] = 0
@@ -112,7 +117,7 @@ class RequestState:
             rows = np.concatenate([np.full(len(a.token_ids), a.row, dtype=np.int64) for a in self._admissions])
             cols = np.concatenate([np.arange(len(a.token_ids), dtype=np.int64) for a in self._admissions])
             values = np.concatenate([np.asarray(a.token_ids, dtype=np.int32) for a in self._admissions])
-            flat_index = torch.from_numpy(rows * self.max_model_len + cols).to(self.device, non_blocking=True)
-            self.all_token_ids.view(-1).index_copy_(0, flat_index, torch.from_numpy(values).to(self.device, non_blocking=True))
+            flat_index = to_device_async(rows * self.max_model_len + cols, self.device)
+            self.all_token_ids.view(-1).index_copy_(0, flat_index, to_device_async(values, self.device))
             self._admissions.clear()
         self._row_writes.apply()

@@ -39,7 +39,7 @@ SAMPLING_VARIANTS = (GREEDY, ALL_FEATURES)
 
 def sampling_variant(features: SamplingFeatures) -> SamplingFeatures:
     """The captured variant that serves a batch: all-features serves any batch correctly."""
-    return GREEDY if not features.any_random else ALL_FEATURES
+    return GREEDY if features.is_plain_greedy else ALL_FEATURES
 
 
 def variant_name(features: SamplingFeatures) -> str:

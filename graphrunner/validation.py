@@ -3,11 +3,21 @@
 Every rule raises ValueError naming the offending value and the limit. Because all
 checks run before the first state change, a rejected step leaves the runner exactly as
 it was and the next valid step proceeds normally.
+
+Two implementations of the same rules: `validate_reference` checks request by request
+in Python and words every error; `validate_scheduler_output` (the one the runner calls
+every step) checks whole batches with numpy so that a step of hundreds of requests
+costs microseconds, and on any violation hands over to the reference, which finds the
+first offending value and raises with its message. Tests check that both accept
+exactly the same inputs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from graphrunner.protocol import SchedulerOutput
 
@@ -30,7 +40,8 @@ def _check_block_ids(req_id: str, block_ids: list[int], held: int, runner: "Mode
     return total
 
 
-def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput) -> None:
+def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
+    """Request-by-request check of every rule; raises ValueError at the first violation."""
     states = runner.req_states
     assert runner.block_tables is not None
     held_blocks = runner.block_tables.num_blocks
@@ -105,3 +116,183 @@ def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput) -> Non
             raise ValueError(
                 f"request {rid!r}: {end} tokens need {-(-end // runner.block_size)} blocks, it holds {held}"
             )
+
+
+class _Invalid(Exception):
+    """Raised inside the vectorized check: some rule fails; the reference words it."""
+
+
+@dataclass
+class DecodeHint:
+    """What the runner knows about a repeated uniform-decode batch (its steady-decode plan).
+
+    rows: [R] int64 state rows, in batch order. limit: [R] int64, per row the most tokens
+    it may hold: min(blocks held x block_size, max_model_len). all_decode: every row had
+    all its known tokens computed after the step the plan was made in (so each of them
+    can only decode from then on).
+    """
+
+    rows: np.ndarray
+    limit: np.ndarray
+    all_decode: bool
+
+
+def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint | None = None) -> None:
+    """Check `so` against the runner's limits and state; ValueError names the first violation.
+
+    `hint` (optional) is the runner's steady-decode shortcut: the caller has checked
+    that `so` admits and removes nothing, that `num_scheduled_tokens` and
+    `scheduled_cached_reqs.req_ids` list the same ids in the same order, each scheduled
+    exactly `uniform_decode_query_len` tokens, and that no request changed rows since
+    the hint was made.
+    """
+    try:
+        if hint is not None:
+            _validate_steady_decode(runner, so, hint)
+        else:
+            _validate_vectorized(runner, so)
+    except _Invalid:
+        # The reference is the specification: it raises with the first violation's
+        # message (and, should the two ever disagree, its acceptance wins).
+        validate_reference(runner, so)
+
+
+def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, int]) -> np.ndarray:
+    """State rows of `ids` after removals and admissions (new requests get virtual rows)."""
+    if not removed and not new_rows:
+        try:
+            return np.fromiter(map(index.__getitem__, ids), dtype=np.int64, count=len(ids))
+        except KeyError:
+            raise _Invalid from None
+    rows = []
+    for rid in ids:
+        row = new_rows.get(rid)
+        if row is None:
+            if rid in removed or rid not in index:
+                raise _Invalid
+            row = index[rid]
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int64)
+
+
+def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint) -> None:
+    """The rules that can fail for a repeated decode batch (see `validate_scheduler_output`).
+
+    A handful of numpy calls whatever the batch size: this runs every decode step.
+    """
+    assert runner.block_tables is not None
+    q = runner.uniform_decode_query_len
+    rows = hint.rows
+    if q * len(rows) > runner.max_num_tokens:
+        raise _Invalid
+    cached = so.scheduled_cached_reqs
+    computed = runner.req_states.num_computed_np[rows]  # [R] int64
+    # List equality of Python ints is C-level: cheaper than converting the list to numpy.
+    if cached.num_computed_tokens != computed.tolist():
+        raise _Invalid
+    limit = hint.limit
+    if any(cached.new_block_ids):
+        limit = limit.copy()
+        held = runner.block_tables.num_blocks
+        for i, blocks in enumerate(cached.new_block_ids):
+            if blocks:
+                if min(blocks) < 0 or max(blocks) >= runner.num_kv_blocks:
+                    raise _Invalid
+                total = int(held[rows[i]]) + len(blocks)
+                if total > runner.max_num_blocks_per_req:
+                    raise _Invalid
+                limit[i] = min(total * runner.block_size, runner.max_model_len)
+    if int((limit - computed).min()) < q:  # room in max_model_len and in the held blocks
+        raise _Invalid
+    if not hint.all_decode:
+        known = runner.req_states.prefill_len_np[rows]
+        prefill = computed < known
+        if bool(((prefill & (computed + q > known)) | (~prefill & (q != 1))).any()):
+            raise _Invalid
+    elif q != 1:
+        raise _Invalid  # a decode takes exactly one token (no speculative decoding yet)
+
+
+def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
+    states = runner.req_states
+    assert runner.block_tables is not None
+    nst = so.num_scheduled_tokens
+    num_sched = len(nst)
+    n = np.fromiter(nst.values(), dtype=np.int64, count=num_sched)  # [S] tokens per scheduled request
+    total = int(n.sum())
+    if total != so.total_num_scheduled_tokens or total > runner.max_num_tokens or num_sched > runner.max_num_reqs:
+        raise _Invalid
+
+    removed = so.finished_req_ids | so.preempted_req_ids if (so.finished_req_ids or so.preempted_req_ids) else set()
+    index = states.req_id_to_index
+    computed, known, held = states.num_computed_np, states.prefill_len_np, runner.block_tables.num_blocks
+    new_rows: dict[str, int] = {}
+    news = so.scheduled_new_reqs
+    if news:
+        base = states.num_rows
+        new_computed, new_known, new_held = [], [], []
+        for j, new in enumerate(news):
+            rid, tokens = new.req_id, new.all_token_ids
+            if rid in new_rows or (rid in index and rid not in removed):
+                raise _Invalid
+            if not tokens or len(tokens) > runner.max_model_len:
+                raise _Invalid
+            arr = np.asarray(tokens)
+            if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= runner.vocab_size:
+                raise _Invalid
+            if not 0 <= new.num_computed_tokens < len(tokens):
+                raise _Invalid
+            blocks = new.block_ids
+            if blocks and (min(blocks) < 0 or max(blocks) >= runner.num_kv_blocks):
+                raise _Invalid
+            if len(blocks) > runner.max_num_blocks_per_req:
+                raise _Invalid
+            new_rows[rid] = base + j
+            new_computed.append(new.num_computed_tokens)
+            new_known.append(len(tokens))
+            new_held.append(len(blocks))
+        num_removed_live = sum(1 for rid in removed if rid in index)
+        if states.num_live - num_removed_live + len(news) > runner.max_num_reqs:
+            raise _Invalid
+        computed = np.concatenate([computed, np.asarray(new_computed, dtype=computed.dtype)])
+        known = np.concatenate([known, np.asarray(new_known, dtype=known.dtype)])
+        held = np.concatenate([held, np.asarray(new_held, dtype=held.dtype)])
+
+    cached = so.scheduled_cached_reqs
+    num_cached = len(cached.req_ids)
+    if not num_cached == len(cached.new_block_ids) == len(cached.num_computed_tokens):
+        raise _Invalid
+    if num_cached:
+        if removed and not removed.isdisjoint(cached.req_ids):
+            raise _Invalid
+        crows = _rows_of(cached.req_ids, index, set(), {})
+        nc = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=num_cached)
+        if not np.array_equal(nc, computed[crows]):
+            raise _Invalid
+        if any(cached.new_block_ids):
+            held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
+            limit = runner.num_kv_blocks
+            for i, blocks in enumerate(cached.new_block_ids):
+                if blocks:
+                    if min(blocks) < 0 or max(blocks) >= limit:
+                        raise _Invalid
+                    held[crows[i]] += len(blocks)
+            if int(held[crows].max()) > runner.max_num_blocks_per_req:
+                raise _Invalid
+
+    if num_sched == 0:
+        return
+    rows = _rows_of(nst, index, removed, new_rows)
+    c = computed[rows]
+    k = known[rows]
+    end = c + n
+    prefill = c < k
+    bad = (
+        (n < 1)
+        | (end > runner.max_model_len)
+        | (prefill & (end > k))
+        | (~prefill & (n != 1))
+        | (end > held[rows].astype(np.int64) * runner.block_size)
+    )
+    if bad.any():
+        raise _Invalid

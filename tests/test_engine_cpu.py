@@ -158,3 +158,22 @@ def test_flat_prompt_is_a_type_error(llm):
     with pytest.raises(TypeError, match="list of token-id lists"):
         llm.generate([1, 2, 3], GREEDY)
     assert len(llm.generate([np.array([1, 2, 3])], GREEDY)[0].token_ids) == 12  # any sequence of ints per prompt
+
+
+# ------------------------------------------------------------------------------ async scheduling
+
+
+def test_async_scheduling_matches_sync_at_the_length_limits(llm):
+    """max_tokens and max_model_len end requests whose next step is already planned: same outputs.
+
+    Unseeded sampling draws its seed from the request id, which differs between engines: greedy or seeded only.
+    """
+    prompts = [[1, 2, 3], list(range(60)), random_prompts(1, seed=9)[0]]
+    params = [SamplingParams(max_tokens=2, temperature=0.0),
+              SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=3, ignore_eos=True)]
+    async_llm = make_llm(async_scheduling=True)
+    assert tokens(async_llm.generate(prompts, params)) == tokens(llm.generate(prompts, params))
+    assert async_llm.scheduler.block_allocator.num_free == async_llm.scheduler.num_blocks
+    # Requests may be added between generate calls; the engine keeps working.
+    assert tokens(async_llm.generate(prompts[:1], GREEDY)) == tokens(llm.generate(prompts[:1], GREEDY))

@@ -11,19 +11,59 @@ from graphrunner.sample import rng
 from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates, apply_top_k_top_p, default_seed
 
 
-def _states(params: list[SamplingParams], vocab: int) -> SamplingStates:
-    states = SamplingStates(len(params) + 1, torch.device("cpu"), base_seed=7)
+def make_states(
+    params: list[SamplingParams],
+    vocab: int,
+    histories: list[list[int]] | None = None,
+    prompt_lens: list[int] | None = None,
+    eos_ids: tuple[int, ...] = (),
+    max_model_len: int = 64,
+    device: str = "cpu",
+    **kwargs,
+) -> SamplingStates:
+    """States for `params` in rows 0..n-1 (row n is scratch), with token histories.
+
+    histories[i] is row i's known tokens (prompt, then outputs); prompt_lens[i] the
+    original prompt length (default: the whole history is prompt).
+    """
+    rows = len(params) + 1
+    history = torch.zeros(rows, max_model_len, dtype=torch.int32, device=device)  # [rows, L]
+    states = SamplingStates(rows, torch.device(device), base_seed=7, vocab_size=vocab, all_token_ids=history, **kwargs)
     for row, p in enumerate(params):
-        states.add_request(row, f"r{row}", p, vocab)
+        tokens = histories[row] if histories is not None else [0]
+        history[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        prompt_len = prompt_lens[row] if prompt_lens is not None else len(tokens)
+        states.add_request(row, f"r{row}", p, vocab, prompt_len=prompt_len, eos_ids=eos_ids)
     states.apply_staged_writes()
     return states
 
 
-def _sample(states, logits, rows, positions):
-    out = torch.empty(len(rows), dtype=torch.int32)
+def run_sampler(states, logits, rows, positions, features=None, num_logprobs=None, filter_impl="bisect"):
+    """Sample rows (state rows per entry) at positions; returns tokens or (tokens, logprobs, ids, ranks)."""
     rows_np = np.asarray(rows, dtype=np.int64)
-    Sampler(states)(logits, torch.tensor(rows, dtype=torch.int32), torch.tensor(positions), states.features(rows_np), out)
-    return out
+    features = states.features(rows_np) if features is None else features
+    device = logits.device
+    n = len(rows)
+    out = torch.full((n,), -1, dtype=torch.int32, device=device)
+    cols = max(features.num_logprobs, 0) + 1
+    lp = torch.zeros(n, cols, device=device)
+    ids = torch.zeros(n, cols, dtype=torch.int32, device=device)
+    ranks = torch.zeros(n, dtype=torch.int32, device=device)
+    Sampler(states, filter_impl=filter_impl)(
+        logits, torch.tensor(rows, dtype=torch.int32, device=device), torch.tensor(positions, device=device),
+        features, out, out_logprobs=lp, out_logprob_ids=ids, out_ranks=ranks,
+    )
+    if num_logprobs is None:
+        return out
+    return out, lp, ids, ranks
+
+
+def _states(params: list[SamplingParams], vocab: int) -> SamplingStates:
+    return make_states(params, vocab)
+
+
+def _sample(states, logits, rows, positions):
+    return run_sampler(states, logits, rows, positions)
 
 
 def test_uniform_noise_is_uniform_and_in_open_interval():
@@ -120,10 +160,7 @@ def test_cuda_matches_cpu_sampling():
     logits = torch.randn(8, vocab)
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=i) for i in range(8)]
     cpu = _sample(_states(params, vocab), logits, list(range(8)), [3] * 8)
-    states = SamplingStates(9, torch.device("cuda"), base_seed=7)
-    for row, p in enumerate(params):
-        states.add_request(row, f"r{row}", p, vocab)
-    states.apply_staged_writes()
+    states = make_states(params, vocab, device="cuda")
     out = torch.empty(8, dtype=torch.int32, device="cuda")
     Sampler(states)(logits.cuda(), torch.arange(8, dtype=torch.int32, device="cuda"),
                     torch.full((8,), 3, device="cuda"), states.features(np.arange(8)), out)

@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated token counts to capture")
     p.add_argument("--compile-backend", default="inductor", help="inductor, aot_eager or eager (PIECEWISE pieces)")
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the workload once untimed first (JIT compiles stay out of the figure)")
     p.add_argument("--record-batches", metavar="FILE", default=None,
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             cudagraph_capture_sizes=_sizes(args.cudagraph_capture_sizes),
             compile_backend=args.compile_backend,
             debug_cudagraphs=args.debug_cudagraphs,
+            async_scheduling=args.async_scheduling,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model name, folder or limits: no traceback needed
         raise SystemExit(f"graphrunner generate: {e}") from None
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompt tokens:    {sum(len(p) for p in prompts)}")
     print(f"generated tokens: {num_generated}")
     print(f"preemptions:      {llm.scheduler.num_preemptions}")
+    print(f"scheduling:       {'async' if args.async_scheduling else 'sync'}")
     print(f"elapsed seconds:  {elapsed:.3f}")
     print(f"output tokens/s:  {num_generated / elapsed if elapsed > 0 else float('inf'):.1f}")
     for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):

@@ -7,6 +7,13 @@
 It drives a `ModelRunner` only through the runner's public API, the way an outside
 engine would: build a `RunnerConfig`, load, size and allocate the KV cache, then loop
 schedule -> execute_model -> sample_tokens -> update_from_output.
+
+With `async_scheduling=True` the loop runs one step ahead of the device:
+schedule(N+1) -> execute_model(N+1) -> sample_tokens(async_output=True) -> resolve
+step N's output (`AsyncOutput.get()`, which waits for its copy only) ->
+update_from_output(N). The host never waits for the step it just launched, so it
+prepares the next one while the device runs. Tokens are exactly those of the
+synchronous loop (see `Scheduler` for the placeholder bookkeeping).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from graphrunner.config import (
 )
 from graphrunner.engine.request import RequestOutput
 from graphrunner.engine.scheduler import Scheduler
-from graphrunner.protocol import SamplingParams, SchedulerOutput
+from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 # The default context when the caller gives none: long enough for demos, small enough
 # that a model with a huge max_position_embeddings does not size huge runner buffers.
@@ -63,6 +70,8 @@ class LLM:
             `batch_record`): the batch trace `graphrunner inspect simulate --trace` reads.
             None records nothing. Also a public attribute, so recording can start or stop
             between `generate` calls.
+        async_scheduling: schedule and launch step N + 1 before step N's tokens are
+            resolved (module docstring); same tokens, less host time on the critical path.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -82,6 +91,7 @@ class LLM:
         load_format: str = "auto",
         enforce_eager: bool | None = None,
         record_batches: str | os.PathLike | None = None,
+        async_scheduling: bool = False,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _COMPILATION_FIELDS
@@ -136,7 +146,11 @@ class LLM:
             enable_chunked_prefill=True,
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
+            async_scheduling=async_scheduling,
         )
+        self.async_scheduling = async_scheduling
+        # Async scheduling: the launched step whose output is not applied yet.
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
 
@@ -182,13 +196,21 @@ class LLM:
                     results[out.req_id] = out
                     if progress is not None:
                         progress.update(1)
+            # A step launched after the last request's end holds only discarded tokens.
+            self._resolve_in_flight()
         finally:
             if progress is not None:
                 progress.close()
         return [results[req_id] for req_id in req_ids]
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it (none when idle)."""
+        """Run one engine step; returns the requests that finished in it (none when idle).
+
+        With async scheduling, the requests whose end became known in it: the output
+        resolved in a step is the previous step's.
+        """
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -203,6 +225,39 @@ class LLM:
         if self.record_batches is not None:
             self._record_batch(scheduler_output)
         runner_output = self.runner.sample_tokens()
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the next step, then apply the previous one's output (one step late)."""
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            scheduled = scheduler_output.total_num_scheduled_tokens > 0
+            if not scheduled and self._in_flight is None:
+                raise RuntimeError(
+                    f"scheduler planned no tokens with {self.scheduler.num_unfinished_requests} unfinished requests "
+                    f"and no step in flight (free KV blocks: {self.scheduler.block_allocator.num_free}/"
+                    f"{self.scheduler.num_blocks})"
+                )
+            # An empty plan (every running request waits on an in-flight token) still
+            # tells the runner about finished and preempted requests.
+            if scheduled or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                self.runner.execute_model(scheduler_output)
+            if scheduled:
+                if self.record_batches is not None:
+                    self._record_batch(scheduler_output)
+                launched = (scheduler_output, self.runner.sample_tokens(async_output=True))
+        finished = self._resolve_in_flight()
+        self._in_flight = launched
+        return finished
+
+    def _resolve_in_flight(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's output copy and apply it (async scheduling)."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        runner_output: ModelRunnerOutput = pending.get()
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _record_batch(self, scheduler_output: SchedulerOutput) -> None:

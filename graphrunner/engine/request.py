@@ -48,6 +48,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Async scheduling: tokens sampled by launched steps whose output is not resolved yet.
+    # Their values stay on the device (the runner feeds them to the next step); the host
+    # counts them so that it can schedule the next decode before they are known.
+    num_output_placeholders: int = 0
 
     @property
     def finish_reason(self) -> str | None:
@@ -75,8 +79,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the in-flight ones (an upper bound; equal to num_tokens when in sync)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens_with_placeholders - self.num_computed_tokens
 
     def to_output(self) -> "RequestOutput":
         return RequestOutput(

@@ -13,6 +13,22 @@ Each step, `schedule()` plans the batch in two passes:
 `update_from_output()` folds the runner's sampled tokens back in and finishes requests.
 The runner learns about finished and preempted requests through the *next* step's
 `finished_req_ids` and the current step's `preempted_req_ids`.
+
+Async scheduling (`async_scheduling=True`): the engine schedules and launches step
+N + 1 before step N's tokens are known, so the host keeps only upper bounds.
+`schedule()` advances `num_computed_tokens` at once and counts each token a scheduled
+chunk will sample as a placeholder output (`Request.num_output_placeholders`); the next
+decode of that request computes the placeholder, whose value the runner reads on the
+device. `update_from_output(so_N, out_N)` (called in schedule order, one step late)
+turns placeholders into tokens and finishes requests on EOS / stop / length; a request
+that finished this way may already be in step N + 1, whose token for it is discarded
+(it reaches the runner as finished on the next schedule). A request whose in-flight
+tokens already reach max_tokens or max_model_len is not scheduled again.
+Preemption with a token in flight is allowed: the victim's KV is dropped as usual and
+its in-flight token is appended when its step resolves, and a waiting request is not
+re-admitted while it still has a placeholder (its NewRequestData must carry every
+token). The reference engine resolves step N before it schedules step N + 2, so that
+wait never happens there.
 """
 
 from __future__ import annotations
@@ -48,6 +64,9 @@ class Scheduler:
             False a prompt is scheduled whole or not at all.
         vocab_size: when given, prompt token ids are checked against `[0, vocab_size)`.
         eos_token_ids: tokens that end a request unless its `ignore_eos` is set.
+        async_scheduling: schedule with placeholders for tokens still in flight (module
+            docstring); outputs must then be applied in schedule order, one per
+            non-empty plan.
     """
 
     def __init__(
@@ -61,6 +80,7 @@ class Scheduler:
         *,
         vocab_size: int | None = None,
         eos_token_ids: Iterable[int] = (),
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -91,6 +111,9 @@ class Scheduler:
         # Finished since the last schedule(); the runner drops them on the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # running total, for stats and tests
+        self.async_scheduling = async_scheduling
+        # Async: each launched plan and the requests it will sample a token for, in order.
+        self._in_flight: deque[tuple[SchedulerOutput, frozenset[str]]] = deque()
 
     # ---------------------------------------------------------------- requests
 
@@ -173,7 +196,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
+            num_new = 0 if self._finishes_in_flight(req) else self._num_new_tokens(req, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -190,6 +213,8 @@ class Scheduler:
         # Pass 2: admit waiting requests, unless the cache was just found to be full.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it is known (FCFS)
             remaining = req.num_tokens  # waiting requests have nothing computed
             if not self.enable_chunked_prefill and remaining > budget:
                 break
@@ -215,7 +240,7 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
+        so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -223,6 +248,29 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+        if self.async_scheduling and num_scheduled:
+            self._advance_in_flight(so)
+        return so
+
+    def _finishes_in_flight(self, req: Request) -> bool:
+        """Async: the request's in-flight tokens already end it by length; nothing more to schedule."""
+        if not req.num_output_placeholders:
+            return False
+        return (
+            req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens
+            or req.num_tokens_with_placeholders >= self.max_model_len
+        )
+
+    def _advance_in_flight(self, so: SchedulerOutput) -> None:
+        """Async: count the plan's tokens as computed, and its samples as placeholders."""
+        produces = set()
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1
+                produces.add(req_id)
+        self._in_flight.append((so, frozenset(produces)))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` this step: its uncomputed tokens, capped by the
@@ -234,6 +282,8 @@ class Scheduler:
         """Give `req` the blocks for `num_new` more tokens, preempting from the tail of
         `running` as needed. Returns the new block ids, or None if `req` itself was preempted."""
         needed = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+        if needed == 0:
+            return []  # most decode steps: the last block still has room
         while not self.block_allocator.can_allocate(needed):
             victim = self.running.pop()
             self._preempt(victim)
@@ -271,6 +321,8 @@ class Scheduler:
         Raises RuntimeError when the runner's output does not match the plan (a token for
         a partial prefill chunk, or none for a chunk that reached the end of its tokens).
         """
+        if self.async_scheduling:
+            return self._update_from_async_output(scheduler_output, runner_output)
         finished: list[RequestOutput] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
@@ -299,6 +351,47 @@ class Scheduler:
                 if status is not None:
                     self.running.remove(req)
                     self._finished_req_ids.add(req_id)
+                    self._finish(req, status)
+                    finished.append(req.to_output())
+                    break
+        return finished
+
+    def _update_from_async_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Async: placeholders become tokens; finished requests' later in-flight tokens are dropped."""
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise RuntimeError(
+                "async scheduling: outputs must be applied in schedule order, once per non-empty plan "
+                f"({len(self._in_flight)} plans in flight)"
+            )
+        _, produces = self._in_flight.popleft()
+        finished: list[RequestOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # finished (by an earlier output) or aborted since: discard its token
+            index = runner_output.req_id_to_index.get(req_id)
+            if index is None:
+                raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
+            sampled = runner_output.sampled_token_ids[index]
+            if bool(sampled) != (req_id in produces):
+                raise RuntimeError(
+                    f"runner sampled {sampled} for request {req_id!r}, but its chunk "
+                    f"{'reached' if req_id in produces else 'did not reach'} the end of its tokens"
+                )
+            if not sampled:
+                continue
+            req.num_output_placeholders -= 1
+            for token in sampled:
+                req.output_token_ids.append(int(token))
+                status = self._check_stop(req)
+                if status is not None:
+                    if req.status == RequestStatus.RUNNING:
+                        self.running.remove(req)
+                        self._finished_req_ids.add(req_id)
+                    else:
+                        self.waiting.remove(req)  # preempted while this token was in flight
                     self._finish(req, status)
                     finished.append(req.to_output())
                     break

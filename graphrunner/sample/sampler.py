@@ -1,84 +1,41 @@
-"""Graph-safe token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Graph-safe token sampling: the whole pipeline, from persistent per-row state.
 
-Per-request settings live in persistent per-row tensors (`SamplingStates`), written
-with staged writes at admission; a step gathers them through `idx_mapping`. Random
-rows use the Gumbel-max trick with noise from a stateless hash of (seed, position,
-token id), so a seeded request's tokens do not depend on its batch or on replays.
+Order (vLLM's), per batch entry:
+  1. allowed-ids mask, logit bias, min_tokens mask (stop ids/EOS -inf until reached)
+  2. penalties (repetition over prompt+output, frequency/presence over output)
+  3. logprobs are of the RAW logits (before 1-2), written after sampling
+  4. greedy rows: argmax of the processed logits (after 1-2)
+  5. random rows: temperature -> min-p -> top-k -> top-p -> Gumbel-max, with noise
+     from a stateless hash of (seed, position, token id), so a seeded request's tokens
+     do not depend on its batch, graph mode, replays or preemption.
+
+Per-request settings live in `SamplingStates` rows (written with staged writes at
+admission); a step gathers them through `idx_mapping`. Everything is sized by the
+padded R, V, max_model_len and slot counts: no host sync, no value-dependent shapes.
+`SamplingFeatures` (static per graph) only skips stages; each stage is an exact
+identity for rows that do not use it, so the all-features variant matches any batch.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-from graphrunner.protocol import SamplingParams
 from graphrunner.sample import rng
-from graphrunner.staging import StagedRowWrites
+from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
+from graphrunner.sample.logprobs import compute_logprobs
+from graphrunner.sample.processors import (
+    apply_allowed,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    token_counts,
+)
+# Re-exported: the runner and step_graphs import these from here.
+from graphrunner.sample.states import SamplingFeatures, SamplingStates, default_seed
 
+__all__ = ["Sampler", "SamplingFeatures", "SamplingStates", "apply_top_k_top_p", "default_seed"]
 
-@dataclass(frozen=True)
-class SamplingFeatures:
-    """Which parts of the pipeline a batch needs (decided on the host from mirrors).
-
-    They select code paths, so they are static per captured graph.
-    """
-
-    any_random: bool = False
-    any_top_k: bool = False
-    any_top_p: bool = False
-
-    @classmethod
-    def all_on(cls) -> "SamplingFeatures":
-        return cls(True, True, True)
-
-
-def default_seed(base_seed: int, req_id: str) -> int:
-    """Seed of a request that gave none: stable across preemption and re-admission."""
-    digest = hashlib.blake2b(f"{base_seed}:{req_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-class SamplingStates:
-    """Per-row sampling settings on the device, with host mirrors for feature flags."""
-
-    def __init__(self, num_rows: int, device: torch.device, base_seed: int = 0):
-        self.base_seed = base_seed
-        self.temperature = torch.zeros(num_rows, dtype=torch.float32, device=device)  # [rows]
-        self.top_k = torch.zeros(num_rows, dtype=torch.int32, device=device)  # [rows], 0 = off
-        self.top_p = torch.ones(num_rows, dtype=torch.float32, device=device)  # [rows], 1 = off
-        self.seed = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [rows]
-        self.random_np = np.zeros(num_rows, dtype=bool)
-        self.top_k_np = np.zeros(num_rows, dtype=np.int64)
-        self.top_p_np = np.ones(num_rows, dtype=np.float64)
-        self._writes = StagedRowWrites(
-            {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed},
-            device=device,
-        )
-
-    def add_request(self, row: int, req_id: str, params: SamplingParams, vocab_size: int) -> None:
-        seed = params.seed if params.seed is not None else default_seed(self.base_seed, req_id)
-        top_k = params.top_k if 0 < params.top_k < vocab_size else 0
-        self.random_np[row] = not params.is_greedy
-        self.top_k_np[row] = top_k
-        self.top_p_np[row] = params.top_p
-        self._writes.stage(row, temperature=params.temperature, top_k=top_k, top_p=params.top_p, seed=seed)
-
-    def features(self, rows: np.ndarray) -> SamplingFeatures:
-        """What the batch with these state rows needs. Greedy rows ignore top-k/top-p."""
-        random = self.random_np[rows]
-        if not random.any():
-            return SamplingFeatures()
-        return SamplingFeatures(
-            any_random=True,
-            any_top_k=bool((self.top_k_np[rows][random] > 0).any()),
-            any_top_p=bool((self.top_p_np[rows][random] < 1.0).any()),
-        )
-
-    def apply_staged_writes(self) -> None:
-        self._writes.apply()
+FILTER_IMPLS = ("bisect", "sort")
 
 
 def apply_top_k_top_p(
@@ -88,47 +45,101 @@ def apply_top_k_top_p(
     use_top_k: bool,
     use_top_p: bool,
 ) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [R, V]
-    ranks = torch.arange(vocab_size, device=logits.device)  # [V]
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_top_k:
-        k = torch.where(top_k > 0, top_k, vocab_size).to(torch.int64)  # [R]
-        drop |= ranks[None, :] >= k[:, None]
-    if use_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep a token while the mass strictly before it is below top_p (the first always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+    """Top-k then top-p, sort-free (see filters.py)."""
+    no_min_p = torch.zeros_like(top_p)
+    return apply_filters(logits, top_k, top_p, no_min_p, use_top_k, use_top_p, False)
 
 
 class Sampler:
-    """Turns the logits of the sampled rows into one token per row, graph-safely."""
+    """Turns the logits of the sampled rows into one token per row, graph-safely.
 
-    def __init__(self, states: SamplingStates):
+    Args:
+        states: the per-row settings (and, for penalties, `states.all_token_ids`).
+        filter_impl: "bisect" (sort-free thresholds, default) or "sort" (the previous
+            sort-based top-k/top-p; kept as a benchmark baseline).
+    """
+
+    def __init__(self, states: SamplingStates, filter_impl: str = "bisect"):
+        if filter_impl not in FILTER_IMPLS:
+            raise ValueError(f"filter_impl={filter_impl!r} not in {FILTER_IMPLS}")
         self.states = states
+        self.filter_impl = filter_impl
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [R, V] float32
+        logits: torch.Tensor,  # [R, V] float32 raw logits
         idx_mapping: torch.Tensor,  # [R] int32: batch entry -> state row
-        positions: torch.Tensor,  # [R] position of the token being sampled (= seq_len)
+        positions: torch.Tensor,  # [R] int: position of the token being sampled (= seq_len)
         features: SamplingFeatures,
         out: torch.Tensor,  # [R] int32, written in place
+        *,
+        all_token_ids: torch.Tensor | None = None,  # [rows, L] int32; default states.all_token_ids
+        out_logprobs: torch.Tensor | None = None,  # [R, >= K+1] float32 when features.wants_logprobs
+        out_logprob_ids: torch.Tensor | None = None,  # [R, >= K+1] int32
+        out_ranks: torch.Tensor | None = None,  # [R] int32
     ) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)  # [R]
-        if not features.any_random:
-            return out.copy_(greedy)
-        rows = idx_mapping.long()
-        temperature = self.states.temperature[rows]  # [R]
+        s = self.states
+        k = features.num_logprobs
+        buffers = (out_logprobs, out_logprob_ids, out_ranks)
+        # A caller that returns no logprobs passes no buffers (then none are computed);
+        # a caller that passes them must pass all three, wide enough for the batch's K.
+        want_logprobs = features.wants_logprobs and not all(b is None for b in buffers)
+        if want_logprobs:
+            if any(b is None for b in buffers):
+                raise ValueError(f"features ask for {k} logprobs: pass out_logprobs, out_logprob_ids and out_ranks")
+            if out_logprobs.shape[1] < k + 1 or out_logprob_ids.shape[1] < k + 1:
+                raise ValueError(f"logprob buffers have {out_logprobs.shape[1]} columns, need >= {k + 1}")
+
+        x = logits  # [R, V] float32
+        rows = idx_mapping.long()  # [R]
+        if features.needs_history:
+            seq_len = positions.long()  # [R]
+            prompt_len = s.prompt_len[rows].long()  # [R]
+            num_output = (seq_len - prompt_len).clamp(min=0)  # [R] tokens generated before this one
+        if features.any_logit_bias:
+            if s.allowed_mask is not None:  # without it, validate() rejects allowed_token_ids
+                x = apply_allowed(x, s.allowed_mask[rows], s.use_allowed[rows])
+            x = apply_logit_bias(x, s.bias_ids[rows], s.bias_values[rows])
+        if features.any_min_tokens:
+            x = apply_min_tokens(x, s.stop_ids[rows], s.min_tokens[rows], num_output)
+        history = all_token_ids if all_token_ids is not None else s.all_token_ids
+        # Without a history validate() rejects every request with penalties, so skipping
+        # them is exact (this keeps the all-features variant usable on such runners).
+        if features.any_penalties and history is not None:
+            counts = token_counts(history, rows, prompt_len, seq_len, x.shape[-1])  # [R, V] int32
+            x = apply_penalties(x, counts, s.repetition_penalty[rows], s.frequency_penalty[rows],
+                                s.presence_penalty[rows])
+
+        greedy = x.argmax(dim=-1)  # [R]
+        if features.any_random:
+            out.copy_(self._sample_random(x, rows, positions, features, greedy))
+        else:
+            out.copy_(greedy)
+        if want_logprobs:
+            compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
+        return out
+
+    def _sample_random(
+        self,
+        x: torch.Tensor,  # [R, V] processed logits
+        rows: torch.Tensor,  # [R] int64
+        positions: torch.Tensor,  # [R]
+        features: SamplingFeatures,
+        greedy: torch.Tensor,  # [R]
+    ) -> torch.Tensor:  # [R] int64
+        s = self.states
+        temperature = s.temperature[rows]  # [R]
         is_greedy = temperature == 0.0
-        scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
-        if features.any_top_k or features.any_top_p:
-            scaled = apply_top_k_top_p(
-                scaled, self.states.top_k[rows], self.states.top_p[rows], features.any_top_k, features.any_top_p
-            )
-        keys = rng.row_keys(self.states.seed[rows], positions.long())  # [R]
-        sampled = (scaled + rng.gumbel(keys, logits.shape[-1])).argmax(dim=-1)  # [R]
-        return out.copy_(torch.where(is_greedy, greedy, sampled))
+        scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
+        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
+        if self.filter_impl == "bisect":
+            scaled = apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
+                                   features.any_min_p)
+        else:
+            if features.any_min_p:
+                scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
+            if features.any_top_k or features.any_top_p:
+                scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
+        keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
+        sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
+        return torch.where(is_greedy, greedy, sampled)

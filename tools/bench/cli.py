@@ -1,4 +1,4 @@
-"""`graphrunner bench {latency,capture,throughput}`: argument parsing and output.
+"""`graphrunner bench {latency,capture,throughput,host}`: argument parsing and output.
 
 Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
 `--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_latency(sub)
     _register_capture(sub)
     _register_throughput(sub)
+    _register_host(sub)
     p.set_defaults(func=run)
 
 
@@ -108,9 +109,26 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _register_host(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "host",
+        help="host CPU time per decode step (execute_model + sample_tokens), sync vs async scheduling",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _common(p)
+    p.add_argument("--batch-sizes", default="1,64,256", help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="tokens already in each request's KV cache")
+    p.add_argument("--mode", default="FULL", help="cudagraph mode (graphs captured at exactly the batch sizes)")
+    p.add_argument("--schedulings", default="sync,async", help="comma-separated: sync, async")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size and loop")
+    p.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
+    p.add_argument("--noop-step", action="store_true",
+                   help="replace the step body and graph replay with a no-op: the host path alone (for CPUs)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; returns the exit status."""
-    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput}
+    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host}
     return handlers[args.bench_command](args)
 
 
@@ -254,6 +272,40 @@ def _run_throughput(args: argparse.Namespace) -> int:
             f"expected {result.expected_output_tokens} (ignore_eos)",
             file=sys.stderr,
         )
+        return 1
+    return 0
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    from tools.bench.common import parse_int_list
+    from tools.bench.host_overhead import HostSpec, host_markdown, host_text, run_host
+
+    try:
+        spec = HostSpec(
+            model=args.model,
+            batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
+            context=args.context,
+            steps=args.steps,
+            warmup=args.warmup,
+            mode=args.mode,
+            schedulings=tuple(s.strip() for s in args.schedulings.split(",") if s.strip()),
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            compile_backend=args.compile_backend,
+            load_format=args.load_format,
+            seed=args.seed,
+            noop_step=args.noop_step,
+        )
+        from capture.modes import CUDAGraphMode
+
+        CUDAGraphMode.parse(spec.mode)  # raises naming the value and the allowed set
+        result = run_host(spec, log=_log)
+    except ValueError as e:
+        raise _fail("host", e) from None
+    _emit(args, result.to_dict(), host_text(result), host_markdown(result))
+    if result.error:
+        print(f"graphrunner bench host: {result.error}", file=sys.stderr)
         return 1
     return 0
 

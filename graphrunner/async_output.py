@@ -1,0 +1,180 @@
+"""Step outputs copied device-to-host on a side stream, resolved by the engine later.
+
+    out = runner.sample_tokens(async_output=True)   # returns at once: the copy is queued
+    ...                                             # schedule and launch the next step
+    result = out.get()                              # waits for this copy only
+
+`OutputRing` owns a few slots of pinned host buffers. `launch()` makes the output copy
+stream wait on an event recorded on the compute stream after the step, queues one
+non-blocking D2H copy per device tensor into the slot's host buffers, and records a
+`copy_done` event there; `AsyncOutput.get()` synchronizes on that event only (never
+the device), then turns the host buffers into the caller's result with `finalize`.
+
+Two buffers are shared with the device work that follows, and the ring guards both:
+- a slot's pinned host buffers are reused only once the `AsyncOutput` that owns them
+  was resolved; taking a slot that an unresolved output still holds is an error naming
+  the ring size (the engine resolves step N before it launches step N + 2);
+- the device tensors are persistent step buffers the next step overwrites, so the
+  runner calls `guard_next_step()` before launching it: the compute stream waits (on
+  the device, not the host) for the last queued copy.
+
+On a CPU there are no streams: copies are synchronous, events are absent, and the same
+API works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+DEFAULT_NUM_SLOTS = 3
+
+Finalize = Callable[[dict[str, torch.Tensor]], Any]
+
+
+class AsyncOutput:
+    """The result of one step, resolved on first `get()` (later calls return the same object)."""
+
+    def __init__(self, ring: "OutputRing | None", slot: int, host: dict[str, torch.Tensor], finalize: Finalize | None,
+                 copy_done: "torch.cuda.Event | None", result: Any = None):
+        self._ring = ring
+        self._slot = slot
+        self._host = host
+        self._finalize = finalize
+        self._copy_done = copy_done
+        self._result = result
+        self._resolved = finalize is None
+
+    @classmethod
+    def ready(cls, result: Any) -> "AsyncOutput":
+        """An output that is already resolved (a step with nothing to copy)."""
+        return cls(None, -1, {}, None, None, result)
+
+    @property
+    def resolved(self) -> bool:
+        return self._resolved
+
+    def is_ready(self) -> bool:
+        """Whether `get()` would return without waiting (never blocks)."""
+        return self._resolved or self._copy_done is None or self._copy_done.query()
+
+    def wait(self) -> None:
+        """Block until this output's copy has landed (`get()` then only builds the result)."""
+        if not self._resolved and self._copy_done is not None:
+            self._copy_done.synchronize()
+
+    def get(self) -> Any:
+        """Wait for this output's copy (not the whole device), then build and return the result."""
+        if not self._resolved:
+            if self._copy_done is not None:
+                self._copy_done.synchronize()
+            assert self._finalize is not None
+            # finalize must not keep views of the host buffers: the slot is reused next.
+            self._result = self._finalize(self._host)
+            self._resolved = True
+            self._host = {}
+            self._finalize = None
+            if self._ring is not None:
+                self._ring._release(self._slot, self)
+        return self._result
+
+
+class OutputRing:
+    """`num_slots` sets of pinned host buffers plus the output copy stream.
+
+    Host buffers are allocated per tensor name on first use at the capacity of the
+    source's persistent buffer (`capacity[name]` rows, or the source's own shape), and
+    only the launched prefix is copied, so a slot serves every batch size.
+    """
+
+    def __init__(self, device: torch.device, num_slots: int = DEFAULT_NUM_SLOTS):
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots} must be >= 2 (one output in flight while the next is made)")
+        self.device = torch.device(device)
+        self.num_slots = num_slots
+        self.is_cuda = self.device.type == "cuda"
+        self._host: list[dict[str, torch.Tensor]] = [{} for _ in range(num_slots)]
+        self._views: dict[tuple[int, str], tuple[tuple, torch.Tensor]] = {}  # last prefix view per buffer
+        self._owner: list[AsyncOutput | None] = [None] * num_slots
+        self._next = 0
+        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # Per-slot events, reused: a slot is only relaunched once its output was resolved.
+        self._step_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
+        self._copy_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
+        self._last_copy_done: torch.cuda.Event | None = None
+
+    @property
+    def num_unresolved(self) -> int:
+        return sum(o is not None for o in self._owner)
+
+    def launch(self, tensors: dict[str, torch.Tensor], finalize: Finalize,
+               capacity: dict[str, int] | None = None) -> AsyncOutput:
+        """Queue the D2H copy of `tensors` (device tensors, written by the step just launched).
+
+        `finalize(host_tensors)` runs in `get()`: it receives host views with the same
+        shapes and must copy what it keeps (e.g. `.tolist()`), since the slot is reused.
+        """
+        slot = self._next
+        if self._owner[slot] is not None:
+            raise RuntimeError(
+                f"all {self.num_slots} async output slots hold unresolved outputs; call get() on older "
+                f"AsyncOutputs before sampling more steps (resolve step N before launching step N + {self.num_slots})"
+            )
+        host = {name: self._host_view(slot, name, t, (capacity or {}).get(name)) for name, t in tensors.items()}
+        copy_done = None
+        if self.is_cuda:
+            assert self._stream is not None
+            step_done, copy_done = self._step_done[slot], self._copy_done[slot]
+            step_done.record(torch.cuda.current_stream(self.device))
+            self._stream.wait_event(step_done)  # the copy reads what the step wrote
+            with torch.cuda.stream(self._stream):
+                for name, t in tensors.items():
+                    host[name].copy_(t, non_blocking=True)
+            copy_done.record(self._stream)
+            self._last_copy_done = copy_done
+        else:
+            for name, t in tensors.items():
+                host[name].copy_(t)
+        out = AsyncOutput(self, slot, host, finalize, copy_done)
+        self._owner[slot] = out
+        self._next = (slot + 1) % self.num_slots
+        return out
+
+    def guard_next_step(self) -> None:
+        """Make the compute stream wait (device-side) for the last queued copy.
+
+        Call before launching work that overwrites the tensors the last `launch()` copies.
+        """
+        if self._last_copy_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_copy_done)
+            self._last_copy_done = None
+
+    def _host_view(self, slot: int, name: str, src: torch.Tensor, rows: int | None) -> torch.Tensor:
+        shape = tuple(src.shape)
+        key = (slot, name)
+        cached = self._views.get(key)
+        if cached is not None and cached[0] == shape and cached[1].dtype == src.dtype:
+            return cached[1]  # steady batches: no per-step view construction
+        view = self._make_host_view(slot, name, src, shape, rows)
+        self._views[key] = (shape, view)
+        return view
+
+    def _make_host_view(self, slot: int, name: str, src: torch.Tensor, shape: tuple, rows: int | None) -> torch.Tensor:
+        bufs = self._host[slot]
+        full = ((rows,) + shape[1:]) if rows is not None and shape else shape
+        buf = bufs.get(name)
+        if buf is None or buf.dtype != src.dtype or buf.dim() != len(shape) or any(
+            b < s for b, s in zip(buf.shape, shape)
+        ):
+            full = tuple(max(f, s) for f, s in zip(full, shape))
+            buf = torch.empty(full, dtype=src.dtype, pin_memory=self.is_cuda)
+            bufs[name] = buf
+        view = buf
+        for dim, size in enumerate(shape):
+            view = view.narrow(dim, 0, size)
+        return view
+
+    def _release(self, slot: int, out: AsyncOutput) -> None:
+        if self._owner[slot] is out:
+            self._owner[slot] = None

@@ -1,0 +1,345 @@
+"""Per-request sampling state: persistent per-row device tensors plus host mirrors.
+
+Every setting of a request lives in a row of a persistent tensor, written once at
+admission through staged writes (one scatter per tensor per step, addresses never
+change, so captured graphs stay valid). A step gathers the rows of its batch through
+`idx_mapping`. The host keeps numpy mirrors of what decides code paths, so that
+`features(rows)` picks a (static, per graph) pipeline without reading the device.
+
+Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
+- logit_bias: fixed per-row slots `[rows, max_logit_bias]` of (id, bias). OpenAI caps
+  logit_bias at 300 entries; 257 x 300 x 12 B is under 1 MiB, and applying it is one
+  scatter_add of `[R, max_logit_bias]` per step. Unused slots hold (0, +0.0): adding
+  zero is exact, so they are neutral without a validity mask.
+- allowed_token_ids: a packed bitmask `[rows, ceil(V / 32)]` int32 (4.9 MB at 257 x
+  152k), not slots: allowed lists can be long (constrained decoding uses thousands of
+  ids), a bitmask has no per-request cap and costs one [R, V] unpack per step. A dense
+  bool [rows, V] mask would be 8x larger (39 MB); a pool of [V] masks would need slot
+  management for no gain at this size.
+- min_tokens stop ids: slots `[rows, max_stop_ids]` (stop_token_ids + EOS). Unused
+  slots repeat the first real id, so every slot of a row masks a real id (duplicates
+  are harmless, see `processors.apply_min_tokens`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrunner.protocol import SamplingParams
+from graphrunner.staging import StagedRowWrites
+
+# Logprob counts are rounded up to one of these, so a batch's K takes few values and
+# graphs stay few. Counts above the last bucket round up to `max_logprobs`.
+LOGPROB_BUCKETS = (0, 1, 5, 20)
+DEFAULT_MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+DEFAULT_MAX_STOP_IDS = 16  # stop_token_ids + EOS ids masked by min_tokens
+NO_LOGPROBS = -1
+
+
+def round_logprobs(k: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> int:
+    """The bucket a logprob count runs at: the smallest bucket >= k (or max_logprobs)."""
+    if k < 0:
+        return NO_LOGPROBS
+    for bucket in LOGPROB_BUCKETS:
+        if k <= bucket:
+            return max(k, min(bucket, max_logprobs))
+    return max(k, max_logprobs)
+
+
+@dataclass(frozen=True)
+class SamplingFeatures:
+    """Which parts of the pipeline a batch needs (decided on the host from mirrors).
+
+    They select code paths, so they are static per captured graph. Every stage is
+    neutral for a row that does not use it, so `all_on()` gives the same tokens (and
+    logprobs, for the k a row asked for) as the exact features of any batch.
+    `SamplingFeatures()` is plain greedy: argmax of the raw logits and nothing else.
+    """
+
+    any_random: bool = False  # some row has temperature > 0
+    any_top_k: bool = False  # a random row has 0 < top_k < V
+    any_top_p: bool = False  # a random row has top_p < 1
+    any_min_p: bool = False  # a random row has min_p > 0
+    any_penalties: bool = False  # repetition / frequency / presence on some row
+    any_logit_bias: bool = False  # logit_bias or allowed_token_ids on some row
+    any_min_tokens: bool = False  # min_tokens > 0 (with ids to mask) on some row
+    num_logprobs: int = NO_LOGPROBS  # bucketed max k of the batch; -1 = no logprobs
+
+    @classmethod
+    def all_on(cls, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
+        """A superset of every batch's features (the ALL_FEATURES graph variant)."""
+        return cls(True, True, True, True, True, True, True, round_logprobs(max_logprobs, max_logprobs))
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole pipeline (the GREEDY graph variant)."""
+        return self == SamplingFeatures()
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.num_logprobs >= 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler reads the token history (penalties) or output counts."""
+        return self.any_penalties or self.any_min_tokens
+
+    def graph_variant(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
+        """The captured variant that serves this batch: GREEDY or ALL_FEATURES."""
+        return SamplingFeatures() if self.is_plain_greedy else SamplingFeatures.all_on(max_logprobs)
+
+
+def default_seed(base_seed: int, req_id: str) -> int:
+    """Seed of a request that gave none: stable across preemption and re-admission."""
+    digest = hashlib.blake2b(f"{base_seed}:{req_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class _StagedBlockWrites:
+    """Staged `row -> [W]` writes into `[rows, W]` tensors; `apply()` scatters once each."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device):
+        self._tensors = tensors
+        self._device = device
+        self._pending: dict[str, dict[int, np.ndarray]] = {name: {} for name in tensors}
+
+    def stage(self, name: str, row: int, values: np.ndarray) -> None:
+        self._pending[name][row] = values  # a later write to the same row wins
+
+    def apply(self) -> None:
+        for name, pending in self._pending.items():
+            if not pending:
+                continue
+            tensor = self._tensors[name]
+            index = torch.tensor(list(pending), dtype=torch.int64).to(self._device, non_blocking=True)
+            src = torch.from_numpy(np.stack(list(pending.values())))  # [n, W]
+            src = src.to(self._device, dtype=tensor.dtype, non_blocking=True)
+            tensor.index_copy_(0, index, src)
+            pending.clear()
+
+
+class SamplingStates:
+    """Per-row sampling settings on the device, with host mirrors for feature flags.
+
+    Args:
+        num_rows: request rows (max_num_reqs + 1 scratch row; rows default to neutral
+            greedy settings, so padded entries pointing at the scratch row are harmless).
+        vocab_size: needed for the allowed-ids bitmask; without it allowed_token_ids
+            are rejected by `validate`.
+        all_token_ids: the request-state token history `[rows, L]` int32
+            (RequestState.all_token_ids) the penalties read; without it requests with
+            penalties are rejected by `validate`. The Sampler reads it from here.
+        max_logit_bias / max_stop_ids / max_logprobs: per-request limits (slot counts).
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        device: torch.device,
+        base_seed: int = 0,
+        *,
+        vocab_size: int | None = None,
+        all_token_ids: torch.Tensor | None = None,
+        max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
+        max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ):
+        device = torch.device(device)
+        if all_token_ids is not None and (all_token_ids.dim() != 2 or all_token_ids.shape[0] != num_rows):
+            raise ValueError(
+                f"all_token_ids has shape {tuple(all_token_ids.shape)}, expected [{num_rows}, max_model_len]"
+            )
+        self.num_rows = num_rows
+        self.device = device
+        self.base_seed = base_seed
+        self.vocab_size = vocab_size
+        self.all_token_ids = all_token_ids  # [rows, L] int32, owned by RequestState
+        self.max_logit_bias = max_logit_bias
+        self.max_stop_ids = max_stop_ids
+        self.max_logprobs = max_logprobs
+
+        def full(value, dtype):
+            return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+        f32, i32 = torch.float32, torch.int32
+        self.temperature = full(0.0, f32)  # [rows], 0 = greedy
+        self.top_k = full(0, i32)  # [rows], 0 = off
+        self.top_p = full(1.0, f32)  # [rows], 1 = off
+        self.min_p = full(0.0, f32)  # [rows], 0 = off
+        self.seed = full(0, torch.int64)  # [rows]
+        self.repetition_penalty = full(1.0, f32)  # [rows], 1 = off
+        self.frequency_penalty = full(0.0, f32)  # [rows], 0 = off
+        self.presence_penalty = full(0.0, f32)  # [rows], 0 = off
+        # The ORIGINAL prompt length: a resumed request's earlier outputs are output
+        # tokens for penalties and min_tokens, although they are re-prefilled.
+        self.prompt_len = full(0, i32)  # [rows]
+        self.min_tokens = full(0, i32)  # [rows], 0 = off
+        self.use_allowed = full(False, torch.bool)  # [rows]
+        self.bias_ids = torch.zeros(num_rows, max_logit_bias, dtype=torch.int64, device=device)  # [rows, B]
+        self.bias_values = torch.zeros(num_rows, max_logit_bias, dtype=f32, device=device)  # [rows, B]
+        self.stop_ids = torch.zeros(num_rows, max_stop_ids, dtype=torch.int64, device=device)  # [rows, S]
+        words = -(-vocab_size // 32) if vocab_size is not None else 0
+        # [rows, ceil(V/32)]: bit (v % 32) of word v // 32 set = token v allowed.
+        self.allowed_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
+
+        self.random_np = np.zeros(num_rows, dtype=bool)
+        self.top_k_np = np.zeros(num_rows, dtype=np.int64)
+        self.top_p_np = np.ones(num_rows, dtype=np.float64)
+        self.min_p_np = np.zeros(num_rows, dtype=np.float64)
+        self.penalties_np = np.zeros(num_rows, dtype=bool)
+        self.bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias or allowed_token_ids
+        self.min_tokens_np = np.zeros(num_rows, dtype=bool)
+        self.logprobs_np = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)
+
+        scalars = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+                         "presence_penalty", "prompt_len", "min_tokens", "use_allowed")
+        }
+        self._writes = StagedRowWrites(scalars, device=device)
+        blocks = {"bias_ids": self.bias_ids, "bias_values": self.bias_values, "stop_ids": self.stop_ids}
+        if self.allowed_mask is not None:
+            blocks["allowed_mask"] = self.allowed_mask
+        self._block_writes = _StagedBlockWrites(blocks, device=device)
+
+    # ---- validation ---------------------------------------------------------------
+    def validate(
+        self, params: SamplingParams, vocab_size: int, eos_ids: tuple[int, ...] = (), prompt_len: int | None = None
+    ) -> None:
+        """Raise ValueError if this runner cannot serve `params`; changes nothing."""
+
+        def check_ids(name: str, ids) -> None:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+
+        if params.logit_bias:
+            check_ids("logit_bias", params.logit_bias)
+            if len(params.logit_bias) > self.max_logit_bias:
+                raise ValueError(
+                    f"logit_bias has {len(params.logit_bias)} entries, more than max_logit_bias={self.max_logit_bias}"
+                )
+        if params.allowed_token_ids is not None:
+            check_ids("allowed_token_ids", params.allowed_token_ids)
+            if self.allowed_mask is None:
+                raise ValueError(
+                    "allowed_token_ids need SamplingStates(vocab_size=...); this runner was built without it"
+                )
+            if self.vocab_size != vocab_size:
+                raise ValueError(f"vocab_size={vocab_size} differs from SamplingStates.vocab_size={self.vocab_size}")
+        if params.min_tokens > 0:
+            check_ids("stop_token_ids", params.stop_token_ids)
+            n = len(self._min_tokens_ids(params, eos_ids))
+            if n > self.max_stop_ids:
+                raise ValueError(f"min_tokens masks {n} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")
+        if (params.min_tokens > 0 or params.uses_penalties) and prompt_len is None:
+            raise ValueError("min_tokens and penalties need the request's original prompt_len")
+        if params.uses_penalties and self.all_token_ids is None:
+            raise ValueError("penalties need SamplingStates(all_token_ids=...); this runner was built without it")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={self.max_logprobs}")
+            if k is not None and k > vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab_size}")
+
+    @staticmethod
+    def _min_tokens_ids(params: SamplingParams, eos_ids: tuple[int, ...]) -> list[int]:
+        """Ids masked until min_tokens: stop ids, plus EOS unless ignore_eos (vLLM)."""
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
+        return list(dict.fromkeys(ids))
+
+    # ---- admission ----------------------------------------------------------------
+    def add_request(
+        self,
+        row: int,
+        req_id: str,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt_len: int | None = None,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        """Stage `params` into `row` (applied by `apply_staged_writes`).
+
+        `prompt_len` is the ORIGINAL prompt length (not counting a resumed request's
+        earlier outputs); `eos_ids` are the model's EOS ids, masked by min_tokens.
+        Validates first: a ValueError leaves every row and mirror unchanged.
+        """
+        self.validate(params, vocab_size, eos_ids, prompt_len)
+        seed = params.seed if params.seed is not None else default_seed(self.base_seed, req_id)
+        top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+        random = not params.is_greedy
+
+        bias_ids = np.zeros(self.max_logit_bias, dtype=np.int64)
+        bias_values = np.zeros(self.max_logit_bias, dtype=np.float32)
+        if params.logit_bias:
+            n = len(params.logit_bias)
+            bias_ids[:n] = list(params.logit_bias.keys())
+            bias_values[:n] = list(params.logit_bias.values())
+        stop = self._min_tokens_ids(params, eos_ids) if params.min_tokens > 0 else []
+        min_tokens = params.min_tokens if stop else 0  # nothing to mask: min_tokens is moot
+        stop_ids = np.full(self.max_stop_ids, stop[0] if stop else 0, dtype=np.int64)
+        stop_ids[: len(stop)] = stop
+        use_allowed = params.allowed_token_ids is not None
+
+        self.random_np[row] = random
+        self.top_k_np[row] = top_k
+        self.top_p_np[row] = params.top_p
+        self.min_p_np[row] = params.min_p
+        self.penalties_np[row] = params.uses_penalties
+        self.bias_np[row] = bool(params.logit_bias) or use_allowed
+        self.min_tokens_np[row] = min_tokens > 0
+        self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
+        self._writes.stage(
+            row,
+            temperature=params.temperature,
+            top_k=top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=seed,
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            prompt_len=prompt_len or 0,
+            min_tokens=min_tokens,
+            use_allowed=use_allowed,
+        )
+        self._block_writes.stage("bias_ids", row, bias_ids)
+        self._block_writes.stage("bias_values", row, bias_values)
+        self._block_writes.stage("stop_ids", row, stop_ids)
+        if use_allowed:
+            bits = np.zeros(self.allowed_mask.shape[1] * 32, dtype=bool)
+            bits[list(params.allowed_token_ids)] = True
+            words = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
+            self._block_writes.stage("allowed_mask", row, words)
+
+    def apply_staged_writes(self) -> None:
+        self._writes.apply()
+        self._block_writes.apply()
+
+    # ---- features -----------------------------------------------------------------
+    def features(self, rows: np.ndarray) -> SamplingFeatures:
+        """What the batch with these state rows needs. Greedy rows ignore top-k/top-p/min-p."""
+        rows = np.asarray(rows, dtype=np.int64)
+        random = self.random_np[rows]
+        any_random = bool(random.any())
+        k = int(self.logprobs_np[rows].max()) if len(rows) else NO_LOGPROBS
+        return SamplingFeatures(
+            any_random=any_random,
+            any_top_k=any_random and bool((self.top_k_np[rows][random] > 0).any()),
+            any_top_p=any_random and bool((self.top_p_np[rows][random] < 1.0).any()),
+            any_min_p=any_random and bool((self.min_p_np[rows][random] > 0.0).any()),
+            any_penalties=bool(self.penalties_np[rows].any()),
+            any_logit_bias=bool(self.bias_np[rows].any()),
+            any_min_tokens=bool(self.min_tokens_np[rows].any()),
+            num_logprobs=round_logprobs(k, self.max_logprobs),
+        )
+
+    def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
+        """The logprob count each row asked for (-1 = none): how many columns to return."""
+        return self.logprobs_np[np.asarray(rows, dtype=np.int64)]

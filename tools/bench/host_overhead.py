@@ -1,0 +1,342 @@
+"""`bench host`: host CPU time per decode step, sync vs async scheduling.
+
+One `LLM` (FULL graphs captured at exactly the benchmarked batch sizes) serves every
+measurement. For each batch size and scheduling mode two loops run:
+
+- runner loop: hand-built decode plans (made before the timed region: that is the
+  engine's cost) through `execute_model` + `sample_tokens(async_output=True)` and the
+  output's `get()`. `host_us` is the wall time inside those calls, not counting the
+  wait for the output copy (`AsyncOutput.wait()`, untimed): pure host work. Sync
+  scheduling resolves each step before launching the next (the device is idle while
+  the host prepares); async launches step N + 1 first and then resolves step N, so the
+  host works while the device is busy. `step_us` is the wall time per loop iteration.
+- engine loop: the same with the reference `Scheduler` in the loop:
+  schedule + execute + sample(async) + resolve (update_from_output), minus the wait.
+
+`gpu_us` is the device time of one step from CUDA events in a separate synchronized
+pass (None on a CPU). No figure synchronizes inside its timed region.
+
+`noop_step=True` replaces the step body (eager body and graph replay) with a no-op:
+the host path alone, which is how to measure it on a CPU, where the "device" work
+runs inside `execute_model` on the same cores.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
+from tools.bench.common import Stats, env_info, release_memory, resolve_device
+
+logger = logging.getLogger("graphrunner.bench")
+
+Log = Callable[[str], None]
+SCHEDULINGS = ("sync", "async")
+_LEN_MARGIN = 8
+# Sync and async: which step's output is resolved right after a launch.
+_LAG = {"sync": 0, "async": 1}
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """What `run_host` measures."""
+
+    model: str = "builtin:qwen2.5-0.5b"
+    batch_sizes: tuple[int, ...] = (1, 64, 256)
+    context: int = 128
+    steps: int = 100
+    warmup: int = 10
+    mode: str = "FULL"
+    schedulings: tuple[str, ...] = SCHEDULINGS
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    compile_backend: str | None = None  # None: inductor on CUDA, eager on CPU
+    load_format: str = "auto"
+    seed: int = 0
+    noop_step: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+        object.__setattr__(self, "schedulings", tuple(self.schedulings))
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes={list(self.batch_sizes)} must be non-empty, each >= 1")
+        bad = [s for s in self.schedulings if s not in SCHEDULINGS]
+        if bad or not self.schedulings:
+            raise ValueError(f"schedulings={list(self.schedulings)}; allowed: {list(SCHEDULINGS)}")
+        for name in ("context", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch_sizes)
+
+    @property
+    def tokens_per_request(self) -> int:
+        """Longest sequence a request reaches: both loops of both schedulings, plus margin."""
+        return self.context + 2 * (self.warmup + self.steps) + _LEN_MARGIN
+
+
+@dataclass
+class HostRow:
+    """One (scheduling, batch size). Times in microseconds (medians; p90 beside)."""
+
+    scheduling: str
+    batch_size: int
+    descriptor: str
+    host_us: float
+    host_p90_us: float
+    step_us: float
+    engine_host_us: float | None
+    engine_step_us: float | None
+    gpu_us: float | None
+
+
+@dataclass
+class HostResult:
+    spec: HostSpec
+    env: dict
+    resolved_mode: str | None = None
+    rows: list[HostRow] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"kind": "host", "spec": asdict(self.spec), "env": self.env, "resolved_mode": self.resolved_mode,
+                "rows": [asdict(r) for r in self.rows], "error": self.error}
+
+
+def run_host(spec: HostSpec, log: Log = print) -> HostResult:
+    """Measure every (scheduling, batch size) of `spec`; a failure is recorded, not raised."""
+    from graphrunner.engine.llm import LLM
+
+    device = resolve_device(spec.device)
+    result = HostResult(spec, env_info(device, spec.dtype))
+    llm = None
+    try:
+        blocks_per_req = -(-spec.tokens_per_request // spec.block_size)
+        compile_backend = spec.compile_backend or ("inductor" if device.type == "cuda" else "eager")
+        log(f"building {spec.model} on {device} ({spec.mode}, capture sizes {list(spec.batch_sizes)})")
+        llm = LLM(
+            spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch,
+            max_num_batched_tokens=max(spec.max_batch, spec.context), max_model_len=blocks_per_req * spec.block_size,
+            block_size=spec.block_size, seed=spec.seed, num_kv_blocks=1 + spec.max_batch * blocks_per_req,
+            load_format=spec.load_format, enforce_eager=spec.mode.upper() == "NONE",
+            cudagraph_mode=None if spec.mode.upper() == "NONE" else spec.mode,
+            cudagraph_capture_sizes=spec.batch_sizes, compile_backend=compile_backend,
+        )
+        result.resolved_mode = llm.runner.graphs.mode.name if llm.runner.graphs.captured else "NONE"
+        if spec.noop_step:
+            # Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
+            llm.runner._run_step = lambda batch, piecewise=False: None
+            llm.runner.graphs.replay_full = lambda desc, features: None
+        for bs in spec.batch_sizes:
+            gpu = _gpu_step_us(llm.runner, spec, bs)
+            for scheduling in spec.schedulings:
+                row = _measure(llm, spec, bs, scheduling, gpu)
+                result.rows.append(row)
+                log(f"  {scheduling:<5} bs={bs:<4} host {row.host_us:7.1f} us/step (p90 {row.host_p90_us:.1f})  "
+                    f"step {row.step_us:8.1f} us  engine host {row.engine_host_us or float('nan'):7.1f} us  "
+                    f"gpu {row.gpu_us if row.gpu_us is not None else float('nan'):8.1f} us  [{row.descriptor}]")
+    except Exception as e:  # the numbers measured so far still count
+        result.error = f"{type(e).__name__}: {e}"
+        logger.exception("bench host failed")
+        log(f"  FAILED: {result.error}")
+    finally:
+        if llm is not None:
+            llm.runner.shutdown()
+        del llm
+        release_memory(device)
+    return result
+
+
+# ---- runner loop ------------------------------------------------------------------------
+def _admit(runner, spec: HostSpec, bs: int, tag: str) -> list[str]:
+    """`bs` requests whose first step is already a decode at `context` (no prefill)."""
+    req_ids = [f"host-{tag}-{bs}-{i}" for i in range(bs)]
+    rng = np.random.default_rng(spec.seed + bs)
+    bpr = runner.max_num_blocks_per_req
+    params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
+    so = SchedulerOutput(total_num_scheduled_tokens=bs)
+    for i, rid in enumerate(req_ids):
+        prompt = rng.integers(0, runner.vocab_size, size=spec.context).tolist()
+        so.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, list(range(1 + i * bpr, 1 + (i + 1) * bpr)),
+                                                    spec.context - 1))
+        so.num_scheduled_tokens[rid] = 1
+    runner.execute_model(so)
+    runner.sample_tokens(async_output=True).get()
+    return req_ids
+
+
+def _decode_plan(req_ids: list[str], computed: int) -> SchedulerOutput:
+    so = SchedulerOutput(total_num_scheduled_tokens=len(req_ids))
+    so.scheduled_cached_reqs.req_ids = list(req_ids)
+    so.scheduled_cached_reqs.new_block_ids = [None] * len(req_ids)
+    so.scheduled_cached_reqs.num_computed_tokens = [computed] * len(req_ids)
+    so.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    return so
+
+
+def _runner_loop(runner, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[float], list[float]]:
+    """Returns (host seconds per step, wall seconds per step) over the timed steps."""
+    req_ids = _admit(runner, spec, bs, scheduling)
+    n = spec.warmup + spec.steps
+    plans = [_decode_plan(req_ids, spec.context + i) for i in range(n)]
+    lag = _LAG[scheduling]
+    in_flight: list = []
+    host, wall = [], []
+    gc.collect()
+    gc.disable()  # a collection inside a timed region is noise, not host overhead
+    try:
+        for i, so in enumerate(plans):
+            t0 = time.perf_counter()
+            runner.execute_model(so)
+            in_flight.append(runner.sample_tokens(async_output=True))
+            t1 = time.perf_counter()
+            spent = t1 - t0
+            if len(in_flight) > lag:
+                out = in_flight.pop(0)
+                out.wait()  # the device's time, not the host's
+                t2 = time.perf_counter()
+                out.get()
+                spent += time.perf_counter() - t2
+            if i >= spec.warmup:
+                host.append(spent)
+                wall.append(time.perf_counter() - t0)
+        for out in in_flight:
+            out.get()
+    finally:
+        gc.enable()
+    runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
+    runner.sample_tokens()
+    return host, wall
+
+
+def _gpu_step_us(runner, spec: HostSpec, bs: int) -> float | None:
+    """Device time of one decode step (CUDA events, synchronized pass); None on a CPU."""
+    if runner.device.type != "cuda":
+        return None
+    req_ids = _admit(runner, spec, bs, "gpu")
+    times = []
+    for i in range(min(spec.steps, 20)):
+        torch.cuda.synchronize(runner.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.execute_model(_decode_plan(req_ids, spec.context + i))
+        end.record()
+        runner.sample_tokens()
+        times.append(start.elapsed_time(end) * 1e3)
+    runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
+    runner.sample_tokens()
+    return float(np.median(times))
+
+
+# ---- engine loop --------------------------------------------------------------------------
+def _engine_loop(llm, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[float], list[float]]:
+    """schedule + execute + sample(async) + resolve, minus the copy wait, over pure-decode steps."""
+    sched, runner = llm.scheduler, llm.runner
+    rng = np.random.default_rng(spec.seed + 7 * bs)
+    params = SamplingParams(max_tokens=spec.warmup + spec.steps + 2, temperature=0.0, ignore_eos=True)
+    ids = [f"eng-{scheduling}-{bs}-{i}" for i in range(bs)]
+    for rid in ids:
+        sched.add_request(rid, rng.integers(0, runner.vocab_size, size=spec.context).tolist(), params)
+    sched.async_scheduling = scheduling == "async"
+    lag = _LAG[scheduling]
+    in_flight: list = []
+    host, wall = [], []
+    decode_steps = 0
+    gc.collect()
+    gc.disable()
+    try:
+        while sched.has_unfinished_requests() or in_flight:
+            t0 = time.perf_counter()
+            so = sched.schedule() if sched.has_unfinished_requests() else None
+            if so is not None and so.total_num_scheduled_tokens:
+                runner.execute_model(so)
+                in_flight.append((so, runner.sample_tokens(async_output=True)))
+            elif so is not None and (so.finished_req_ids or so.preempted_req_ids):
+                runner.execute_model(so)
+            spent = time.perf_counter() - t0
+            if in_flight and (len(in_flight) > lag or so is None or not so.total_num_scheduled_tokens):
+                prev_so, out = in_flight.pop(0)
+                out.wait()
+                t2 = time.perf_counter()
+                sched.update_from_output(prev_so, out.get())
+                spent += time.perf_counter() - t2
+            is_decode = so is not None and so.total_num_scheduled_tokens == bs and not so.scheduled_new_reqs
+            if is_decode:
+                decode_steps += 1
+                if decode_steps > spec.warmup:
+                    host.append(spent)
+                    wall.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+        sched.async_scheduling = False
+    # Hand the runner its last finished requests (the scheduler reports them on the next plan).
+    so = sched.schedule()
+    if so.finished_req_ids:
+        runner.execute_model(so)
+    return host, wall
+
+
+def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None) -> HostRow:
+    runner = llm.runner
+    host, wall = _runner_loop(runner, spec, bs, scheduling)
+    eng_host, eng_wall = _engine_loop(llm, spec, bs, scheduling)
+    desc = runner.graphs.dispatch(bs, bs * runner.uniform_decode_query_len, runner.uniform_decode_query_len)
+    h = Stats.of(host)
+    return HostRow(
+        scheduling=scheduling,
+        batch_size=bs,
+        descriptor=str(desc),
+        host_us=h.median * 1e6,
+        host_p90_us=h.p90 * 1e6,
+        step_us=Stats.of(wall).median * 1e6,
+        engine_host_us=Stats.of(eng_host).median * 1e6 if eng_host else None,
+        engine_step_us=Stats.of(eng_wall).median * 1e6 if eng_wall else None,
+        gpu_us=gpu_us,
+    )
+
+
+# ---- rendering ----------------------------------------------------------------------------
+_COLUMNS = ("scheduling", "bs", "host us", "host p90", "step us", "engine host us", "engine step us", "gpu us",
+            "descriptor")
+
+
+def _cells(r: HostRow) -> list[str]:
+    def f(x):
+        return "n/a" if x is None else f"{x:.1f}"
+
+    return [r.scheduling, str(r.batch_size), f(r.host_us), f(r.host_p90_us), f(r.step_us), f(r.engine_host_us),
+            f(r.engine_step_us), f(r.gpu_us), r.descriptor]
+
+
+def host_text(result: HostResult) -> str:
+    rows = [list(_COLUMNS)] + [_cells(r) for r in result.rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    noop = ", no-op step body" if result.spec.noop_step else ""
+    lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop})"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    if result.error:
+        lines.append(f"error: {result.error}")
+    return "\n".join(lines)
+
+
+def host_markdown(result: HostResult) -> str:
+    lines = [f"## Host time per decode step: {result.spec.model} ({result.resolved_mode})", "",
+             f"Device: {result.env.get('device_name')}, torch {result.env.get('torch')}. "
+             "host = time inside execute_model + sample_tokens + output resolve, excluding the copy wait.", "",
+             "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result.rows]
+    if result.error:
+        lines += ["", f"Error: {result.error}"]
+    return "\n".join(lines) + "\n"

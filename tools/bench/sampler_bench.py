@@ -1,0 +1,197 @@
+"""Sampler cost: the greedy-only pipeline vs every feature on, eager and in a CUDA graph.
+
+Answers issue #4's question "do greedy-only batches get their own graphs?": if the
+all-features sampler costs much more than plain argmax at the decode batch sizes, a
+small sampling key in the graph descriptor (GREEDY | ALL_FEATURES) pays off.
+
+Variants (per batch size):
+  greedy   SamplingFeatures() on greedy requests: argmax only (the GREEDY graph).
+  all      exact features of a batch using penalties, min-p, top-k, top-p, logit bias
+           and logprobs=5 (K bucket 5).
+  all_on   SamplingFeatures.all_on() on the same batch (the ALL_FEATURES graph, K=20).
+
+    python -m tools.bench.sampler_bench --device cuda --json out/sampler.json
+
+Times are per sampler call: CUDA events on a GPU, perf_counter on a CPU (where only
+eager runs). Must run on CPU with small sizes (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from graphrunner.protocol import SamplingParams
+from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
+
+VARIANTS = ("greedy", "all", "all_on")
+
+
+def _all_features_params(i: int, vocab: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=i, repetition_penalty=1.1, frequency_penalty=0.2,
+        presence_penalty=0.1, logit_bias={(7 * i + j) % vocab: 1.0 for j in range(8)}, logprobs=5,
+    )
+
+
+def _setup(device: torch.device, num_reqs: int, vocab: int, max_model_len: int, variant: str):
+    rows = num_reqs + 1
+    g = torch.Generator().manual_seed(num_reqs)
+    history = torch.randint(0, vocab, (rows, max_model_len), generator=g, dtype=torch.int32).to(device)
+    states = SamplingStates(rows, device, vocab_size=vocab, all_token_ids=history)
+    prompt_len = max_model_len // 2
+    for i in range(num_reqs):
+        params = SamplingParams(temperature=0.0) if variant == "greedy" else _all_features_params(i, vocab)
+        states.add_request(i, f"r{i}", params, vocab, prompt_len=prompt_len, eos_ids=(0,))
+    states.apply_staged_writes()
+    if variant == "greedy":
+        features = SamplingFeatures()
+    elif variant == "all":
+        features = states.features(np.arange(num_reqs))
+    else:
+        features = SamplingFeatures.all_on()
+    k = max(features.num_logprobs, 0) + 1
+    bufs = dict(
+        logits=torch.randn(num_reqs, vocab, generator=g).to(device) * 3,  # [R, V]
+        idx=torch.arange(num_reqs, dtype=torch.int32, device=device),
+        pos=torch.full((num_reqs,), max_model_len - 1, dtype=torch.int32, device=device),  # seq_len
+        out=torch.zeros(num_reqs, dtype=torch.int32, device=device),
+        lp=torch.zeros(num_reqs, k, device=device),
+        ids=torch.zeros(num_reqs, k, dtype=torch.int32, device=device),
+        ranks=torch.zeros(num_reqs, dtype=torch.int32, device=device),
+    )
+    return states, features, bufs
+
+
+def _time(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Seconds per call, one sample per iteration."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def bench_sampler(
+    device: torch.device | str,
+    num_reqs: Sequence[int] = (1, 64, 256),
+    vocab: int = 151936,
+    iters: int = 50,
+    warmup: int = 3,
+    max_model_len: int = 4096,
+    variants: Sequence[str] = VARIANTS,
+    filter_impls: Sequence[str] = ("bisect", "sort"),
+    graphs: bool = True,
+) -> list[dict]:
+    """Time the sampler per (batch size, variant, filter impl, mode). Returns one dict per row.
+
+    mode "graph" (CUDA only, with graphs=True) replays a torch.cuda.CUDAGraph of the call;
+    "eager" calls it directly. Rows carry median/mean/min microseconds and, for graphs,
+    the graph pool memory.
+    """
+    device = torch.device(device)
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"variant {v!r} not in {VARIANTS}")
+    rows: list[dict] = []
+    for n in num_reqs:
+        for variant in variants:
+            # The filter implementation only matters when top-k/top-p run.
+            for impl in filter_impls if variant != "greedy" else filter_impls[:1]:
+                rows += _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs) -> list[dict]:
+    """Rows for one (batch size, variant, filter): eager, and graph replay on CUDA."""
+    states, features, b = _setup(device, n, vocab, max_model_len, variant)
+    sampler = Sampler(states, filter_impl=impl)
+
+    def call():
+        sampler(b["logits"], b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
+                out_logprob_ids=b["ids"], out_ranks=b["ranks"])
+
+    modes = [("eager", call)]
+    pool_bytes = None
+    if graphs and device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()  # warm-up (lazy inits) outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        before = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        pool_bytes = torch.cuda.memory_reserved(device) - before
+        modes.append(("graph", graph.replay))
+    rows = []
+    for mode, fn in modes:
+        samples = _time(fn, device, iters, warmup)
+        rows.append({
+            "num_reqs": n, "vocab": vocab, "max_model_len": max_model_len, "variant": variant,
+            "filter": impl if variant != "greedy" else "-", "mode": mode, "device": str(device),
+            "median_us": statistics.median(samples) * 1e6, "mean_us": statistics.fmean(samples) * 1e6,
+            "min_us": min(samples) * 1e6, "iters": iters,
+            "graph_pool_mib": None if mode != "graph" or pool_bytes is None else pool_bytes / 2**20,
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| reqs | variant | filter | mode | median µs | min µs | graph pool MiB |",
+             "|---:|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        pool = "" if r["graph_pool_mib"] is None else f"{r['graph_pool_mib']:.0f}"
+        lines.append(f"| {r['num_reqs']} | {r['variant']} | {r['filter']} | {r['mode']} | {r['median_us']:.1f} "
+                     f"| {r['min_us']:.1f} | {pool} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--num-reqs", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--filters", nargs="+", default=["bisect", "sort"], choices=["bisect", "sort"])
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    with torch.inference_mode():
+        rows = bench_sampler(args.device, args.num_reqs, args.vocab, args.iters,
+                             max_model_len=args.max_model_len, variants=args.variants,
+                             filter_impls=args.filters, graphs=not args.no_graphs)
+    print(markdown_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
