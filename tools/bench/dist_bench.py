@@ -229,18 +229,22 @@ def _markdown(results: list[dict]) -> str:
     lines = ["| config | bs | decode step median ms | p90 ms |", "|---|---|---|---|"]
     for r in results:
         for d in r.get("decode", []):
-            lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']} | {d['p90_ms']} |")
+            lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']:.3f} | {d['p90_ms']:.3f} |")
         if "status" in r and r["status"] != 0:
             lines.append(f"| {r['config']} | - | FAILED (status {r['status']}) | |")
         if "skipped" in r:
             lines.append(f"| {r['config']} | - | skipped: {r['skipped']} | |")
     for r in results:
         for b in r.get("bubble", []):
-            lines.append(f"\nPP bubble bs={b['bs']}: instrumented step {b['instrumented_step_ms']} ms; "
-                         f"per stage waits (ms): {b['stages_ms']}")
+            waits = "; ".join(
+                f"stage {st['pp_rank']} waits "
+                + ", ".join(f"{k.removesuffix('_s')} {v:.3f} ms" for k, v in st.items() if k != "pp_rank" and v is not None)
+                for st in b["stages_ms"]
+            )
+            lines.append(f"\nPP bubble bs={b['bs']}: instrumented step {b['instrumented_step_ms']:.3f} ms; {waits}")
         if "dp_waste" in r:
             w = r["dp_waste"]
-            lines.append(f"\nDP2 skewed: executed/real tokens = {w['padded_over_real']} over {w['steps']} steps "
+            lines.append(f"\nDP2 skewed: executed/real tokens = {w['padded_over_real']:.2f} over {w['steps']} steps "
                          f"({w['executed_tokens']} / {w['real_tokens']})")
     return "\n".join(lines) + "\n"
 
