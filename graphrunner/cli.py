@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "graphrunner.engine.cli",
     "inspect": "tools.inspect.cli",
     "bench": "tools.bench.cli",
+    "launch": "graphrunner.distributed.launch",
 }
 
 
@@ -38,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # a subcommand may re-launch itself (generate --tp/--pp/--dp)
     return int(args.func(args) or 0)
 
 

@@ -31,6 +31,8 @@ from graphrunner.async_output import AsyncOutput, OutputRing
 from graphrunner.attention.op import forward_context
 from graphrunner.block_table import BlockTables, compute_slot_mapping
 from graphrunner.config import RunnerConfig, resolve_dtype
+from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.distributed.runner_hooks import ParallelHooks
 from graphrunner.input_batch import InputBatch, InputBuffers
 from graphrunner.kernels.input_prep import (
     compute_logits_indices,
@@ -95,10 +97,22 @@ class _DecodePlan:
 
 
 class ModelRunner:
-    """Runs steps of one model on one device over persistent, max-size buffers."""
+    """Runs steps of one model on one device over persistent, max-size buffers.
 
-    def __init__(self, config: RunnerConfig, device: torch.device | str):
+    `groups` places this runner in a TP x PP x DP world (`init_distributed`); None for a
+    single process.
+    """
+
+    def __init__(self, config: RunnerConfig, device: torch.device | str, groups: ParallelGroups | None = None):
         self.config = config
+        if groups is None:
+            if config.parallel.world_size != 1:
+                raise ValueError(
+                    f"parallel config of world size {config.parallel.world_size} needs the process groups "
+                    "(graphrunner.distributed.init_distributed)"
+                )
+            groups = ParallelGroups.single(config.parallel, device)
+        self.groups = groups
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -140,16 +154,27 @@ class ModelRunner:
         self._last_descriptor: BatchExecutionDescriptor | None = None
         self._current_batch: InputBatch | None = None
         self._piecewise = None  # PiecewiseCompiled (compiled model) once the graph mode needs it
+        self.parallel = ParallelHooks(self, groups)
+        if config.model.num_key_value_heads % groups.tp_size:
+            raise ValueError(
+                f"num_key_value_heads={config.model.num_key_value_heads} is not divisible by "
+                f"tensor_parallel_size={groups.tp_size}"
+            )
+        self.num_kv_heads_local = config.model.num_key_value_heads // groups.tp_size
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:
         """Build the model and load its weights (a HF folder, or dummy weights)."""
+        from graphrunner.distributed.comm import TPComm
         from graphrunner.models.loader import load_model
 
         start = time.perf_counter()
+        g = self.groups
         self.model = load_model(
-            self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device
+            self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
+            tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size,
         )
+        self.parallel.allocate_buffers(self.model_config.hidden_size, self.dtype)
         logger.info(
             "loaded %s (%.2f GiB of %s weights) on %s in %.2f s",
             self.model_config.name,
@@ -160,15 +185,20 @@ class ModelRunner:
         )
 
     @property
+    def num_local_layers(self) -> int:
+        """Decoder layers this rank holds (all of them without pipeline parallelism)."""
+        return self.model.num_local_layers if self.model is not None else self.model_config.num_hidden_layers
+
+    @property
     def kv_block_bytes(self) -> int:
         m = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * elem
+        return 2 * self.num_local_layers * self.block_size * self.num_kv_heads_local * m.head_dim * elem
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         m = self.model_config
-        shape = (2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_hidden_layers)]
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads_local, m.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_local_layers)]
 
     @torch.inference_mode()
     def determine_num_kv_blocks(self) -> int:
@@ -201,6 +231,8 @@ class ModelRunner:
             )
         # More blocks than max_num_seqs full-length requests can ever hold would be dead memory.
         num_blocks = min(num_blocks, self.max_num_reqs * self.max_num_blocks_per_req)
+        # Every rank of a replica serves one scheduler: they must agree on the cache size.
+        num_blocks = self.parallel.agree_num_kv_blocks(num_blocks)
         if num_blocks < self.max_num_blocks_per_req:
             raise RuntimeError(
                 f"only {num_blocks} KV blocks fit, fewer than the {self.max_num_blocks_per_req} one request of "
@@ -237,7 +269,10 @@ class ModelRunner:
         return self.capture_report
 
     def shutdown(self) -> None:
-        """Release graphs and the graph pool first, then the KV cache (lifecycle order)."""
+        """Release graphs and the graph pool first, then the KV cache (lifecycle order).
+
+        Process groups outlive this: destroy them after (`ParallelGroups.destroy`)."""
+        self.parallel.close()
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None
@@ -270,6 +305,7 @@ class ModelRunner:
         validate_scheduler_output(self, so, plan.hint if plan is not None else None)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            self.parallel.idle_step()  # DP: an idle replica still joins the step's collectives
             return
         if plan is not None and any(so.scheduled_cached_reqs.new_block_ids):
             plan.hint.limit = self._token_limits(plan.hint.rows)
@@ -277,6 +313,7 @@ class ModelRunner:
         self._current_batch = batch
         # The step overwrites `sampled`, which the last async output copy may still read.
         self.output_ring.guard_next_step()
+        self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
         if desc.is_full:
             assert self.graphs is not None
             self.graphs.replay_full(desc, batch.sampling_features)
@@ -286,10 +323,12 @@ class ModelRunner:
         idx = batch.idx_mapping_np
         if plan is not None and plan.hint.all_decode:
             s.num_computed_np[idx] += self.uniform_decode_query_len  # rows are distinct: no lost updates
+            self.parallel.after_forward(batch, plan.all_produce)  # PP: send on, exchange sampled tokens
             self._pending = _PendingStep(batch, desc, plan.all_produce, True)
         else:
             nc_after = s.num_computed_np[idx] + batch.query_lens_np
             produces = nc_after >= s.prefill_len_np[idx]
+            self.parallel.after_forward(batch, produces)  # PP: send on, exchange sampled tokens
             s.num_computed_np[idx] = nc_after
             self._pending = _PendingStep(batch, desc, produces, bool(produces.all()))
             if self._plan is not None and self._plan.batch is batch:
@@ -348,6 +387,7 @@ class ModelRunner:
                 row = self.req_states.remove_request(req_id)
                 if row is not None:
                     self.block_tables.clear_row(row)
+                    self.parallel.on_row_freed(row)
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         cached = so.scheduled_cached_reqs
@@ -377,6 +417,8 @@ class ModelRunner:
         """The last decode plan if `so` schedules exactly its requests, in its order, as decodes."""
         plan = self._plan
         if plan is None or so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids:
+            return None
+        if self.groups.dp_size > 1:  # the DP replicas agree on each step's descriptor anew
             return None
         if plan.epoch != self.req_states.epoch or plan.graphs_key != self._graphs_key():
             return None
@@ -422,7 +464,7 @@ class ModelRunner:
         q = self.uniform_decode_query_len
         uniform = q if num_tokens == num_reqs * q and bool((query_lens == q).all()) else None
         assert self.graphs is not None
-        desc = self.graphs.dispatch(num_reqs, num_tokens, uniform)
+        desc = self.parallel.dispatch(num_reqs, num_tokens, uniform)
         # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (DESIGN.md §4.3).
         num_reqs_padded = desc.num_reqs if desc.is_full else num_reqs
         num_tokens_padded = desc.num_tokens
@@ -466,6 +508,12 @@ class ModelRunner:
         """
         self._prepare_inputs(batch)
         self._forward_and_sample(batch, piecewise)
+        if not self.parallel.run_stage_only():
+            self.post_update(batch)
+
+    def post_update(self, batch: InputBatch) -> None:
+        """Advance request state by the step's sampled tokens (in the step body; on non-last
+        PP stages after the tokens arrived from the last stage)."""
         s = self.req_states
         post_update(batch.idx_mapping, batch.query_start_loc, batch.seq_lens, batch.sampled,
                     s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids)
@@ -490,13 +538,17 @@ class ModelRunner:
             forward = self._piecewise.run_compiled  # FULL graph bodies: fused kernels, no piece graphs
         else:
             forward = self.model
+        args = self._model_args(batch)
         if self.model.attention_op_enabled:
             # The attention op reads this step's metadata and caches from the context,
             # so that they are not inputs of the compiled pieces.
             with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
-                hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+                hidden = forward(*args)  # [T_pad, H]
         else:
-            hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)  # [T_pad, H]
+            hidden = forward(*args)  # [T_pad, H]
+        if self.parallel.run_stage_only():  # PP, not the last stage: (hidden, residual) go on
+            self.parallel.stage_output(hidden, batch.num_tokens_padded)
+            return
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         r_pad = batch.num_reqs_padded
@@ -505,6 +557,31 @@ class ModelRunner:
             out_logprobs=self.logprob_values[:r_pad], out_logprob_ids=self.logprob_token_ids[:r_pad],
             out_ranks=self.logprob_ranks[:r_pad],
         )
+
+    def _model_args(self, batch: InputBatch) -> tuple:
+        """The model's forward arguments for `batch` (plus the PP stage inputs off the first stage)."""
+        return (batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata,
+                *self.parallel.model_extra_args(batch.num_tokens_padded))
+
+    def run_dummy_step(self, desc: BatchExecutionDescriptor) -> None:
+        """An idle DP replica's step: the agreed descriptor over scratch entries only.
+
+        Runs the same graph / compiled / eager body (and PP exchange) as a real step of
+        that shape, so every collective inside it matches the busy replicas'.
+        """
+        query_lens = self._capture_query_lens(desc)
+        num_reqs_padded = desc.num_reqs if desc.num_reqs is not None else len(query_lens)
+        batch = self._dummy_batch(query_lens, SamplingFeatures(), num_reqs_padded, desc.num_tokens)
+        self._current_batch = batch
+        self.parallel.before_forward(batch.num_tokens_padded)
+        if desc.is_full:
+            assert self.graphs is not None
+            self.graphs.replay_full(desc, batch.sampling_features)
+        else:
+            self._run_step(batch, piecewise=desc.is_piecewise)
+        self.parallel.after_forward(batch, None)
+        self._current_batch = None
+        self.reset_scratch_row()
 
     # ---- profiling --------------------------------------------------------------
     def _profile_run(self) -> None:
@@ -635,7 +712,7 @@ class ModelRunner:
             self._piecewise = PiecewiseCompiled(
                 self.model,
                 [torch.ops.graphrunner.unified_attention],
-                token_args=(0, 1),  # input_ids, positions: [T_pad]
+                token_args=self.parallel.token_args,  # input_ids, positions (+ PP stage inputs): [T_pad]
                 compile_backend=comp.compile_backend,
                 device=self.device,
                 check_addresses=comp.debug_cudagraphs,
@@ -654,7 +731,7 @@ class ModelRunner:
         batch = self._dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
         self._prepare_inputs(batch)
         with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
-            self._piecewise.run_compiled(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+            self._piecewise.run_compiled(*self._model_args(batch))
         self.reset_scratch_row()
         return time.perf_counter() - start
 
@@ -667,8 +744,7 @@ class ModelRunner:
         reserved = pool.reserved_bytes()
         start = time.perf_counter()
         with forward_context(batch.attn_metadata, self.kv_caches, self.attn_backend):
-            self._piecewise.capture(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata,
-                                    pool=pool.handle, stream=pool.stream)
+            self._piecewise.capture(*self._model_args(batch), pool=pool.handle, stream=pool.stream)
         return CaptureRecord(label, time.perf_counter() - start, pool.reserved_bytes() - reserved)
 
     def release_piecewise(self) -> None:

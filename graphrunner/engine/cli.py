@@ -2,6 +2,10 @@
 
 Prompts are random token ids drawn from `--seed`, or text given with `--prompt` when the
 model folder has a tokenizer.json (needs the optional `tokenizers` package).
+
+With --tp/--pp/--dp > 1 and no WORLD_SIZE in the environment, the command re-launches
+itself as tp*pp*dp ranks through `graphrunner launch` (torchrun works too); every rank
+runs the engine (SPMD), DP replicas split the prompts, and only global rank 0 prints.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds before a collective with a dead or stalled rank raises")
+    p.add_argument("--launch-timeout", type=float, default=None,
+                   help="when re-launching as several ranks: kill them all after this many seconds")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the workload once untimed first (JIT compiles stay out of the figure)")
     p.add_argument("--record-batches", metavar="FILE", default=None,
@@ -72,6 +83,18 @@ def run(args: argparse.Namespace) -> int:
     """Run `generate` with parsed arguments; prints a summary and returns the exit status.
 
     Bad arguments raise SystemExit with a one-line message, as argparse does."""
+    import os
+
+    world = args.tp * args.pp * args.dp
+    if world < 1 or min(args.tp, args.pp, args.dp) < 1:
+        raise SystemExit(f"graphrunner generate: --tp={args.tp} --pp={args.pp} --dp={args.dp} must all be >= 1")
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        from graphrunner.distributed.launch import launch
+
+        argv = list(getattr(args, "argv", None) or sys.argv[1:])
+        return launch([sys.executable, "-m", "graphrunner.cli", *argv], world, timeout=args.launch_timeout)
+    is_printer = int(os.environ.get("RANK", "0")) == 0
+
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
@@ -116,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
             compile_backend=args.compile_backend,
             debug_cudagraphs=args.debug_cudagraphs,
             async_scheduling=args.async_scheduling,
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            data_parallel_size=args.dp,
+            collective_timeout_s=args.collective_timeout,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model name, folder or limits: no traceback needed
         raise SystemExit(f"graphrunner generate: {e}") from None
@@ -139,12 +166,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"graphrunner generate: {e}") from None
     elapsed = time.perf_counter() - start
+    graphs = llm.runner.graphs
+    mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"
+    llm.shutdown()
+    if not is_printer:
+        return 0
 
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"model:            {args.model}")
     print(f"device:           {llm.device}")
-    print(f"cudagraph mode:   {llm.runner.graphs.mode.name if llm.runner.graphs.captured else 'NONE (eager)'}")
+    print(f"cudagraph mode:   {mode_name}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
+    if world > 1:
+        print(f"tensor parallel:  {args.tp}")
+        print(f"pipeline stages:  {args.pp}")
+        print(f"data parallel:    {args.dp}")
     print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")
     print(f"load seconds:     {load_seconds:.2f}")
     print(f"num prompts:      {len(prompts)}")

@@ -14,6 +14,13 @@ step N's output (`AsyncOutput.get()`, which waits for its copy only) ->
 update_from_output(N). The host never waits for the step it just launched, so it
 prepares the next one while the device runs. Tokens are exactly those of the
 synchronous loop (see `Scheduler` for the placeholder bookkeeping).
+Parallel runs (tensor_parallel_size / pipeline_parallel_size / data_parallel_size > 1)
+are SPMD: every rank, started by torchrun or `graphrunner launch`, constructs the same
+`LLM` and calls the same `generate`. The ranks of one DP replica run identical
+schedulers over identical requests (deterministic), so they agree on every step
+without talking; DP replicas each take a round-robin share of the prompts, step
+together (idle replicas run dummy steps) and gather the outputs, so `generate`
+returns the full, identical result list on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
     LoadConfig,
+    ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
     resolve_dtype,
@@ -72,6 +80,11 @@ class LLM:
             between `generate` calls.
         async_scheduling: schedule and launch step N + 1 before step N's tokens are
             resolved (module docstring); same tokens, less host time on the critical path.
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the parallel
+            layout; their product must equal WORLD_SIZE (run under torchrun or
+            `graphrunner launch`). `device` then names the device type; each rank takes
+            cuda:LOCAL_RANK.
+        collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -92,6 +105,10 @@ class LLM:
         enforce_eager: bool | None = None,
         record_batches: str | os.PathLike | None = None,
         async_scheduling: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        collective_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _COMPILATION_FIELDS
@@ -101,10 +118,26 @@ class LLM:
                 f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
             )
         # Imported here so that the engine package imports without the model stack.
+        from graphrunner.distributed.groups import init_distributed
         from graphrunner.models.loader import is_builtin, load_model_config
         from graphrunner.runner import ModelRunner
 
+        parallel = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            collective_timeout_s=collective_timeout_s,
+        )
+        if async_scheduling and parallel.world_size > 1:
+            # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
+            # protocol for placeholders; neither is built, so refuse instead of diverging.
+            raise ValueError(
+                f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
+                f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
+            )
         self.device = torch.device(device) if device is not None else default_device()
+        self.groups = init_distributed(parallel, self.device)
+        self.device = self.groups.device
         self.dtype = resolve_dtype(dtype, self.device)
         model_config = load_model_config(model)
         if max_model_len is None:
@@ -125,12 +158,13 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=True,
             ),
+            parallel=parallel,
             compilation=CompilationConfig(enforce_eager=enforce_eager, **kwargs),
             dtype=dtype,
             seed=seed,
         )
 
-        self.runner = ModelRunner(self.config, self.device)
+        self.runner = ModelRunner(self.config, self.device, self.groups)
         self.runner.load_model()
         num_blocks = num_kv_blocks if num_kv_blocks is not None else self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
@@ -175,14 +209,18 @@ class LLM:
         ):
             raise TypeError("prompt_token_ids must be a list of token-id lists, one per prompt")
         params = self._per_prompt_params(sampling_params, len(prompt_token_ids))
+        dp_size, dp_rank = self.groups.dp_size, self.groups.dp_rank
+        # Request ids are global prompt numbers, identical whatever the DP layout.
+        base = self._next_req_id
+        all_ids = [str(base + i) for i in range(len(prompt_token_ids))]
+        mine = list(range(dp_rank, len(prompt_token_ids), dp_size))
+        self._next_req_id += len(prompt_token_ids)
 
         req_ids: list[str] = []
         try:
-            for prompt, sp in zip(prompt_token_ids, params):
-                req_id = str(self._next_req_id)
-                self.scheduler.add_request(req_id, prompt, sp)
-                self._next_req_id += 1
-                req_ids.append(req_id)
+            for i in mine:
+                self.scheduler.add_request(all_ids[i], prompt_token_ids[i], params[i])
+                req_ids.append(all_ids[i])
         except Exception:
             for req_id in req_ids:
                 self.scheduler.abort_request(req_id)
@@ -191,7 +229,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(req_ids)) if use_tqdm else None
         try:
-            while self.scheduler.has_unfinished_requests():
+            while self._any_unfinished():
                 for out in self.step():
                     results[out.req_id] = out
                     if progress is not None:
@@ -201,17 +239,62 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [results[req_id] for req_id in req_ids]
+        if dp_size > 1:
+            results = self._gather_results(results)
+        return [results[req_id] for req_id in all_ids]
+
+    def _any_unfinished(self) -> bool:
+        """Whether any DP replica still has work (one tiny CPU all-reduce under DP)."""
+        local = self.scheduler.has_unfinished_requests()
+        group = self.groups.dp.cpu_group
+        if group is None:
+            return local
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(local)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.groups.dp_size
+        dist.all_gather_object(gathered, results, group=self.groups.dp.cpu_group)
+        merged: dict[str, RequestOutput] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def shutdown(self) -> None:
+        """Release graphs, pool and cache, then the process groups (in that order). Idempotent."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.shutdown()
+        groups = getattr(self, "groups", None)
+        if groups is not None:
+            groups.destroy()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (none when idle).
 
         With async scheduling, the requests whose end became known in it: the output
-        resolved in a step is the previous step's.
+        resolved in a step is the previous step's. Under DP an idle replica still runs the
+        step (a dummy one): call it only while `_any_unfinished()` says some replica has
+        work, as `generate` does.
         """
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
+            if self.groups.dp_size > 1:
+                # An empty plan (it still carries the ids of requests finished last step).
+                self.runner.execute_model(self.scheduler.schedule())
+                self.runner.sample_tokens()
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:

@@ -1,8 +1,13 @@
-"""Token embedding and LM head.
+"""Token embedding and LM head, vocab-parallel under tensor parallelism.
 
 Both own a [vocab, hidden] weight. With tied embeddings the model reuses the
 `VocabEmbedding` as its head (`VocabEmbedding.logits`), so there is one tensor.
-Vocab-parallel sharding is the tensor-parallel seam here; only tp_size=1 exists today.
+
+Vocab-parallel sharding (tp_size > 1): the vocabulary is padded up to a multiple of
+tp_size and rank r holds rows [r * Vp, (r + 1) * Vp) with Vp = ceil(vocab / tp_size)
+(padding rows are zero). The embedding looks up only its own rows (others read as 0)
+and all-reduces; the head computes its [R, Vp] slice of the logits and all-gathers
+them, so every TP rank holds the full [R, vocab] logits and samples the same tokens.
 """
 
 from __future__ import annotations
@@ -11,40 +16,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_tp(tp_size: int, what: str) -> None:
-    if tp_size != 1:
-        raise NotImplementedError(f"{what} with tp_size={tp_size}: vocab-parallel sharding is not implemented (only 1)")
+from graphrunner.distributed.comm import TPComm
 
 
-class VocabEmbedding(nn.Module):
+class _VocabParallel(nn.Module):
+    """Owns this rank's [Vp, hidden] slice of a [vocab, hidden] matrix."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device, tp: TPComm | None) -> None:
+        super().__init__()
+        self.tp = tp or TPComm()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.rows_per_rank = -(-vocab_size // self.tp.size)
+        self.vocab_start = self.tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def checkpoint_shape(self, param: str = "weight", shard_id=None) -> tuple[int, int]:
+        if param != "weight" or shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has only 'weight', got {param!r}/{shard_id!r}")
+        return (self.vocab_size, self.hidden_size)
+
+    @torch.no_grad()
+    def load_shard(self, param: str, tensor: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of the full [vocab, hidden] tensor; zero the padding rows."""
+        self.checkpoint_shape(param, shard_id)
+        n = max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
+        if n:
+            self.weight[:n].copy_(tensor.narrow(0, self.vocab_start, n))
+        self.weight[n:].zero_()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
+        """Project onto the (gathered) vocabulary: every TP rank gets the full logits."""
+        if self.tp.size == 1:
+            return lm_logits(hidden, self.weight)
+        local = F.linear(hidden, self.weight)  # [R, Vp] in the model dtype, as HF
+        return self.tp.gather_last_dim(local)[:, : self.vocab_size].float()
+
+
+class VocabEmbedding(_VocabParallel):
     """input_ids [T] (int32 or int64) -> embeddings [T, hidden]."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None, tp_size: int = 1) -> None:
-        super().__init__()
-        _check_tp(tp_size, "VocabEmbedding")
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
+                 tp: TPComm | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Masked lookup: ids outside this rank's rows read row 0 and are zeroed; the
+        # all-reduce then sums exactly one non-zero contribution per token.
+        local = input_ids.long() - self.vocab_start  # [T]
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        emb = F.embedding(local * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(emb)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
-        """Tied LM head: project onto the embedding matrix."""
-        return lm_logits(hidden, self.weight)
 
-
-class LMHead(nn.Module):
+class LMHead(_VocabParallel):
     """Untied LM head: hidden [R, hidden] -> logits [R, vocab] float32."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None, tp_size: int = 1) -> None:
-        super().__init__()
-        _check_tp(tp_size, "LMHead")
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
-        return lm_logits(hidden, self.weight)
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
+                 tp: TPComm | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp)
 
 
 def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,14 @@ backend, in `Attention.attend`. In *op mode* (`LlamaForCausalLM.use_attention_op
 that call goes through the opaque custom op `graphrunner::unified_attention`, which
 reads the per-step metadata, KV caches and backend from `forward_context`: the model is
 then traceable by dynamo with fullgraph=True and splits at attention (PIECEWISE graphs).
+
+Parallelism. With a `TPComm` of size > 1 the projections are column/row parallel
+(heads, gate/up split; o/down all-reduced through `graphrunner::tp_all_reduce`) and the
+embedding and head are vocab-parallel. With pp_size > 1 the model holds only its
+stage's layers (`pp_layer_range`); the others are parameter-free placeholders, so
+parameter names stay the global HF ones. The first stage embeds, the last one applies
+the final norm and owns the head; a non-last stage returns `(hidden, residual)` for the
+next one, and a non-first stage takes them as extra `forward` arguments.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from torch import nn
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
 from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
 from graphrunner.config import ModelConfig
+from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from graphrunner.layers.norm import RMSNorm
@@ -44,12 +53,13 @@ class Attention(nn.Module):
         dtype,
         device,
         layer_index: int = 0,
+        tp: TPComm | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPComm()
         d = config.head_dim
-        self.layer_index = layer_index  # which of the forward context's KV caches the op uses
+        self.layer_index = layer_index  # which of the forward context's KV caches the op uses (stage-local)
         self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.scale = d**-0.5
         self.qkv_proj = QKVLinear(
             config.hidden_size,
@@ -59,10 +69,17 @@ class Attention(nn.Module):
             bias=config.attention_bias,
             dtype=dtype,
             device=device,
+            tp_size=tp.size,
+            tp_rank=tp.rank,
         )
+        # Heads of this TP rank.
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         # HF Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2's bias is on q/k/v only.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = RowLinear(config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = RowLinear(
+            config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
+            tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None,
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
@@ -112,11 +129,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig, *, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, *, dtype, device, tp: TPComm | None = None) -> None:
         super().__init__()
+        tp = tp or TPComm()
         i = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [i, i], dtype=dtype, device=device)
-        self.down_proj = RowLinear(i, config.hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [i, i], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank
+        )
+        self.down_proj = RowLinear(
+            i, config.hidden_size, dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank,
+            all_reduce=tp.all_reduce if tp.size > 1 else None,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -136,12 +159,15 @@ class DecoderLayer(nn.Module):
         dtype,
         device,
         layer_index: int = 0,
+        tp: TPComm | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index)
+        self.self_attn = Attention(
+            config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(config, dtype=dtype, device=device)
+        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp)
 
     def forward(
         self,
@@ -160,38 +186,95 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[start, end) of the layers stage `pp_rank` holds: an even split, the remainder on
+    the first stages (the last one also runs the norm and the head)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
+    if num_layers < pp_size:
+        raise ValueError(f"num_hidden_layers={num_layers} < pipeline_parallel_size={pp_size}: a stage would be empty")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype, device) -> None:
+
+class MissingLayer(nn.Module):
+    """Stands for a decoder layer another pipeline stage holds (no parameters)."""
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise RuntimeError("a layer of another pipeline stage was called")
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix), or one PP stage of them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        *,
+        dtype,
+        device,
+        tp: TPComm | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_size, pp_rank)
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        # The last stage keeps the embedding too when the head is tied to it.
+        needs_embed = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp)
+            if needs_embed else None
+        )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, attn_backend, dtype=dtype, device=device, layer_index=i)
+            DecoderLayer(
+                config, self.rotary_emb, attn_backend, dtype=dtype, device=device,
+                layer_index=i - self.start_layer, tp=tp,
+            )
+            if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) if self.is_last_stage else None
+        )
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int32
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],  # this stage's layers only
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        hidden_in: torch.Tensor | None = None,  # [T, hidden]: from the previous stage (non-first stages)
+        residual_in: torch.Tensor | None = None,  # [T, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Last stage: [T, hidden] after the final norm. Other stages: (hidden, residual)."""
+        local_layers = self.layers[self.start_layer : self.end_layer]
         if self.attention_op_mode:
             # The op takes each layer's cache from the forward context; not touching the
             # list here keeps it (and its guards) out of the compiled graph.
-            kv_caches = [None] * len(self.layers)
-        elif len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+            kv_caches = [None] * len(local_layers)
+        elif len(kv_caches) != len(local_layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(local_layers)} layers")
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            if hidden_in is None or residual_in is None:
+                raise ValueError("a non-first pipeline stage needs hidden_in and residual_in")
+            hidden, residual = hidden_in, residual_in
+        for layer, kv_cache in zip(local_layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm.add_norm(hidden, residual)
         return hidden
 
@@ -211,25 +294,48 @@ class LlamaForCausalLM(nn.Module):
     filled by `load_weights` (HF names) or `graphrunner.models.loader.init_dummy_weights`.
     """
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device,
+        tp: TPComm | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> None:
         super().__init__()
         check_architecture(config.architecture)
         self.config = config
-        self.model = LlamaModel(config, attn_backend, dtype=dtype, device=device)
+        self.tp = tp or TPComm()
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.model = LlamaModel(
+            config, attn_backend, dtype=dtype, device=device, tp=self.tp, pp_rank=pp_rank, pp_size=pp_size
+        )
         self.lm_head = (
             None
-            if config.tie_word_embeddings
-            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            if config.tie_word_embeddings or not self.model.is_last_stage
+            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=self.tp)
         )
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int32
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # one per layer: [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # one per local layer: [2, num_blocks, block_size, Hkv_local, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        hidden_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
+        residual_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden], or (hidden, residual) off the last stage
+        if hidden_in is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_in, residual_in)
+
+    @property
+    def num_local_layers(self) -> int:
+        """Decoder layers (and so KV caches) of this pipeline stage."""
+        return self.model.num_local_layers
 
     def use_attention_op(self, enabled: bool) -> None:
         """Route attention through the custom op `graphrunner::unified_attention` (op mode).
@@ -239,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
         `kv_caches` and `attn_metadata` arguments of `forward` are then ignored.
         """
         self.model.attention_op_mode = bool(enabled)
-        for layer in self.model.layers:
+        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
             layer.self_attn.attention_op_mode = bool(enabled)
 
     @property
@@ -247,6 +353,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.attention_op_mode
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
+        """Full-vocabulary logits on every TP rank (last PP stage only)."""
+        if not self.model.is_last_stage:
+            raise RuntimeError(f"compute_logits on pipeline stage {self.pp_rank} of {self.pp_size}: only the last has the head")
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.logits(hidden)
 
@@ -299,11 +408,14 @@ class LlamaForCausalLM(nn.Module):
             )
 
         m = self.model
-        plain("model.embed_tokens.weight", m.embed_tokens.weight)
-        plain("model.norm.weight", m.norm.weight)
+        if m.embed_tokens is not None:
+            sharded("model.embed_tokens.weight", m.embed_tokens, "weight")
+        if m.norm is not None:
+            plain("model.norm.weight", m.norm.weight)
         if self.lm_head is not None:
-            plain("lm_head.weight", self.lm_head.weight)
-        for i, layer in enumerate(m.layers):
+            sharded("lm_head.weight", self.lm_head, "weight")
+        for i in range(m.start_layer, m.end_layer):
+            layer = m.layers[i]
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             plain(p + "input_layernorm.weight", layer.input_layernorm.weight)
@@ -321,3 +433,33 @@ class LlamaForCausalLM(nn.Module):
             sharded(p + "mlp.up_proj.weight", mlp.gate_up_proj, "weight", 1)
             sharded(p + "mlp.down_proj.weight", mlp.down_proj, "weight")
         return targets
+
+    # ------------------------------------------------------------------ sharded dummy weights
+
+    @torch.no_grad()
+    def load_full_parameter(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load this rank's share of `tensor`, the full (unsharded) value of the parameter
+        `name` of the single-process model (fused names: `qkv_proj`, `gate_up_proj`).
+
+        Returns False when the parameter lives on another pipeline stage. Used to shard
+        dummy weights so that a TP/PP model equals the single-process one exactly.
+        """
+        module_name, _, param = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return False
+        if isinstance(module, MissingLayer) or getattr(module, param, None) is None:
+            return False
+        if isinstance(module, QKVLinear):
+            q, kv = self.config.q_size, self.config.kv_size
+            for shard, part in zip(("q", "k", "v"), tensor.split([q, kv, kv], dim=0)):
+                module.load_shard(param, part, shard)
+        elif isinstance(module, MergedColumnLinear):
+            for i, part in enumerate(tensor.split(list(module.out_sizes), dim=0)):
+                module.load_shard(param, part, i)
+        elif hasattr(module, "load_shard"):
+            module.load_shard(param, tensor)
+        else:
+            getattr(module, param).copy_(tensor)
+        return True

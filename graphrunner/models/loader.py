@@ -24,6 +24,7 @@ logger = logging.getLogger("graphrunner.models")
 __all__ = [
     "checkpoint_dtype",
     "init_dummy_weights",
+    "init_dummy_weights_sharded",
     "is_builtin",
     "iter_checkpoint_weights",
     "load_model",
@@ -251,6 +252,29 @@ def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02) 
                 param.add_(1.0)
 
 
+@torch.no_grad()
+def init_dummy_weights_sharded(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+    """Dummy weights of a TP/PP-sharded model equal to the single-process model's shards.
+
+    Walks the parameters of the *unsharded* model (built on the meta device, so nothing
+    is allocated), draws each full tensor exactly as `init_dummy_weights` would (same
+    generator, same order, same shape), and keeps this rank's share. One full tensor
+    exists at a time.
+    """
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    full = LlamaForCausalLM(model.config, None, dtype=next(model.parameters()).dtype, device="meta")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, meta in full.named_parameters():
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        if tensor.dtype.is_floating_point:
+            tensor.normal_(0.0, std, generator=gen)
+            if name.endswith("norm.weight"):
+                tensor.add_(1.0)
+        model.load_full_parameter(name, tensor)
+
+
 def load_model(
     model_config: ModelConfig,
     load_config: LoadConfig,
@@ -258,11 +282,16 @@ def load_model(
     attn_backend: Any,
     dtype: torch.dtype | str,
     device: torch.device | str,
+    tp: Any = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> "torch.nn.Module":
     """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.
     `"auto"`: safetensors from the folder `load_config.model` (cast and moved as loaded).
+    `tp` (a `TPComm`), `pp_rank`/`pp_size`: build and fill only this rank's shard; dummy
+    weights are then the shards of the single-process model's dummy weights.
     """
     from graphrunner.models.llama import LlamaForCausalLM
 
@@ -271,9 +300,14 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     start = time.perf_counter()
-    model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device)
+    model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
+                             pp_size=pp_size)
+    sharded = model.tp.size > 1 or pp_size > 1
     if load_config.load_format == "dummy" or is_builtin(load_config.model):
-        init_dummy_weights(model, seed=load_config.seed)
+        if sharded:
+            init_dummy_weights_sharded(model, seed=load_config.seed)
+        else:
+            init_dummy_weights(model, seed=load_config.seed)
         source = f"dummy weights (seed {load_config.seed})"
     else:
         model.load_weights(iter_checkpoint_weights(load_config.model, progress=True))

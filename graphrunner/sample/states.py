@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from graphrunner.protocol import SamplingParams
-from graphrunner.staging import StagedRowWrites
+from graphrunner.staging import StagedRowWrites, to_device_async
 
 # Logprob counts are rounded up to one of these, so a batch's K takes few values and
 # graphs stay few. Counts above the last bucket round up to `max_logprobs`.
@@ -116,9 +116,9 @@ class _StagedBlockWrites:
             if not pending:
                 continue
             tensor = self._tensors[name]
-            index = torch.tensor(list(pending), dtype=torch.int64).to(self._device, non_blocking=True)
-            src = torch.from_numpy(np.stack(list(pending.values())))  # [n, W]
-            src = src.to(self._device, dtype=tensor.dtype, non_blocking=True)
+            # Pinned sources: a pageable non_blocking copy would synchronise the stream.
+            index = to_device_async(np.fromiter(pending, dtype=np.int64, count=len(pending)), self._device)
+            src = to_device_async(np.stack(list(pending.values())), self._device, dtype=tensor.dtype)  # [n, W]
             tensor.index_copy_(0, index, src)
             pending.clear()
 

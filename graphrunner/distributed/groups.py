@@ -1,0 +1,283 @@
+"""Process groups: the world split into DP x PP x TP, each with a device and a CPU group.
+
+    groups = init_distributed(parallel_config, device)   # reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
+    groups.tp.device_group    # NCCL on CUDA, gloo on a CPU: in-graph all-reduces
+    groups.dp.cpu_group       # gloo: the per-step DP coordination all-reduce
+    groups.pp_broadcast_group # sibling device group of the PP group: sampled-token broadcast
+    ...
+    groups.destroy()          # after the runner released its graphs and pool
+
+Rank layout (TP innermost, then PP, then DP):
+
+    rank = (dp * pp_size + pp) * tp_size + tp
+
+so the TP ranks of one stage are neighbours (one NVLink island on a node), the PP
+stages of one replica follow, and each DP replica is one contiguous block.
+
+A single process (no WORLD_SIZE, or WORLD_SIZE=1, and a 1x1x1 config) needs neither a
+launcher nor a process group: every group is a `ParallelGroup` of size 1 with no
+torch group, and every collective built on them is a no-op.
+
+Every torch group gets `ParallelConfig.collective_timeout_s`, so a dead or stalled
+peer makes the surviving ranks raise (gloo: on the connection loss or at the timeout;
+NCCL: from the watchdog) instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from graphrunner.config import ParallelConfig
+
+logger = logging.getLogger("graphrunner.distributed")
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class ParallelGroup:
+    """One group this rank belongs to (TP, PP or DP): its members and its torch groups.
+
+    `ranks` are global ranks in group order; `device_group` runs tensor collectives on
+    the device (NCCL / gloo on a CPU), `cpu_group` small host-side ones (gloo). Both are
+    None when the group has one member: callers skip collectives then.
+    """
+
+    name: str
+    ranks: list[int]
+    rank_in_group: int
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.rank_in_group]
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def first_rank(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        return self.ranks[-1]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wraps around)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (wraps around)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    @property
+    def device_group_name(self) -> str:
+        """The torch name of the device group ("" for a group of one): what the in-graph ops take."""
+        return "" if self.device_group is None else self.device_group.group_name
+
+
+def group_ranks(tp_size: int, pp_size: int, dp_size: int) -> dict[str, list[list[int]]]:
+    """Every TP, PP and DP group of the world as lists of global ranks (pure; layout above)."""
+
+    def rank(dp: int, pp: int, tp: int) -> int:
+        return (dp * pp_size + pp) * tp_size + tp
+
+    return {
+        "tp": [[rank(d, p, t) for t in range(tp_size)] for d in range(dp_size) for p in range(pp_size)],
+        "pp": [[rank(d, p, t) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)],
+        "dp": [[rank(d, p, t) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)],
+    }
+
+
+def coordinates(rank: int, tp_size: int, pp_size: int) -> tuple[int, int, int]:
+    """(dp, pp, tp) coordinates of a global rank."""
+    return rank // (tp_size * pp_size), (rank // tp_size) % pp_size, rank % tp_size
+
+
+@dataclass
+class ParallelGroups:
+    """This process's place in the DP x PP x TP world and its groups.
+
+    `device` is the device this rank runs on (cuda:LOCAL_RANK under a launcher on CUDA).
+    """
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp: ParallelGroup
+    pp: ParallelGroup
+    dp: ParallelGroup
+    pp_broadcast_group: dist.ProcessGroup | None = None
+    world_cpu_group: dist.ProcessGroup | None = None
+    owns_world: bool = False  # True when init_distributed created the default group
+    _destroyed: bool = field(default=False, repr=False)
+
+    @classmethod
+    def single(cls, config: ParallelConfig | None = None, device: torch.device | str = "cpu") -> "ParallelGroups":
+        """The world of one process: every group has one member and no torch group."""
+        config = config or ParallelConfig()
+        if config.world_size != 1:
+            raise ValueError(f"ParallelGroups.single needs a 1x1x1 config, got world size {config.world_size}")
+        return cls(
+            config, 0, 1, 0, torch.device(device),
+            ParallelGroup("tp", [0], 0), ParallelGroup("pp", [0], 0), ParallelGroup("dp", [0], 0),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.world_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank_in_group
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank_in_group
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank_in_group
+
+    @property
+    def is_driver(self) -> bool:
+        """TP rank 0 and PP rank 0 of its DP replica: the rank that prints for the replica."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+    def barrier(self) -> None:
+        """A CPU barrier over the whole world (no-op alone)."""
+        if self.world_cpu_group is not None:
+            dist.barrier(group=self.world_cpu_group)
+
+    def destroy(self) -> None:
+        """Destroy every group this object created. Call after the runner released graphs and pool."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self.owns_world and dist.is_initialized():
+            dist.destroy_process_group()  # destroys the subgroups too
+        for g in (self.tp, self.pp, self.dp):
+            g.device_group = g.cpu_group = None
+        self.pp_broadcast_group = self.world_cpu_group = None
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set (start with torchrun or `graphrunner launch`)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(parallel_config: ParallelConfig, device: torch.device | str | None = None) -> ParallelGroups:
+    """Join the world described by the torchrun env variables and build the DP x PP x TP groups.
+
+    `device`: "cuda" (any index: each rank takes cuda:LOCAL_RANK), "cpu", or None (cuda
+    when available). Raises RuntimeError naming the mismatch when WORLD_SIZE differs from
+    tp * pp * dp. With WORLD_SIZE unset (or 1) and a 1x1x1 config, returns
+    `ParallelGroups.single` without touching torch.distributed.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    # A world someone else initialized (a test harness, a host program) wins over the env.
+    preset = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if preset else _env_int("WORLD_SIZE", 1)
+    expected = parallel_config.world_size
+    if world_size != expected:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but tp*pp*dp = {parallel_config.tensor_parallel_size}*"
+            f"{parallel_config.pipeline_parallel_size}*{parallel_config.data_parallel_size} = {expected}; "
+            f"start {expected} processes (e.g. `graphrunner launch --nproc {expected} -- ...`)"
+        )
+    if world_size == 1:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return ParallelGroups.single(parallel_config, device)
+    rank = dist.get_rank() if preset else _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", rank if preset else 0)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=parallel_config.collective_timeout_s)
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(
+            f"torch.distributed is already initialized with rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"but the environment says rank {rank} of {world_size}"
+        )
+    tp_size, pp_size, dp_size = (
+        parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size, parallel_config.data_parallel_size,
+    )
+    world_cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    layout = group_ranks(tp_size, pp_size, dp_size)
+    mine: dict[str, ParallelGroup] = {}
+    pp_broadcast = None
+    # Every rank must create every group, in the same order, members or not.
+    for kind in ("tp", "pp", "dp"):
+        for ranks in layout[kind]:
+            device_group = dist.new_group(ranks, backend=backend, timeout=timeout) if len(ranks) > 1 else None
+            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if len(ranks) > 1 else None
+            sibling = None
+            if kind == "pp" and len(ranks) > 1:
+                # A second communicator over the same ranks, so that the sampled-token
+                # broadcast never queues behind the hidden-state send/recv.
+                sibling = dist.new_group(ranks, backend=backend, timeout=timeout)
+            if rank in ranks:
+                mine[kind] = ParallelGroup(kind, list(ranks), ranks.index(rank), device_group, cpu_group)
+                if kind == "pp":
+                    pp_broadcast = sibling
+    groups = ParallelGroups(
+        parallel_config, rank, world_size, local_rank, device, mine["tp"], mine["pp"], mine["dp"],
+        pp_broadcast_group=pp_broadcast, world_cpu_group=world_cpu_group, owns_world=owns_world,
+    )
+    logger.info(
+        "rank %d/%d: dp %d/%d pp %d/%d tp %d/%d on %s (%s)",
+        rank, world_size, groups.dp_rank, dp_size, groups.pp_rank, pp_size, groups.tp_rank, tp_size, device, backend,
+    )
+    return groups
+
+
+__all__ = ["ENV_VARS", "ParallelGroup", "ParallelGroups", "coordinates", "group_ranks", "init_distributed"]

@@ -1,0 +1,216 @@
+"""What the runner does differently under TP / PP / DP, kept out of runner.py.
+
+`ParallelHooks` is owned by a `ModelRunner` and called at a handful of seams of the
+step; for a single process every hook is a cheap no-op.
+
+Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.llm`):
+
+* Graph mode / descriptor agreement. The TP ranks and the PP stages of one DP replica
+  run the same deterministic scheduler over the same requests and the same dispatch
+  table (same config, same capture), so they derive the same descriptor for every step
+  without communicating. DP replicas have different requests: they agree through the
+  DP coordinator's one CPU all-reduce (min mode, max tokens), then re-dispatch locally.
+* PP, before the forward (non-first stages): receive the previous stage's hidden states
+  and residual into persistent [max_num_tokens, hidden] buffers, `[:num_tokens_padded]`,
+  outside any graph. The forward (eager, compiled pieces or FULL graph) reads those
+  buffers; a non-last stage's step body copies its (hidden, residual) into persistent
+  output buffers, which are then sent to the next stage (outside graphs).
+* PP, after the forward: the last stage broadcasts the step's sampled tokens through
+  the `PPHandler` (sibling PP communicator, async work / side stream); the other
+  stages consume them in the same step (handler depth 0), write them into their
+  `sampled` buffer and run `post_update` then (eagerly, outside graphs), so every
+  stage's request state (last_sampled, all_token_ids, num_computed) stays identical
+  and `sample_tokens` returns the same tokens on every rank. Depth 0 because the engine
+  loop is synchronous (one step in flight): step T+1's inputs need step T's tokens. The
+  handler's generation counters are still kept (bumped on every freed row), so a deeper
+  pipeline (async scheduling) only has to raise the depth.
+* DP: `DPCoordinator` (one CPU all-reduce of every replica's report) gives the agreed
+  descriptor; an idle replica runs `ModelRunner.run_dummy_step` of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from graphrunner.distributed.groups import ParallelGroups
+
+if TYPE_CHECKING:
+    from capture.descriptor import BatchExecutionDescriptor
+    from graphrunner.input_batch import InputBatch
+    from graphrunner.runner import ModelRunner
+
+logger = logging.getLogger("graphrunner.distributed")
+
+
+class ParallelHooks:
+    """The TP/PP/DP seams of one runner. `groups` describes this rank's place in the world."""
+
+    def __init__(self, runner: "ModelRunner", groups: ParallelGroups) -> None:
+        self.runner = runner
+        self.groups = groups
+        self.pp = groups.pp
+        self.is_first_stage = groups.pp.is_first
+        self.is_last_stage = groups.pp.is_last
+        self.hidden_in: torch.Tensor | None = None  # [max_T, hidden]: received from the previous stage
+        self.residual_in: torch.Tensor | None = None
+        self.hidden_out: torch.Tensor | None = None  # [max_T, hidden]: this stage's output, sent on
+        self.residual_out: torch.Tensor | None = None
+        self._dp = None  # DPCoordinator, built lazily (dp_size > 1: it needs the dispatch table)
+        self.last_dp_decision = None
+        self.num_dummy_steps = 0  # idle-DP-rank dummy steps run so far
+        self.pp_handler = None
+        if groups.pp_size > 1:
+            from graphrunner.distributed.pp_handler import PPHandler
+
+            self.pp_handler = PPHandler(
+                groups.pp_broadcast_group, runner.max_num_reqs, runner.device, depth=0,
+                num_rows=runner.req_states.num_rows, timeout_s=groups.config.collective_timeout_s,
+            )
+
+    def on_row_freed(self, row: int) -> None:
+        """A request row changed hands: receives queued for it must not be applied."""
+        if self.pp_handler is not None:
+            self.pp_handler.generations.bump(row)
+
+    def close(self) -> None:
+        """Finish in-flight broadcasts (before the groups are destroyed)."""
+        if self.pp_handler is not None:
+            self.pp_handler.close()
+            self.pp_handler = None
+
+    # ---- set-up -------------------------------------------------------------------
+    def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Persistent PP buffers of the largest step (graphs capture their addresses)."""
+        if self.groups.pp_size == 1:
+            return
+        r = self.runner
+        shape = (r.max_num_tokens, hidden_size)
+        if not self.is_first_stage:
+            self.hidden_in = torch.zeros(shape, dtype=dtype, device=r.device)
+            self.residual_in = torch.zeros(shape, dtype=dtype, device=r.device)
+        if not self.is_last_stage:
+            self.hidden_out = torch.zeros(shape, dtype=dtype, device=r.device)
+            self.residual_out = torch.zeros(shape, dtype=dtype, device=r.device)
+
+    def model_extra_args(self, num_tokens_padded: int) -> tuple[torch.Tensor, ...]:
+        """Extra forward arguments of this stage: the received (hidden, residual) views."""
+        if self.hidden_in is None:
+            return ()
+        return self.hidden_in[:num_tokens_padded], self.residual_in[:num_tokens_padded]
+
+    @property
+    def token_args(self) -> tuple[int, ...]:
+        """Forward argument positions with a token dim 0 (for the piecewise compiler)."""
+        return (0, 1) if self.hidden_in is None else (0, 1, 4, 5)
+
+    def agree_num_kv_blocks(self, num_blocks: int) -> int:
+        """The minimum over the world: every rank of a replica must size the same cache."""
+        cpu = self.groups.world_cpu_group
+        if cpu is None:
+            return num_blocks
+        t = torch.tensor([num_blocks], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu)
+        return int(t.item())
+
+    # ---- per step: descriptor -------------------------------------------------------
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform: int | None) -> "BatchExecutionDescriptor":
+        """The step's descriptor: local dispatch, then DP agreement (dp_size > 1)."""
+        graphs = self.runner.graphs
+        assert graphs is not None
+        if self.groups.dp_size == 1:
+            return graphs.dispatch(num_reqs, num_tokens, uniform)
+        plan = self._coordinate(num_reqs, num_tokens, uniform)
+        assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
+        return plan.descriptor
+
+    def _coordinate(self, num_reqs: int, num_tokens: int, uniform: int | None):
+        """One DP all-reduce; returns this rank's `RankPlan`."""
+        from graphrunner.distributed.dp_coordinator import DPCoordinator, DPReport
+
+        graphs = self.runner.graphs
+        assert graphs is not None
+        if self._dp is None:
+            self._dp = DPCoordinator(self.groups.dp.cpu_group, graphs.table)
+        # Before capture every step is eager: report NONE so that nobody replays.
+        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform, force_eager=not graphs.captured)
+        decision = self._dp.coordinate(report)
+        self.last_dp_decision = decision
+        return decision.for_rank(self.groups.dp_rank)
+
+    def idle_step(self) -> None:
+        """A DP rank with nothing scheduled: join the coordination and run a dummy step of
+        the agreed size, so that every collective inside the step (TP, PP) matches."""
+        if self.groups.dp_size == 1:
+            return
+        plan = self._coordinate(0, 0, None)
+        if plan.skip:
+            return
+        self.num_dummy_steps += 1
+        self.runner.run_dummy_step(plan.descriptor)
+
+    # ---- per step: PP -----------------------------------------------------------------
+    def before_forward(self, num_tokens_padded: int) -> None:
+        """Non-first stages: receive the previous stage's output for this step."""
+        if self.hidden_in is None:
+            return
+        src, group = self.pp.prev_rank, self.pp.device_group
+        dist.recv(self.hidden_in[:num_tokens_padded], src=src, group=group)
+        dist.recv(self.residual_in[:num_tokens_padded], src=src, group=group)
+
+    def stage_output(self, out, num_tokens_padded: int) -> None:
+        """Inside the step body of a non-last stage: keep (hidden, residual) in the persistent buffers."""
+        hidden, residual = out
+        self.hidden_out[:num_tokens_padded].copy_(hidden)
+        self.residual_out[:num_tokens_padded].copy_(residual)
+
+    def after_forward(self, batch: "InputBatch", produces: np.ndarray | None) -> None:
+        """Send the stage output on; exchange the sampled tokens; finish non-last stages' state.
+
+        produces: [R] bool, which requests sample a token this step; None for a dummy
+        step (scratch rows only: no token exchange, every stage skips it alike).
+        """
+        if self.groups.pp_size == 1:
+            return
+        Tp = batch.num_tokens_padded
+        if self.hidden_out is not None:
+            dst, group = self.pp.next_rank, self.pp.device_group
+            dist.send(self.hidden_out[:Tp], dst=dst, group=group)
+            dist.send(self.residual_out[:Tp], dst=dst, group=group)
+        if produces is not None:
+            self._exchange_sampled(batch, produces)
+        if not self.is_last_stage:
+            self.runner.post_update(batch)
+
+    def _exchange_sampled(self, batch: "InputBatch", produces: np.ndarray) -> None:
+        """Last stage -> every stage, through the PPHandler; `positions` carry batch indices back."""
+        handler = self.pp_handler
+        assert handler is not None
+        R = batch.num_reqs
+        handler.post_sample(
+            batch.idx_mapping_np[:R], batch.num_reqs_padded,
+            sampled=batch.sampled if self.is_last_stage else None,
+            produces=produces, positions=np.arange(R, dtype=np.int64),
+        )
+        if self.is_last_stage:
+            return
+        for got in handler.consume():
+            index = torch.from_numpy(got.positions).to(batch.sampled.device)
+            batch.sampled.index_copy_(0, index, got.tokens.to(batch.sampled.dtype))
+
+    def run_stage_only(self) -> bool:
+        """True on non-last stages: the step body stops after the stage's layers."""
+        return not self.is_last_stage
+
+
+def dp_split(items: list, dp_rank: int, dp_size: int) -> list[int]:
+    """Indices of `items` DP rank `dp_rank` serves: round robin, so every replica gets
+    the same count +-1 whatever the order."""
+    return list(np.arange(dp_rank, len(items), dp_size))
+
+
+__all__ = ["ParallelHooks", "dp_split"]

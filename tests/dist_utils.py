@@ -1,0 +1,153 @@
+"""Run a function in a gloo world of N CPU processes (test helper).
+
+    results = run_world(2, fn, arg1, arg2, timeout_s=30)   # [fn's return on rank 0, on rank 1]
+
+Each child: OMP_NUM_THREADS=1 and torch.set_num_threads(1) (a 2-core CI machine runs
+several ranks), the torchrun env variables set, joins a gloo world on a free localhost
+port with `init_process_group` (unless init_pg=False), calls `fn(rank, world_size,
+*args)`, and sends back its return value (picklable) or its formatted traceback. The parent raises `WorldError` naming each failed rank with its
+traceback, and kills (by pid: only processes it started) any rank that has not reported
+within `timeout_s`, naming it as hung. Children leave through `os._exit` after
+reporting, so a stalled peer can never hang the teardown of the process group.
+
+Children are forked (torch is already imported; fork costs milliseconds where spawn
+costs an interpreter and a torch import per rank). Set GRAPHRUNNER_TEST_START=spawn
+to use spawn, then `fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["WorldError", "free_port", "run_world"]
+
+
+class WorldError(RuntimeError):
+    """One or more ranks failed or hung; the message names each with its traceback."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        parts = [f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items())]
+        super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n" + "\n".join(parts))
+
+
+def free_port() -> int:
+    """A free localhost TCP port (closed again: a tiny race, fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    rank: int, world_size: int, port: int, pg_timeout_s: float, init_pg: bool, conn: Any, fn: Callable, args: tuple
+) -> None:
+    code = 0
+    try:
+        # torchrun's variables, so code under test can also join the world itself (init_pg=False).
+        os.environ.update(
+            OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in the forked child (the test process joined a "
+                "world itself); run with GRAPHRUNNER_TEST_START=spawn or keep the parent out of any world"
+            )
+        if init_pg:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes to the parent
+        code = 1
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        conn.close()
+        # No destroy_process_group: a stalled or dead peer could hang it. The OS tears down.
+        os._exit(code)
+
+
+def run_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = 60.0,
+    pg_timeout_s: float = 30.0,
+    allow_hang: frozenset[int] = frozenset(),
+    init_pg: bool = True,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; their return values, by rank.
+
+    timeout_s: wall-clock budget of the whole world; ranks that have not reported by then
+    are killed and reported as hung. allow_hang: ranks expected not to report (a stalled
+    rank in a timeout test): killed at the end without error, their result is None.
+    pg_timeout_s: the default-group timeout of each rank.
+    init_pg: join the gloo world before calling fn (False: fn joins it, e.g. through
+    `init_distributed`, from the torchrun variables RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*
+    that every child has set either way).
+    """
+    method = os.environ.get("GRAPHRUNNER_TEST_START", "fork")
+    ctx = mp.get_context(method)
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        child_args = (rank, world_size, port, pg_timeout_s, init_pg, child_end, fn, args)
+        p = ctx.Process(target=_child, args=child_args, daemon=True)
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns.append(parent_end)
+
+    results: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
+    pending = set(range(world_size)) - set(allow_hang)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending and time.monotonic() < deadline:
+            left = max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=left)
+            for conn in ready:
+                rank = conns.index(conn)
+                pending.discard(rank)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    procs[rank].join(5)
+                    failures[rank] = f"exited without a result (exit code {procs[rank].exitcode})"
+                    continue
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    failures[rank] = payload
+        for rank in pending:
+            failures[rank] = f"no result within timeout_s={timeout_s} (hung); killed"
+    finally:
+        for rank, p in enumerate(procs):
+            # Ranks that reported are on their way out; give them a moment, then kill.
+            if p.is_alive() and rank not in allow_hang and rank not in failures:
+                p.join(2)
+            if p.is_alive():
+                p.kill()  # SIGKILL to this child's pid only
+            p.join(5)
+        for c in conns:
+            c.close()
+    if failures:
+        raise WorldError(failures)
+    return results

@@ -1,0 +1,101 @@
+"""GPU: TP2, PP2, DP2 and TP2xPP2 with FULL graphs (NCCL) give one GPU's greedy tokens, and exit cleanly.
+
+Each case runs this module as a worker (`python -m tests.test_dist_gpu --worker ...`)
+under `graphrunner launch` (one process per GPU, NCCL), with builtin:tiny-llama in
+float32 (so TP's different reduction order cannot flip a greedy token) and the default
+FULL_AND_PIECEWISE mode with inductor: FULL graphs capture the step body with its
+NCCL all-reduces, PIECEWISE pieces capture theirs. The reference is the same worker
+on one GPU. Skipped without enough GPUs. tools/gpu_dist.sh runs these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+WORKER_TIMEOUT_S = 420
+PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(6)] + [[7] * 40, [3, 4]]
+MAX_TOKENS = [12, 5, 16, 3, 12, 8, 10, 6]
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # pragma: no cover
+        return 0
+
+
+def _run(tmp_path, tp: int, pp: int, dp: int, mode: str = "FULL_AND_PIECEWISE") -> dict:
+    from graphrunner.distributed.launch import launch
+
+    out = tmp_path / f"tp{tp}_pp{pp}_dp{dp}_{mode}.json"
+    cmd = [sys.executable, "-m", "tests.test_dist_gpu", "--worker", str(tp), str(pp), str(dp), mode, str(out)]
+    status = launch(cmd, tp * pp * dp, timeout=WORKER_TIMEOUT_S)
+    assert status == 0, f"tp={tp} pp={pp} dp={dp}: launcher exit status {status} (124 = timeout/hang)"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    return _run(tmp_path_factory.mktemp("ref"), 1, 1, 1)["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], ids=["tp2", "pp2", "dp2", "tp2pp2"]
+)
+def test_parallel_full_graphs_match_one_gpu(reference, tmp_path, tp: int, pp: int, dp: int) -> None:
+    need = tp * pp * dp
+    if _gpus() < need:
+        pytest.skip(f"needs {need} GPUs, found {_gpus()}")
+    info = _run(tmp_path, tp, pp, dp)
+    assert info["captured"] and "FULL" in info["mode"]
+    assert info["tokens"] == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_tp2_single_graph_modes_match(reference, tmp_path, mode: str) -> None:
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    info = _run(tmp_path, 2, 1, 1, mode)
+    assert info["tokens"] == reference
+
+
+def _worker(tp: int, pp: int, dp: int, mode: str, out_path: str) -> None:
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM(
+        "builtin:tiny-llama", dtype="float32", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        data_parallel_size=dp, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_kv_blocks=128,
+        enforce_eager=False, cudagraph_mode=mode, collective_timeout_s=120.0, seed=5,
+    )
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    info = {
+        "tokens": [o.token_ids for o in outs],
+        "captured": bool(llm.runner.graphs.captured),
+        "mode": llm.runner.graphs.mode.name,
+    }
+    rank = llm.groups.rank
+    llm.shutdown()  # graphs and pool, then the process groups: must not hang
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(info, f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
+        tp, pp, dp = (int(x) for x in sys.argv[2:5])
+        _worker(tp, pp, dp, sys.argv[5], sys.argv[6])
+        sys.stdout.flush()
+        os._exit(0)
+    raise SystemExit("usage: python -m tests.test_dist_gpu --worker TP PP DP MODE OUT.json")

@@ -1,0 +1,253 @@
+"""Distributed benchmark: decode step time TP1 vs TP2 vs PP2, PP bubble, DP padding waste.
+
+    python -m tools.bench.dist_bench --out OUT_DIR [--model builtin:llama-3.1-8b] [--batch-sizes 1,64]
+
+Runs each configuration as its own `graphrunner launch` world (one process per GPU,
+NCCL), every rank running the engine (SPMD), with FULL graphs for the decode steps:
+
+* tp1 / tp2 / pp2: decode step wall time (engine step: schedule, execute, sample, D2H)
+  of `bs` requests, median over the steps in which every request decodes (FULL
+  uniform-decode descriptor). Dummy weights, bf16.
+* pp2 bubble: a second pass of the pp2 world with the stage boundary instrumented:
+  per stage, the time spent waiting for the previous stage's hidden states (recv) and,
+  on the first stage, for the last stage's sampled tokens (synchronised before/after,
+  so this pass's step time is a little higher than the plain one).
+* dp2 waste: two DP replicas, a skewed workload (replica 0 gets requests with many
+  more tokens to generate); per step the DP decision's executed tokens (padded, plus
+  the idle replica's dummy steps) over real tokens.
+
+Every world has a timeout (`--timeout`); a hung or failed world is recorded as such
+and the next one runs. Results: OUT_DIR/dist_bench.json and OUT_DIR/dist_bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LEN = 32
+
+
+def _llm(args, tp: int, pp: int, dp: int, model: str):
+    from graphrunner.engine.llm import LLM
+
+    sizes = sorted({int(b) for b in args.batch_sizes.split(",")} | {1})
+    return LLM(
+        model, dtype="bfloat16", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        data_parallel_size=dp, max_num_seqs=max(sizes), max_num_batched_tokens=max(512, max(sizes) * PROMPT_LEN),
+        max_model_len=PROMPT_LEN + args.decode_steps + 64, num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
+        compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
+    )
+
+
+def _timed_steps(llm, record):
+    """Wrap `llm.step` so that each call's wall time and descriptor are recorded."""
+    import torch
+
+    orig = llm.step
+
+    def step():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = orig()
+        torch.cuda.synchronize()
+        record(time.perf_counter() - start, llm.runner.last_descriptor, llm.runner.parallel.last_dp_decision)
+        return out
+
+    llm.step = step
+    return orig
+
+
+def _decode_pass(llm, bs: int, decode_steps: int) -> dict:
+    import numpy as np
+
+    from graphrunner.protocol import SamplingParams
+
+    samples: list[float] = []
+
+    def record(seconds, desc, _decision):
+        if desc is not None and desc.is_full and desc.uniform_token_count is not None:
+            samples.append(seconds)
+
+    rng = np.random.default_rng(bs)
+    prompts = rng.integers(0, llm.vocab_size, size=(bs, PROMPT_LEN)).tolist()
+    orig = _timed_steps(llm, record)
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.step = orig
+    samples = samples[2:]  # the first replays warm caches
+    return {
+        "bs": bs, "steps": len(samples),
+        "median_ms": 1e3 * statistics.median(samples) if samples else None,
+        "p90_ms": 1e3 * sorted(samples)[int(0.9 * (len(samples) - 1))] if samples else None,
+    }
+
+
+def _instrument_bubble(llm) -> dict:
+    """Time the PP waits of this stage (synchronised around each)."""
+    import torch
+
+    hooks = llm.runner.parallel
+    waits = {"recv_hidden_s": [], "recv_tokens_s": []}
+    orig_before, orig_exchange = hooks.before_forward, hooks._exchange_sampled
+
+    def before_forward(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        orig_before(n)
+        torch.cuda.synchronize()
+        if hooks.hidden_in is not None:
+            waits["recv_hidden_s"].append(time.perf_counter() - t)
+
+    def exchange(batch, produces):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        orig_exchange(batch, produces)
+        torch.cuda.synchronize()
+        if not hooks.is_last_stage:
+            waits["recv_tokens_s"].append(time.perf_counter() - t)
+
+    hooks.before_forward, hooks._exchange_sampled = before_forward, exchange
+    return waits
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    kind = args.worker
+    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}[kind]
+    model = args.dp_model if kind == "dp2" else args.model
+    start = time.perf_counter()
+    llm = _llm(args, tp, pp, dp, model)
+    result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
+                    "startup_s": time.perf_counter() - start}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if kind in ("tp1", "tp2", "pp2"):
+        result["decode"] = [_decode_pass(llm, bs, args.decode_steps) for bs in batch_sizes]
+    if kind == "pp2":
+        waits = _instrument_bubble(llm)
+        result["bubble"] = []
+        for bs in batch_sizes:
+            for v in waits.values():
+                v.clear()
+            step = _decode_pass(llm, bs, args.decode_steps)
+            mine = {k: 1e3 * statistics.median(v) if v else None for k, v in waits.items()}
+            every: list = [None] * llm.groups.world_size
+            dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
+            result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
+    if kind == "dp2":
+        from graphrunner.protocol import SamplingParams
+
+        real = run = steps = 0
+        per_step = []
+
+        def record(_s, _desc, decision):
+            nonlocal real, run, steps
+            if decision is not None and not decision.skip:
+                real += decision.total_real_tokens
+                run += decision.total_run_tokens
+                steps += 1
+                per_step.append([list(decision.real_tokens), list(decision.run_tokens)])
+
+        n = 16
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(n)]
+        # Round-robin split: even prompts -> replica 0 (long generations), odd -> replica 1 (short).
+        params = [SamplingParams(max_tokens=args.decode_steps if i % 2 == 0 else max(2, args.decode_steps // 8),
+                                 temperature=0.0, ignore_eos=True) for i in range(n)]
+        orig = _timed_steps(llm, record)
+        llm.generate(prompts, params)
+        llm.step = orig
+        result["dp_waste"] = {
+            "steps": steps, "real_tokens": real, "executed_tokens": run,
+            "padded_over_real": run / real if real else None,
+            "dummy_steps_this_rank": llm.runner.parallel.num_dummy_steps,
+            "first_steps": per_step[:4], "last_steps": per_step[-4:],
+        }
+    rank = llm.groups.rank
+    llm.shutdown()
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(result, indent=1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--model", default="builtin:llama-3.1-8b")
+    p.add_argument("--dp-model", default="builtin:llama-3.2-1b", help="model of the DP waste run")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--decode-steps", type=int, default=48)
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--configs", default="tp1,tp2,pp2,dp2")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world before it is killed")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        sys.stdout.flush()
+        os._exit(0)  # never hang in interpreter teardown after a clean shutdown
+
+    import torch
+
+    from graphrunner.distributed.launch import launch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    results = []
+    for kind in args.configs.split(","):
+        nproc = 1 if kind == "tp1" else 2
+        if nproc > gpus:
+            results.append({"config": kind, "skipped": f"needs {nproc} GPUs, found {gpus}"})
+            continue
+        path = out / f"dist_bench_{kind}.json"
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "tools.bench.dist_bench", "--worker", kind, "--result", str(path),
+               *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
+                     ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
+                      "timeout")), [])]
+        t = time.perf_counter()
+        status = launch(cmd, nproc, timeout=args.timeout)
+        entry = json.loads(path.read_text()) if status == 0 and path.is_file() else {"config": kind}
+        entry.update(status=status, wall_s=round(time.perf_counter() - t, 1))
+        results.append(entry)
+        (out / "dist_bench.json").write_text(json.dumps(results, indent=1))
+    (out / "dist_bench.md").write_text(_markdown(results))
+    print(_markdown(results))
+    return 0 if all(r.get("status", 0) == 0 for r in results) else 1
+
+
+def _markdown(results: list[dict]) -> str:
+    lines = ["| config | bs | decode step median ms | p90 ms |", "|---|---|---|---|"]
+    for r in results:
+        for d in r.get("decode", []):
+            lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']:.3f} | {d['p90_ms']:.3f} |")
+        if "status" in r and r["status"] != 0:
+            lines.append(f"| {r['config']} | - | FAILED (status {r['status']}) | |")
+        if "skipped" in r:
+            lines.append(f"| {r['config']} | - | skipped: {r['skipped']} | |")
+    for r in results:
+        for b in r.get("bubble", []):
+            waits = "; ".join(
+                f"stage {st['pp_rank']} waits "
+                + ", ".join(f"{k.removesuffix('_s')} {v:.3f} ms" for k, v in st.items() if k != "pp_rank" and v is not None)
+                for st in b["stages_ms"]
+            )
+            lines.append(f"\nPP bubble bs={b['bs']}: instrumented step {b['instrumented_step_ms']:.3f} ms; {waits}")
+        if "dp_waste" in r:
+            w = r["dp_waste"]
+            lines.append(f"\nDP2 skewed: executed/real tokens = {w['padded_over_real']:.2f} over {w['steps']} steps "
+                         f"({w['executed_tokens']} / {w['real_tokens']})")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
