@@ -157,6 +157,12 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Per entry, one `{token_id: Logprob}` per sampled token (the sampled token first, with
+    # its rank, then the request's top-k); [] for entries that asked for none. None when
+    # no entry of the step asked for logprobs.
+    logprobs: list[list[dict[int, Logprob]]] | None = None
+    # Requests whose prompt logprobs completed this step: req_id -> PromptLogprobs.
+    prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":

@@ -41,6 +41,12 @@ from graphrunner.kernels.input_prep import (
     prepare_positions_seq_lens,
 )
 from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from graphrunner.sample.logprobs import (
+    PromptLogprobsCollector,
+    logprob_dicts,
+    prompt_logprob_targets,
+    prompt_logprobs,
+)
 from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
 from graphrunner.states import RequestState
 from graphrunner.step_graphs import StepGraphs
@@ -71,6 +77,8 @@ class _PendingStep:
     descriptor: BatchExecutionDescriptor
     produces_token: np.ndarray  # [num_reqs] bool: the chunk reached the end of the known tokens
     all_produce: bool  # produces_token.all(), computed once
+    # Requests whose prompt logprobs completed in this step: req_id -> vLLM's PromptLogprobs.
+    prompt_logprobs: dict[str, list] | None = None
 
 
 @dataclass
@@ -139,6 +147,11 @@ class ModelRunner:
         self.logprob_values = torch.zeros(self.max_num_reqs, logprob_cols, dtype=torch.float32, device=self.device)
         self.logprob_token_ids = torch.zeros(self.max_num_reqs, logprob_cols, dtype=torch.int32, device=self.device)
         self.logprob_ranks = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        # Requests still in their prompt that asked for prompt logprobs: req_id -> (prompt
+        # token ids, collector). Their prefill steps run outside FULL graphs (they need the
+        # hidden states of every prompt position); completed results wait in _prompt_lp_done.
+        self._prompt_lp: dict[str, tuple[list[int], PromptLogprobsCollector]] = {}
+        self._prompt_lp_done: dict[str, list] = {}
         self.input_buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, self.max_num_blocks_per_req, self.device)
         self.attn_backend = get_attention_backend(self.device)
 
@@ -331,6 +344,8 @@ class ModelRunner:
             self.parallel.after_forward(batch, produces)  # PP: send on, exchange sampled tokens
             s.num_computed_np[idx] = nc_after
             self._pending = _PendingStep(batch, desc, produces, bool(produces.all()))
+            if self._prompt_lp_done:
+                self._pending.prompt_logprobs, self._prompt_lp_done = self._prompt_lp_done, {}
             if self._plan is not None and self._plan.batch is batch:
                 self._plan.hint.all_decode = bool(produces.all())
         self._last_descriptor = desc
@@ -354,11 +369,19 @@ class ModelRunner:
             empty = ModelRunnerOutput.empty()
             return AsyncOutput.ready(empty) if async_output else empty
         batch = pending.batch
-        device_outputs = {"sampled": batch.sampled[: batch.num_reqs]}  # [R] int32
+        R = batch.num_reqs
+        device_outputs = {"sampled": batch.sampled[:R]}  # [R] int32
+        capacity = {"sampled": self.max_num_reqs}
+        features = batch.sampling_features
+        if features.wants_logprobs:
+            cols = features.num_logprobs + 1
+            device_outputs["logprob_values"] = self.logprob_values[:R, :cols]  # [R, K+1] float32
+            device_outputs["logprob_token_ids"] = self.logprob_token_ids[:R, :cols]  # [R, K+1] int32
+            device_outputs["logprob_ranks"] = self.logprob_ranks[:R]  # [R] int32
+            capacity.update(logprob_values=self.max_num_reqs, logprob_token_ids=self.max_num_reqs,
+                            logprob_ranks=self.max_num_reqs)
         if async_output:
-            return self.output_ring.launch(
-                device_outputs, partial(self._build_output, pending), capacity={"sampled": self.max_num_reqs}
-            )
+            return self.output_ring.launch(device_outputs, partial(self._build_output, pending), capacity=capacity)
         return self._build_output(pending, device_outputs)
 
     def _build_output(self, pending: _PendingStep, outputs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
@@ -378,13 +401,40 @@ class ModelRunner:
             index = dict(plan.req_id_to_index)  # a copy: the caller may mutate its output
         else:
             index = {rid: i for i, rid in enumerate(batch.req_ids)}
-        return ModelRunnerOutput(req_ids=list(batch.req_ids), req_id_to_index=index, sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids), req_id_to_index=index, sampled_token_ids=sampled,
+            logprobs=self._sampled_logprobs(pending, outputs), prompt_logprobs_dict=pending.prompt_logprobs or {},
+        )
+
+    def _sampled_logprobs(self, pending: _PendingStep, outputs: dict[str, torch.Tensor]) -> list | None:
+        """Per batch entry: [ {token: Logprob} ] for its sampled token (K+1 entries at most),
+        [] where it sampled nothing or asked for none; None when no entry asked."""
+        if "logprob_values" not in outputs:
+            return None
+        batch = pending.batch
+        host = {name: t.cpu().numpy() for name, t in outputs.items() if name.startswith("logprob")}
+        wanted = self.sampling_states.logprobs_of(batch.idx_mapping_np)  # [R] K per entry, -1 = none
+        dicts = logprob_dicts(host["logprob_values"], host["logprob_token_ids"], host["logprob_ranks"])
+        result = []
+        for i, (d, k) in enumerate(zip(dicts, wanted.tolist())):
+            if k < 0 or not pending.produces_token[i]:
+                result.append([])
+                continue
+            # Column 0 (the sampled token) first, then the request's own top-k.
+            items = list(d.items())
+            keep = dict(items[:1])
+            for tok, lp in items[1:]:
+                if lp.rank is not None and lp.rank <= k:
+                    keep.setdefault(tok, lp)
+            result.append([keep])
+        return result
 
     def _update_states(self, so: SchedulerOutput) -> None:
         assert self.block_tables is not None
         if so.finished_req_ids or so.preempted_req_ids:
             for req_id in so.finished_req_ids | so.preempted_req_ids:
                 row = self.req_states.remove_request(req_id)
+                self._prompt_lp.pop(req_id, None)  # a preempted prompt restarts from token 0
                 if row is not None:
                     self.block_tables.clear_row(row)
                     self.parallel.on_row_freed(row)
@@ -407,6 +457,11 @@ class ModelRunner:
             row, new.req_id, new.sampling_params, self.vocab_size,
             prompt_len=len(new.prompt_token_ids), eos_ids=self.eos_token_ids,
         )
+        k = new.sampling_params.prompt_logprobs
+        # A request resumed after its prompt finished already delivered them.
+        if k is not None and not new.output_token_ids and len(new.prompt_token_ids) > 1:
+            prompt = list(new.prompt_token_ids)
+            self._prompt_lp[new.req_id] = (prompt, PromptLogprobsCollector(len(prompt), k))
         self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
 
     def _graphs_key(self) -> tuple[int, bool]:
@@ -419,6 +474,8 @@ class ModelRunner:
         if plan is None or so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids:
             return None
         if self.groups.dp_size > 1:  # the DP replicas agree on each step's descriptor anew
+            return None
+        if self._prompt_lp:  # such steps must not take a FULL graph (see _prepare_batch)
             return None
         if plan.epoch != self.req_states.epoch or plan.graphs_key != self._graphs_key():
             return None
@@ -463,6 +520,8 @@ class ModelRunner:
         num_reqs, num_tokens = len(req_ids), int(query_lens.sum())
         q = self.uniform_decode_query_len
         uniform = q if num_tokens == num_reqs * q and bool((query_lens == q).all()) else None
+        if uniform is not None and self._prompt_lp and not self._prompt_lp.keys().isdisjoint(req_ids):
+            uniform = None  # prompt logprobs read every position's hidden state: no FULL graph
         assert self.graphs is not None
         desc = self.parallel.dispatch(num_reqs, num_tokens, uniform)
         # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (DESIGN.md §4.3).
@@ -549,6 +608,8 @@ class ModelRunner:
         if self.parallel.run_stage_only():  # PP, not the last stage: (hidden, residual) go on
             self.parallel.stage_output(hidden, batch.num_tokens_padded)
             return
+        if self._prompt_lp:
+            self._collect_prompt_logprobs(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         r_pad = batch.num_reqs_padded
@@ -582,6 +643,30 @@ class ModelRunner:
         self.parallel.after_forward(batch, None)
         self._current_batch = None
         self.reset_scratch_row()
+
+    def _collect_prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of this step's prefill chunks (eager; never inside a FULL graph).
+
+        hidden: [T_pad, H]. Entry i's tokens sit at rows query_start_loc[i].. of hidden and
+        at positions num_computed.. of its request (host mirror, not yet advanced).
+        """
+        offsets = np.concatenate(([0], np.cumsum(batch.query_lens_np)))
+        for i, req_id in enumerate(batch.req_ids):
+            entry = self._prompt_lp.get(req_id)
+            if entry is None:
+                continue
+            prompt, collector = entry
+            start = int(self.req_states.num_computed_np[batch.idx_mapping_np[i]])
+            targets = prompt_logprob_targets(prompt, start, int(batch.query_lens_np[i]), len(prompt))
+            if targets:
+                first = int(offsets[i])
+                target_ids = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+                tensors = prompt_logprobs(hidden[first : first + len(targets)], target_ids, collector.num_logprobs,
+                                          compute_logits=self.model.compute_logits)
+                collector.add_chunk(start, tensors)
+            if collector.done:
+                self._prompt_lp_done[req_id] = collector.result()
+                del self._prompt_lp[req_id]
 
     # ---- profiling --------------------------------------------------------------
     def _profile_run(self) -> None:

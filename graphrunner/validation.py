@@ -40,6 +40,16 @@ def _check_block_ids(req_id: str, block_ids: list[int], held: int, runner: "Mode
     return total
 
 
+def _check_sampling(runner: "ModelRunner", new) -> None:
+    """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
+    try:
+        runner.sampling_states.validate(
+            new.sampling_params, runner.vocab_size, runner.eos_token_ids, prompt_len=len(new.prompt_token_ids)
+        )
+    except ValueError as e:
+        raise ValueError(f"request {new.req_id!r}: {e}") from None
+
+
 def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
     """Request-by-request check of every rule; raises ValueError at the first violation."""
     states = runner.req_states
@@ -81,6 +91,7 @@ def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
                 f"request {rid!r}: num_computed_tokens={new.num_computed_tokens} must be in [0, {len(tokens)})"
             )
         held = _check_block_ids(rid, new.block_ids, 0, runner)
+        _check_sampling(runner, new)
         after[rid] = (new.num_computed_tokens, len(tokens), held)
     if len(after) > runner.max_num_reqs:
         raise ValueError(f"{len(after)} live requests exceed max_num_seqs={runner.max_num_reqs}")
@@ -247,6 +258,10 @@ def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
                 raise _Invalid
             if len(blocks) > runner.max_num_blocks_per_req:
                 raise _Invalid
+            try:
+                _check_sampling(runner, new)
+            except ValueError:
+                raise _Invalid from None
             new_rows[rid] = base + j
             new_computed.append(new.num_computed_tokens)
             new_known.append(len(tokens))

@@ -188,6 +188,14 @@ class LLM:
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
 
+    def _check_sampling_params(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        """The runner-dependent checks (vocabulary, buffer limits) before the request is queued."""
+        try:
+            self.runner.sampling_states.validate(params, self.vocab_size, self.runner.eos_token_ids,
+                                                 prompt_len=len(prompt))
+        except ValueError as e:
+            raise ValueError(f"request {req_id!r}: {e}") from None
+
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
@@ -219,6 +227,7 @@ class LLM:
         req_ids: list[str] = []
         try:
             for i in mine:
+                self._check_sampling_params(all_ids[i], prompt_token_ids[i], params[i])
                 self.scheduler.add_request(all_ids[i], prompt_token_ids[i], params[i])
                 req_ids.append(all_ids[i])
         except Exception:

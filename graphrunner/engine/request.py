@@ -52,6 +52,20 @@ class Request:
     # Their values stay on the device (the runner feeds them to the next step); the host
     # counts them so that it can schedule the next decode before they are known.
     num_output_placeholders: int = 0
+    # SamplingParams.logprobs: one {token_id: Logprob} per output token.
+    logprobs: list[dict] | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict each.
+    prompt_logprobs: list[dict | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    def append_output(self, token: int, logprobs: dict | None) -> None:
+        """One sampled token (and its logprobs when the request asked for them)."""
+        self.output_token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
 
     @property
     def finish_reason(self) -> str | None:
@@ -93,6 +107,8 @@ class Request:
             prompt_token_ids=list(self.prompt_token_ids),
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -104,6 +120,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str | None
+    # SamplingParams.logprobs=k: per generated token {token_id: Logprob} (the sampled token
+    # with its rank, then the top-k); None when not asked for.
+    logprobs: list[dict] | None = None
+    # SamplingParams.prompt_logprobs=k: None for the first prompt token, then one dict per token.
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:

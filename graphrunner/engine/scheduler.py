@@ -332,6 +332,7 @@ class Scheduler:
             if index is None:
                 raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
             sampled = runner_output.sampled_token_ids[index]
+            self._take_prompt_logprobs(req, runner_output)
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens < req.num_tokens:
                 if sampled:
@@ -345,8 +346,8 @@ class Scheduler:
                     f"runner sampled no token for request {req_id!r} although all its "
                     f"{req.num_tokens} tokens were computed"
                 )
-            for token in sampled:
-                req.output_token_ids.append(int(token))
+            for j, token in enumerate(sampled):
+                req.append_output(int(token), _token_logprobs(runner_output, index, j))
                 status = self._check_stop(req)
                 if status is not None:
                     self.running.remove(req)
@@ -375,6 +376,7 @@ class Scheduler:
             if index is None:
                 raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
             sampled = runner_output.sampled_token_ids[index]
+            self._take_prompt_logprobs(req, runner_output)
             if bool(sampled) != (req_id in produces):
                 raise RuntimeError(
                     f"runner sampled {sampled} for request {req_id!r}, but its chunk "
@@ -383,8 +385,8 @@ class Scheduler:
             if not sampled:
                 continue
             req.num_output_placeholders -= 1
-            for token in sampled:
-                req.output_token_ids.append(int(token))
+            for j, token in enumerate(sampled):
+                req.append_output(int(token), _token_logprobs(runner_output, index, j))
                 status = self._check_stop(req)
                 if status is not None:
                     if req.status == RequestStatus.RUNNING:
@@ -396,6 +398,13 @@ class Scheduler:
                     finished.append(req.to_output())
                     break
         return finished
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, runner_output: ModelRunnerOutput) -> None:
+        """Keep the first complete prompt logprobs (a resumed request does not repeat them)."""
+        got = runner_output.prompt_logprobs_dict.get(req.req_id)
+        if got is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = got
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """Stop tokens take precedence over length: a final EOS reads as "stop"."""
@@ -413,3 +422,11 @@ class Scheduler:
             self.block_allocator.free(req.block_ids)
             req.block_ids = []
         del self.requests[req.req_id]
+
+
+def _token_logprobs(runner_output: ModelRunnerOutput, index: int, j: int) -> dict | None:
+    """The logprobs of entry `index`'s j-th sampled token, if the step returned any."""
+    if runner_output.logprobs is None:
+        return None
+    per_entry = runner_output.logprobs[index]
+    return per_entry[j] if j < len(per_entry) else None
