@@ -53,6 +53,19 @@ PY
     grt 200 bench throughput --model $M --num-prompts 64 --input-len 128 --output-len 64 --peer 2>&1 | grep -v "capturing graphs" | tail -16 | tee "$OUT/bench_throughput.txt"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_models.py -k bf16 2>&1 | tail -2
     ;;
+  sampling)
+    # Issue #4: every GPU test (one GPU: the multi-GPU ones skip), host time per step sync vs
+    # async, sampler cost greedy vs all features, and generate with async scheduling.
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile gpu tests -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    grt 150 bench host --batch-sizes 1,64,256 --json "$OUT/host_qwen.json" --markdown "$OUT/host_qwen.md" 2>&1 | grep -v "capturing graphs" | tail -14
+    grt 90 bench sampler --num-reqs 1,64,256 --json "$OUT/sampler.json" --markdown "$OUT/sampler.md" 2>&1 | tail -40
+    ;;
+  generate-async)
+    for sched in "" --async-scheduling; do
+      grt 150 generate --model builtin:qwen2.5-0.5b --num-prompts 256 --prompt-len 128 --max-tokens 128 --temperature 0 \
+        --ignore-eos --max-num-seqs 256 --max-num-batched-tokens 2048 $sched 2>&1 | grep -v "capturing graphs" | tail -6
+    done | tee "$OUT/generate_sync_async.txt"
+    ;;
   bench-8b)
     gr bench latency --model builtin:llama-3.1-8b --batch-sizes 1,8,32,128,256 --context 1024 \
       --modes NONE,PIECEWISE,FULL --json "$OUT/latency_8b.json" --markdown "$OUT/latency_8b.md" 2>&1 | tail -22

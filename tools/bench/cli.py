@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_capture(sub)
     _register_throughput(sub)
     _register_host(sub)
+    _register_sampler(sub)
     p.set_defaults(func=run)
 
 
@@ -126,9 +127,50 @@ def _register_host(sub: argparse._SubParsersAction) -> None:
                    help="replace the step body and graph replay with a no-op: the host path alone (for CPUs)")
 
 
+def _register_sampler(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sampler",
+        help="sampler GPU time: greedy-only vs every feature on, eager and in a CUDA graph",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--num-reqs", default="1,64,256", help="comma-separated batch sizes")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (151936 = Qwen2.5)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="token history length the penalties scan")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    p.add_argument("--filters", default="bisect,sort", help="comma-separated top-k/top-p implementations")
+    p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
+
+
+def _run_sampler(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from tools.bench.sampler_bench import bench_sampler, markdown_table
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.inference_mode():
+        rows = bench_sampler(device, [int(n) for n in args.num_reqs.split(",")], args.vocab, args.iters,
+                             max_model_len=args.max_model_len, filter_impls=tuple(args.filters.split(",")),
+                             graphs=not args.no_graphs)
+    table = markdown_table(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; returns the exit status."""
-    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host}
+    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host,
+                "sampler": _run_sampler}
     return handlers[args.bench_command](args)
 
 
