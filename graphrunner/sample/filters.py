@@ -95,13 +95,13 @@ def apply_filters(
     use_min_p: bool,
 ) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
     """min-p, then top-k, then top-p (vLLM's order), sort-free and graph-safe."""
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    # masked_fill with a Python scalar: no host-to-device constant (illegal while capturing).
     if use_min_p:
-        x = torch.where(x >= min_p_threshold(x, min_p)[:, None], x, neg_inf)
+        x = x.masked_fill(x < min_p_threshold(x, min_p)[:, None], float("-inf"))
     if use_top_k:
-        x = torch.where(x >= top_k_threshold(x, top_k)[:, None], x, neg_inf)
+        x = x.masked_fill(x < top_k_threshold(x, top_k)[:, None], float("-inf"))
     if use_top_p:
-        x = torch.where(x >= top_p_threshold(x, top_p)[:, None], x, neg_inf)
+        x = x.masked_fill(x < top_p_threshold(x, top_p)[:, None], float("-inf"))
     return x
 
 
