@@ -99,6 +99,11 @@ class OutputRing:
         self._owner: list[AsyncOutput | None] = [None] * num_slots
         self._next = 0
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # The stream steps launch on, looked up once: torch.cuda.current_stream(device)
+        # costs ~5-10 us of Python per call, and a step would make three. Steps must
+        # therefore launch on the stream that is current when the ring is built (the
+        # runner's: the device's current stream at construction, normally the default).
+        self._compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
         # Per-slot events, reused: a slot is only relaunched once its output was resolved.
         self._step_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
         self._copy_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
@@ -126,11 +131,16 @@ class OutputRing:
         if self.is_cuda:
             assert self._stream is not None
             step_done, copy_done = self._step_done[slot], self._copy_done[slot]
-            step_done.record(torch.cuda.current_stream(self.device))
+            step_done.record(self._compute)
             self._stream.wait_event(step_done)  # the copy reads what the step wrote
-            with torch.cuda.stream(self._stream):
+            # set_stream rather than `with torch.cuda.stream(...)`: the context manager
+            # re-queries current streams and devices (tens of us per step).
+            torch.cuda.set_stream(self._stream)
+            try:
                 for name, t in tensors.items():
                     host[name].copy_(t, non_blocking=True)
+            finally:
+                torch.cuda.set_stream(self._compute)
             copy_done.record(self._stream)
             self._last_copy_done = copy_done
         else:
@@ -147,7 +157,7 @@ class OutputRing:
         Call before launching work that overwrites the tensors the last `launch()` copies.
         """
         if self._last_copy_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_copy_done)
+            self._compute.wait_event(self._last_copy_done)
             self._last_copy_done = None
 
     def _host_view(self, slot: int, name: str, src: torch.Tensor, rows: int | None) -> torch.Tensor:

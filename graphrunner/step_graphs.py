@@ -94,7 +94,9 @@ class StepGraphs:
         return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
 
     def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
-        self.full_graphs[(desc, sampling_variant(features))].replay()
+        # Plain greedy is the common case: compare with the constant instead of building one.
+        variant = GREEDY if features == GREEDY else ALL_FEATURES
+        self.full_graphs[(desc, variant)].replay()
 
     # ---- start-up -----------------------------------------------------------------
     def capture(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:

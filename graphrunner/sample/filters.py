@@ -105,6 +105,35 @@ def apply_filters(
     return x
 
 
+def filter_threshold(
+    x: torch.Tensor,  # [R, V] float32, temperature-scaled logits
+    top_k: torch.Tensor,  # [R] int32, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    min_p: torch.Tensor,  # [R] float32, 0 = off
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+) -> torch.Tensor:  # [R] float32
+    """The one threshold of `apply_filters`: it keeps exactly the tokens with `x >= t`.
+
+    The max of the min-p, top-k and top-p thresholds, each computed (as in `apply_filters`)
+    on what the previous filters kept; -inf where every filter is off. The torch reference
+    of the fused Triton threshold kernel (triton_sampling.py).
+    """
+    t = torch.full((x.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)  # [R]
+    if use_min_p:
+        t_min_p = min_p_threshold(x, min_p)
+        x = x.masked_fill(x < t_min_p[:, None], float("-inf"))
+        t = torch.maximum(t, t_min_p)
+    if use_top_k:
+        t_top_k = top_k_threshold(x, top_k)
+        x = x.masked_fill(x < t_top_k[:, None], float("-inf"))
+        t = torch.maximum(t, t_top_k)
+    if use_top_p:
+        t = torch.maximum(t, top_p_threshold(x, top_p))
+    return t
+
+
 def apply_top_k_top_p_sort(
     logits: torch.Tensor,  # [R, V] float32, already temperature-scaled
     top_k: torch.Tensor,  # [R] int32, 0 = off

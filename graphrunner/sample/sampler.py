@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
 from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
 from graphrunner.sample.logprobs import compute_logprobs
@@ -32,10 +33,14 @@ from graphrunner.sample.processors import (
 )
 # Re-exported: the runner and step_graphs import these from here.
 from graphrunner.sample.states import SamplingFeatures, SamplingStates, default_seed
+from graphrunner.sample.triton_sampling import gumbel_argmax_triton, sampling_threshold_triton
 
 __all__ = ["Sampler", "SamplingFeatures", "SamplingStates", "apply_top_k_top_p", "default_seed"]
 
 FILTER_IMPLS = ("bisect", "sort")
+# "auto": the fused Triton kernels (triton_sampling.py) for CUDA logits when triton
+# imports, else torch. "triton" forces them (on CPU only under TRITON_INTERPRET=1: tests).
+KERNEL_IMPLS = ("auto", "torch", "triton")
 
 
 def apply_top_k_top_p(
@@ -57,13 +62,25 @@ class Sampler:
         states: the per-row settings (and, for penalties, `states.all_token_ids`).
         filter_impl: "bisect" (sort-free thresholds, default) or "sort" (the previous
             sort-based top-k/top-p; kept as a benchmark baseline).
+        kernel_impl: how the random rows are sampled: "auto" (default; the fused Triton
+            kernels on CUDA when triton imports, else torch), "torch" or "triton".
     """
 
-    def __init__(self, states: SamplingStates, filter_impl: str = "bisect"):
+    def __init__(self, states: SamplingStates, filter_impl: str = "bisect", kernel_impl: str = "auto"):
         if filter_impl not in FILTER_IMPLS:
             raise ValueError(f"filter_impl={filter_impl!r} not in {FILTER_IMPLS}")
+        if kernel_impl not in KERNEL_IMPLS:
+            raise ValueError(f"kernel_impl={kernel_impl!r} not in {KERNEL_IMPLS}")
+        if kernel_impl == "triton" and not HAS_TRITON:
+            raise ValueError("kernel_impl='triton' but triton is not importable")
         self.states = states
         self.filter_impl = filter_impl
+        self.kernel_impl = kernel_impl
+
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        if self.kernel_impl == "auto":
+            return HAS_TRITON and x.is_cuda
+        return self.kernel_impl == "triton"
 
     def __call__(
         self,
@@ -130,6 +147,8 @@ class Sampler:
         s = self.states
         temperature = s.temperature[rows]  # [R]
         is_greedy = temperature == 0.0
+        if self._use_triton(x):
+            return self._sample_random_triton(x, rows, positions, features, greedy, temperature)
         scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
         top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
         if self.filter_impl == "bisect":
@@ -143,3 +162,41 @@ class Sampler:
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
         return torch.where(is_greedy, greedy, sampled)
+
+    def _sample_random_triton(
+        self,
+        x: torch.Tensor,  # [R, V] processed logits
+        rows: torch.Tensor,  # [R] int64
+        positions: torch.Tensor,  # [R]
+        features: SamplingFeatures,
+        greedy: torch.Tensor,  # [R]
+        temperature: torch.Tensor,  # [R] float32
+    ) -> torch.Tensor:  # [R] int64
+        """`_sample_random` as one threshold kernel + one fused Gumbel-max pass (same tokens)."""
+        s = self.states
+        num_rows = x.shape[0]
+        x = x.contiguous().float()  # no-op for the sampler's fp32 logits
+        temperature = temperature.float().contiguous()
+        threshold = torch.empty(num_rows, dtype=torch.float32, device=x.device)  # [R]
+        if self.filter_impl == "bisect":
+            sampling_threshold_triton(
+                x, temperature, s.top_k[rows], s.top_p[rows], s.min_p[rows],
+                features.any_top_k, features.any_top_p, features.any_min_p, threshold,
+            )
+        else:
+            # The sort baseline filters in torch; the kernel then samples the filtered,
+            # already-scaled logits with T = 1 (an exact identity) and no threshold.
+            is_greedy = temperature == 0.0
+            scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
+            top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
+            if features.any_min_p:
+                scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
+            if features.any_top_k or features.any_top_p:
+                scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
+            x = scaled.contiguous()
+            temperature = torch.where(is_greedy, 0.0, 1.0)  # greedy rows stay greedy (taken from `greedy`)
+            threshold.fill_(float("-inf"))
+        keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
+        sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
+        gumbel_argmax_triton(x, temperature, keys, threshold, sampled)
+        return torch.where(temperature == 0.0, greedy, sampled)

@@ -1,0 +1,360 @@
+"""Fused Triton kernels for the random-sampling tail: per-row filter threshold, then Gumbel-max.
+
+The torch path of `Sampler._sample_random` makes many full [R, V] passes (int64 hash
+noise, 32-step bisections per filter, divides, masked fills). Here the same result
+comes from two row-parallel kernels, one program per row, each looping over V:
+
+1. `sampling_threshold`: the one threshold `t[r]` of min-p -> top-k -> top-p on the
+   temperature-scaled logits (the max of the three, see filters.filter_threshold). The
+   bisections run over the row (which sits in L2), with the same int32 order keys and
+   the same 32 fixed steps as filters.py.
+2. `gumbel_argmax`: in ONE pass, `argmax(x / T masked to >= t, + gumbel(key, v))` with
+   exactly the noise of rng.py (hash32 of `key ^ (v * GOLDEN)`, 24-bit uniform,
+   -log(-log u)). Greedy rows (T == 0) get the argmax of x, unfiltered and noise-free.
+
+Exactness against the torch reference (same device): the division is IEEE
+(`div_rn`), the hash is bit-exact integer arithmetic and the order keys are exact, so
+min-p and top-k thresholds are identical. Two float steps can differ by an ulp: `log`
+in the noise and `exp` / summation order in the top-p mass. So a token can differ only
+when two candidates' noisy scores tie within an ulp, or when a top-p prefix mass lies
+within float rounding of `top_p * total`; both have probability ~0 for real logits.
+NaN logits are not supported (torch.argmax picks a NaN, these kernels skip it).
+
+Every function writes a preallocated output and never synchronizes with the host, so
+both the Triton and the torch implementations are graph-safe. `HAS_TRITON` decides
+once at import whether the Triton kernels exist (graphrunner.kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
+from graphrunner.sample import rng
+from graphrunner.sample.filters import filter_threshold
+
+__all__ = [
+    "gumbel_argmax",
+    "gumbel_argmax_torch",
+    "gumbel_argmax_triton",
+    "sampling_threshold",
+    "sampling_threshold_torch",
+    "sampling_threshold_triton",
+]
+
+_BLOCK = 2048  # vocab entries per loop iteration (fp32: 8 KiB per chunk)
+_NUM_WARPS = 8
+_OUT_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- torch references
+
+
+def gumbel_argmax_torch(
+    x: torch.Tensor,  # [R, V] float logits (processed, unscaled)
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy
+    keys: torch.Tensor,  # [R] int64 in [0, 2**32): rng.row_keys
+    threshold: torch.Tensor,  # [R] float32, -inf = no filter
+    out: torch.Tensor,  # [R] int32 | int64, written in place
+) -> None:
+    """Torch reference of `gumbel_argmax` (several [R, V] passes)."""
+    is_greedy = temperature == 0.0  # [R]
+    scaled = x.float() / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
+    thr = torch.where(is_greedy, float("-inf"), threshold)  # greedy rows are never filtered
+    scaled = scaled.masked_fill(scaled < thr[:, None], float("-inf"))
+    noise = torch.where(is_greedy[:, None], 0.0, rng.gumbel(keys, x.shape[-1]))  # [R, V]
+    out.copy_((scaled + noise).argmax(dim=-1))
+
+
+def sampling_threshold_torch(
+    x: torch.Tensor,  # [R, V] float logits (processed, unscaled)
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy (scaled by 1)
+    top_k: torch.Tensor,  # [R] int32, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    min_p: torch.Tensor,  # [R] float32, 0 = off
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+    out: torch.Tensor,  # [R] float32, written in place
+) -> None:
+    """Torch reference of `sampling_threshold`: filters.filter_threshold on x / T."""
+    scaled = x.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None]  # [R, V]
+    out.copy_(filter_threshold(scaled, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p))
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    # Same constants as rng.py; in uint32 arithmetic a product wraps mod 2**32, which is
+    # exactly rng.py's `(a * b) & MASK32` on int64.
+    _MIX = tl.constexpr(0x45D9F3B)
+    _GOLDEN = tl.constexpr(0x1E3779B9)
+    _SIGN_FREE = tl.constexpr(0x7FFFFFFF)
+
+    @triton.jit
+    def _hash32(x):
+        # x: uint32 tensor -> uint32, rng.hash32 bit for bit (shifts of unsigned are logical).
+        x = x ^ (x >> 16)
+        x = x * _MIX
+        x = x ^ (x >> 16)
+        x = x * _MIX
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _ordered_key(s):
+        # float32 -> int32 key with the same order (filters.ordered_key).
+        bits = s.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ _SIGN_FREE, bits)
+
+    @triton.jit
+    def _key_to_float(key):
+        # int64 scalar key in int32 range -> float32 (filters.key_to_float).
+        bits = tl.where(key < 0, key ^ _SIGN_FREE, key).to(tl.int32)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _scaled(base, v, vocab_size, t):
+        # x / T for the chunk v, IEEE-rounded like torch's division; -inf past the row end.
+        x = tl.load(base + v, mask=v < vocab_size, other=float("-inf")).to(tl.float32)
+        return tl.math.div_rn(x, t)
+
+    @triton.jit(do_not_specialize=["vocab_size"])
+    def _gumbel_argmax_kernel(
+        x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0)
+        temp = tl.load(temp_ptr + row)
+        greedy = temp == 0.0
+        t = tl.where(greedy, 1.0, temp)
+        thr = tl.where(greedy, float("-inf"), tl.load(thr_ptr + row))
+        noise_scale = tl.where(greedy, 0.0, 1.0)  # greedy rows: argmax of x itself
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        base = x_ptr + row.to(tl.int64) * x_stride
+        offs = tl.arange(0, BLOCK)
+        # Per-lane running max; strict > keeps the first index of a tie within a lane.
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = offs
+        for start in range(0, vocab_size, BLOCK):
+            v = start + offs
+            s = _scaled(base, v, vocab_size, t)
+            s = tl.where(s < thr, float("-inf"), s)
+            bits = _hash32(key ^ (v.to(tl.uint32) * _GOLDEN))
+            # 24 random bits are exact in float32; +0.5 keeps u in (0, 1).
+            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            g = -tl.log(-tl.log(u))
+            val = s + g * noise_scale
+            better = val > best
+            best = tl.where(better, val, best)
+            best_idx = tl.where(better, v, best_idx)
+        peak = tl.max(best, 0)
+        # First index among the lanes holding the max (an all -inf row gives 0, like torch).
+        idx = tl.min(tl.where(best == peak, best_idx, 2147483647), 0)
+        tl.store(out_ptr + row, idx.to(out_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["vocab_size"])
+    def _threshold_kernel(
+        x_ptr,
+        x_stride,
+        temp_ptr,
+        top_k_ptr,
+        top_p_ptr,
+        log_min_p_ptr,
+        out_ptr,
+        vocab_size,
+        USE_TOP_K: tl.constexpr,
+        USE_TOP_P: tl.constexpr,
+        USE_MIN_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        temp = tl.load(temp_ptr + row)
+        t = tl.where(temp == 0.0, 1.0, temp)
+        base = x_ptr + row.to(tl.int64) * x_stride
+        offs = tl.arange(0, BLOCK)
+        neg_inf = float("-inf")
+
+        # min-p: max(x) + log(min_p) (log taken on the host side of the kernel, in torch).
+        thr_min_p = tl.full([], neg_inf, tl.float32)
+        if USE_MIN_P:
+            peak = tl.full([BLOCK], neg_inf, tl.float32)
+            for start in range(0, vocab_size, BLOCK):
+                peak = tl.maximum(peak, _scaled(base, start + offs, vocab_size, t))
+            thr_min_p = tl.max(peak, 0) + tl.load(log_min_p_ptr + row)
+
+        # top-k over what min-p kept: the largest key with count(keys >= key) >= k.
+        thr_top_k = tl.full([], neg_inf, tl.float32)
+        if USE_TOP_K:
+            k = tl.load(top_k_ptr + row).to(tl.int64)
+            on = (k > 0) & (k < vocab_size)
+            k = tl.minimum(tl.maximum(k, 1), vocab_size)
+            lo = tl.full([], -2147483648, tl.int64)
+            for i in range(32):
+                cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+                count = tl.zeros([BLOCK], tl.int32)
+                for start in range(0, vocab_size, BLOCK):
+                    v = start + offs
+                    s = _scaled(base, v, vocab_size, t)
+                    s = tl.where(s < thr_min_p, neg_inf, s)
+                    count += ((_ordered_key(s) >= cand) & (v < vocab_size)).to(tl.int32)
+                lo = tl.where(tl.sum(count, 0).to(tl.int64) >= k, cand, lo)
+            thr_top_k = tl.where(on, _key_to_float(lo), neg_inf)
+
+        # top-p over what min-p and top-k kept: the largest key whose kept mass >= top_p * total.
+        thr_top_p = tl.full([], neg_inf, tl.float32)
+        if USE_TOP_P:
+            top_p = tl.load(top_p_ptr + row)
+            peak = tl.full([BLOCK], neg_inf, tl.float32)
+            for start in range(0, vocab_size, BLOCK):
+                s = _scaled(base, start + offs, vocab_size, t)
+                s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
+                peak = tl.maximum(peak, s)
+            p_max = tl.max(peak, 0)
+            # An all -inf row (never a real row) must not turn NaN; +inf is not finite either.
+            p_max = tl.where((p_max > neg_inf) & (p_max < float("inf")), p_max, 0.0)
+            mass = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab_size, BLOCK):
+                s = _scaled(base, start + offs, vocab_size, t)
+                s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
+                mass += tl.exp(s - p_max)
+            need = top_p * tl.sum(mass, 0)
+            lo = tl.full([], -2147483648, tl.int64)
+            for i in range(32):
+                cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+                mass = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, vocab_size, BLOCK):
+                    s = _scaled(base, start + offs, vocab_size, t)
+                    s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
+                    mass += tl.where(_ordered_key(s) >= cand, tl.exp(s - p_max), 0.0)
+                lo = tl.where(tl.sum(mass, 0) >= need, cand, lo)
+            thr_top_p = tl.where(top_p < 1.0, _key_to_float(lo), neg_inf)
+
+        tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_min_p, thr_top_k), thr_top_p))
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable; use the torch reference implementation")
+
+
+def _check_logits(x: torch.Tensor) -> tuple[int, int]:
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"logits have shape {tuple(x.shape)}, expected [R, V] with R, V >= 1")
+    if x.stride(1) != 1:
+        raise ValueError(f"logits must have unit stride in their last dim for the Triton kernel ({x.stride()})")
+    if x.shape[1] >= 1 << 31:
+        raise ValueError(f"vocab size {x.shape[1]} exceeds the kernels' int32 index limit {(1 << 31) - 1}")
+    return x.shape[0], x.shape[1]
+
+
+def _block(vocab_size: int, block: int | None) -> int:
+    if block is None:
+        return min(_BLOCK, triton.next_power_of_2(vocab_size))
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two >= 16")
+    return block
+
+
+def _check_rows(num_rows: int, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if tuple(t.shape) != (num_rows,) or not t.is_contiguous():
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected contiguous [{num_rows}]")
+
+
+def gumbel_argmax_triton(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    threshold: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block: int | None = None,
+) -> None:
+    """Triton implementation of `gumbel_argmax` (R programs, one pass over x).
+
+    `block` (a power of two) overrides the chunk size, so CPU tests can exercise the loop.
+    """
+    _require_triton()
+    num_rows, vocab_size = _check_logits(x)
+    _check_rows(num_rows, temperature=temperature, keys=keys, threshold=threshold, out=out)
+    check_tensor("out", out, (num_rows,), _OUT_DTYPES)
+    check_tensor("keys", keys, (num_rows,), (torch.int64,))
+    _gumbel_argmax_kernel[(num_rows,)](
+        x, x.stride(0), temperature, keys, threshold, out, vocab_size,
+        BLOCK=_block(vocab_size, block), num_warps=_NUM_WARPS,
+    )
+
+
+def sampling_threshold_triton(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+    out: torch.Tensor,
+    *,
+    block: int | None = None,
+) -> None:
+    """Triton implementation of `sampling_threshold` (R programs; up to ~67 passes per row)."""
+    _require_triton()
+    num_rows, vocab_size = _check_logits(x)
+    _check_rows(num_rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, out=out)
+    check_tensor("out", out, (num_rows,), (torch.float32,))
+    if not (use_top_k or use_top_p or use_min_p):
+        out.fill_(float("-inf"))  # a Python scalar: no host-to-device copy while capturing
+        return
+    # log in torch, so that min-p's threshold is bit-identical to filters.min_p_threshold.
+    log_min_p = torch.log(min_p)  # [R]
+    _threshold_kernel[(num_rows,)](
+        x, x.stride(0), temperature, top_k, top_p, log_min_p, out, vocab_size,
+        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, USE_MIN_P=use_min_p,
+        BLOCK=_block(vocab_size, block), num_warps=_NUM_WARPS,
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def gumbel_argmax(
+    x: torch.Tensor,  # [R, V] float logits (processed, unscaled)
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy
+    keys: torch.Tensor,  # [R] int64: rng.row_keys(seed, position)
+    threshold: torch.Tensor,  # [R] float32: keep x / T >= threshold; -inf = keep all
+    out: torch.Tensor,  # [R] int32 | int64, written in place
+) -> None:
+    """Gumbel-max sample per row: argmax over v of `x/T` (where >= threshold) + gumbel(key, v).
+
+    Greedy rows (T == 0) get argmax(x), ignoring threshold and noise. Ties go to the
+    first index. Triton on CUDA (one pass over x), torch reference elsewhere.
+    """
+    if use_triton(x):
+        gumbel_argmax_triton(x, temperature, keys, threshold, out)
+    else:
+        gumbel_argmax_torch(x, temperature, keys, threshold, out)
+
+
+def sampling_threshold(
+    x: torch.Tensor,  # [R, V] float logits (processed, unscaled)
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy (scaled by 1)
+    top_k: torch.Tensor,  # [R] int32, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    min_p: torch.Tensor,  # [R] float32, 0 = off
+    use_top_k: bool,
+    use_top_p: bool,
+    use_min_p: bool,
+    out: torch.Tensor,  # [R] float32, written in place
+) -> None:
+    """Per-row threshold of min-p -> top-k -> top-p on x / T (filters.filter_threshold).
+
+    Keeping `x / T >= out[r]` is exactly what filters.apply_filters keeps. Triton on
+    CUDA, torch reference elsewhere. The `use_*` flags are static per graph.
+    """
+    if use_triton(x):
+        sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, out)
+    else:
+        sampling_threshold_torch(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, out)
