@@ -26,7 +26,11 @@ from graphrunner.sample.triton_sampling import (
 )
 from tests.test_sampler import make_states
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
+    # The Triton interpreter converts 1-element arrays to ints (numpy >= 1.25 warns, per call).
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
 
 NEG_INF = float("-inf")
 
@@ -246,6 +250,20 @@ def test_sampler_rejects_unknown_kernel_impl():
 # --------------------------------------------------------------------------- GPU
 
 
+def _top_p_mass_gap(x, temperature, top_k, min_p, got, want):
+    """Per row, |kept mass(got) - kept mass(want)| of softmax over what min-p and top-k kept.
+
+    At V = 152k, fp32 mass sums in different orders (and `exp` ulps) can move the top-p
+    boundary by a few tokens of ~1e-6 probability each; the kept mass barely moves.
+    """
+    scaled = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    base = filter_threshold(scaled, top_k, torch.ones_like(temperature), min_p, True, False, True)
+    s = scaled.masked_fill(scaled < base[:, None], NEG_INF).double()
+    probs = torch.softmax(s, dim=-1)
+    kept = lambda t: (probs * (s >= t.double()[:, None])).sum(-1)  # noqa: E731
+    return (kept(got) - kept(want)).abs()
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_match_torch_and_capture_in_cuda_graph():
     rows, vocab = 64, 151936
@@ -254,17 +272,21 @@ def test_gpu_kernels_match_torch_and_capture_in_cuda_graph():
     top_k = torch.where(top_k % 2 == 0, top_k % 200, top_k)  # some small k as well
     want_t = torch.empty(rows, device="cuda")
     got_t = torch.empty(rows, device="cuda")
+    # min-p and top-k: exact.
+    sampling_threshold_torch(x, temperature, top_k, top_p, min_p, True, False, True, want_t)
+    sampling_threshold_triton(x, temperature, top_k, top_p, min_p, True, False, True, got_t)
+    assert torch.equal(got_t, want_t)
+    # top-p: the same kept mass up to fp32 summation rounding.
     sampling_threshold_torch(x, temperature, top_k, top_p, min_p, True, True, True, want_t)
     sampling_threshold_triton(x, temperature, top_k, top_p, min_p, True, True, True, got_t)
-    # min-p / top-k are exact; top-p may differ where a mass sits within rounding of top_p.
-    assert (got_t == want_t).float().mean() >= 0.95, (got_t, want_t)
+    assert _top_p_mass_gap(x, temperature, top_k, min_p, got_t, want_t).max() < 1e-4
     want = torch.empty(rows, dtype=torch.int64, device="cuda")
     got = torch.empty(rows, dtype=torch.int64, device="cuda")
     gumbel_argmax_torch(x, temperature, keys, want_t, want)
     gumbel_argmax_triton(x, temperature, keys, want_t, got)
     assert torch.equal(got, want)
 
-    # Capture both kernels (warm-up compiles them first), then replay on new inputs.
+    # Capture both kernels (a warm-up launch compiles them first), then replay on new inputs.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -281,9 +303,9 @@ def test_gpu_kernels_match_torch_and_capture_in_cuda_graph():
     keys.copy_(keys2)
     graph.replay()
     sampling_threshold_torch(x, temperature, top_k, top_p, min_p, True, True, True, want_t)
-    gumbel_argmax_torch(x, temperature, keys, got_t, want)
+    gumbel_argmax_torch(x, temperature, keys, got_t, want)  # the graph's own thresholds
     torch.cuda.synchronize()
-    assert (got_t == want_t).float().mean() >= 0.95
+    assert _top_p_mass_gap(x, temperature, top_k, min_p, got_t, want_t).max() < 1e-4
     assert torch.equal(got, want)
 
 
@@ -298,4 +320,6 @@ def test_gpu_sampler_auto_uses_triton_and_matches_torch():
     assert Sampler(states)._use_triton(logits)
     want = _sample(states, logits, features, positions, "torch")
     got = _sample(states, logits, features, positions, "auto")
-    assert (got == want).float().mean() >= 0.95  # see the top-p note above; usually all equal
+    # A top-p boundary moved by fp32 rounding (see _top_p_mass_gap) changes a token only
+    # when that boundary token is drawn: rare, so allow a few rows.
+    assert (got == want).float().mean() >= 0.9

@@ -128,7 +128,10 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
         log(f"building {spec.model} on {device} ({spec.mode}, capture sizes {list(spec.batch_sizes)})")
         llm = LLM(
             spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch,
-            max_num_batched_tokens=max(spec.max_batch, spec.context), max_model_len=blocks_per_req * spec.block_size,
+            # Prefill every engine-loop request in a step or two (eagerly: FULL graphs
+            # cover decodes only), so all of them decode together before any finishes.
+            max_num_batched_tokens=min(max(spec.max_batch, spec.context, spec.max_batch * spec.context), 16384),
+            max_model_len=blocks_per_req * spec.block_size,
             block_size=spec.block_size, seed=spec.seed, num_kv_blocks=1 + spec.max_batch * blocks_per_req,
             load_format=spec.load_format, enforce_eager=spec.mode.upper() == "NONE",
             cudagraph_mode=None if spec.mode.upper() == "NONE" else spec.mode,
