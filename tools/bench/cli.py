@@ -138,7 +138,9 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (151936 = Qwen2.5)")
     p.add_argument("--max-model-len", type=int, default=4096, help="token history length the penalties scan")
     p.add_argument("--iters", type=int, default=50, help="timed calls per row")
-    p.add_argument("--filters", default="bisect,sort", help="comma-separated top-k/top-p implementations")
+    p.add_argument("--filters", default="bisect,sort,bisect/torch",
+                   help="comma-separated top-k/top-p implementations (bisect, sort), each optionally with "
+                        "/torch or /triton to pin the kernels of the random tail (default: Triton on CUDA)")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
     p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")

@@ -127,7 +127,10 @@ def bench_sampler(
 def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs) -> list[dict]:
     """Rows for one (batch size, variant, filter): eager, and graph replay on CUDA."""
     states, features, b = _setup(device, n, vocab, max_model_len, variant)
-    sampler = Sampler(states, filter_impl=impl)
+    # "bisect" / "sort" pick the top-k/top-p filter; a "/torch" or "/triton" suffix pins the
+    # kernel implementation of the random tail (default "auto": Triton on CUDA).
+    filter_impl, _, kernel_impl = impl.partition("/")
+    sampler = Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl or "auto")
 
     def call():
         sampler(b["logits"], b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
@@ -141,6 +144,8 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
         with torch.cuda.stream(stream):
             call()  # warm-up (lazy inits) outside the capture
         torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # so the difference below is the graph's private pool only
         before = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
