@@ -30,6 +30,8 @@ once at import whether the Triton kernels exist (graphrunner.kernels).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
@@ -124,11 +126,15 @@ if HAS_TRITON:
         x = tl.load(base + v, mask=v < vocab_size, other=float("-inf")).to(tl.float32)
         return tl.math.div_rn(x, t)
 
-    @triton.jit(do_not_specialize=["vocab_size"])
+    @triton.jit(do_not_specialize=["vocab_size", "chunk"])
     def _gumbel_argmax_kernel(
-        x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr
+        x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, val_ptr, idx_ptr, vocab_size, chunk, BLOCK: tl.constexpr
     ):
+        # Program (row, split) scans tokens [split * chunk, (split + 1) * chunk) of its row
+        # and writes that span's best value and first index to val/idx[row, split].
         row = tl.program_id(0)
+        split = tl.program_id(1)
+        num_splits = tl.num_programs(1)
         temp = tl.load(temp_ptr + row)
         greedy = temp == 0.0
         t = tl.where(greedy, 1.0, temp)
@@ -137,12 +143,14 @@ if HAS_TRITON:
         key = tl.load(keys_ptr + row).to(tl.uint32)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, vocab_size)
         # Per-lane running max; strict > keeps the first index of a tie within a lane.
         best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = offs
-        for start in range(0, vocab_size, BLOCK):
+        best_idx = lo + offs
+        for start in range(lo, hi, BLOCK):
             v = start + offs
-            s = _scaled(base, v, vocab_size, t)
+            s = _scaled(base, v, hi, t)
             s = tl.where(s < thr, float("-inf"), s)
             bits = _hash32(key ^ (v.to(tl.uint32) * _GOLDEN))
             # 24 random bits are exact in float32; +0.5 keeps u in (0, 1).
@@ -153,9 +161,11 @@ if HAS_TRITON:
             best = tl.where(better, val, best)
             best_idx = tl.where(better, v, best_idx)
         peak = tl.max(best, 0)
-        # First index among the lanes holding the max (an all -inf row gives 0, like torch).
+        # First index among the lanes holding the max (an all -inf row gives split 0's
+        # first token, 0, like torch).
         idx = tl.min(tl.where(best == peak, best_idx, 2147483647), 0)
-        tl.store(out_ptr + row, idx.to(out_ptr.dtype.element_ty))
+        tl.store(val_ptr + row * num_splits + split, peak)
+        tl.store(idx_ptr + row * num_splits + split, idx)
 
     @triton.jit(do_not_specialize=["vocab_size"])
     def _threshold_kernel(
@@ -274,20 +284,48 @@ def gumbel_argmax_triton(
     out: torch.Tensor,
     *,
     block: int | None = None,
+    splits: int | None = None,
 ) -> None:
-    """Triton implementation of `gumbel_argmax` (R programs, one pass over x).
+    """Triton implementation of `gumbel_argmax` (one pass over x).
 
-    `block` (a power of two) overrides the chunk size, so CPU tests can exercise the loop.
+    Each row is split across `splits` programs (default: enough programs to fill the
+    device, so a single row does not run on one SM), whose partial maxima a torch argmax
+    over [R, splits] combines; it picks the lowest split on ties, so the result is still
+    the row's first maximal index. `block` (a power of two) overrides the chunk size, so
+    CPU tests can exercise the loop. Shapes depend only on R and V: graph-safe.
     """
     _require_triton()
     num_rows, vocab_size = _check_logits(x)
     _check_rows(num_rows, temperature=temperature, keys=keys, threshold=threshold, out=out)
     check_tensor("out", out, (num_rows,), _OUT_DTYPES)
     check_tensor("keys", keys, (num_rows,), (torch.int64,))
-    _gumbel_argmax_kernel[(num_rows,)](
-        x, x.stride(0), temperature, keys, threshold, out, vocab_size,
-        BLOCK=_block(vocab_size, block), num_warps=_NUM_WARPS,
+    blk = _block(vocab_size, block)
+    num_blocks = -(-vocab_size // blk)
+    if splits is None:
+        splits = -(-_target_programs(x.device) // num_rows)
+    splits = max(1, min(splits, num_blocks))
+    chunk = -(-num_blocks // splits) * blk  # a whole number of blocks per split
+    splits = -(-vocab_size // chunk)
+    part_val = torch.empty(num_rows, splits, dtype=torch.float32, device=x.device)  # [R, S]
+    part_idx = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)  # [R, S]
+    _gumbel_argmax_kernel[(num_rows, splits)](
+        x, x.stride(0), temperature, keys, threshold, part_val, part_idx, vocab_size, chunk,
+        BLOCK=blk, num_warps=_NUM_WARPS,
     )
+    best_split = part_val.argmax(dim=1, keepdim=True)  # [R, 1]: first split holding the max
+    out.copy_(part_idx.gather(1, best_split).squeeze(1))
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device busy: two per SM on CUDA; a few under the CPU interpreter."""
+    if device.type == "cuda":
+        return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def sampling_threshold_triton(
