@@ -43,8 +43,11 @@ def uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform noise in (0, 1), one per (row, token id). keys: [R] -> [R, V] float32."""
     token_ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)  # [V]
     bits = hash32(keys[:, None] ^ ((token_ids[None, :] * _GOLDEN) & _MASK32))  # [R, V]
-    # 24 random bits fit a float32 mantissa exactly; the +0.5 keeps 0 and 1 out.
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 random bits plus the half step need 24 significant bits: exact in float32, so
+    # u <= 1 - 2**-24 < 1. (With 24 bits, (2**24 - 1) + 0.5 rounds up to 2**24: u = 1,
+    # log(u) = 0 and the Gumbel noise is +inf, which made argmax pick that token, or a
+    # NaN from a filtered-out one, in about 1% of draws at a 152k vocabulary.)
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

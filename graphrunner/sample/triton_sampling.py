@@ -153,8 +153,8 @@ if HAS_TRITON:
             s = _scaled(base, v, hi, t)
             s = tl.where(s < thr, float("-inf"), s)
             bits = _hash32(key ^ (v.to(tl.uint32) * _GOLDEN))
-            # 24 random bits are exact in float32; +0.5 keeps u in (0, 1).
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            # rng.uniform bit for bit: 23 random bits + 0.5 are exact in float32, u in (0, 1).
+            u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             g = -tl.log(-tl.log(u))
             val = s + g * noise_scale
             better = val > best
