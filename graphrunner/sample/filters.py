@@ -95,14 +95,11 @@ def apply_filters(
     use_min_p: bool,
 ) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
     """min-p, then top-k, then top-p (vLLM's order), sort-free and graph-safe."""
+    if not (use_min_p or use_top_k or use_top_p):
+        return x
+    t = filter_threshold(x, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p)  # [R]
     # masked_fill with a Python scalar: no host-to-device constant (illegal while capturing).
-    if use_min_p:
-        x = x.masked_fill(x < min_p_threshold(x, min_p)[:, None], float("-inf"))
-    if use_top_k:
-        x = x.masked_fill(x < top_k_threshold(x, top_k)[:, None], float("-inf"))
-    if use_top_p:
-        x = x.masked_fill(x < top_p_threshold(x, top_p)[:, None], float("-inf"))
-    return x
+    return x.masked_fill(x < t[:, None], float("-inf"))
 
 
 def filter_threshold(

@@ -21,8 +21,8 @@ from collections import defaultdict
 import numpy as np
 
 
-def _wrap(obj, name: str, sink: dict[str, list[float]], label: str) -> None:
-    fn = getattr(obj, name)
+def _timed(fn, sink: dict[str, list[float]], label: str):
+    """`fn`, appending each call's wall seconds to sink[label]."""
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -31,7 +31,11 @@ def _wrap(obj, name: str, sink: dict[str, list[float]], label: str) -> None:
         finally:
             sink[label].append(time.perf_counter() - t0)
 
-    setattr(obj, name, timed)
+    return timed
+
+
+def _wrap(obj, name: str, sink: dict[str, list[float]], label: str) -> None:
+    setattr(obj, name, _timed(getattr(obj, name), sink, label))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
               compile_backend="inductor" if device.type == "cuda" else "eager")
     runner = llm.runner
     sink: dict[str, list[float]] = defaultdict(list)
-    runner_mod.validate_scheduler_output = _timed_fn(runner_mod.validate_scheduler_output, sink, "validate")
+    runner_mod.validate_scheduler_output = _timed(runner_mod.validate_scheduler_output, sink, "validate")
     for name, label in (("_update_states", "update_states"), ("_prepare_batch", "prepare_batch"),
                         ("_reusable_plan", "reusable_plan"), ("_build_output", "build_output")):
         _wrap(runner, name, sink, label)
@@ -82,17 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(buf.getvalue().splitlines()[:45]))
     runner.shutdown()
     return 0
-
-
-def _timed_fn(fn, sink, label):
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sink[label].append(time.perf_counter() - t0)
-
-    return timed
 
 
 if __name__ == "__main__":
