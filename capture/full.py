@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from capture.cuda_driver import CudaDriver
 from capture.pool import GraphPool
 from capture.report import CaptureRecord, read_graph_dot
 
@@ -68,6 +69,9 @@ class FullGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._captured_ptrs: dict[str, int] = {}
         self.captured = False
+        # The driver fast path: cuGraphLaunch of the exec handle on the current raw stream
+        # (see capture.cuda_driver); None: torch's replay.
+        self._launch: Callable[[], None] | None = None
 
     def capture(self, *, warmup: int = 1, inspect_nodes: bool = False) -> CaptureRecord:
         """Warm up, then capture (CUDA) or record (CPU) the step. Returns its cost."""
@@ -89,6 +93,7 @@ class FullGraph:
                 graph.instantiate()  # a kept graph instantiates lazily; do it inside capture time
             torch.cuda.synchronize(self._pool.device)
             self._graph = graph
+            self._launch = self._driver_launch(graph)
         else:
             for _ in range(warmup):
                 self._step()
@@ -103,7 +108,9 @@ class FullGraph:
             raise RuntimeError(f"graph {self.key} replayed before capture")
         if self.debug:
             self._check_addresses()
-        if self._graph is not None:
+        if self._launch is not None:
+            self._launch()
+        elif self._graph is not None:
             self._graph.replay()
         else:
             self._step()
@@ -119,7 +126,25 @@ class FullGraph:
             raise RuntimeError(f"graph {self.key} has no CUDA graph to dump (CPU emulation or not captured)")
         self._graph.debug_dump(str(path))
 
+    def _driver_launch(self, graph: "torch.cuda.CUDAGraph") -> Callable[[], None] | None:
+        """A replay that skips torch's wrapper: a graph launch on the current stream.
+
+        torch's replay also re-seeds the default generator's graph-safe RNG state (two
+        fill kernels per replay); step graphs draw no torch random numbers (sampling
+        noise is stateless), so the bare launch replays them exactly.
+        """
+        drv = CudaDriver.load()
+        device = self._pool.device
+        if drv is None or device.index is None or device.index != torch.cuda.current_device():
+            return None
+        handle = drv.graph_exec_handle(graph)
+        if handle is None:
+            return None
+        launch, raw_stream, index = drv.graph_launch, torch._C._cuda_getCurrentRawStream, device.index
+        return lambda: launch(handle, raw_stream(index))
+
     def release(self) -> None:
+        self._launch = None
         if self._graph is not None:
             self._graph.reset()
         self._graph = None

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from capture.cuda_driver import CudaDriver
+
 DEFAULT_NUM_SLOTS = 3
 
 Finalize = Callable[[dict[str, torch.Tensor]], Any]
@@ -80,6 +82,28 @@ class AsyncOutput:
         return self._result
 
 
+class OutputLayout:
+    """The D2H copies of one fixed set of device tensors, resolved once per ring slot.
+
+    Steady decoding copies the same tensor prefixes step after step; a layout keeps,
+    per slot, the host views `finalize` receives and the raw (dst, src, bytes) triples
+    the driver path queues, so a launch does no per-tensor Python work.
+    """
+
+    __slots__ = ("names", "host", "copies", "tensors")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], host: list[dict[str, torch.Tensor]], raw: bool):
+        self.tensors = tensors  # keeps the sources alive while the layout may be launched
+        self.names = tuple(tensors)
+        self.host = host
+        self.copies: list[tuple[tuple[int, int, int], ...]] | None = None
+        if raw:
+            self.copies = [
+                tuple((h[name].data_ptr(), t.data_ptr(), t.numel() * t.element_size()) for name, t in tensors.items())
+                for h in host
+            ]
+
+
 class OutputRing:
     """`num_slots` sets of pinned host buffers plus the output copy stream.
 
@@ -92,6 +116,8 @@ class OutputRing:
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots} must be >= 2 (one output in flight while the next is made)")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots = num_slots
         self.is_cuda = self.device.type == "cuda"
         self._host: list[dict[str, torch.Tensor]] = [{} for _ in range(num_slots)]
@@ -108,10 +134,32 @@ class OutputRing:
         self._step_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
         self._copy_done = [torch.cuda.Event() for _ in range(num_slots)] if self.is_cuda else []
         self._last_copy_done: torch.cuda.Event | None = None
+        # The driver fast path (capture.cuda_driver): raw handles, looked up once. It
+        # needs this device to be the current one (the driver calls use its context).
+        self._driver = None
+        if self.is_cuda and self.device.index == torch.cuda.current_device():
+            self._driver = CudaDriver.load()
+        if self._driver is not None:
+            for ev in self._step_done + self._copy_done:
+                ev.record(self._compute)  # torch creates the CUDA event on first record
+            self._step_done_h = [ev.cuda_event for ev in self._step_done]
+            self._copy_done_h = [ev.cuda_event for ev in self._copy_done]
+            self._copy_handle = self._stream.cuda_stream
+            self._device_index = self.device.index
+            self._raw_current_stream = torch._C._cuda_getCurrentRawStream
 
     @property
     def num_unresolved(self) -> int:
         return sum(o is not None for o in self._owner)
+
+    def layout(self, tensors: dict[str, torch.Tensor], capacity: dict[str, int] | None = None) -> OutputLayout:
+        """Resolve the copies of `tensors` for every slot (reusable while the tensors are)."""
+        host = [{name: self._host_view(slot, name, t, (capacity or {}).get(name)) for name, t in tensors.items()}
+                for slot in range(self.num_slots)]
+        # Raw byte copies need both ends dense (a host view narrowed from a wider buffer is not).
+        raw = self._driver is not None and all(t.is_contiguous() and t.device == self.device for t in tensors.values()) \
+            and all(v.is_contiguous() for h in host for v in h.values())
+        return OutputLayout(tensors, host, raw)
 
     def launch(self, tensors: dict[str, torch.Tensor], finalize: Finalize,
                capacity: dict[str, int] | None = None) -> AsyncOutput:
@@ -120,36 +168,53 @@ class OutputRing:
         `finalize(host_tensors)` runs in `get()`: it receives host views with the same
         shapes and must copy what it keeps (e.g. `.tolist()`), since the slot is reused.
         """
+        return self.launch_layout(self.layout(tensors, capacity), finalize)
+
+    def launch_layout(self, layout: OutputLayout, finalize: Finalize) -> AsyncOutput:
+        """`launch` over a layout resolved before (the steady-decode path)."""
         slot = self._next
         if self._owner[slot] is not None:
             raise RuntimeError(
                 f"all {self.num_slots} async output slots hold unresolved outputs; call get() on older "
                 f"AsyncOutputs before sampling more steps (resolve step N before launching step N + {self.num_slots})"
             )
-        host = {name: self._host_view(slot, name, t, (capacity or {}).get(name)) for name, t in tensors.items()}
+        host = layout.host[slot]
         copy_done = None
         if self.is_cuda:
-            assert self._stream is not None
-            step_done, copy_done = self._step_done[slot], self._copy_done[slot]
-            step_done.record(self._compute)
-            self._stream.wait_event(step_done)  # the copy reads what the step wrote
-            # set_stream rather than `with torch.cuda.stream(...)`: the context manager
-            # re-queries current streams and devices (tens of us per step).
-            torch.cuda.set_stream(self._stream)
-            try:
-                for name, t in tensors.items():
-                    host[name].copy_(t, non_blocking=True)
-            finally:
-                torch.cuda.set_stream(self._compute)
-            copy_done.record(self._stream)
+            copy_done = self._copy_done[slot]
+            drv = self._driver
+            if drv is not None and layout.copies is not None:
+                copy = self._copy_handle
+                drv.event_record(self._step_done_h[slot], self._raw_current_stream(self._device_index))
+                drv.stream_wait_event(copy, self._step_done_h[slot])  # the copy reads what the step wrote
+                for dst, src, nbytes in layout.copies[slot]:
+                    drv.memcpy_dtoh_async(dst, src, nbytes, copy)
+                drv.event_record(self._copy_done_h[slot], copy)
+            else:
+                self._launch_torch(slot, layout, host)
             self._last_copy_done = copy_done
         else:
-            for name, t in tensors.items():
+            for name, t in layout.tensors.items():
                 host[name].copy_(t)
         out = AsyncOutput(self, slot, host, finalize, copy_done)
         self._owner[slot] = out
         self._next = (slot + 1) % self.num_slots
         return out
+
+    def _launch_torch(self, slot: int, layout: OutputLayout, host: dict[str, torch.Tensor]) -> None:
+        assert self._stream is not None
+        step_done = self._step_done[slot]
+        step_done.record(self._compute)
+        self._stream.wait_event(step_done)  # the copy reads what the step wrote
+        # set_stream rather than `with torch.cuda.stream(...)`: the context manager
+        # re-queries current streams and devices (tens of us per step).
+        torch.cuda.set_stream(self._stream)
+        try:
+            for name, t in layout.tensors.items():
+                host[name].copy_(t, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(self._compute)
+        self._copy_done[slot].record(self._stream)
 
     def guard_next_step(self) -> None:
         """Make the compute stream wait (device-side) for the last queued copy.
@@ -157,7 +222,11 @@ class OutputRing:
         Call before launching work that overwrites the tensors the last `launch()` copies.
         """
         if self._last_copy_done is not None:
-            self._compute.wait_event(self._last_copy_done)
+            if self._driver is not None:
+                self._driver.stream_wait_event(self._raw_current_stream(self._device_index),
+                                               self._last_copy_done.cuda_event)
+            else:
+                self._compute.wait_event(self._last_copy_done)
             self._last_copy_done = None
 
     def _host_view(self, slot: int, name: str, src: torch.Tensor, rows: int | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from graphrunner.attention import get_attention_backend
-from graphrunner.async_output import AsyncOutput, OutputRing
+from graphrunner.async_output import AsyncOutput, OutputLayout, OutputRing
 from graphrunner.attention.op import forward_context
 from graphrunner.block_table import BlockTables, compute_slot_mapping
 from graphrunner.config import RunnerConfig, resolve_dtype
@@ -52,6 +52,7 @@ from graphrunner.states import RequestState
 from graphrunner.step_graphs import StepGraphs
 from graphrunner.validation import DecodeHint, validate_scheduler_output
 from capture.descriptor import BatchExecutionDescriptor
+from capture.full import FullGraph
 from capture.report import CaptureRecord, CaptureReport
 
 logger = logging.getLogger("graphrunner.runner")
@@ -98,10 +99,22 @@ class _DecodePlan:
     desc: BatchExecutionDescriptor
     batch: InputBatch
     epoch: int
-    graphs_key: tuple[int, bool]
+    graphs_key: tuple[int, int, bool]
     upload_version: int
     req_id_to_index: dict[str, int]
     all_produce: np.ndarray  # [R] bool, all True: what every all-decode step samples
+    rows_index: "slice | np.ndarray"  # idx_mapping as a slice where its rows are consecutive
+    full_graph: FullGraph | None  # what replays the step (desc FULL), looked up once
+    output_layout: OutputLayout | None = None  # the step's D2H copies, resolved on first use
+
+
+def _as_slice(rows: np.ndarray) -> "slice | np.ndarray":
+    """`rows` as a slice when they are consecutive ascending (a basic-index update is
+    several times cheaper than a fancy-index one), else `rows` itself."""
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows
 
 
 class ModelRunner:
@@ -315,6 +328,9 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> None:
         plan = self._reusable_plan(so)
+        if plan is not None and plan.hint.all_decode:
+            self._execute_steady_decode(so, plan)
+            return
         validate_scheduler_output(self, so, plan.hint if plan is not None else None)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
@@ -350,6 +366,43 @@ class ModelRunner:
                 self._plan.hint.all_decode = bool(produces.all())
         self._last_descriptor = desc
 
+    def _execute_steady_decode(self, so: SchedulerOutput, plan: _DecodePlan) -> None:
+        """`_execute` for a repeat of the last all-decode batch (see `_DecodePlan`).
+
+        The same checks and effects as the general path, minus what the plan already
+        knows: no admissions or removals, no reordering, no dispatch, no upload unless
+        another layout was uploaded since, no host metadata a FULL graph ignores. This
+        is the step that runs thousands of times per request: its host time is the
+        runner's overhead per decoded token.
+        """
+        cached = so.scheduled_cached_reqs
+        new_blocks = any(cached.new_block_ids)
+        validate_scheduler_output(self, so, plan.hint)
+        if new_blocks:
+            self._append_cached_blocks(cached)
+            plan.hint.limit = self._token_limits(plan.hint.rows)
+        self.req_states.apply_staged_writes()
+        self.sampling_states.apply_staged_writes()
+        self.block_tables.apply_staged_writes()
+        batch = plan.batch
+        if plan.upload_version != self.input_buffers.version:
+            self.input_buffers.upload(plan.idx_mapping, plan.query_lens, batch.num_reqs_padded, self.req_states.scratch_row)
+            plan.upload_version = self.input_buffers.version
+        self._current_batch = batch
+        q = self.uniform_decode_query_len
+        num_computed = self.req_states.num_computed_np
+        self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
+        self.parallel.before_forward(batch.num_tokens_padded)
+        if plan.full_graph is not None:
+            plan.full_graph.replay()
+        else:
+            batch.attn_metadata.max_seq_len = int(num_computed[plan.idx_mapping].max()) + q
+            self._run_step(batch, piecewise=plan.desc.is_piecewise)
+        num_computed[plan.rows_index] += q  # rows are distinct: no lost updates
+        self.parallel.after_forward(batch, plan.all_produce)
+        self._pending = _PendingStep(batch, plan.desc, plan.all_produce, True)
+        self._last_descriptor = plan.desc
+
     @property
     def last_descriptor(self) -> BatchExecutionDescriptor | None:
         """The descriptor the last executed step ran with (None before the first step)."""
@@ -368,21 +421,31 @@ class ModelRunner:
         if pending is None:
             empty = ModelRunnerOutput.empty()
             return AsyncOutput.ready(empty) if async_output else empty
-        batch = pending.batch
+        plan = self._plan
+        if plan is not None and plan.batch is pending.batch:
+            # Steady decoding: the same output tensors every step, their copies resolved once.
+            if plan.output_layout is None:
+                plan.output_layout = self._output_layout(pending.batch)
+            layout = plan.output_layout
+        else:
+            layout = self._output_layout(pending.batch)
+        if async_output:
+            return self.output_ring.launch_layout(layout, partial(self._build_output, pending))
+        return self._build_output(pending, layout.tensors)
+
+    def _output_layout(self, batch: InputBatch) -> OutputLayout:
+        """What a step copies to the host: its sampled tokens (and the logprob rows it asked for)."""
         R = batch.num_reqs
         device_outputs = {"sampled": batch.sampled[:R]}  # [R] int32
         capacity = {"sampled": self.max_num_reqs}
-        features = batch.sampling_features
-        if features.wants_logprobs:
-            cols = features.num_logprobs + 1
-            device_outputs["logprob_values"] = self.logprob_values[:R, :cols]  # [R, K+1] float32
-            device_outputs["logprob_token_ids"] = self.logprob_token_ids[:R, :cols]  # [R, K+1] int32
+        if batch.sampling_features.wants_logprobs:
+            # Whole rows (contiguous: one raw copy each); the host keeps the asked-for columns.
+            device_outputs["logprob_values"] = self.logprob_values[:R]  # [R, K_all+1] float32
+            device_outputs["logprob_token_ids"] = self.logprob_token_ids[:R]  # [R, K_all+1] int32
             device_outputs["logprob_ranks"] = self.logprob_ranks[:R]  # [R] int32
             capacity.update(logprob_values=self.max_num_reqs, logprob_token_ids=self.max_num_reqs,
                             logprob_ranks=self.max_num_reqs)
-        if async_output:
-            return self.output_ring.launch(device_outputs, partial(self._build_output, pending), capacity=capacity)
-        return self._build_output(pending, device_outputs)
+        return self.output_ring.layout(device_outputs, capacity)
 
     def _build_output(self, pending: _PendingStep, outputs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
         """Host-side result of a step from its (host or device) output tensors."""
@@ -390,20 +453,13 @@ class ModelRunner:
         tokens = outputs["sampled"]
         if tokens.device.type != "cpu":
             tokens = tokens.cpu()  # the synchronous path: one blocking D2H copy
-        tokens_np = tokens.numpy()  # [R] int32
-        if pending.all_produce:
-            sampled = tokens_np.reshape(-1, 1).tolist()  # [[tok], ...] built in C: ~3x faster than a comprehension
-        else:
-            flags = pending.produces_token.tolist()
-            sampled = [[tok] if produces else [] for tok, produces in zip(tokens_np.tolist(), flags)]
+        tokens_np = tokens.numpy().copy()  # [R] int32; a copy: the host slot is reused
         plan = self._plan
-        if plan is not None and plan.batch is batch:
-            index = dict(plan.req_id_to_index)  # a copy: the caller may mutate its output
-        else:
-            index = {rid: i for i, rid in enumerate(batch.req_ids)}
-        return ModelRunnerOutput(
-            req_ids=list(batch.req_ids), req_id_to_index=index, sampled_token_ids=sampled,
-            logprobs=self._sampled_logprobs(pending, outputs), prompt_logprobs_dict=pending.prompt_logprobs or {},
+        index_source = plan.req_id_to_index if plan is not None and plan.batch is batch else None
+        return ModelRunnerOutput.from_token_array(
+            list(batch.req_ids), tokens_np, None if pending.all_produce else pending.produces_token.copy(),
+            index_source, logprobs=self._sampled_logprobs(pending, outputs),
+            prompt_logprobs_dict=pending.prompt_logprobs or {},
         )
 
     def _sampled_logprobs(self, pending: _PendingStep, outputs: dict[str, torch.Tensor]) -> list | None:
@@ -412,7 +468,10 @@ class ModelRunner:
         if "logprob_values" not in outputs:
             return None
         batch = pending.batch
+        cols = pending.batch.sampling_features.num_logprobs + 1
         host = {name: t.cpu().numpy() for name, t in outputs.items() if name.startswith("logprob")}
+        host["logprob_values"] = host["logprob_values"][:, :cols]
+        host["logprob_token_ids"] = host["logprob_token_ids"][:, :cols]
         wanted = self.sampling_states.logprobs_of(batch.idx_mapping_np)  # [R] K per entry, -1 = none
         dicts = logprob_dicts(host["logprob_values"], host["logprob_token_ids"], host["logprob_ranks"])
         result = []
@@ -442,13 +501,18 @@ class ModelRunner:
             self._add_request(new)
         cached = so.scheduled_cached_reqs
         if any(cached.new_block_ids):
-            index = self.req_states.req_id_to_index
-            for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
-                if new_block_ids:
-                    self.block_tables.append_block_ids(index[req_id], new_block_ids, overwrite=False)
+            self._append_cached_blocks(cached)
         self.req_states.apply_staged_writes()
         self.sampling_states.apply_staged_writes()
         self.block_tables.apply_staged_writes()
+
+    def _append_cached_blocks(self, cached) -> None:
+        """Stage the new KV blocks of running requests (`scheduled_cached_reqs.new_block_ids`)."""
+        assert self.block_tables is not None
+        index = self.req_states.req_id_to_index
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_block_ids:
+                self.block_tables.append_block_ids(index[req_id], new_block_ids, overwrite=False)
 
     def _add_request(self, new: NewRequestData) -> None:
         assert self.block_tables is not None
@@ -464,9 +528,9 @@ class ModelRunner:
             self._prompt_lp[new.req_id] = (prompt, PromptLogprobsCollector(len(prompt), k))
         self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
 
-    def _graphs_key(self) -> tuple[int, bool]:
+    def _graphs_key(self) -> tuple[int, int, bool]:
         assert self.graphs is not None
-        return id(self.graphs), self.graphs.captured
+        return id(self.graphs), self.graphs.generation, self.graphs.captured
 
     def _reusable_plan(self, so: SchedulerOutput) -> _DecodePlan | None:
         """The last decode plan if `so` schedules exactly its requests, in its order, as decodes."""
@@ -541,13 +605,18 @@ class ModelRunner:
         )
         if uniform is not None:
             rows = idx_mapping.astype(np.int64)
+            rows_index = _as_slice(idx_mapping)
+            hint = DecodeHint(rows, self._token_limits(rows), all_decode=False,
+                              rows_index=rows_index if isinstance(rows_index, slice) else None)
             self._plan = _DecodePlan(
-                req_ids=req_ids, hint=DecodeHint(rows, self._token_limits(rows), all_decode=False),
+                req_ids=req_ids, hint=hint,
                 idx_mapping=idx_mapping, query_lens=query_lens,
                 desc=desc, batch=batch, epoch=s.epoch, graphs_key=self._graphs_key(),
                 upload_version=self.input_buffers.version,
                 req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                 all_produce=np.ones(num_reqs, dtype=bool),
+                rows_index=rows_index,
+                full_graph=self.graphs.full_graph(desc, batch.sampling_features) if desc.is_full else None,
             )
         else:
             self._plan = None

@@ -85,6 +85,7 @@ class StepGraphs:
         self.pool: GraphPool | None = None
         self.full_graphs: dict[tuple[BatchExecutionDescriptor, SamplingFeatures], FullGraph] = {}
         self.captured = False
+        self.generation = 0  # bumped by every capture and release: plans holding graphs compare it
 
     # ---- per step -----------------------------------------------------------------
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None) -> BatchExecutionDescriptor:
@@ -93,10 +94,14 @@ class StepGraphs:
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
         return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
 
-    def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
+    def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph:
+        """The captured FULL graph that serves `desc` for a batch needing `features`."""
         # Plain greedy is the common case: compare with the constant instead of building one.
         variant = GREEDY if features == GREEDY else ALL_FEATURES
-        self.full_graphs[(desc, variant)].replay()
+        return self.full_graphs[(desc, variant)]
+
+    def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
+        self.full_graph(desc, features).replay()
 
     # ---- start-up -----------------------------------------------------------------
     def capture(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -147,6 +152,7 @@ class StepGraphs:
         finally:
             gc.unfreeze()
         self.captured = True
+        self.generation += 1
         report.total_seconds = time.perf_counter() - start - report.compile_seconds
         report.free_memory_delta_bytes = free_before - self.pool.free_bytes()
         logger.info("captured %d graphs in %.2f s (%s)", report.num_graphs, report.total_seconds, self.mode.name)
@@ -162,6 +168,7 @@ class StepGraphs:
             self.pool.release()
             self.pool = None
         self.captured = False
+        self.generation += 1
 
 
 def _progress(items: list, enabled: bool):

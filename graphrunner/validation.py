@@ -140,12 +140,14 @@ class DecodeHint:
     rows: [R] int64 state rows, in batch order. limit: [R] int64, per row the most tokens
     it may hold: min(blocks held x block_size, max_model_len). all_decode: every row had
     all its known tokens computed after the step the plan was made in (so each of them
-    can only decode from then on).
+    can only decode from then on). rows_index: `rows` as a slice where they are
+    consecutive (a cheaper gather), else None.
     """
 
     rows: np.ndarray
     limit: np.ndarray
     all_decode: bool
+    rows_index: slice | None = None
 
 
 def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint | None = None) -> None:
@@ -197,7 +199,7 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
     if q * len(rows) > runner.max_num_tokens:
         raise _Invalid
     cached = so.scheduled_cached_reqs
-    computed = runner.req_states.num_computed_np[rows]  # [R] int64
+    computed = runner.req_states.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64
     # List equality of Python ints is C-level: cheaper than converting the list to numpy.
     if cached.num_computed_tokens != computed.tolist():
         raise _Invalid

@@ -59,21 +59,22 @@ def test_all_modes_produce_identical_tokens(llms, workload):
         assert results[mode] == results["NONE"], mode
 
 
-def test_graphs_are_actually_replayed(llms):
+def test_graphs_are_actually_replayed(llms, monkeypatch):
     """The FULL runner must serve decode steps from graphs (not silently run eager)."""
+    from capture.full import FullGraph
+
     runner = llms["FULL"].runner
+    desc_of = {id(graph): desc for (desc, _), graph in runner.graphs.full_graphs.items()}
     seen = []
-    original = runner.graphs.replay_full
+    original = FullGraph.replay
 
-    def spy(desc, features):
-        seen.append(desc)
-        return original(desc, features)
+    def spy(self):
+        seen.append(desc_of[id(self)])
+        return original(self)
 
-    runner.graphs.replay_full = spy
-    try:
-        llms["FULL"].generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    finally:
-        runner.graphs.replay_full = original
+    monkeypatch.setattr(FullGraph, "replay", spy)
+    llms["FULL"].generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    monkeypatch.undo()
     # One prefill step (5 tokens, padded to 8) and four decode steps of two requests.
     assert len(seen) == 5 and all(d.is_full for d in seen)
     assert seen[0].num_tokens == 8 and all(d.num_tokens == 2 and d.num_reqs == 2 for d in seen[1:])
@@ -180,19 +181,22 @@ def test_gpu_modes_match_eager(mode):
     assert got == want
 
 
-def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms):
+def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms, monkeypatch):
+    from capture.full import FullGraph
+
     llm = llms["FULL_AND_PIECEWISE"]
     runner = llm.runner
+    desc_of = {id(graph): desc for (desc, _), graph in runner.graphs.full_graphs.items()}
     routes = []
-    original_full, original_step = runner.graphs.replay_full, runner._run_step
+    original_full, original_step = FullGraph.replay, runner._run_step
 
     in_full = []
 
-    def spy_full(desc, features):
-        routes.append(("full", desc.num_tokens))
+    def spy_full(self):
+        routes.append(("full", desc_of[id(self)].num_tokens))
         in_full.append(True)  # on CPU the emulated replay re-runs the step body: not a route
         try:
-            return original_full(desc, features)
+            return original_full(self)
         finally:
             in_full.pop()
 
@@ -201,10 +205,9 @@ def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms):
             routes.append(("piecewise" if piecewise else "eager", batch.num_tokens_padded))
         return original_step(batch, piecewise)
 
-    runner.graphs.replay_full, runner._run_step = spy_full, spy_step
-    try:
-        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    finally:
-        runner.graphs.replay_full, runner._run_step = original_full, original_step
+    monkeypatch.setattr(FullGraph, "replay", spy_full)
+    monkeypatch.setattr(runner, "_run_step", spy_step)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    monkeypatch.undo()
     # Prefill of 8 tokens: PIECEWISE at the capture size 8; then 3 uniform decodes of 2: FULL.
     assert routes == [("piecewise", 8)] + [("full", 2)] * 3

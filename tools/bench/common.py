@@ -110,7 +110,10 @@ def env_info(device: torch.device, dtype: str | torch.dtype | None = None) -> di
         "python": platform.python_version(),
     }
     if device.type == "cuda":
+        from capture.cuda_driver import CudaDriver
+
         info["device_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
+        info["cuda_driver_fast_path"] = CudaDriver.load() is not None
     return info
 
 

@@ -142,6 +142,8 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
             # Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
             llm.runner._run_step = lambda batch, piecewise=False: None
             llm.runner.graphs.replay_full = lambda desc, features: None
+            for graph in llm.runner.graphs.full_graphs.values():  # steady decoding replays them directly
+                graph.replay = lambda: None
         for bs in spec.batch_sizes:
             gpu = _gpu_step_us(llm.runner, spec, bs)
             for scheduling in spec.schedulings:
@@ -327,7 +329,8 @@ def host_text(result: HostResult) -> str:
     rows = [list(_COLUMNS)] + [_cells(r) for r in result.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     noop = ", no-op step body" if result.spec.noop_step else ""
-    lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop})"]
+    driver = {True: ", driver fast path", False: ", torch CUDA calls"}.get(result.env.get("cuda_driver_fast_path"), "")
+    lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop}{driver})"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     if result.error:
         lines.append(f"error: {result.error}")
@@ -336,7 +339,8 @@ def host_text(result: HostResult) -> str:
 
 def host_markdown(result: HostResult) -> str:
     lines = [f"## Host time per decode step: {result.spec.model} ({result.resolved_mode})", "",
-             f"Device: {result.env.get('device_name')}, torch {result.env.get('torch')}. "
+             f"Device: {result.env.get('device_name')}, torch {result.env.get('torch')}, CUDA calls through "
+             f"{'the driver fast path' if result.env.get('cuda_driver_fast_path') else 'torch'}. "
              "host = time inside execute_model + sample_tokens + output resolve, excluding the copy wait.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in result.rows]

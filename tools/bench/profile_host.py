@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     sink: dict[str, list[float]] = defaultdict(list)
     runner_mod.validate_scheduler_output = _timed(runner_mod.validate_scheduler_output, sink, "validate")
     for name, label in (("_update_states", "update_states"), ("_prepare_batch", "prepare_batch"),
+                        ("_execute_steady_decode", "execute (steady decode, whole)"),
                         ("_reusable_plan", "reusable_plan"), ("_build_output", "build_output")):
         _wrap(runner, name, sink, label)
-    _wrap(runner.graphs, "replay_full", sink, "replay_full (graph launch)")
+    for graph in runner.graphs.full_graphs.values():
+        _wrap(graph, "replay", sink, "graph replay (launch)")
     _wrap(runner.output_ring, "guard_next_step", sink, "guard_next_step")
-    _wrap(runner.output_ring, "launch", sink, "output launch (D2H + events)")
+    _wrap(runner.output_ring, "launch_layout", sink, "output launch (D2H + events)")
     _wrap(runner.parallel, "before_forward", sink, "parallel hooks")
     for bs in sizes:
         for scheduling in ("sync", "async"):
