@@ -47,6 +47,7 @@ class AsyncOutput:
         self._copy_done = copy_done
         self._result = result
         self._resolved = finalize is None
+        self._copied = False  # the copy is known to have landed (synchronized once)
 
     @classmethod
     def ready(cls, result: Any) -> "AsyncOutput":
@@ -63,14 +64,21 @@ class AsyncOutput:
 
     def wait(self) -> None:
         """Block until this output's copy has landed (`get()` then only builds the result)."""
-        if not self._resolved and self._copy_done is not None:
+        if not self._resolved and self._copy_done is not None and not self._copied:
             self._copy_done.synchronize()
+            self._on_copied()
+
+    def _on_copied(self) -> None:
+        self._copied = True
+        if self._ring is not None:
+            self._ring._copy_landed(self._copy_done)
 
     def get(self) -> Any:
         """Wait for this output's copy (not the whole device), then build and return the result."""
         if not self._resolved:
-            if self._copy_done is not None:
+            if self._copy_done is not None and not self._copied:
                 self._copy_done.synchronize()
+                self._on_copied()
             assert self._finalize is not None
             # finalize must not keep views of the host buffers: the slot is reused next.
             self._result = self._finalize(self._host)
@@ -253,6 +261,12 @@ class OutputRing:
         for dim, size in enumerate(shape):
             view = view.narrow(dim, 0, size)
         return view
+
+    def _copy_landed(self, copy_done: "torch.cuda.Event | None") -> None:
+        """The host saw `copy_done` complete: if it was the last copy, the next step needs
+        no guard (sync scheduling resolves each step before launching the next)."""
+        if copy_done is not None and copy_done is self._last_copy_done:
+            self._last_copy_done = None
 
     def _release(self, slot: int, out: AsyncOutput) -> None:
         if self._owner[slot] is out:

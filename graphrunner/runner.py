@@ -337,7 +337,7 @@ class ModelRunner:
             self.parallel.idle_step()  # DP: an idle replica still joins the step's collectives
             return
         if plan is not None and any(so.scheduled_cached_reqs.new_block_ids):
-            plan.hint.limit = self._token_limits(plan.hint.rows)
+            plan.hint.set_limit(self._token_limits(plan.hint.rows))
         batch, desc = self._prepare_batch(so, plan)
         self._current_batch = batch
         # The step overwrites `sampled`, which the last async output copy may still read.
@@ -377,10 +377,10 @@ class ModelRunner:
         """
         cached = so.scheduled_cached_reqs
         new_blocks = any(cached.new_block_ids)
-        validate_scheduler_output(self, so, plan.hint)
+        validate_scheduler_output(self, so, plan.hint, new_blocks)
         if new_blocks:
             self._append_cached_blocks(cached)
-            plan.hint.limit = self._token_limits(plan.hint.rows)
+            plan.hint.set_limit(self._token_limits(plan.hint.rows))
         self.req_states.apply_staged_writes()
         self.sampling_states.apply_staged_writes()
         self.block_tables.apply_staged_writes()

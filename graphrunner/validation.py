@@ -148,20 +148,29 @@ class DecodeHint:
     limit: np.ndarray
     all_decode: bool
     rows_index: slice | None = None
+    # (computed[0], min(limit - computed)) at one step: every row of an all-decode plan
+    # advances by the same q per step, so the room of all rows follows from row 0 alone.
+    room_ref: tuple[int, int] | None = None
+
+    def set_limit(self, limit: np.ndarray) -> None:
+        self.limit = limit
+        self.room_ref = None
 
 
-def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint | None = None) -> None:
+def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint | None = None,
+                              new_blocks: bool | None = None) -> None:
     """Check `so` against the runner's limits and state; ValueError names the first violation.
 
     `hint` (optional) is the runner's steady-decode shortcut: the caller has checked
     that `so` admits and removes nothing, that `num_scheduled_tokens` and
     `scheduled_cached_reqs.req_ids` list the same ids in the same order, each scheduled
     exactly `uniform_decode_query_len` tokens, and that no request changed rows since
-    the hint was made.
+    the hint was made. `new_blocks` (optional, with a hint): whether any
+    `scheduled_cached_reqs.new_block_ids` entry is non-empty, if the caller knows.
     """
     try:
         if hint is not None:
-            _validate_steady_decode(runner, so, hint)
+            _validate_steady_decode(runner, so, hint, new_blocks)
         else:
             _validate_vectorized(runner, so)
     except _Invalid:
@@ -188,10 +197,11 @@ def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, 
     return np.asarray(rows, dtype=np.int64)
 
 
-def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint) -> None:
+def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint,
+                            new_blocks: bool | None = None) -> None:
     """The rules that can fail for a repeated decode batch (see `validate_scheduler_output`).
 
-    A handful of numpy calls whatever the batch size: this runs every decode step.
+    A handful of C-level calls whatever the batch size: this runs every decode step.
     """
     assert runner.block_tables is not None
     q = runner.uniform_decode_query_len
@@ -201,10 +211,13 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
     cached = so.scheduled_cached_reqs
     computed = runner.req_states.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64
     # List equality of Python ints is C-level: cheaper than converting the list to numpy.
-    if cached.num_computed_tokens != computed.tolist():
+    claimed = cached.num_computed_tokens
+    if claimed != computed.tolist():
         raise _Invalid
+    if new_blocks is None:
+        new_blocks = any(cached.new_block_ids)
     limit = hint.limit
-    if any(cached.new_block_ids):
+    if new_blocks:
         limit = limit.copy()
         held = runner.block_tables.num_blocks
         for i, blocks in enumerate(cached.new_block_ids):
@@ -215,7 +228,14 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
                 if total > runner.max_num_blocks_per_req:
                     raise _Invalid
                 limit[i] = min(total * runner.block_size, runner.max_model_len)
-    if int((limit - computed).min()) < q:  # room in max_model_len and in the held blocks
+    if new_blocks or not hint.all_decode:
+        room = int((limit - computed).min())
+    else:
+        if hint.room_ref is None:
+            hint.room_ref = (claimed[0], int((limit - computed).min()))
+        base_computed, base_room = hint.room_ref
+        room = base_room - (claimed[0] - base_computed)
+    if room < q:  # room in max_model_len and in the held blocks
         raise _Invalid
     if not hint.all_decode:
         known = runner.req_states.prefill_len_np[rows]
