@@ -122,6 +122,9 @@ def _register_host(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="FULL", help="cudagraph mode (graphs captured at exactly the batch sizes)")
     p.add_argument("--schedulings", default="sync,async", help="comma-separated: sync, async")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size and loop")
+    p.add_argument("--repeats", type=int, default=3, help="runner loops per batch size and scheduling (pooled)")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="untimed decode loops before measuring (default: 20 s on CUDA, 0 on CPU)")
     p.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
     p.add_argument("--noop-step", action="store_true",
                    help="replace the step body and graph replay with a no-op: the host path alone (for CPUs)")
@@ -331,6 +334,8 @@ def _run_host(args: argparse.Namespace) -> int:
             context=args.context,
             steps=args.steps,
             warmup=args.warmup,
+            repeats=args.repeats,
+            settle_s=args.settle_s,
             mode=args.mode,
             schedulings=tuple(s.strip() for s in args.schedulings.split(",") if s.strip()),
             dtype=args.dtype,

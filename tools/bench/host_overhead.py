@@ -3,7 +3,7 @@
 One `LLM` (FULL graphs captured at exactly the benchmarked batch sizes) serves every
 measurement. For each batch size and scheduling mode two loops run:
 
-- runner loop: hand-built decode plans (made before the timed region: that is the
+- runner loop (`repeats` times, sync and async interleaved, samples pooled): hand-built decode plans (made before the timed region: that is the
   engine's cost) through `execute_model` + `sample_tokens(async_output=True)` and the
   output's `get()`. `host_us` is the wall time inside those calls, not counting the
   wait for the output copy (`AsyncOutput.wait()`, untimed): pure host work. Sync
@@ -53,6 +53,11 @@ class HostSpec:
     context: int = 128
     steps: int = 100
     warmup: int = 10
+    repeats: int = 3  # runner loops per (batch size, scheduling), interleaved, samples pooled
+    # Untimed runner loops before the first measurement: a freshly started (virtual) host
+    # runs the same Python several times slower for its first minute or so. None: 20 s
+    # on CUDA, 0 on a CPU.
+    settle_s: float | None = None
     mode: str = "FULL"
     schedulings: tuple[str, ...] = SCHEDULINGS
     dtype: str = "auto"
@@ -71,7 +76,7 @@ class HostSpec:
         bad = [s for s in self.schedulings if s not in SCHEDULINGS]
         if bad or not self.schedulings:
             raise ValueError(f"schedulings={list(self.schedulings)}; allowed: {list(SCHEDULINGS)}")
-        for name in ("context", "steps"):
+        for name in ("context", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup < 0:
@@ -96,10 +101,12 @@ class HostRow:
     descriptor: str
     host_us: float
     host_p90_us: float
+    host_cpu_us: float  # this thread's CPU time in the same regions (median)
     step_us: float
     engine_host_us: float | None
     engine_step_us: float | None
     gpu_us: float | None
+    host_repeat_medians_us: list[float] = field(default_factory=list)  # per runner loop: shows drift
 
 
 @dataclass
@@ -144,14 +151,32 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
             llm.runner.graphs.replay_full = lambda desc, features: None
             for graph in llm.runner.graphs.full_graphs.values():  # steady decoding replays them directly
                 graph.replay = lambda: None
+        settle = spec.settle_s if spec.settle_s is not None else (20.0 if device.type == "cuda" else 0.0)
+        if settle > 0:
+            log(f"settling the host: untimed decode loops for {settle:.0f} s")
+            deadline = time.perf_counter() + settle
+            while time.perf_counter() < deadline:
+                _runner_loop(llm.runner, spec, spec.max_batch, spec.schedulings[0])
         for bs in spec.batch_sizes:
             gpu = _gpu_step_us(llm.runner, spec, bs)
+            samples: dict[str, tuple[list[float], list[float], list[float]]] = {
+                s: ([], [], []) for s in spec.schedulings}
+            repeat_medians: dict[str, list[float]] = {s: [] for s in spec.schedulings}
+            for _ in range(spec.repeats):
+                for scheduling in spec.schedulings:  # interleaved: drift of the host hits both alike
+                    loop = _runner_loop(llm.runner, spec, bs, scheduling)
+                    repeat_medians[scheduling].append(round(float(np.median(loop[0])) * 1e6, 1))
+                    for pooled, new in zip(samples[scheduling], loop):
+                        pooled.extend(new)
             for scheduling in spec.schedulings:
-                row = _measure(llm, spec, bs, scheduling, gpu)
+                row = _measure(llm, spec, bs, scheduling, gpu, samples[scheduling])
+                row.host_repeat_medians_us = repeat_medians[scheduling]
                 result.rows.append(row)
-                log(f"  {scheduling:<5} bs={bs:<4} host {row.host_us:7.1f} us/step (p90 {row.host_p90_us:.1f})  "
+                log(f"  {scheduling:<5} bs={bs:<4} host {row.host_us:7.1f} us/step (p90 {row.host_p90_us:.1f}, "
+                    f"cpu {row.host_cpu_us:.1f})  "
                     f"step {row.step_us:8.1f} us  engine host {row.engine_host_us or float('nan'):7.1f} us  "
-                    f"gpu {row.gpu_us if row.gpu_us is not None else float('nan'):8.1f} us  [{row.descriptor}]")
+                    f"gpu {row.gpu_us if row.gpu_us is not None else float('nan'):8.1f} us  [{row.descriptor}]  "
+                    f"per loop {row.host_repeat_medians_us}")
     except Exception as e:  # the numbers measured so far still count
         result.error = f"{type(e).__name__}: {e}"
         logger.exception("bench host failed")
@@ -191,39 +216,45 @@ def _decode_plan(req_ids: list[str], computed: int) -> SchedulerOutput:
     return so
 
 
-def _runner_loop(runner, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[float], list[float]]:
-    """Returns (host seconds per step, wall seconds per step) over the timed steps."""
+def _runner_loop(runner, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[float], list[float], list[float]]:
+    """Returns (host wall seconds, host CPU seconds, wall seconds per step) over the timed steps.
+
+    Host CPU seconds are this thread's CPU time (`time.thread_time`) over the same
+    regions: unlike the wall time they do not count time the thread was descheduled
+    (a shared or virtualized host's noise), which is what "host CPU time" names.
+    """
     req_ids = _admit(runner, spec, bs, scheduling)
     n = spec.warmup + spec.steps
     plans = [_decode_plan(req_ids, spec.context + i) for i in range(n)]
     lag = _LAG[scheduling]
     in_flight: list = []
-    host, wall = [], []
+    host, host_cpu, wall = [], [], []
+    clock, cpu_clock = time.perf_counter, time.thread_time
     gc.collect()
     gc.disable()  # a collection inside a timed region is noise, not host overhead
     try:
         for i, so in enumerate(plans):
-            t0 = time.perf_counter()
+            t0, c0 = clock(), cpu_clock()
             runner.execute_model(so)
             in_flight.append(runner.sample_tokens(async_output=True))
-            t1 = time.perf_counter()
-            spent = t1 - t0
+            spent, spent_cpu = clock() - t0, cpu_clock() - c0
             if len(in_flight) > lag:
                 out = in_flight.pop(0)
                 out.wait()  # the device's time, not the host's
-                t2 = time.perf_counter()
+                t2, c2 = clock(), cpu_clock()
                 out.get()
-                spent += time.perf_counter() - t2
+                spent, spent_cpu = spent + clock() - t2, spent_cpu + cpu_clock() - c2
             if i >= spec.warmup:
                 host.append(spent)
-                wall.append(time.perf_counter() - t0)
+                host_cpu.append(spent_cpu)
+                wall.append(clock() - t0)
         for out in in_flight:
             out.get()
     finally:
         gc.enable()
     runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
     runner.sample_tokens()
-    return host, wall
+    return host, host_cpu, wall
 
 
 def _gpu_step_us(runner, spec: HostSpec, bs: int) -> float | None:
@@ -293,9 +324,10 @@ def _engine_loop(llm, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[fl
     return host, wall
 
 
-def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None) -> HostRow:
+def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None,
+             runner_samples: tuple[list[float], list[float], list[float]]) -> HostRow:
     runner = llm.runner
-    host, wall = _runner_loop(runner, spec, bs, scheduling)
+    host, host_cpu, wall = runner_samples
     eng_host, eng_wall = _engine_loop(llm, spec, bs, scheduling)
     desc = runner.graphs.dispatch(bs, bs * runner.uniform_decode_query_len, runner.uniform_decode_query_len)
     h = Stats.of(host)
@@ -305,6 +337,7 @@ def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None
         descriptor=str(desc),
         host_us=h.median * 1e6,
         host_p90_us=h.p90 * 1e6,
+        host_cpu_us=Stats.of(host_cpu).median * 1e6,
         step_us=Stats.of(wall).median * 1e6,
         engine_host_us=Stats.of(eng_host).median * 1e6 if eng_host else None,
         engine_step_us=Stats.of(eng_wall).median * 1e6 if eng_wall else None,
@@ -313,7 +346,7 @@ def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None
 
 
 # ---- rendering ----------------------------------------------------------------------------
-_COLUMNS = ("scheduling", "bs", "host us", "host p90", "step us", "engine host us", "engine step us", "gpu us",
+_COLUMNS = ("scheduling", "bs", "host us", "host p90", "host cpu us", "step us", "engine host us", "engine step us", "gpu us",
             "descriptor")
 
 
@@ -321,7 +354,7 @@ def _cells(r: HostRow) -> list[str]:
     def f(x):
         return "n/a" if x is None else f"{x:.1f}"
 
-    return [r.scheduling, str(r.batch_size), f(r.host_us), f(r.host_p90_us), f(r.step_us), f(r.engine_host_us),
+    return [r.scheduling, str(r.batch_size), f(r.host_us), f(r.host_p90_us), f(r.host_cpu_us), f(r.step_us), f(r.engine_host_us),
             f(r.engine_step_us), f(r.gpu_us), r.descriptor]
 
 
@@ -341,7 +374,8 @@ def host_markdown(result: HostResult) -> str:
     lines = [f"## Host time per decode step: {result.spec.model} ({result.resolved_mode})", "",
              f"Device: {result.env.get('device_name')}, torch {result.env.get('torch')}, CUDA calls through "
              f"{'the driver fast path' if result.env.get('cuda_driver_fast_path') else 'torch'}. "
-             "host = time inside execute_model + sample_tokens + output resolve, excluding the copy wait.", "",
+             "host = wall time inside execute_model + sample_tokens + output resolve, excluding the copy wait; "
+             "host cpu = the thread's CPU time in the same regions (medians).", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in result.rows]
     if result.error:

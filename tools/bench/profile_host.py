@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for bs in sizes:
         for scheduling in ("sync", "async"):
             sink.clear()
-            host, _ = ho._runner_loop(runner, spec, bs, scheduling)
+            host, _, _ = ho._runner_loop(runner, spec, bs, scheduling)
             print(f"\n== bs={bs} {scheduling}: host median {np.median(host) * 1e6:.1f} us/step")
             for label, times in sorted(sink.items(), key=lambda kv: -np.median(kv[1])):
                 print(f"  {label:<32} {np.median(times) * 1e6:8.1f} us  (n={len(times)})")
