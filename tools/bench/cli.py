@@ -123,6 +123,8 @@ def _register_host(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedulings", default="sync,async", help="comma-separated: sync, async")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size and loop")
     p.add_argument("--repeats", type=int, default=3, help="runner loops per batch size and scheduling (pooled)")
+    p.add_argument("--wait", choices=("poll", "block"), default="poll",
+                   help="how the loop waits for the previous output: poll is_ready() (default) or block in wait()")
     p.add_argument("--settle-s", type=float, default=None,
                    help="untimed decode loops before measuring (default: 20 s on CUDA, 0 on CPU)")
     p.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
@@ -336,6 +338,7 @@ def _run_host(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             settle_s=args.settle_s,
+            wait=args.wait,
             mode=args.mode,
             schedulings=tuple(s.strip() for s in args.schedulings.split(",") if s.strip()),
             dtype=args.dtype,

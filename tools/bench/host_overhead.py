@@ -3,13 +3,15 @@
 One `LLM` (FULL graphs captured at exactly the benchmarked batch sizes) serves every
 measurement. For each batch size and scheduling mode two loops run:
 
-- runner loop (`repeats` times, sync and async interleaved, samples pooled): hand-built decode plans (made before the timed region: that is the
-  engine's cost) through `execute_model` + `sample_tokens(async_output=True)` and the
-  output's `get()`. `host_us` is the wall time inside those calls, not counting the
-  wait for the output copy (`AsyncOutput.wait()`, untimed): pure host work. Sync
-  scheduling resolves each step before launching the next (the device is idle while
-  the host prepares); async launches step N + 1 first and then resolves step N, so the
-  host works while the device is busy. `step_us` is the wall time per loop iteration.
+- runner loop (`repeats` times, sync and async interleaved, samples pooled; per-loop
+  medians kept to show drift): hand-built decode plans (made before the timed region:
+  that is the engine's cost) through `execute_model` + `sample_tokens(async_output=True)`
+  and the output's `get()`. `host_us` is the wall time inside those calls, not counting
+  the wait for the output copy (untimed: polling `is_ready()` by default, or blocking in
+  `wait()`): pure host work; `host_cpu_us` is the thread's CPU time in the same regions.
+  Sync scheduling resolves each step before launching the next (the device is idle
+  while the host prepares); async launches step N + 1 first and then resolves step N,
+  so the host works while the device is busy. `step_us` is the wall time per iteration.
 - engine loop: the same with the reference `Scheduler` in the loop:
   schedule + execute + sample(async) + resolve (update_from_output), minus the wait.
 
@@ -39,6 +41,7 @@ logger = logging.getLogger("graphrunner.bench")
 
 Log = Callable[[str], None]
 SCHEDULINGS = ("sync", "async")
+WAITS = ("poll", "block")
 _LEN_MARGIN = 8
 # Sync and async: which step's output is resolved right after a launch.
 _LAG = {"sync": 0, "async": 1}
@@ -58,6 +61,10 @@ class HostSpec:
     # runs the same Python several times slower for its first minute or so. None: 20 s
     # on CUDA, 0 on a CPU.
     settle_s: float | None = None
+    # How the loop waits for an output's copy: "poll" spins on `is_ready()` (an engine
+    # loop that keeps working), "block" calls `wait()` (the driver's wait, in which a
+    # virtualized host may lose its core and return to it cold).
+    wait: str = "poll"
     mode: str = "FULL"
     schedulings: tuple[str, ...] = SCHEDULINGS
     dtype: str = "auto"
@@ -79,6 +86,8 @@ class HostSpec:
         for name in ("context", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.wait not in WAITS:
+            raise ValueError(f"wait={self.wait!r}; allowed: {list(WAITS)}")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
 
@@ -240,7 +249,7 @@ def _runner_loop(runner, spec: HostSpec, bs: int, scheduling: str) -> tuple[list
             spent, spent_cpu = clock() - t0, cpu_clock() - c0
             if len(in_flight) > lag:
                 out = in_flight.pop(0)
-                out.wait()  # the device's time, not the host's
+                _wait(out, spec.wait)  # the device's time, not the host's
                 t2, c2 = clock(), cpu_clock()
                 out.get()
                 spent, spent_cpu = spent + clock() - t2, spent_cpu + cpu_clock() - c2
@@ -255,6 +264,14 @@ def _runner_loop(runner, spec: HostSpec, bs: int, scheduling: str) -> tuple[list
     runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
     runner.sample_tokens()
     return host, host_cpu, wall
+
+
+def _wait(out, how: str) -> None:
+    """Until `out`'s copy has landed (untimed: the device's time)."""
+    if how == "poll":
+        while not out.is_ready():
+            pass
+    out.wait()
 
 
 def _gpu_step_us(runner, spec: HostSpec, bs: int) -> float | None:
@@ -304,7 +321,7 @@ def _engine_loop(llm, spec: HostSpec, bs: int, scheduling: str) -> tuple[list[fl
             spent = time.perf_counter() - t0
             if in_flight and (len(in_flight) > lag or so is None or not so.total_num_scheduled_tokens):
                 prev_so, out = in_flight.pop(0)
-                out.wait()
+                _wait(out, spec.wait)
                 t2 = time.perf_counter()
                 sched.update_from_output(prev_so, out.get())
                 spent += time.perf_counter() - t2
@@ -361,7 +378,7 @@ def _cells(r: HostRow) -> list[str]:
 def host_text(result: HostResult) -> str:
     rows = [list(_COLUMNS)] + [_cells(r) for r in result.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    noop = ", no-op step body" if result.spec.noop_step else ""
+    noop = (", no-op step body" if result.spec.noop_step else "") + f", {result.spec.wait} wait"
     driver = {True: ", driver fast path", False: ", torch CUDA calls"}.get(result.env.get("cuda_driver_fast_path"), "")
     lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop}{driver})"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
