@@ -537,8 +537,6 @@ class ModelRunner:
         plan = self._plan
         if plan is None or so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids:
             return None
-        if self.groups.dp_size > 1:  # the DP replicas agree on each step's descriptor anew
-            return None
         if self._prompt_lp:  # such steps must not take a FULL graph (see _prepare_batch)
             return None
         if plan.epoch != self.req_states.epoch or plan.graphs_key != self._graphs_key():
@@ -603,7 +601,8 @@ class ModelRunner:
             self.sampling_states.features(idx_mapping),
             max_seq_len,
         )
-        if uniform is not None:
+        # DP replicas agree on each step's descriptor anew: no reusable plan there.
+        if uniform is not None and self.groups.dp_size == 1:
             rows = idx_mapping.astype(np.int64)
             rows_index = _as_slice(idx_mapping)
             hint = DecodeHint(rows, self._token_limits(rows), all_decode=False,
