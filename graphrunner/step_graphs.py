@@ -7,7 +7,9 @@ as the step itself.
 
 FULL graphs are keyed by (descriptor, sampling variant): the sampler's code path is
 static inside a graph, so a greedy-only batch replays a graph that skips the random
-sampling pipeline, and any other batch replays the one with every feature on.
+sampling pipeline, a plain random-sampling batch (temperature / top-k / top-p / min-p)
+one that skips penalties, bias, allowed ids, min_tokens and logprobs, and any other
+batch the one with every feature on.
 """
 
 from __future__ import annotations
@@ -33,17 +35,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphrunner.capture")
 
 GREEDY = SamplingFeatures()
+SAMPLED = SamplingFeatures.sampled_only()
 ALL_FEATURES = SamplingFeatures.all_on()
-SAMPLING_VARIANTS = (GREEDY, ALL_FEATURES)
+SAMPLING_VARIANTS = (GREEDY, SAMPLED, ALL_FEATURES)
+VARIANT_NAMES = {GREEDY: "greedy", SAMPLED: "sampled", ALL_FEATURES: "all"}
 
 
 def sampling_variant(features: SamplingFeatures) -> SamplingFeatures:
-    """The captured variant that serves a batch: all-features serves any batch correctly."""
-    return GREEDY if features.is_plain_greedy else ALL_FEATURES
+    """The captured variant that serves a batch. Each variant's stages are exact
+    identities for rows that do not use them, so a wider variant gives the same tokens:
+    SAMPLED serves any batch without penalties / bias / allowed ids / min_tokens /
+    logprobs, ALL_FEATURES serves every batch."""
+    if features == GREEDY:  # the common case first: a compare with the constant
+        return GREEDY
+    return SAMPLED if features.is_plain_sampling else ALL_FEATURES
 
 
 def variant_name(features: SamplingFeatures) -> str:
-    return "greedy" if features == GREEDY else "sampled"
+    return VARIANT_NAMES[features]
 
 
 def attention_cg_support(runner: "ModelRunner") -> AttentionCGSupport:
@@ -96,9 +105,7 @@ class StepGraphs:
 
     def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph:
         """The captured FULL graph that serves `desc` for a batch needing `features`."""
-        # Plain greedy is the common case: compare with the constant instead of building one.
-        variant = GREEDY if features == GREEDY else ALL_FEATURES
-        return self.full_graphs[(desc, variant)]
+        return self.full_graphs[(desc, sampling_variant(features))]
 
     def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
         self.full_graph(desc, features).replay()

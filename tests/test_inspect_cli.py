@@ -304,7 +304,7 @@ def test_capture_reports_one_record_per_descriptor(mode):
     assert [d["key"] for d in data["descriptors"]] == [str(d) for d in want.descriptors]
     keys = [r["key"] for r in data["report"]["records"]]
     # One record per captured graph: a FULL descriptor once per sampling variant.
-    expected = [f"{d}[{v}]" for d in want.descriptors for v in ("greedy", "sampled")]
+    expected = [f"{d}[{v}]" for d in want.descriptors for v in ("greedy", "sampled", "all")]
     assert keys == expected
     assert data["report"]["num_graphs"] == len(expected)
     assert all(r["seconds"] > 0 for r in data["report"]["records"])
@@ -314,8 +314,8 @@ def test_capture_reports_one_record_per_descriptor(mode):
 def test_capture_text_prints_a_row_per_graph():
     text = run_text("capture", *CAPTURE, "--mode", "FULL", "--capture-sizes", "2,8")
     rows = [line.split()[0] for line in text.splitlines() if line.startswith("FULL(")]
-    assert rows == ["FULL(t=8,r=8)[greedy]", "FULL(t=8,r=8)[sampled]", "FULL(t=2,r=2)[greedy]", "FULL(t=2,r=2)[sampled]"]
-    assert "4 graphs (FULL) on cpu" in text and "emulated" in text
+    assert rows == [f"FULL(t={t},r={t})[{v}]" for t in (8, 2) for v in ("greedy", "sampled", "all")]
+    assert "6 graphs (FULL) on cpu" in text and "emulated" in text
 
 
 def test_capture_dot_on_cpu_fails_clearly_before_building(monkeypatch, tmp_path):
@@ -340,7 +340,8 @@ def test_dot_graph_key_names_a_captured_full_graph():
         dot_graph_key("PIECEWISE(t=8)", keys)
     with pytest.raises(ValueError, match="not a FULL descriptor"):
         dot_graph_key("FULL(t=4,r=4,q=1)", keys)
-    with pytest.raises(ValueError, match=r"\[greedy\] or \[sampled\]"):
+    assert dot_graph_key("FULL(t=8,r=8,q=1)[all]", keys) == "full(t=8,r=8,q=1)[all]"
+    with pytest.raises(ValueError, match=r"\[greedy\], \[sampled\] or \[all\]"):
         dot_graph_key("FULL(t=8,r=8,q=1)[fast]", keys)
 
 

@@ -7,8 +7,8 @@ from tools.bench.sampler_bench import VARIANTS, bench_sampler, main
 
 def test_bench_sampler_rows_on_cpu():
     rows = bench_sampler("cpu", num_reqs=(1, 3), vocab=64, iters=2, warmup=1, max_model_len=16)
-    # greedy: one filter column; all / all_on: bisect and sort. CPU: eager only.
-    assert len(rows) == 2 * (1 + 2 + 2)
+    # greedy: one filter column; sampled / all / all_on: bisect and sort. CPU: eager only.
+    assert len(rows) == 2 * (1 + 2 + 2 + 2)
     keys = {"num_reqs", "vocab", "max_model_len", "variant", "filter", "mode", "device", "median_us", "mean_us",
             "min_us", "iters", "graph_pool_mib"}
     for r in rows:

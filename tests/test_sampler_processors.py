@@ -219,6 +219,7 @@ def test_features_flags():
     assert states.features(np.array([3])).any_min_tokens
     assert states.features(np.array([4])).any_penalties
     assert f1.graph_variant() == SamplingFeatures.all_on()
+    assert f2.graph_variant() == SamplingFeatures.all_on()  # logprobs need the all-features graph
     assert SamplingFeatures().graph_variant() == SamplingFeatures()
     assert [round_logprobs(k) for k in (-1, 0, 1, 2, 5, 6, 20)] == [-1, 0, 1, 5, 5, 20, 20]
 
@@ -385,3 +386,26 @@ def test_cuda_graph_replay_matches_eager():
         step()
         assert torch.equal(got[0], out) and torch.equal(got[2], ids) and torch.equal(got[3], ranks)
         torch.testing.assert_close(got[1], lp)
+
+
+@pytest.mark.parametrize("filter_impl", ["sort", "bisect"])
+def test_sampled_variant_gives_the_all_features_tokens_on_plain_sampling_batches(filter_impl):
+    """The SAMPLED graph variant skips penalties, bias, allowed ids, min_tokens and
+    logprobs; on a batch that uses none of them it must sample exactly the tokens of
+    the all-features variant (and of the batch's own features)."""
+    vocab = 64
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=1), SamplingParams(temperature=1.3, top_p=0.8, seed=2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, min_p=0.2, seed=3),
+              SamplingParams(temperature=1.0, seed=4)]
+    states = make_states(params, vocab, eos_ids=EOS)
+    rows = list(range(len(params)))
+    exact = states.features(np.array(rows))
+    assert exact.is_plain_sampling and exact.graph_variant() == SamplingFeatures.sampled_only()
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0)) * 2
+    for position in range(6, 30):
+        tokens = {
+            name: run_sampler(states, logits, rows, [position] * len(rows), features=f, filter_impl=filter_impl).tolist()
+            for name, f in (("exact", exact), ("sampled", SamplingFeatures.sampled_only()),
+                            ("all", SamplingFeatures.all_on()))
+        }
+        assert tokens["sampled"] == tokens["all"] == tokens["exact"]

@@ -75,6 +75,13 @@ class SamplingFeatures:
         """A superset of every batch's features (the ALL_FEATURES graph variant)."""
         return cls(True, True, True, True, True, True, True, round_logprobs(max_logprobs, max_logprobs))
 
+    @classmethod
+    def sampled_only(cls) -> "SamplingFeatures":
+        """Temperature, top-k, top-p and min-p with seeds, nothing else: the SAMPLED graph
+        variant, which serves plain random sampling without paying for penalties, logit
+        bias, allowed ids, min_tokens or logprobs (several [R, V] passes each)."""
+        return cls(True, True, True, True)
+
     @property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole pipeline (the GREEDY graph variant)."""
@@ -89,9 +96,18 @@ class SamplingFeatures:
         """Whether the sampler reads the token history (penalties) or output counts."""
         return self.any_penalties or self.any_min_tokens
 
+    @property
+    def is_plain_sampling(self) -> bool:
+        """Only temperature / top-k / top-p / min-p (the SAMPLED graph variant serves it)."""
+        return not (self.any_penalties or self.any_logit_bias or self.any_min_tokens or self.wants_logprobs)
+
     def graph_variant(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
-        """The captured variant that serves this batch: GREEDY or ALL_FEATURES."""
-        return SamplingFeatures() if self.is_plain_greedy else SamplingFeatures.all_on(max_logprobs)
+        """The captured variant that serves this batch: GREEDY, SAMPLED or ALL_FEATURES."""
+        if self.is_plain_greedy:
+            return SamplingFeatures()
+        if self.is_plain_sampling:
+            return SamplingFeatures.sampled_only()
+        return SamplingFeatures.all_on(max_logprobs)
 
 
 def default_seed(base_seed: int, req_id: str) -> int:

@@ -6,6 +6,8 @@ small sampling key in the graph descriptor (GREEDY | ALL_FEATURES) pays off.
 
 Variants (per batch size):
   greedy   SamplingFeatures() on greedy requests: argmax only (the GREEDY graph).
+  sampled  SamplingFeatures.sampled_only() on requests using temperature, top-k, top-p
+           and min-p with seeds, nothing else (the SAMPLED graph).
   all      exact features of a batch using penalties, min-p, top-k, top-p, logit bias
            and logprobs=5 (K bucket 5).
   all_on   SamplingFeatures.all_on() on the same batch (the ALL_FEATURES graph, K=20).
@@ -31,7 +33,7 @@ import torch
 from graphrunner.protocol import SamplingParams
 from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
 
-VARIANTS = ("greedy", "all", "all_on")
+VARIANTS = ("greedy", "sampled", "all", "all_on")
 
 
 def _all_features_params(i: int, vocab: int) -> SamplingParams:
@@ -48,11 +50,18 @@ def _setup(device: torch.device, num_reqs: int, vocab: int, max_model_len: int, 
     states = SamplingStates(rows, device, vocab_size=vocab, all_token_ids=history)
     prompt_len = max_model_len // 2
     for i in range(num_reqs):
-        params = SamplingParams(temperature=0.0) if variant == "greedy" else _all_features_params(i, vocab)
+        if variant == "greedy":
+            params = SamplingParams(temperature=0.0)
+        elif variant == "sampled":
+            params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=i)
+        else:
+            params = _all_features_params(i, vocab)
         states.add_request(i, f"r{i}", params, vocab, prompt_len=prompt_len, eos_ids=(0,))
     states.apply_staged_writes()
     if variant == "greedy":
         features = SamplingFeatures()
+    elif variant == "sampled":
+        features = SamplingFeatures.sampled_only()
     elif variant == "all":
         features = states.features(np.arange(num_reqs))
     else:

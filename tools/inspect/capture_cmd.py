@@ -144,8 +144,8 @@ def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
                 "graph per compiled piece)"
             )
         raise ValueError(f"--dot {text!r} is not a FULL descriptor of this table; FULL descriptors: {full}")
-    if variant not in ("greedy", "sampled"):
-        raise ValueError(f"--dot {text!r}: variant [{variant}] must be [greedy] or [sampled]")
+    if variant not in ("greedy", "sampled", "all"):
+        raise ValueError(f"--dot {text!r}: variant [{variant}] must be [greedy], [sampled] or [all]")
     return f"{base}[{variant}]"
 
 
@@ -155,7 +155,7 @@ def capture_text(result: CaptureResult, top: int) -> str:
     r = result.report
     graphs = f"model load {result.load_seconds:.2f} s; {len(result.descriptors)} descriptors, {r.num_graphs} graphs"
     if any(d["cg_mode"] == "FULL" for d in result.descriptors):
-        graphs += " (a FULL descriptor is captured once per sampling variant: [greedy] and [sampled])"
+        graphs += " (a FULL descriptor is captured once per sampling variant: [greedy], [sampled] and [all])"
     lines = [
         f"graph capture: {result.spec.model}, mode {result.spec.mode} (resolved {r.mode})",
         *env_lines(result.env),
