@@ -146,6 +146,9 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--filters", default="bisect,sort,bisect/torch",
                    help="comma-separated top-k/top-p implementations (bisect, sort), each optionally with "
                         "/torch or /triton to pin the kernels of the random tail (default: Triton on CUDA)")
+    p.add_argument("--variants", default="greedy,sampled,all,all_on",
+                   help="comma-separated: greedy, sampled (temperature/top-k/top-p/min-p only), all (a batch's "
+                        "exact features), all_on (the all-features graph)")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
     p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
@@ -162,6 +165,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         rows = bench_sampler(device, [int(n) for n in args.num_reqs.split(",")], args.vocab, args.iters,
                              max_model_len=args.max_model_len, filter_impls=tuple(args.filters.split(",")),
+                             variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                              graphs=not args.no_graphs)
     table = markdown_table(rows)
     print(table)
