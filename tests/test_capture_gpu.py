@@ -24,8 +24,11 @@ def test_capture_default_sizes_qwen_0_5b():
     graphs = llm.runner.graphs
     full = [d for d in graphs.table.descriptors if d.is_full]
     piecewise = [d for d in graphs.table.descriptors if d.is_piecewise]
-    # Two sampling variants per FULL descriptor, one record per PIECEWISE size.
-    assert report.num_graphs == 2 * len(full) + len(piecewise)
+    # One graph per sampling variant (greedy, sampled, all) per FULL descriptor, one
+    # record per PIECEWISE size.
+    from graphrunner.step_graphs import SAMPLING_VARIANTS
+
+    assert report.num_graphs == len(SAMPLING_VARIANTS) * len(full) + len(piecewise)
     assert graphs.captured and report.total_seconds > 0 and report.pool_bytes >= 0
     print(report)
     out = llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
