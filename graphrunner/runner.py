@@ -60,13 +60,16 @@ logger = logging.getLogger("graphrunner.runner")
 _GIB = 1 << 30
 
 
+_INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
+
+
 def _inference_mode():
     """Inference mode for the per-step host path.
 
     `torch.inference_mode()` costs ~6 us per entry in Python; its C++ guard, which that
     context manager wraps, costs ~1 us: a fifth of the 60 us per-step budget saved.
     """
-    guard = getattr(torch._C, "_InferenceMode", None)
+    guard = _INFERENCE_MODE_GUARD
     return guard(True) if guard is not None else torch.inference_mode()
 
 
@@ -376,7 +379,9 @@ class ModelRunner:
         runner's overhead per decoded token.
         """
         cached = so.scheduled_cached_reqs
-        new_blocks = any(cached.new_block_ids)
+        blocks = cached.new_block_ids
+        # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
+        new_blocks = blocks.count(None) != len(blocks) and any(blocks)
         validate_scheduler_output(self, so, plan.hint, new_blocks)
         if new_blocks:
             self._append_cached_blocks(cached)
