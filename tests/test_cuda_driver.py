@@ -39,9 +39,11 @@ def test_driver_errors_name_the_cuda_error():
 
 @pytest.mark.gpu
 @needs_driver
-def test_raw_output_ring_copies_before_the_next_step_overwrites():
-    """The raw path (cuEventRecord / cuStreamWaitEvent / cuMemcpyDtoHAsync) under a busy device."""
-    ring = OutputRing(torch.device("cuda"))
+@pytest.mark.parametrize("copy_stream", [True, False], ids=["copy-stream", "compute-stream"])
+def test_raw_output_ring_copies_before_the_next_step_overwrites(copy_stream):
+    """The raw path (cuEventRecord / cuStreamWaitEvent / cuMemcpyDtoHAsync) under a busy
+    device, with the copies on the output copy stream or behind the step."""
+    ring = OutputRing(torch.device("cuda"), copy_stream=copy_stream)
     src = torch.zeros(1 << 18, dtype=torch.int32, device="cuda")
     layout = ring.layout({"x": src, "head": src[:7]})
     assert layout.copies is not None, "contiguous sources take the raw path"

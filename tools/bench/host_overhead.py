@@ -154,6 +154,7 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
             cudagraph_capture_sizes=spec.batch_sizes, compile_backend=compile_backend,
         )
         result.resolved_mode = llm.runner.graphs.mode.name if llm.runner.graphs.captured else "NONE"
+        result.env["output_copy_stream"] = llm.runner.output_ring.copy_stream
         if spec.noop_step:
             # Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
             llm.runner._run_step = lambda batch, piecewise=False: None
@@ -380,6 +381,8 @@ def host_text(result: HostResult) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     noop = (", no-op step body" if result.spec.noop_step else "") + f", {result.spec.wait} wait"
     driver = {True: ", driver fast path", False: ", torch CUDA calls"}.get(result.env.get("cuda_driver_fast_path"), "")
+    if result.env.get("output_copy_stream") is False:
+        driver += ", output copies on the compute stream"
     lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop}{driver})"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     if result.error:
