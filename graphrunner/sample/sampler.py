@@ -55,6 +55,21 @@ def apply_top_k_top_p(
     return apply_filters(logits, top_k, top_p, no_min_p, use_top_k, use_top_p, False)
 
 
+def _sort_filter(
+    scaled: torch.Tensor,  # [R, V] float32, temperature-scaled logits
+    top_k: torch.Tensor,  # [R] int32, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    min_p: torch.Tensor,  # [R] float32, 0 = off
+    features: SamplingFeatures,
+) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
+    """min-p, then top-k / top-p by one segmented sort (the "sort" filter)."""
+    if features.any_min_p:
+        scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
+    if features.any_top_k or features.any_top_p:
+        scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
+    return scaled
+
+
 class Sampler:
     """Turns the logits of the sampled rows into one token per row, graph-safely.
 
@@ -156,10 +171,7 @@ class Sampler:
             scaled = apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
                                    features.any_min_p)
         else:
-            if features.any_min_p:
-                scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
-            if features.any_top_k or features.any_top_p:
-                scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
+            scaled = _sort_filter(scaled, top_k, top_p, min_p, features)
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
         return torch.where(is_greedy, greedy, sampled)
@@ -189,12 +201,7 @@ class Sampler:
             # already-scaled logits with T = 1 (an exact identity) and no threshold.
             is_greedy = temperature == 0.0
             scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
-            top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
-            if features.any_min_p:
-                scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
-            if features.any_top_k or features.any_top_p:
-                scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
-            x = scaled.contiguous()
+            x = _sort_filter(scaled, s.top_k[rows], s.top_p[rows], s.min_p[rows], features).contiguous()
             temperature = torch.where(is_greedy, 0.0, 1.0)  # greedy rows stay greedy (taken from `greedy`)
             threshold.fill_(float("-inf"))
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
