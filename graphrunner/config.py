@@ -222,5 +222,5 @@ class RunnerConfig:
     def max_num_blocks_per_req(self) -> int:
         return -(-self.scheduler.max_model_len // self.cache.block_size)
 
-    def replace(self, **changes: Any) -> "RunnerConfig":
+    def replace(self, **changes: Any) -> RunnerConfig:
         return dataclasses.replace(self, **changes)

@@ -7,27 +7,112 @@ few changes. All of these are plain host-side data (lists and dicts of Python in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# A request's seed lives in an int64 row (SamplingStates.seed) and the counter-based
+# RNG (sample/rng.py) hashes both 32-bit halves of it, so every int64 is a valid,
+# distinct seed; larger ints would not fit the row.
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 63) - 1
+# Counts the sampler keeps in int32 rows (min_tokens).
+INT32_MAX = (1 << 31) - 1
+# Float settings reach the device as float32: larger magnitudes would turn into inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _show(value: object) -> str:
+    """repr(value), shortened for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: object) -> bool:
+    """A real integer (Python or numpy int); not a bool, which is no count or id."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _int_field(name: str, value: object, rule: str, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as a Python int, or ValueError naming the field, the value and `rule`."""
+    if type(value) is int:  # the common case first: the ABC check costs more
+        v = value
+    elif _is_int(value):
+        v = int(value)  # type: ignore[call-overload]
+    else:
+        raise ValueError(f"{name}={_show(value)} must be {rule}, got {type(value).__name__}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}={_show(value)} must be {rule}")
+    return v
+
+
+def _float_field(name: str, value: object, rule: str, in_range: Callable[[float], bool]) -> float:
+    """`value` as a finite Python float within float32 range and `in_range`, or ValueError."""
+    if type(value) is float:
+        v = value
+    elif not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"{name}={_show(value)} must be {rule}, got {type(value).__name__}")
+    else:
+        try:
+            v = float(value)
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError(f"{name}={_show(value)} must be {rule}") from None
+    if math.isfinite(v) and abs(v) > FLOAT32_MAX:
+        raise ValueError(f"{name}={_show(value)} must be {rule}, within the float32 range (|x| <= {FLOAT32_MAX:.4g})")
+    if not (math.isfinite(v) and in_range(v)):
+        raise ValueError(f"{name}={_show(value)} must be {rule}")
+    return v
+
+
+def _token_ids(name: str, values: object) -> tuple[int, ...]:
+    """A list of token ids as a tuple of Python ints >= 0 (the vocabulary bound is the runner's)."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name}={_show(values)} must be a list of token ids (ints >= 0), got {type(values).__name__}")
+    ids = tuple(values)
+    if set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0):  # the common case, at C speed
+        return ids
+    for pos, t in enumerate(ids):
+        if not _is_int(t):
+            raise ValueError(
+                f"{name}[{pos}]={_show(t)} is not a token id: token ids must be ints >= 0, got {type(t).__name__}"
+            )
+        if t < 0:
+            raise ValueError(f"{name}[{pos}] is a negative token id: {t}; token ids must be ints >= 0")
+    return tuple(int(t) for t in ids)
+
+
+def check_token_ids(what: str, token_ids: object) -> None:
+    """Raise ValueError unless `token_ids` is a list of ints (numpy ints too; not bools,
+    floats or strings). O(len) once per request; ranges are checked elsewhere."""
+    if isinstance(token_ids, (str, bytes, Mapping)) or not isinstance(token_ids, Iterable):
+        raise ValueError(f"{what} must be a list of token ids (ints), got {_show(token_ids)}")
+    if set(map(type, token_ids)) <= {int}:  # the common case, at C speed
+        return
+    for pos, t in enumerate(token_ids):
+        if not _is_int(t):
+            raise ValueError(f"{what}: token id {_show(t)} at position {pos} is not an int (got {type(t).__name__})")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and semantics).
 
-    temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those
-    filters. repetition_penalty == 1 and frequency/presence_penalty == 0 disable the
-    penalties; repetition counts prompt and output tokens, frequency/presence count
+    temperature 0 means greedy. top_k 0 (or -1, as in vLLM), top_p == 1 and min_p == 0
+    disable those filters. repetition_penalty == 1 and frequency/presence_penalty == 0
+    disable the penalties; repetition counts prompt and output tokens, frequency/presence count
     output tokens only. logit_bias maps token id -> additive bias; allowed_token_ids
     restricts sampling to those ids. Until `min_tokens` tokens were generated, the
     stop ids and EOS (unless ignore_eos) cannot be drawn. `logprobs=k` returns the
     sampled token's logprob and rank plus the top-k (k=0: the sampled token only);
     `prompt_logprobs=k` does the same for every prompt position. A request with a
-    `seed` gets the same tokens whatever batch it shares a step with. Vocabulary-
-    dependent limits (token ids < vocab, slot counts) are checked by
-    `SamplingStates.validate`, since the vocabulary is the runner's.
+    `seed` (any int64) gets the same tokens whatever batch it shares a step with.
+
+    Construction checks every field by type and range and raises ValueError naming the
+    field, the value and what is allowed (ints must be ints: no bools, floats or
+    strings; floats finite reals). Vocabulary-dependent limits (token ids < vocab, slot
+    counts) are checked by `SamplingStates.validate`, since the vocabulary is the runner's.
     """
 
     max_tokens: int = 16
@@ -42,51 +127,63 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: "Mapping[int, float] | None" = None
+    logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be a finite value >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite value > 0 (1 disables it)")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field by type and range; ValueError names the field, the value and
+        what is allowed. Changes nothing but the representation: values are normalised to
+        Python ints/floats/tuples (numpy scalars and lists accepted) so that equal settings
+        compare and hash equal.
+
+        Runs at construction, so a bad value fails where the request is built, not inside
+        a runner step; the engine runs it again at admission, which also catches params
+        changed after construction (e.g. through object.__setattr__).
+        """
+        set_ = object.__setattr__
+        set_(self, "max_tokens", _int_field("max_tokens", self.max_tokens, "an int >= 1", 1))
+        set_(self, "temperature", _float_field("temperature", self.temperature,
+                                               "a finite float >= 0 (0 is greedy)", lambda v: v >= 0.0))
+        set_(self, "top_k", _int_field("top_k", self.top_k, "an int >= -1 (-1 or 0 disables it)", -1))
+        set_(self, "top_p", _float_field("top_p", self.top_p, "a float in (0, 1]", lambda v: 0.0 < v <= 1.0))
+        if self.seed is not None:
+            set_(self, "seed", _int_field("seed", self.seed, "None or an int in [-2**63, 2**63 - 1] (int64)",
+                                          SEED_MIN, SEED_MAX))
+        if isinstance(self.ignore_eos, (bool, np.bool_)):
+            set_(self, "ignore_eos", bool(self.ignore_eos))
+        else:
+            kind = type(self.ignore_eos).__name__
+            raise ValueError(f"ignore_eos={_show(self.ignore_eos)} must be a bool, got {kind}")
+        set_(self, "min_p", _float_field("min_p", self.min_p, "a float in [0, 1] (0 disables it)",
+                                         lambda v: 0.0 <= v <= 1.0))
+        set_(self, "repetition_penalty", _float_field(
+            "repetition_penalty", self.repetition_penalty, "a finite float > 0 (1 disables it)", lambda v: v > 0.0))
         for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}={value} must be in [-2, 2] (0 disables it)")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+            set_(self, name, _float_field(name, getattr(self, name), "a float in [-2, 2] (0 disables it)",
+                                          lambda v: -2.0 <= v <= 2.0))
+        set_(self, "min_tokens", _int_field("min_tokens", self.min_tokens, f"an int in [0, {INT32_MAX}]", 0, INT32_MAX))
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (or None to disable it)")
+            if value is not None:
+                set_(self, name, _int_field(name, value, "None or an int >= 0 (0: the sampled token only)", 0))
         # Accept lists/dicts from callers but keep the dataclass hashable and immutable.
-        stop = tuple(int(t) for t in self.stop_token_ids)
-        if any(t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids={stop} must be >= 0")
-        object.__setattr__(self, "stop_token_ids", stop)
+        stop = () if self.stop_token_ids is None else _token_ids("stop_token_ids", self.stop_token_ids)
+        set_(self, "stop_token_ids", stop)
         if self.allowed_token_ids is not None:
-            allowed = tuple(int(t) for t in self.allowed_token_ids)
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not allowed:
                 raise ValueError("allowed_token_ids=[] is empty: it would allow no token (use None to allow all)")
-            if any(t < 0 for t in allowed):
-                raise ValueError(f"allowed_token_ids contains a negative id: {min(allowed)}")
-            object.__setattr__(self, "allowed_token_ids", allowed)
+            set_(self, "allowed_token_ids", allowed)
         if self.logit_bias is not None:
             bias = FrozenLogitBias(self.logit_bias)
-            object.__setattr__(self, "logit_bias", bias if bias else None)
+            set_(self, "logit_bias", bias if bias else None)
 
     @property
     def is_greedy(self) -> bool:
@@ -112,6 +209,13 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Built once per admission (not per step): O(tokens) at C speed for int lists.
+        # A float or string id would otherwise be truncated or fail deep inside a step.
+        check_token_ids(f"request {self.req_id!r} prompt_token_ids", self.prompt_token_ids)
+        if self.output_token_ids:
+            check_token_ids(f"request {self.req_id!r} output_token_ids", self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -144,7 +248,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
 
     @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
+    def make_empty(cls) -> SchedulerOutput:
         return cls()
 
 
@@ -168,8 +272,8 @@ class ModelRunnerOutput:
         req_ids: list[str] | None = None,
         req_id_to_index: dict[str, int] | None = None,
         sampled_token_ids: list[list[int]] | None = None,
-        logprobs: "list[list[dict[int, Logprob]]] | None" = None,
-        prompt_logprobs_dict: "dict[str, list[dict[int, Logprob] | None]] | None" = None,
+        logprobs: list[list[dict[int, Logprob]]] | None = None,
+        prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] | None = None,
     ):
         self.req_ids: list[str] = req_ids if req_ids is not None else []
         self._index = req_id_to_index if req_id_to_index is not None else ({} if req_ids is None else None)
@@ -191,9 +295,9 @@ class ModelRunnerOutput:
         tokens: np.ndarray,
         produces: np.ndarray | None = None,
         index_source: dict[str, int] | None = None,
-        logprobs: "list[list[dict[int, Logprob]]] | None" = None,
-        prompt_logprobs_dict: "dict[str, list[dict[int, Logprob] | None]] | None" = None,
-    ) -> "ModelRunnerOutput":
+        logprobs: list[list[dict[int, Logprob]]] | None = None,
+        prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] | None = None,
+    ) -> ModelRunnerOutput:
         """One token per entry. tokens: [R] int (owned by the output: not a view of a
         reused buffer); produces: [R] bool, False where the entry sampled nothing (None:
         every entry did); index_source: `req_ids`' id -> index map, copied on first access
@@ -203,7 +307,7 @@ class ModelRunnerOutput:
         return out
 
     @classmethod
-    def empty(cls) -> "ModelRunnerOutput":
+    def empty(cls) -> ModelRunnerOutput:
         return cls()
 
     # ---- lazily built views ----------------------------------------------------------
@@ -225,7 +329,8 @@ class ModelRunnerOutput:
             if self._produces is None:
                 self._sampled = [[t] for t in self._tokens.tolist()]
             else:
-                self._sampled = [[t] if p else [] for t, p in zip(self._tokens.tolist(), self._produces.tolist())]
+                pairs = zip(self._tokens.tolist(), self._produces.tolist(), strict=True)
+                self._sampled = [[t] if p else [] for t, p in pairs]
         return self._sampled
 
     @sampled_token_ids.setter
@@ -256,7 +361,7 @@ class ModelRunnerOutput:
                 and self.sampled_token_ids == other.sampled_token_ids and self.logprobs == other.logprobs
                 and self.prompt_logprobs_dict == other.prompt_logprobs_dict)
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
         return (f"ModelRunnerOutput(req_ids={self.req_ids!r}, sampled_token_ids={self.sampled_token_ids!r}, "
@@ -267,6 +372,18 @@ class ModelRunnerOutput:
 # ---- logprob containers (vLLM's shape) ----------------------------------------------
 
 
+def _bias_key(token: object) -> int:
+    """A logit_bias key as a token id: an int, or a str of one (JSON object keys are strings)."""
+    if _is_int(token):
+        return int(token)  # type: ignore[call-overload]
+    if isinstance(token, str):
+        try:
+            return int(token)
+        except ValueError:
+            pass
+    raise ValueError(f"logit_bias key {_show(token)} is not a token id (an int >= 0, or a str of one)")
+
+
 class FrozenLogitBias(dict):
     """An immutable, hashable `{token_id: bias}` mapping (SamplingParams.logit_bias).
 
@@ -274,19 +391,20 @@ class FrozenLogitBias(dict):
     finite. Mutating methods raise TypeError, so SamplingParams stays hashable.
     """
 
-    def __init__(self, items: "Mapping[int, float] | None" = None):
-        clean: dict[int, float] = {}
-        for token, bias in dict(items or {}).items():
+    def __init__(self, items: Mapping[int, float] | None = None):
+        if items is None:
+            items = {}
+        elif not isinstance(items, Mapping):
             try:
-                token_id = int(token)
+                items = dict(items)  # (token_id, bias) pairs
             except (TypeError, ValueError):
-                raise ValueError(f"logit_bias key {token!r} is not a token id") from None
+                raise ValueError(f"logit_bias={_show(items)} must be a mapping {{token_id: bias}}") from None
+        clean: dict[int, float] = {}
+        for token, bias in items.items():
+            token_id = _bias_key(token)
             if token_id < 0:
                 raise ValueError(f"logit_bias token id {token_id} must be >= 0")
-            bias = float(bias)
-            if not math.isfinite(bias):
-                raise ValueError(f"logit_bias[{token_id}]={bias} must be finite")
-            clean[token_id] = bias
+            clean[token_id] = _float_field(f"logit_bias[{token_id}]", bias, "a finite float", lambda v: True)
         super().__init__(clean)
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -295,9 +413,9 @@ class FrozenLogitBias(dict):
     def _immutable(self, *args, **kwargs):
         raise TypeError("SamplingParams.logit_bias is immutable")
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _immutable  # type: ignore[assignment]
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _immutable
 
-    def __ior__(self, other):  # type: ignore[override]
+    def __ior__(self, other):  # type: ignore[misc]
         self._immutable()
 
     def __reduce__(self):

@@ -23,8 +23,9 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["WorldError", "free_port", "run_world"]
 

@@ -46,7 +46,7 @@ class Driver:
         self._new: list[str] = []
 
     def add(self, req_id: str, prompt: list[int], params: SamplingParams | None = None, max_len: int | None = None):
-        bs = self.runner.block_size
+        bs = self.runner.limits.block_size
         n_blocks = -(-(max_len or self.runner.max_model_len) // bs)
         blocks = list(range(self._next_block, self._next_block + n_blocks))
         self._next_block += n_blocks
@@ -72,10 +72,10 @@ class Driver:
         self._new = []
         self.runner.execute_model(so)
         out = self.runner.sample_tokens()
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             self.reqs[rid].computed += so.num_scheduled_tokens[rid]
             self.reqs[rid].outputs += toks
-        return dict(zip(out.req_ids, out.sampled_token_ids))
+        return dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
 
     def finish(self, req_id: str) -> None:
         del self.reqs[req_id]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from graphrunner.cli import main
-from tools.bench.host_overhead import HostSpec
+from graphrunner_tools.bench.host_overhead import HostSpec
 
 
 def test_bench_host_writes_one_row_per_scheduling_and_batch(tmp_path):

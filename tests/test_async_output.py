@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.async_output import AsyncOutput, OutputRing
-from graphrunner.input_batch import NUM_UPLOAD_SLOTS, InputBuffers
+from graphrunner.step.inputs import NUM_UPLOAD_SLOTS, InputBuffers
 from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
-from graphrunner.staging import to_device_async
-from graphrunner.validation import _Invalid, _validate_vectorized, validate_reference
+from graphrunner.state.staging import to_device_async
+from graphrunner.state.validation import _Invalid, _validate_vectorized, validate_reference
 from tests.runner_driver import make_runner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,7 +42,7 @@ class _Loop:
         self.params = params
         self.computed: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-        bpr = runner.max_num_blocks_per_req
+        bpr = runner.limits.max_num_blocks_per_req
         self.blocks = {rid: list(range(i * bpr, (i + 1) * bpr)) for i, rid in enumerate(prompts)}
 
     def plan(self) -> SchedulerOutput:
@@ -195,7 +195,7 @@ def test_steady_decode_validation_agrees_with_the_reference(small_runner, data):
     """Repeated decode batches near their block and length limits, sometimes given new
     blocks, sometimes corrupted: the steady-decode shortcut (its room bookkeeping
     included) accepts exactly the steps the reference accepts."""
-    from graphrunner.validation import _validate_steady_decode
+    from graphrunner.state.validation import _validate_steady_decode
 
     runner = small_runner
     prompts = {"a": [3, 1, 4], "b": [1, 5, 9, 2, 6]}
@@ -223,14 +223,14 @@ def test_steady_decode_validation_agrees_with_the_reference(small_runner, data):
                     computed[rid] + (data.draw(st.integers(0, 19), label="skew") == 0))
                 so.num_scheduled_tokens[rid] = 1
             try:
-                validate_reference(runner, so)
+                validate_reference(runner.state, runner.limits, so)
                 reference_ok = True
             except ValueError:
                 reference_ok = False
-            plan = runner._reusable_plan(so)
+            plan = runner.planner.reusable_plan(so, False)
             if plan is not None and plan.hint.all_decode:
                 try:
-                    _validate_steady_decode(runner, so, plan.hint)
+                    _validate_steady_decode(runner.state, runner.limits, so, plan.hint)
                     fast_ok = True
                 except _Invalid:
                     fast_ok = False
@@ -311,12 +311,12 @@ def plans(draw):
 @given(plans())
 def test_vectorized_validation_accepts_exactly_what_the_reference_accepts(live_runner, so):
     try:
-        validate_reference(live_runner, so)
+        validate_reference(live_runner.state, live_runner.limits, so)
         reference_ok = True
     except ValueError:
         reference_ok = False
     try:
-        _validate_vectorized(live_runner, so)
+        _validate_vectorized(live_runner.state, live_runner.limits, so)
         fast_ok = True
     except _Invalid:
         fast_ok = False

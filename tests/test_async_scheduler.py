@@ -53,7 +53,7 @@ class FakeAsyncRunner:
             assert new.req_id not in self.rows
             self.rows[new.req_id] = _Row(list(new.all_token_ids), new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
-        for rid, nc in zip(cached.req_ids, cached.num_computed_tokens):
+        for rid, nc in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             assert self.rows[rid].computed == nc, (rid, self.rows[rid].computed, nc)
         out = ModelRunnerOutput()
         for i, (rid, n) in enumerate(so.num_scheduled_tokens.items()):

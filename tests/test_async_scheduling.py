@@ -75,7 +75,7 @@ def test_async_scheduling_matches_sync(pairs, workload):
         free_run = [o.token_ids for o in sync.generate(prompts, free)]
         params = [
             _params(n, seed, (toks[k],) if k < len(toks) else ())
-            for (_, n, seed, k), toks in zip(workload, free_run)
+            for (_, n, seed, k), toks in zip(workload, free_run, strict=True)
         ]
         expected = _result(sync, prompts, params)
         assert _result(async_, prompts, params) == expected, mode

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from graphrunner.attention import AttentionMetadata, get_attention_backend
 from graphrunner.attention.kv_write import write_kv, write_kv_torch
-from graphrunner.attention.torch_ref import TorchReferenceBackend, paged_attention_torch
+from graphrunner.attention.torch_ref import TorchReferenceBackend
 from graphrunner.kernels import HAS_TRITON
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -153,7 +153,7 @@ def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], batch.full_k[0].shape[1] if batch.full_k else 1
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     start = 0
-    for (ctx, qlen), fk, fv in zip(batch.reqs, batch.full_k, batch.full_v):
+    for (ctx, qlen), fk, fv in zip(batch.reqs, batch.full_k, batch.full_v, strict=True):
         group = num_heads // num_kv_heads
         qq = q[start : start + qlen].float().transpose(0, 1)  # [H, qlen, D]
         kk = fk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
@@ -215,7 +215,7 @@ def kv_write_cases(draw):
     num_tokens = draw(st.integers(1, min(6, num_blocks * block_size)))
     slots = draw(st.lists(st.integers(0, num_blocks * block_size - 1), min_size=num_tokens, max_size=num_tokens, unique=True))
     skip = draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
-    slots = [-1 if s else x for x, s in zip(slots, skip)]
+    slots = [-1 if s else x for x, s in zip(slots, skip, strict=True)]
     num_kv_heads = draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([16, 32, 48]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16]))

@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture.dispatch import default_capture_sizes
-from graphrunner.cli import main
+from graphrunner.cli import main, parse_int_list
 from graphrunner.config import LoadConfig
 from graphrunner.models.loader import load_model, load_model_config
-from tools.bench.common import Stats, parse_int_list
-from tools.bench.roofline import kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
-from tools.bench.throughput import sample_lengths
+from graphrunner_tools.bench.common import Stats
+from graphrunner_tools.bench.roofline import kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
+from graphrunner_tools.bench.throughput import sample_lengths
 
 MODEL = "builtin:tiny-llama"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -183,7 +183,7 @@ def test_sample_lengths(n, mean, seed):
 
 
 # ---- roofline and statistics ----------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_model(tied: bool):
     config = dataclasses.replace(load_model_config(MODEL), tie_word_embeddings=tied)
     model = load_model(config, LoadConfig(model=MODEL, load_format="dummy"), attn_backend=None,
@@ -210,9 +210,9 @@ def test_kv_bytes_per_token_matches_the_runner_cache_layout():
 
     runner = make_runner(MODEL, num_blocks=8, max_model_len=32)
     elem = torch.empty((), dtype=runner.dtype).element_size()
-    assert kv_bytes_per_token(runner.model_config, elem) * runner.block_size == runner.kv_block_bytes
-    allocated = sum(c.numel() * c.element_size() for c in runner.kv_caches)
-    assert allocated == runner.num_kv_blocks * runner.block_size * kv_bytes_per_token(runner.model_config, elem)
+    assert kv_bytes_per_token(runner.model_config, elem) * runner.limits.block_size == runner.kv_cache_shape.block_bytes
+    allocated = sum(c.numel() * c.element_size() for c in runner.buffers.kv_caches)
+    assert allocated == runner.num_kv_blocks * runner.limits.block_size * kv_bytes_per_token(runner.model_config, elem)
 
 
 def test_copy_bandwidth_on_cpu():
@@ -282,10 +282,10 @@ def _peer_configs():
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ours_and_peer(case: str):
     from graphrunner.models.loader import init_dummy_weights
-    from tools.bench.peer import hf_model_from_runner
+    from graphrunner_tools.bench.peer import hf_model_from_runner
 
     config = _peer_configs()[case]
     ours = load_model(config, LoadConfig(model=config.name, load_format="dummy"), attn_backend=_DenseCausalBackend(),
@@ -311,7 +311,7 @@ def test_hf_peer_holds_our_weights(case, num_tokens, offset, seed):
     assert ref.std() > 0.1, "logits too flat for the tolerance to mean anything"
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     # Same weights, not copies of copies: every HF tensor equals the matching slice of ours.
-    from tools.bench.peer import hf_state_from_runner
+    from graphrunner_tools.bench.peer import hf_state_from_runner
 
     theirs = dict(hf.named_parameters())
     for name, t in hf_state_from_runner(ours).items():
@@ -369,7 +369,7 @@ def test_throughput_peer_bad_arguments_fail_before_measuring(tmp_path, argv, nee
 
 @needs_transformers
 def test_peer_failed_variant_carries_its_error(monkeypatch):
-    from tools.bench import peer
+    from graphrunner_tools.bench import peer
 
     def broken(*args, **kwargs):
         raise RuntimeError("no static cache in this transformers")
@@ -388,7 +388,7 @@ def test_peer_failed_variant_carries_its_error(monkeypatch):
 
 
 def test_peer_without_transformers_is_a_named_skip(monkeypatch):
-    from tools.bench import peer
+    from graphrunner_tools.bench import peer
 
     def missing():
         raise peer.PeerUnavailable("transformers not installed: pip install transformers")
@@ -404,7 +404,7 @@ def test_peer_without_transformers_is_a_named_skip(monkeypatch):
 
 @given(ours=st.lists(st.integers(0, 3), max_size=12), theirs=st.lists(st.integers(0, 3), max_size=12))
 def test_token_agreement(ours, theirs):
-    from tools.bench.peer import AGREEMENT_TOKENS, token_agreement
+    from graphrunner_tools.bench.peer import AGREEMENT_TOKENS, token_agreement
 
     k = min(AGREEMENT_TOKENS, len(ours), len(theirs))
     got = token_agreement(ours, theirs)

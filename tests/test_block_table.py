@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner import block_table as bt
-from graphrunner.block_table import BlockTables, compute_slot_mapping
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import block_table as bt
+from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.state.block_tables import BlockTables
 
 SENTINEL = -7777
 # Triton tests run compiled on CUDA tensors where a GPU exists, interpreted on CPU otherwise.
@@ -130,7 +131,7 @@ def test_clear_row_and_constructor_validation():
     tables = BlockTables(2, 3, 16, 10, "cpu")
     tables.append_block_ids(0, [1, 2], overwrite=True)
     tables.clear_row(0)
-    assert tables.num_blocks[0] == 0 and not tables.has_staged_writes
+    assert tables.num_blocks[0] == 0 and tables.row_block_ids(0).tolist() == []
     tables.append_block_ids(0, [4], overwrite=False)  # appending to a cleared row starts at column 0
     tables.apply_staged_writes()
     assert tables.table[0, :1].tolist() == [4]
@@ -281,7 +282,7 @@ def test_gpu_staged_writes_pinned_upload():
     rng = random.Random(0)
     num_rows, M, num_kv = 513, 256, 100_000
     tables = BlockTables(num_rows, M, 16, num_kv, "cuda")
-    for _ in range(5):  # several rounds reuse (and grow) the pinned staging buffer
+    for _ in range(5):  # several rounds of staged writes, each committed with pinned async uploads
         for r in rng.sample(range(num_rows), 64):
             ids = [rng.randrange(num_kv) for _ in range(rng.randint(0, M - tables.num_blocks[r]))]
             tables.append_block_ids(r, ids, overwrite=rng.random() < 0.3)

@@ -26,7 +26,7 @@ def test_capture_default_sizes_qwen_0_5b():
     piecewise = [d for d in graphs.table.descriptors if d.is_piecewise]
     # One graph per sampling variant (greedy, sampled, all) per FULL descriptor, one
     # record per PIECEWISE size.
-    from graphrunner.step_graphs import SAMPLING_VARIANTS
+    from graphrunner.step.graphs import SAMPLING_VARIANTS
 
     assert report.num_graphs == len(SAMPLING_VARIANTS) * len(full) + len(piecewise)
     assert graphs.captured and report.total_seconds > 0 and report.pool_bytes >= 0
@@ -45,6 +45,6 @@ def test_create_capture_destroy_repeatedly_does_not_grow_memory():
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         _release(llm)
         readings.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
-    allocated, reserved = zip(*readings)
+    allocated, reserved = zip(*readings, strict=True)
     assert allocated[2] <= allocated[0] + (1 << 20), readings
     assert reserved[2] <= reserved[0] + (8 << 20), readings

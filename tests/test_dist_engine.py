@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -83,7 +84,7 @@ def test_pp_layer_range_covers_layers(layers: int, pp: int) -> None:
         return
     ranges = [pp_layer_range(layers, pp, r) for r in range(pp)]
     assert ranges[0][0] == 0 and ranges[-1][1] == layers
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(ranges))
     sizes = [e - s for s, e in ranges]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 

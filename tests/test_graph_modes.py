@@ -120,11 +120,11 @@ def test_padded_rows_never_write_live_kv():
     llm = _llm("FULL")
     runner = llm.runner
     sentinel = 12345.0
-    for cache in runner.kv_caches:
+    for cache in runner.buffers.kv_caches:
         cache.fill_(sentinel)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # Exactly the slots of the request's 5 computed tokens (3 prompt + 2 fed-back samples) changed.
-    written = sum(int((c != sentinel).any(dim=(0, 3, 4)).sum()) for c in runner.kv_caches) // len(runner.kv_caches)
+    written = sum(int((c != sentinel).any(dim=(0, 3, 4)).sum()) for c in runner.buffers.kv_caches) // len(runner.buffers.kv_caches)
     assert written == 5
 
 
@@ -188,7 +188,7 @@ def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms, m
     runner = llm.runner
     desc_of = {id(graph): desc for (desc, _), graph in runner.graphs.full_graphs.items()}
     routes = []
-    original_full, original_step = FullGraph.replay, runner._run_step
+    original_full, original_step = FullGraph.replay, runner.body.run
 
     in_full = []
 
@@ -206,7 +206,7 @@ def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms, m
         return original_step(batch, piecewise)
 
     monkeypatch.setattr(FullGraph, "replay", spy_full)
-    monkeypatch.setattr(runner, "_run_step", spy_step)
+    monkeypatch.setattr(runner.body, "run", spy_step)
     llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     monkeypatch.undo()
     # Prefill of 8 tokens: PIECEWISE at the capture size 8; then 3 uniform decodes of 2: FULL.

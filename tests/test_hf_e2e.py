@@ -54,7 +54,7 @@ def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(c
               max_model_len=128, block_size=4, num_kv_blocks=20)
     out = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
     assert llm.scheduler.num_preemptions > 0
-    for prompt, o in zip(prompts, out):
+    for prompt, o in zip(prompts, out, strict=True):
         assert o.token_ids == hf_greedy(hf, prompt, NUM_TOKENS)
 
 
@@ -68,5 +68,5 @@ def test_gpu_greedy_matches_transformers(arch, tmp_path):
     llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=128, block_size=16, num_kv_blocks=12)
     out = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
-    for prompt, o in zip(prompts, out):
+    for prompt, o in zip(prompts, out, strict=True):
         assert o.token_ids == hf_greedy(hf, prompt, NUM_TOKENS)

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.block_table import BlockTables, compute_slot_mapping
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels import input_prep as ip
+from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.state.block_tables import BlockTables
 
 SENTINEL = -7777  # never a valid position, token id, seq_len, index or slot
 # Triton tests run compiled on CUDA tensors where a GPU exists, interpreted on CPU otherwise.

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import io
 import json
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -101,7 +102,7 @@ def test_table_json_lists_exactly_the_tables_descriptors(spec):
     # Candidate runs tile 1..max_num_batched_tokens, each with the table's own candidates.
     runs = data["candidates"]
     assert runs[0]["num_tokens_min"] == 1 and runs[-1]["num_tokens_max"] == max_tokens
-    for prev, run in zip(runs, runs[1:]):
+    for prev, run in pairwise(runs):
         assert run["num_tokens_min"] == prev["num_tokens_max"] + 1
     for run in runs:
         for t in {run["num_tokens_min"], run["num_tokens_max"]}:
@@ -270,8 +271,8 @@ def test_simulated_descriptors_are_the_ones_the_runner_used(tmp_path, mode):
     """A trace recorded under graphs: the simulator's table picks every recorded descriptor."""
     from graphrunner.engine import LLM
     from graphrunner.protocol import SamplingParams
-    from tools.inspect.simulate import read_trace
-    from tools.inspect.table import TableSpec, build_table
+    from graphrunner_tools.inspect.simulate import read_trace
+    from graphrunner_tools.inspect.table import TableSpec, build_table
 
     trace = tmp_path / "trace.jsonl"
     sizes = (1, 2, 4, 8)
@@ -331,7 +332,7 @@ def test_capture_dot_on_cpu_fails_clearly_before_building(monkeypatch, tmp_path)
 
 
 def test_dot_graph_key_names_a_captured_full_graph():
-    from tools.inspect.capture_cmd import dot_graph_key
+    from graphrunner_tools.inspect.capture_cmd import dot_graph_key
 
     keys = ["PIECEWISE(t=8)", "FULL(t=8,r=8,q=1)", "FULL(t=1,r=1,q=1)"]
     assert dot_graph_key("FULL(t=8,r=8,q=1)", keys) == "full(t=8,r=8,q=1)[greedy]"

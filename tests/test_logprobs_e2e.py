@@ -35,7 +35,7 @@ def check_position(entry: dict, ref_row: torch.Tensor, token: int, k: int) -> No
     assert entry[token].logprob == pytest.approx(float(ref_row[token]), abs=1e-4)
     assert entry[token].rank == 1 + int((ref_row > ref_row[token] + 1e-9).sum())
     top = torch.topk(ref_row, k)
-    for rank, (value, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+    for rank, (value, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True), start=1):
         assert tid in entry, f"top-{rank} token {tid} missing from {sorted(entry)}"
         assert entry[tid].logprob == pytest.approx(value, abs=1e-4)
     # Nothing beyond the chosen token and the request's own top-k.
@@ -62,13 +62,13 @@ def test_logprobs_match_transformers_across_chunk_sizes(checkpoint, budget, mode
 
     plain = outs[1]
     assert plain.logprobs is None and plain.prompt_logprobs is None
-    for prompt, p, out in zip(prompts, params, outs):
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
         if p.logprobs is None:
             continue
         ref = reference_logprobs(hf, prompt + out.token_ids)
         # Sampled logprobs: the distribution the token was drawn from, before temperature.
         assert len(out.logprobs) == len(out.token_ids)
-        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             check_position(entry, ref[len(prompt) - 1 + i], token, p.logprobs)
         # Prompt logprobs: None for the first token, then one per later prompt token.
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)

@@ -21,7 +21,6 @@ from graphrunner.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinea
 from graphrunner.layers.norm import RMSNorm
 from graphrunner.layers.rotary import RotaryEmbedding, compute_inv_freq, normalize_rope_scaling
 from graphrunner.models import BUILTIN_MODELS, LlamaForCausalLM, load_model, load_model_config
-
 from tests.hf_fixtures import load_hf_model, make_hf_checkpoint
 
 ATOL = RTOL = 1e-4

@@ -73,7 +73,7 @@ def make_step(reqs: list[tuple[int, int]], pad: int, *, vocab: int, seed: int) -
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     max_blocks = max(-(-(c + q) // BLOCK_SIZE) for c, q in reqs) + 1
     block_table = torch.randint(0, NUM_BLOCKS, (len(reqs), max_blocks), generator=gen, dtype=torch.int32)
-    ids, positions, slots, qsl = [], [], [], [0]
+    positions, slots, qsl = [], [], [0]
     for r, (ctx, q) in enumerate(reqs):
         n = -(-(ctx + q) // BLOCK_SIZE)
         block_table[r, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
@@ -168,7 +168,7 @@ def assert_step_matches(h: Harness, step: Step, out, caches, ref_out, ref_caches
     torch.testing.assert_close(out[: step.num_real], ref_out, **tol)
     owned = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     owned[owned_slots(step)] = True
-    for layer, (got, want) in enumerate(zip(caches, ref_caches)):
+    for layer, (got, want) in enumerate(zip(caches, ref_caches, strict=True)):
         got_flat, want_flat = got.flatten(1, 2).cpu(), want.flatten(1, 2).cpu()  # [2, slots, Hkv, D]
         assert torch.equal(got_flat[:, ~owned], want_flat[:, ~owned]), f"layer {layer}: a slot no token owns changed"
         torch.testing.assert_close(got_flat[:, owned], want_flat[:, owned], **tol, msg=f"layer {layer} KV")
@@ -213,7 +213,7 @@ def test_op_mode_eager_equals_direct_call(cpu_harness):
         with forward_context(md, caches, h.backend):
             out = h.op(ids, pos, ["ignored in op mode"], None)
     assert torch.equal(out, ref)
-    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
 
 
 def test_opcheck(cpu_harness):
@@ -498,7 +498,7 @@ def test_gpu_inductor_graphs_match_eager():
                 _bf16_close(out[: step.num_real], ref, f"hidden, size {n}, workload {i}")
                 owned = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
                 owned[owned_slots(step)] = True
-                for layer, (got, want) in enumerate(zip(caches, ref_caches)):
+                for layer, (got, want) in enumerate(zip(caches, ref_caches, strict=True)):
                     got_flat, want_flat = got.flatten(1, 2).cpu(), want.flatten(1, 2).cpu()
                     assert torch.equal(got_flat[:, ~owned], want_flat[:, ~owned]), f"layer {layer}: stray KV write"
                     _bf16_close(got_flat[:, owned], want_flat[:, owned], f"KV layer {layer}, size {n}")

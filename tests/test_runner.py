@@ -167,5 +167,7 @@ def test_profile_run_before_kv_cache_uses_no_live_state():
 
     r = ModelRunner(make_runner().config, "cpu")
     r.load_model()
-    r._profile_run()
-    assert r.req_states.num_live == 0 and r.kv_caches == [] and r.block_tables is None
+    from graphrunner.kv_cache import profile_run
+
+    profile_run(r.body, r.kv_cache_shape)
+    assert r.req_states.num_live == 0 and r.buffers.kv_caches == [] and r.buffers.block_tables is None

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 from graphrunner.protocol import SamplingParams
 from graphrunner.sample import rng
-from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates, apply_top_k_top_p, default_seed
+from graphrunner.sample.sampler import Sampler, apply_top_k_top_p
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.state.sampling import SamplingStates, default_seed
 
 
 def make_states(

@@ -2,7 +2,7 @@
 
 import json
 
-from tools.bench.sampler_bench import VARIANTS, bench_sampler, main
+from graphrunner_tools.bench.sampler_bench import VARIANTS, bench_sampler, main
 
 
 def test_bench_sampler_rows_on_cpu():

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from graphrunner.protocol import SamplingParams
 from graphrunner.sample import processors
-from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
-from graphrunner.sample.states import round_logprobs
+from graphrunner.sample.sampler import Sampler
+from graphrunner.state.features import SamplingFeatures, round_logprobs
+from graphrunner.state.sampling import SamplingStates
 from tests.test_sampler import make_states, run_sampler
 
 EOS = (1,)

@@ -49,7 +49,7 @@ def test_seeded_request_same_alone_batched_and_preempted(mode, alone_in_eager):
     assert batched_tokens == tokens
     # Logprobs of the raw distribution: the same tokens with the same values and ranks.
     assert [sorted(d) for d in batched_lp] == [sorted(d) for d in logprobs]
-    for got, want in zip(batched_lp, logprobs):
+    for got, want in zip(batched_lp, logprobs, strict=True):
         for tok, lp in want.items():
             assert got[tok].rank == lp.rank and got[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
 

@@ -66,7 +66,7 @@ class FakeRunner:
             self.reqs[new.req_id] = _RunnerReq(list(new.all_token_ids), new.num_computed_tokens, list(new.block_ids))
         cached = so.scheduled_cached_reqs
         assert len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
-        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
             state = self.reqs[req_id]
             assert num_computed == state.num_computed, f"{req_id}: scheduler and runner disagree on progress"
             state.block_ids += new_blocks or []

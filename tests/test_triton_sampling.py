@@ -15,7 +15,7 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.protocol import SamplingParams
 from graphrunner.sample import rng
 from graphrunner.sample.filters import apply_filters, filter_threshold
-from graphrunner.sample.sampler import Sampler, SamplingFeatures
+from graphrunner.sample.sampler import Sampler
 from graphrunner.sample.triton_sampling import (
     gumbel_argmax,
     gumbel_argmax_torch,
@@ -24,6 +24,7 @@ from graphrunner.sample.triton_sampling import (
     sampling_threshold_torch,
     sampling_threshold_triton,
 )
+from graphrunner.state.features import SamplingFeatures
 from tests.test_sampler import make_states
 
 pytestmark = [

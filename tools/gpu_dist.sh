@@ -17,7 +17,7 @@ if [[ "$what" == tests || "$what" == all ]]; then
     2>&1 | tee "$OUT/dist_gpu_tests.log" | tail -30 || rc=1
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
-  timeout 1500 python3 -m tools.bench.dist_bench --out "$OUT" --timeout 420 \
+  timeout 1500 python3 -m graphrunner_tools.bench.dist_bench --out "$OUT" --timeout 420 \
     2>&1 | tee "$OUT/dist_bench.log" | tail -40 || rc=1
 fi
 exit $rc

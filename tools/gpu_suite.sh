@@ -16,7 +16,7 @@ case "${1:-tests}" in
 import sys
 from graphrunner import LLM
 llm = LLM("builtin:tiny-llama", device="cuda", enforce_eager=True, max_num_seqs=4, num_kv_blocks=64)
-from graphrunner.step_graphs import StepGraphs
+from graphrunner.step.graphs import StepGraphs
 import dataclasses
 from graphrunner.config import CompilationConfig
 llm.runner.config = dataclasses.replace(llm.runner.config, compilation=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=(1,)))

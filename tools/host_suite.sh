@@ -8,7 +8,7 @@ set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 gr() { timeout "$1" python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[2:]))' "$@"; }
-python3 -m tools.bench.api_costs 2>&1 | tee "$OUT/api_costs.txt" | tail -15
+python3 -m graphrunner_tools.bench.api_costs 2>&1 | tee "$OUT/api_costs.txt" | tail -15
 gr 170 bench host --batch-sizes 1,64,256 --json "$OUT/host_qwen.json" --markdown "$OUT/host_qwen.md" 2>&1 \
   | grep -v "capturing graphs" | tail -8
 GRAPHRUNNER_OUTPUT_COPY_STREAM=0 gr 150 bench host --batch-sizes 1,64,256 --settle-s 5 \

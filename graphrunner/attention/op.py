@@ -21,9 +21,9 @@ static output: the piece after the op reads the address the op wrote.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

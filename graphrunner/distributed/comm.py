@@ -77,7 +77,7 @@ class TPComm:
         self.size, self.rank, self.group_name = size, rank, group_name
 
     @classmethod
-    def from_groups(cls, groups) -> "TPComm":
+    def from_groups(cls, groups) -> TPComm:
         """From a `ParallelGroups` (its TP group)."""
         return cls(groups.tp_size, groups.tp_rank, groups.tp.device_group_name)
 

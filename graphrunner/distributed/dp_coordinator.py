@@ -39,9 +39,9 @@ each rank runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ class DPReport:
         return self.num_tokens == 0
 
     @classmethod
-    def idle_report(cls) -> "DPReport":
+    def idle_report(cls) -> DPReport:
         """What an idle rank sends: no tokens, no constraint on the mode."""
         return cls(0, CUDAGraphMode.FULL, None, 0, False)
 
@@ -135,7 +135,7 @@ class DPReport:
         *,
         wants_microbatch: bool = False,
         force_eager: bool = False,
-    ) -> "DPReport":
+    ) -> DPReport:
         """A rank's report from its local batch: its desired mode is what `table.dispatch`
         picks (NONE with `force_eager`). num_tokens == 0 gives the idle report."""
         if num_tokens == 0:
@@ -149,7 +149,7 @@ class DPReport:
         return [self.num_tokens, mode_ordinal(self.mode), q, self.num_reqs, int(self.wants_microbatch)]
 
     @classmethod
-    def unpack(cls, row: Sequence[int]) -> "DPReport":
+    def unpack(cls, row: Sequence[int]) -> DPReport:
         num_tokens, mode, q, num_reqs, ubatch = (int(v) for v in row)
         return cls(num_tokens, mode_from_ordinal(mode), None if q < 0 else q, num_reqs, bool(ubatch))
 
@@ -228,7 +228,7 @@ class DPDecision:
     @property
     def padding_tokens(self) -> tuple[int, ...]:
         """Per rank: tokens executed that carry no request (padding or a dummy step)."""
-        return tuple(r - t for r, t in zip(self.run_tokens, self.real_tokens))
+        return tuple(r - t for r, t in zip(self.run_tokens, self.real_tokens, strict=True))
 
     @property
     def waste(self) -> float:

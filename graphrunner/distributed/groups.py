@@ -135,7 +135,7 @@ class ParallelGroups:
     _destroyed: bool = field(default=False, repr=False)
 
     @classmethod
-    def single(cls, config: ParallelConfig | None = None, device: torch.device | str = "cpu") -> "ParallelGroups":
+    def single(cls, config: ParallelConfig | None = None, device: torch.device | str = "cpu") -> ParallelGroups:
         """The world of one process: every group has one member and no torch group."""
         config = config or ParallelConfig()
         if config.world_size != 1:

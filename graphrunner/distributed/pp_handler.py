@@ -32,9 +32,9 @@ last stage, nothing is sent, nothing is ever queued.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -241,7 +241,7 @@ class PPHandler:
         generations: RowGenerations | None = None,
         num_rows: int | None = None,
         timeout_s: float | None = None,
-        _roles: "tuple[int, int, _LoopbackHub] | None" = None,
+        _roles: tuple[int, int, _LoopbackHub] | None = None,
     ) -> None:
         if not isinstance(max_num_reqs, int) or max_num_reqs < 1:
             raise ValueError(f"max_num_reqs={max_num_reqs!r} must be an int >= 1")
@@ -282,7 +282,7 @@ class PPHandler:
     @classmethod
     def loopback(
         cls, pp_size: int, max_num_reqs: int, device: torch.device | str = "cpu", **kwargs: object
-    ) -> list["PPHandler"]:
+    ) -> list[PPHandler]:
         """One handler per stage of an in-process pipeline (tests, single-process simulation):
         the last stage's broadcasts reach the others without torch.distributed. Receives are
         filled when consumed, so drive every stage's `post_sample` for a step before any

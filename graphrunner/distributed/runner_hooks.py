@@ -1,7 +1,9 @@
 """What the runner does differently under TP / PP / DP, kept out of runner.py.
 
 `ParallelHooks` is owned by a `ModelRunner` and called at a handful of seams of the
-step; for a single process every hook is a cheap no-op.
+step; for a single process every hook is a cheap no-op. It receives what it uses (the
+stage buffers, the graphs to dispatch with, the post-update and dummy-step functions),
+never the runner.
 
 Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.llm`):
 
@@ -25,24 +27,24 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
   handler's generation counters are still kept (bumped on every freed row), so a deeper
   pipeline (async scheduling) only has to raise the depth.
 * DP: `DPCoordinator` (one CPU all-reduce of every replica's report) gives the agreed
-  descriptor; an idle replica runs `ModelRunner.run_dummy_step` of it.
+  descriptor; an idle replica runs a dummy step of it (`idle_step`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from capture.descriptor import BatchExecutionDescriptor
 from graphrunner.distributed.groups import ParallelGroups
-
-if TYPE_CHECKING:
-    from capture.descriptor import BatchExecutionDescriptor
-    from graphrunner.input_batch import InputBatch
-    from graphrunner.runner import ModelRunner
+from graphrunner.step.buffers import StageBuffers
+from graphrunner.step.graphs import StepGraphs
+from graphrunner.step.inputs import InputBatch
 
 logger = logging.getLogger("graphrunner.distributed")
 
@@ -50,26 +52,23 @@ logger = logging.getLogger("graphrunner.distributed")
 class ParallelHooks:
     """The TP/PP/DP seams of one runner. `groups` describes this rank's place in the world."""
 
-    def __init__(self, runner: "ModelRunner", groups: ParallelGroups) -> None:
-        self.runner = runner
+    def __init__(self, groups: ParallelGroups, *, max_num_reqs: int, num_rows: int, device: torch.device) -> None:
         self.groups = groups
+        self.device = device
         self.pp = groups.pp
         self.is_first_stage = groups.pp.is_first
         self.is_last_stage = groups.pp.is_last
-        self.hidden_in: torch.Tensor | None = None  # [max_T, hidden]: received from the previous stage
-        self.residual_in: torch.Tensor | None = None
-        self.hidden_out: torch.Tensor | None = None  # [max_T, hidden]: this stage's output, sent on
-        self.residual_out: torch.Tensor | None = None
-        self._dp = None  # DPCoordinator, built lazily (dp_size > 1: it needs the dispatch table)
-        self.last_dp_decision = None
+        self.stage = StageBuffers()  # [max_T, hidden] PP buffers (allocate_buffers)
+        self._dp: Any = None  # DPCoordinator, built lazily (dp_size > 1: it needs the dispatch table)
+        self.last_dp_decision: Any = None
         self.num_dummy_steps = 0  # idle-DP-rank dummy steps run so far
-        self.pp_handler = None
+        self.pp_handler: Any = None
         if groups.pp_size > 1:
             from graphrunner.distributed.pp_handler import PPHandler
 
             self.pp_handler = PPHandler(
-                groups.pp_broadcast_group, runner.max_num_reqs, runner.device, depth=0,
-                num_rows=runner.req_states.num_rows, timeout_s=groups.config.collective_timeout_s,
+                groups.pp_broadcast_group, max_num_reqs, device, depth=0,
+                num_rows=num_rows, timeout_s=groups.config.collective_timeout_s,
             )
 
     def on_row_freed(self, row: int) -> None:
@@ -84,29 +83,12 @@ class ParallelHooks:
             self.pp_handler = None
 
     # ---- set-up -------------------------------------------------------------------
-    def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def allocate_buffers(self, max_num_tokens: int, hidden_size: int, dtype: torch.dtype) -> StageBuffers:
         """Persistent PP buffers of the largest step (graphs capture their addresses)."""
-        if self.groups.pp_size == 1:
-            return
-        r = self.runner
-        shape = (r.max_num_tokens, hidden_size)
-        if not self.is_first_stage:
-            self.hidden_in = torch.zeros(shape, dtype=dtype, device=r.device)
-            self.residual_in = torch.zeros(shape, dtype=dtype, device=r.device)
-        if not self.is_last_stage:
-            self.hidden_out = torch.zeros(shape, dtype=dtype, device=r.device)
-            self.residual_out = torch.zeros(shape, dtype=dtype, device=r.device)
-
-    def model_extra_args(self, num_tokens_padded: int) -> tuple[torch.Tensor, ...]:
-        """Extra forward arguments of this stage: the received (hidden, residual) views."""
-        if self.hidden_in is None:
-            return ()
-        return self.hidden_in[:num_tokens_padded], self.residual_in[:num_tokens_padded]
-
-    @property
-    def token_args(self) -> tuple[int, ...]:
-        """Forward argument positions with a token dim 0 (for the piecewise compiler)."""
-        return (0, 1) if self.hidden_in is None else (0, 1, 4, 5)
+        if self.groups.pp_size > 1:
+            self.stage = StageBuffers.allocate(max_num_tokens, hidden_size, dtype, self.device,
+                                               receives=not self.is_first_stage, sends=not self.is_last_stage)
+        return self.stage
 
     def agree_num_kv_blocks(self, num_blocks: int) -> int:
         """The minimum over the world: every rank of a replica must size the same cache."""
@@ -118,22 +100,19 @@ class ParallelHooks:
         return int(t.item())
 
     # ---- per step: descriptor -------------------------------------------------------
-    def dispatch(self, num_reqs: int, num_tokens: int, uniform: int | None) -> "BatchExecutionDescriptor":
+    def dispatch(self, graphs: StepGraphs, num_reqs: int, num_tokens: int,
+                 uniform: int | None) -> BatchExecutionDescriptor:
         """The step's descriptor: local dispatch, then DP agreement (dp_size > 1)."""
-        graphs = self.runner.graphs
-        assert graphs is not None
         if self.groups.dp_size == 1:
             return graphs.dispatch(num_reqs, num_tokens, uniform)
-        plan = self._coordinate(num_reqs, num_tokens, uniform)
+        plan = self._coordinate(graphs, num_reqs, num_tokens, uniform)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
         return plan.descriptor
 
-    def _coordinate(self, num_reqs: int, num_tokens: int, uniform: int | None):
+    def _coordinate(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None):
         """One DP all-reduce; returns this rank's `RankPlan`."""
         from graphrunner.distributed.dp_coordinator import DPCoordinator, DPReport
 
-        graphs = self.runner.graphs
-        assert graphs is not None
         if self._dp is None:
             self._dp = DPCoordinator(self.groups.dp.cpu_group, graphs.table)
         # Before capture every step is eager: report NONE so that nobody replays.
@@ -142,33 +121,29 @@ class ParallelHooks:
         self.last_dp_decision = decision
         return decision.for_rank(self.groups.dp_rank)
 
-    def idle_step(self) -> None:
+    def idle_step(self, graphs: StepGraphs, run_dummy_step: Callable[[BatchExecutionDescriptor], None]) -> None:
         """A DP rank with nothing scheduled: join the coordination and run a dummy step of
         the agreed size, so that every collective inside the step (TP, PP) matches."""
         if self.groups.dp_size == 1:
             return
-        plan = self._coordinate(0, 0, None)
+        plan = self._coordinate(graphs, 0, 0, None)
         if plan.skip:
             return
         self.num_dummy_steps += 1
-        self.runner.run_dummy_step(plan.descriptor)
+        run_dummy_step(plan.descriptor)
 
     # ---- per step: PP -----------------------------------------------------------------
     def before_forward(self, num_tokens_padded: int) -> None:
         """Non-first stages: receive the previous stage's output for this step."""
-        if self.hidden_in is None:
+        stage = self.stage
+        if stage.hidden_in is None or stage.residual_in is None:
             return
         src, group = self.pp.prev_rank, self.pp.device_group
-        dist.recv(self.hidden_in[:num_tokens_padded], src=src, group=group)
-        dist.recv(self.residual_in[:num_tokens_padded], src=src, group=group)
+        dist.recv(stage.hidden_in[:num_tokens_padded], src=src, group=group)
+        dist.recv(stage.residual_in[:num_tokens_padded], src=src, group=group)
 
-    def stage_output(self, out, num_tokens_padded: int) -> None:
-        """Inside the step body of a non-last stage: keep (hidden, residual) in the persistent buffers."""
-        hidden, residual = out
-        self.hidden_out[:num_tokens_padded].copy_(hidden)
-        self.residual_out[:num_tokens_padded].copy_(residual)
-
-    def after_forward(self, batch: "InputBatch", produces: np.ndarray | None) -> None:
+    def after_forward(self, batch: InputBatch, produces: np.ndarray | None,
+                      post_update: Callable[[InputBatch], None]) -> None:
         """Send the stage output on; exchange the sampled tokens; finish non-last stages' state.
 
         produces: [R] bool, which requests sample a token this step; None for a dummy
@@ -177,16 +152,17 @@ class ParallelHooks:
         if self.groups.pp_size == 1:
             return
         Tp = batch.num_tokens_padded
-        if self.hidden_out is not None:
+        stage = self.stage
+        if stage.hidden_out is not None and stage.residual_out is not None:
             dst, group = self.pp.next_rank, self.pp.device_group
-            dist.send(self.hidden_out[:Tp], dst=dst, group=group)
-            dist.send(self.residual_out[:Tp], dst=dst, group=group)
+            dist.send(stage.hidden_out[:Tp], dst=dst, group=group)
+            dist.send(stage.residual_out[:Tp], dst=dst, group=group)
         if produces is not None:
             self._exchange_sampled(batch, produces)
         if not self.is_last_stage:
-            self.runner.post_update(batch)
+            post_update(batch)
 
-    def _exchange_sampled(self, batch: "InputBatch", produces: np.ndarray) -> None:
+    def _exchange_sampled(self, batch: InputBatch, produces: np.ndarray) -> None:
         """Last stage -> every stage, through the PPHandler; `positions` carry batch indices back."""
         handler = self.pp_handler
         assert handler is not None
@@ -201,10 +177,6 @@ class ParallelHooks:
         for got in handler.consume():
             index = torch.from_numpy(got.positions).to(batch.sampled.device)
             batch.sampled.index_copy_(0, index, got.tokens.to(batch.sampled.dtype))
-
-    def run_stage_only(self) -> bool:
-        """True on non-last stages: the step body stops after the stage's layers."""
-        return not self.is_last_stage
 
 
 def dp_split(items: list, dp_rank: int, dp_size: int) -> list[int]:

@@ -16,6 +16,15 @@ import sys
 import time
 from pathlib import Path
 
+from graphrunner.cli import (
+    CUDAGRAPH_MODES,
+    add_graph_args,
+    add_limit_args,
+    add_runner_args,
+    parse_int_list,
+    runner_kwargs,
+)
+
 NUM_SHOWN_OUTPUTS = 3
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -28,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a Hugging Face checkpoint folder")
+    add_runner_args(p, model="builtin:tiny-llama", compile_backend="inductor")
     p.add_argument("--num-prompts", type=int, default=8, help="random prompts to generate for (ignored with --prompt)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per random prompt")
     p.add_argument("--prompt", nargs="+", metavar="TEXT", default=None, help="text prompts (needs tokenizer.json)")
@@ -36,21 +45,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--top-p", type=float, default=1.0, help="1 disables top-p")
-    p.add_argument("--seed", type=int, default=0, help="seeds prompts, dummy weights and sampling")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None, help="default: min(model limit, 2048)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
+    add_limit_args(
+        p,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=None,
+        num_kv_blocks=None,
+        help={"max_model_len": "unset = min(model limit, 2048)", "num_kv_blocks": "unset = sized from a profile run"},
+    )
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run every step eagerly (default: graphs on CUDA, eager on CPU)")
-    p.add_argument("--cudagraph-mode", default=None,
-                   help="NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE (default)")
-    p.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated token counts to capture")
-    p.add_argument("--compile-backend", default="inductor", help="inductor, aot_eager or eager (PIECEWISE pieces)")
+    add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES} (unset = FULL_AND_PIECEWISE)")
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
@@ -74,9 +80,9 @@ def _sizes(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"graphrunner generate: --cudagraph-capture-sizes={text!r} is not a comma-separated list of ints")
+        return parse_int_list(text, "--cudagraph-capture-sizes")
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,19 +130,14 @@ def run(args: argparse.Namespace) -> int:
     load_start = time.perf_counter()
     try:
         llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
+            **runner_kwargs(args),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            seed=args.seed,
             num_kv_blocks=args.num_kv_blocks,
             enforce_eager=args.enforce_eager,
-            cudagraph_mode=args.cudagraph_mode,
-            cudagraph_capture_sizes=_sizes(args.cudagraph_capture_sizes),
-            compile_backend=args.compile_backend,
+            cudagraph_mode=args.mode,
+            cudagraph_capture_sizes=_sizes(args.capture_sizes),
             debug_cudagraphs=args.debug_cudagraphs,
             async_scheduling=args.async_scheduling,
             tensor_parallel_size=args.tp,

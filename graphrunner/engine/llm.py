@@ -29,9 +29,9 @@ import dataclasses
 import json
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -188,13 +188,29 @@ class LLM:
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
 
-    def _check_sampling_params(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        """The runner-dependent checks (vocabulary, buffer limits) before the request is queued."""
+    def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Every check a request passes before it is queued; raises ValueError and changes nothing.
+
+        The sampling params' own field checks (again: they may have been changed since
+        they were built), the prompt (token ids are ints within the vocabulary, length
+        within max_model_len, fits the KV cache) and the runner-dependent sampling limits
+        (vocabulary, slot counts).
+        """
+        self.scheduler.check_request(req_id, prompt, params)
         try:
+            params.validate()
             self.runner.sampling_states.validate(params, self.vocab_size, self.runner.eos_token_ids,
                                                  prompt_len=len(prompt))
         except ValueError as e:
             raise ValueError(f"request {req_id!r}: {e}") from None
+        # `validate` checks stop ids against the vocabulary only when min_tokens masks them;
+        # an id outside it could never be sampled, so it is a caller's mistake either way.
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {req_id!r}: stop_token_ids contains token id {bad} outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -222,15 +238,17 @@ class LLM:
         base = self._next_req_id
         all_ids = [str(base + i) for i in range(len(prompt_token_ids))]
         mine = list(range(dp_rank, len(prompt_token_ids), dp_size))
+        # Every prompt is checked (on every rank, so DP ranks fail alike) before any is
+        # queued: a bad request raises here and never becomes live.
+        for i, req_id in enumerate(all_ids):
+            self._check_request(req_id, prompt_token_ids[i], params[i])
         self._next_req_id += len(prompt_token_ids)
-
         req_ids: list[str] = []
         try:
             for i in mine:
-                self._check_sampling_params(all_ids[i], prompt_token_ids[i], params[i])
                 self.scheduler.add_request(all_ids[i], prompt_token_ids[i], params[i])
                 req_ids.append(all_ids[i])
-        except Exception:
+        except BaseException:
             for req_id in req_ids:
                 self.scheduler.abort_request(req_id)
             raise
@@ -245,12 +263,40 @@ class LLM:
                         progress.update(1)
             # A step launched after the last request's end holds only discarded tokens.
             self._resolve_in_flight()
+        except BaseException:
+            # A failed step (or an interrupt) must not leave this call's requests live:
+            # every later generate would run them, and fail, again.
+            self._abort_after_failure()
+            raise
         finally:
             if progress is not None:
                 progress.close()
         if dp_size > 1:
             results = self._gather_results(results)
         return [results[req_id] for req_id in all_ids]
+
+    def _abort_after_failure(self) -> None:
+        """Recover from a step that raised: abort the live requests (those of the failed
+        `generate` call) so that the next call starts clean.
+
+        The runner may hold a launched step (execute_model without sample_tokens) or an
+        unresolved async output (holding a slot of its output ring): both are drained and
+        their tokens dropped. The scheduler frees the requests' blocks and announces them
+        as finished in the next SchedulerOutput, which makes the runner free their rows.
+        Best effort: an error while draining is suppressed, the step's error is what the
+        caller sees.
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight[1].get()  # releases its output slot; the tokens are discarded
+            except Exception:
+                pass
+        try:
+            self.runner.sample_tokens()  # a no-op unless a launched step was never sampled
+        except Exception:
+            pass
+        self.scheduler.abort_after_failure()
 
     def _any_unfinished(self) -> bool:
         """Whether any DP replica still has work (one tiny CPU all-reduce under DP)."""
@@ -283,7 +329,7 @@ class LLM:
         if groups is not None:
             groups.destroy()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -316,7 +362,7 @@ class LLM:
         self.runner.execute_model(scheduler_output)
         if self.record_batches is not None:
             self._record_batch(scheduler_output)
-        runner_output = self.runner.sample_tokens()
+        runner_output = cast(ModelRunnerOutput, self.runner.sample_tokens())
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> list[RequestOutput]:
@@ -339,7 +385,11 @@ class LLM:
                 if self.record_batches is not None:
                     self._record_batch(scheduler_output)
                 launched = (scheduler_output, self.runner.sample_tokens(async_output=True))
-        finished = self._resolve_in_flight()
+        try:
+            finished = self._resolve_in_flight()
+        except BaseException:
+            self._in_flight = launched  # for `_abort_after_failure` to drain
+            raise
         self._in_flight = launched
         return finished
 
@@ -368,9 +418,16 @@ class LLM:
             return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
+        if isinstance(sampling_params, (str, bytes, Mapping)):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         params = list(sampling_params)
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one or one per prompt")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         return params
 
 

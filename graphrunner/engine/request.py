@@ -101,7 +101,7 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens_with_placeholders - self.num_computed_tokens
 
-    def to_output(self) -> "RequestOutput":
+    def to_output(self) -> RequestOutput:
         return RequestOutput(
             req_id=self.req_id,
             prompt_token_ids=list(self.prompt_token_ids),

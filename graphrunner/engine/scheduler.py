@@ -44,6 +44,7 @@ from graphrunner.protocol import (
     NewRequestData,
     SamplingParams,
     SchedulerOutput,
+    check_token_ids,
 )
 
 
@@ -123,17 +124,33 @@ class Scheduler:
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) when it can never run."""
+        prompt = self.check_request(req_id, prompt_token_ids, sampling_params)
+        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
+        self.requests[req_id] = req
+        self.waiting.append(req)
+        return req
+
+    def check_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> list[int]:
+        """Raise ValueError if `add_request` would refuse the request; changes nothing.
+
+        Checks the id is not live, every prompt token id is an int (not a float, str or
+        bool: the message names the value and its position), the prompt is non-empty,
+        within max_model_len and the vocabulary, and the request fits the KV cache alone.
+        Returns the prompt as a list of Python ints.
+        """
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                f"request {req_id!r}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+            )
         if req_id in self.requests or req_id in self._finished_req_ids:
             raise ValueError(
                 f"duplicate req_id {req_id!r}: a request with this id is still live "
                 "(or finished this step and not yet reported to the runner)"
             )
+        check_token_ids(f"request {req_id!r} prompt", prompt_token_ids)
         prompt = [int(t) for t in prompt_token_ids]
         self._validate_prompt(req_id, prompt, sampling_params)
-        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
-        self.requests[req_id] = req
-        self.waiting.append(req)
-        return req
+        return prompt
 
     def _validate_prompt(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -173,6 +190,30 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req.to_output()
+
+    def abort_after_failure(self) -> list[RequestOutput]:
+        """Abort every live request after a step raised part-way (the engine's recovery
+        path), so that the next requests start from a consistent state.
+
+        Unlike `abort_request`, every aborted id is announced to the runner through the
+        next `finished_req_ids`, waiting ones included: a failed step may have admitted a
+        request in the runner that the scheduler still counts as waiting (or not yet
+        removed one it preempted); the runner ignores ids it does not hold. Plans still in
+        flight (async scheduling) are dropped: their outputs will never be applied.
+        Returns the aborted requests' outputs (finish_reason "abort").
+        """
+        outputs = []
+        for req in list(self.requests.values()):
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.num_output_placeholders = 0
+            self._finished_req_ids.add(req.req_id)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(req.to_output())
+        self._in_flight.clear()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -15,7 +15,7 @@ Checkpoint shapes (`checkpoint_shape`) are always the full, unsharded HF shapes.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,8 @@ the same tensor is read by every captured graph.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -21,8 +21,8 @@ next one, and a non-first stage takes them as extra `forward` arguments.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -271,7 +271,7 @@ class LlamaModel(nn.Module):
             if hidden_in is None or residual_in is None:
                 raise ValueError("a non-first pipeline stage needs hidden_in and residual_in")
             hidden, residual = hidden_in, residual_in
-        for layer, kv_cache in zip(local_layers, kv_caches):
+        for layer, kv_cache in zip(local_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         if not self.is_last_stage:
             return hidden, residual
@@ -453,7 +453,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         if isinstance(module, QKVLinear):
             q, kv = self.config.q_size, self.config.kv_size
-            for shard, part in zip(("q", "k", "v"), tensor.split([q, kv, kv], dim=0)):
+            for shard, part in zip(("q", "k", "v"), tensor.split([q, kv, kv], dim=0), strict=True):
                 module.load_shard(param, part, shard)
         elif isinstance(module, MergedColumnLinear):
             for i, part in enumerate(tensor.split(list(module.out_sizes), dim=0)):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -285,7 +286,7 @@ def load_model(
     tp: Any = None,
     pp_rank: int = 0,
     pp_size: int = 1,
-) -> "torch.nn.Module":
+) -> torch.nn.Module:
     """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.

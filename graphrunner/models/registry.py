@@ -7,8 +7,8 @@ the public Hugging Face configs of the models they are named after.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 from graphrunner.config import ModelConfig
 

@@ -144,3 +144,62 @@ class PromptLogprobsCollector:
 
     def result(self) -> list[dict[int, Logprob] | None]:
         return list(self._entries)
+
+
+class PromptLogprobs:
+    """The runner's prompt-logprob bookkeeping: which requests still want them, their
+    collection from each prefill step's hidden states, and the finished results.
+
+    A step that carries such a request must run outside FULL graphs (it reads every
+    prompt position's hidden state, not only the sampled ones): `blocks_full_graph`.
+    """
+
+    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.compute_logits = compute_logits  # hidden [n, H] -> logits [n, V]; set once the model loads
+        self._active: dict[str, tuple[list[int], PromptLogprobsCollector]] = {}  # req_id -> (prompt, collector)
+        self._done: dict[str, list] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._active)
+
+    def add_request(self, req_id: str, prompt: list[int], num_logprobs: int | None, resumed: bool) -> None:
+        """Track `req_id` if it asked for prompt logprobs (a resumed request delivered them already)."""
+        if num_logprobs is not None and not resumed and len(prompt) > 1:
+            self._active[req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), num_logprobs))
+
+    def remove_request(self, req_id: str) -> None:
+        self._active.pop(req_id, None)  # a preempted prompt restarts from token 0
+
+    def blocks_full_graph(self, req_ids) -> bool:
+        return bool(self._active) and not self._active.keys().isdisjoint(req_ids)
+
+    def collect(self, hidden: torch.Tensor, req_ids: list[str], query_lens: np.ndarray, starts: np.ndarray) -> None:
+        """Prompt logprobs of one step's prefill chunks (eager; never inside a FULL graph).
+
+        hidden: [T_pad, H]. Entry i's query_lens[i] tokens sit at rows sum(query_lens[:i])..
+        of hidden and at positions starts[i].. of its request.
+        """
+        offsets = np.concatenate(([0], np.cumsum(query_lens)))
+        for i, req_id in enumerate(req_ids):
+            entry = self._active.get(req_id)
+            if entry is None:
+                continue
+            prompt, collector = entry
+            start = int(starts[i])
+            targets = prompt_logprob_targets(prompt, start, int(query_lens[i]), len(prompt))
+            if targets:
+                first = int(offsets[i])
+                target_ids = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+                tensors = prompt_logprobs(hidden[first : first + len(targets)], target_ids, collector.num_logprobs,
+                                          compute_logits=self.compute_logits)
+                collector.add_chunk(start, tensors)
+            if collector.done:
+                self._done[req_id] = collector.result()
+                del self._active[req_id]
+
+    def take_done(self) -> dict[str, list] | None:
+        """The results completed since the last call (None when there are none)."""
+        if not self._done:
+            return None
+        done, self._done = self._done, {}
+        return done

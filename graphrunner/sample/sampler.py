@@ -31,11 +31,11 @@ from graphrunner.sample.processors import (
     apply_penalties,
     token_counts,
 )
-# Re-exported: the runner and step_graphs import these from here.
-from graphrunner.sample.states import SamplingFeatures, SamplingStates, default_seed
 from graphrunner.sample.triton_sampling import gumbel_argmax_triton, sampling_threshold_triton
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.state.sampling import SamplingStates
 
-__all__ = ["Sampler", "SamplingFeatures", "SamplingStates", "apply_top_k_top_p", "default_seed"]
+__all__ = ["Sampler", "apply_top_k_top_p"]
 
 FILTER_IMPLS = ("bisect", "sort")
 # "auto": the fused Triton kernels (triton_sampling.py) for CUDA logits when triton

@@ -323,7 +323,7 @@ def _target_programs(device: torch.device) -> int:
     return 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -23,15 +23,15 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("LatencySpec", "run_latency"):
-        from tools.bench import latency
+        from graphrunner_tools.bench import latency
 
         return getattr(latency, name)
     if name in ("CaptureSpec", "run_capture"):
-        from tools.bench import capture_bench
+        from graphrunner_tools.bench import capture_bench
 
         return getattr(capture_bench, name)
     if name in ("ThroughputSpec", "run_throughput"):
-        from tools.bench import throughput
+        from graphrunner_tools.bench import throughput
 
         return getattr(throughput, name)
-    raise AttributeError(f"module 'tools.bench' has no attribute {name!r}")
+    raise AttributeError(f"module 'graphrunner_tools.bench' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Host cost of the CUDA calls a decode step makes, through torch and through the driver.
 
-    python -m tools.bench.api_costs [--iters 2000]
+    python -m graphrunner_tools.bench.api_costs [--iters 2000]
 
 A diagnostic for the per-step host budget (issue #4: <= 60 us at 256 requests): each
 line is the mean host time of one call, measured over `iters` calls on an otherwise

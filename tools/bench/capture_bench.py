@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from capture.modes import CUDAGraphMode
 from capture.report import CaptureReport
-from tools.bench.common import (
+from graphrunner_tools.bench.common import (
     build_runner_config,
     default_compile_backend,
     env_info,
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from graphrunner.runner import ModelRunner
 
 
-def build_loaded_runner(spec, device) -> tuple["ModelRunner", float]:
+def build_loaded_runner(spec, device) -> tuple[ModelRunner, float]:
     """A runner for capture work, loaded and with its KV cache: (runner, load seconds).
 
     `spec` is any spec with the runner fields of `CaptureSpec` (the inspect tool's too);

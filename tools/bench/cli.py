@@ -13,6 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from graphrunner.cli import (
+    add_graph_args,
+    add_limit_args,
+    add_runner_args,
+    add_subcommand,
+    parse_int_list,
+    runner_kwargs,
+)
+
 _DESCRIPTION = __doc__
 
 
@@ -34,19 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
-    from tools.cli_args import add_runner_args
-
     add_runner_args(p, model=model)
+    _output_args(p)
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON ('-' = stdout)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
 
 
 def _register_latency(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "latency",
-        help="decode step time per mode and batch size, beside the memory-bandwidth roofline",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_subcommand(sub, "latency", "decode step time per mode and batch size, beside the memory-bandwidth roofline")
     _common(p)
     p.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
@@ -58,45 +65,44 @@ def _register_latency(sub: argparse._SubParsersAction) -> None:
         default="batch",
         help="'batch' = exactly the batch sizes, 'default' = the runner's ladder, or a comma-separated list",
     )
-    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+    _copy_mib_arg(p)
     p.add_argument("--no-random-kv", action="store_true", help="leave the KV cache zero-filled (not recommended)")
     p.add_argument("--png", metavar="PATH", default=None, help="plot ms/step and %% of roofline (needs matplotlib)")
 
 
+def _copy_mib_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+
+
 def _register_capture(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "capture",
-        help="capture time and pool memory for the default capture sizes",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_subcommand(sub, "capture", "capture time and pool memory for the default capture sizes")
     _common(p)
-    p.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph mode to capture")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sizes the default capture ladder (2 x this, <= 512)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: one request's worth")
-    p.add_argument("--capture-sizes", default=None, help="comma-separated sizes; default: the runner's ladder")
+    add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode to capture")
+    add_limit_args(
+        p,
+        max_num_seqs=256,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        num_kv_blocks=None,
+        help={"max_num_seqs": "sizes the default capture ladder (2 x this, <= 512)",
+              "num_kv_blocks": "unset = one request's worth"},
+    )
     p.add_argument("--inspect-nodes", action="store_true", help="record graph node counts and kernel names (CUDA)")
     p.add_argument("--progress", action="store_true", help="show the capture progress bar")
 
 
 def _register_throughput(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "throughput",
-        help="offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_subcommand(sub, "throughput", "offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal")
     _common(p)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean, with --dist uniform)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (mean, with --dist uniform)")
     p.add_argument("--dist", default="fixed", choices=("fixed", "uniform"), help="uniform: lengths in [L/2, 3L/2]")
-    p.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph mode (NONE = eager)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from a profile run")
+    add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode (NONE = eager)", capture_sizes=False)
+    add_limit_args(p, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=None,
+                   help={"num_kv_blocks": "unset = sized from a profile run"})
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+    _copy_mib_arg(p)
     p.add_argument(
         "--peer",
         action="store_true",
@@ -111,15 +117,12 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_host(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "host",
-        help="host CPU time per decode step (execute_model + sample_tokens), sync vs async scheduling",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_subcommand(sub, "host", "host CPU time per decode step (execute_model + sample_tokens), sync vs async")
     _common(p)
     p.add_argument("--batch-sizes", default="1,64,256", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="tokens already in each request's KV cache")
-    p.add_argument("--mode", default="FULL", help="cudagraph mode (graphs captured at exactly the batch sizes)")
+    add_graph_args(p, mode="FULL", mode_help="cudagraph mode (graphs captured at exactly the batch sizes)",
+                   capture_sizes=False)
     p.add_argument("--schedulings", default="sync,async", help="comma-separated: sync, async")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size and loop")
     p.add_argument("--repeats", type=int, default=3, help="runner loops per batch size and scheduling (pooled)")
@@ -133,11 +136,7 @@ def _register_host(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_sampler(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "sampler",
-        help="sampler GPU time: greedy-only vs every feature on, eager and in a CUDA graph",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_subcommand(sub, "sampler", "sampler GPU time: greedy-only vs every feature on, eager and in a CUDA graph")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--num-reqs", default="1,64,256", help="comma-separated batch sizes")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (151936 = Qwen2.5)")
@@ -150,8 +149,7 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated: greedy, sampled (temperature/top-k/top-p/min-p only), all (a batch's "
                         "exact features), all_on (the all-features graph)")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    p.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
-    p.add_argument("--markdown", metavar="PATH", default=None, help="write a markdown table")
+    _output_args(p)
 
 
 def _run_sampler(args: argparse.Namespace) -> int:
@@ -159,7 +157,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tools.bench.sampler_bench import bench_sampler, markdown_table
+    from graphrunner_tools.bench.sampler_bench import bench_sampler, markdown_table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with torch.inference_mode():
@@ -202,7 +200,7 @@ def _emit(args: argparse.Namespace, data: dict, text: str, markdown: str) -> Non
     """Print the table (to stderr when JSON owns stdout), then write the requested files."""
     print(text, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
-        from tools.bench.report import write_json
+        from graphrunner_tools.bench.report import write_json
 
         write_json(data, args.json)
     if args.markdown:
@@ -210,9 +208,14 @@ def _emit(args: argparse.Namespace, data: dict, text: str, markdown: str) -> Non
 
 
 def _run_latency(args: argparse.Namespace) -> int:
-    from tools.bench.common import parse_int_list
-    from tools.bench.latency import LatencySpec, run_latency
-    from tools.bench.report import MissingDependency, latency_markdown, latency_png, latency_table, require_pyplot
+    from graphrunner_tools.bench.latency import LatencySpec, run_latency
+    from graphrunner_tools.bench.report import (
+        MissingDependency,
+        latency_markdown,
+        latency_png,
+        latency_table,
+        require_pyplot,
+    )
 
     if args.png:
         try:  # fail before an hour of benchmarking, not after
@@ -223,19 +226,13 @@ def _run_latency(args: argparse.Namespace) -> int:
         sizes = args.capture_sizes
         capture_sizes = None if sizes == "batch" else "default" if sizes == "default" else parse_int_list(sizes, "--capture-sizes")
         spec = LatencySpec(
-            model=args.model,
+            **runner_kwargs(args),
             batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
             context=args.context,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-            dtype=args.dtype,
-            device=args.device,
             steps=args.steps,
             warmup=args.warmup,
-            block_size=args.block_size,
             capture_sizes=capture_sizes,
-            compile_backend=args.compile_backend,
-            load_format=args.load_format,
-            seed=args.seed,
             copy_bytes=_copy_bytes(args),
             random_kv=not args.no_random_kv,
         )
@@ -251,26 +248,19 @@ def _run_latency(args: argparse.Namespace) -> int:
 
 
 def _run_capture(args: argparse.Namespace) -> int:
-    from tools.bench.capture_bench import CaptureSpec, run_capture
-    from tools.bench.common import parse_int_list
-    from tools.bench.report import capture_markdown, capture_text
+    from graphrunner_tools.bench.capture_bench import CaptureSpec, run_capture
+    from graphrunner_tools.bench.report import capture_markdown, capture_text
 
     try:
         spec = CaptureSpec(
-            model=args.model,
+            **runner_kwargs(args),
             mode=args.mode,
-            dtype=args.dtype,
-            device=args.device,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
-            block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             capture_sizes=parse_int_list(args.capture_sizes, "--capture-sizes") if args.capture_sizes else None,
-            compile_backend=args.compile_backend,
             inspect_nodes=args.inspect_nodes,
-            load_format=args.load_format,
-            seed=args.seed,
             progress=args.progress,
         )
         result = run_capture(spec)
@@ -281,27 +271,21 @@ def _run_capture(args: argparse.Namespace) -> int:
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
-    from tools.bench.report import throughput_markdown, throughput_text
-    from tools.bench.throughput import ThroughputSpec, run_throughput
+    from graphrunner_tools.bench.report import throughput_markdown, throughput_text
+    from graphrunner_tools.bench.throughput import ThroughputSpec, run_throughput
 
     try:
         spec = ThroughputSpec(
-            model=args.model,
+            **runner_kwargs(args),
             num_prompts=args.num_prompts,
             input_len=args.input_len,
             output_len=args.output_len,
             dist=args.dist,
             mode=args.mode,
-            dtype=args.dtype,
-            device=args.device,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            compile_backend=args.compile_backend,
-            load_format=args.load_format,
-            seed=args.seed,
             copy_bytes=_copy_bytes(args),
             peer=args.peer,
             peer_variants=tuple(v.strip() for v in args.peer_variants.split(",") if v.strip()),
@@ -311,7 +295,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         raise _fail("throughput", e) from None
     text, markdown = throughput_text(result), throughput_markdown(result)
     if result.peer is not None:
-        from tools.bench.peer import peer_markdown, peer_text
+        from graphrunner_tools.bench.peer import peer_markdown, peer_text
 
         text, markdown = f"{text}\n\n{peer_text(result.peer)}", markdown + peer_markdown(result.peer)
     _emit(args, result.to_dict(), text, markdown)
@@ -330,12 +314,11 @@ def _run_throughput(args: argparse.Namespace) -> int:
 
 
 def _run_host(args: argparse.Namespace) -> int:
-    from tools.bench.common import parse_int_list
-    from tools.bench.host_overhead import HostSpec, host_markdown, host_text, run_host
+    from graphrunner_tools.bench.host_overhead import HostSpec, host_markdown, host_text, run_host
 
     try:
         spec = HostSpec(
-            model=args.model,
+            **runner_kwargs(args),
             batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
             context=args.context,
             steps=args.steps,
@@ -345,12 +328,6 @@ def _run_host(args: argparse.Namespace) -> int:
             wait=args.wait,
             mode=args.mode,
             schedulings=tuple(s.strip() for s in args.schedulings.split(",") if s.strip()),
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            compile_backend=args.compile_backend,
-            load_format=args.load_format,
-            seed=args.seed,
             noop_step=args.noop_step,
         )
         from capture.modes import CUDAGraphMode

@@ -10,8 +10,9 @@ from __future__ import annotations
 import gc
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from graphrunner.config import (
     SchedulerConfig,
 )
 
+
 @dataclass(frozen=True)
 class Stats:
     """Summary of repeated timings, in seconds."""
@@ -37,7 +39,7 @@ class Stats:
     n: int
 
     @classmethod
-    def of(cls, samples: Sequence[float]) -> "Stats":
+    def of(cls, samples: Sequence[float]) -> Stats:
         if not samples:
             raise ValueError("Stats.of() needs at least one sample")
         a = np.asarray(samples, dtype=np.float64)
@@ -115,17 +117,6 @@ def env_info(device: torch.device, dtype: str | torch.dtype | None = None) -> di
         info["device_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
         info["cuda_driver_fast_path"] = CudaDriver.load() is not None
     return info
-
-
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """"1,8,32" -> (1, 8, 32); ValueError naming `what` on anything but positive ints."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{what}={text!r} must be a comma-separated list of ints") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{what}={text!r} must list at least one int, each >= 1")
-    return values
 
 
 def parse_mode(name: str) -> CUDAGraphMode:

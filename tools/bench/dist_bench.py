@@ -1,6 +1,6 @@
 """Distributed benchmark: decode step time TP1 vs TP2 vs PP2, PP bubble, DP padding waste.
 
-    python -m tools.bench.dist_bench --out OUT_DIR [--model builtin:llama-3.1-8b] [--batch-sizes 1,64]
+    python -m graphrunner_tools.bench.dist_bench --out OUT_DIR [--model builtin:llama-3.1-8b] [--batch-sizes 1,64]
 
 Runs each configuration as its own `graphrunner launch` world (one process per GPU,
 NCCL), every rank running the engine (SPMD), with FULL graphs for the decode steps:
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             continue
         path = out / f"dist_bench_{kind}.json"
         path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tools.bench.dist_bench", "--worker", kind, "--result", str(path),
+        cmd = [sys.executable, "-m", "graphrunner_tools.bench.dist_bench", "--worker", kind, "--result", str(path),
                *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                      ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
                       "timeout")), [])]

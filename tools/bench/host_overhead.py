@@ -28,14 +28,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
-from tools.bench.common import Stats, env_info, release_memory, resolve_device
+from graphrunner_tools.bench.common import Stats, env_info, release_memory, resolve_device
 
 logger = logging.getLogger("graphrunner.bench")
 
@@ -157,7 +157,7 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
         result.env["output_copy_stream"] = llm.runner.output_ring.copy_stream
         if spec.noop_step:
             # Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
-            llm.runner._run_step = lambda batch, piecewise=False: None
+            llm.runner.body.run = lambda batch, piecewise=False: None
             llm.runner.graphs.replay_full = lambda desc, features: None
             for graph in llm.runner.graphs.full_graphs.values():  # steady decoding replays them directly
                 graph.replay = lambda: None
@@ -176,7 +176,7 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
                 for scheduling in spec.schedulings:  # interleaved: drift of the host hits both alike
                     loop = _runner_loop(llm.runner, spec, bs, scheduling)
                     repeat_medians[scheduling].append(round(float(np.median(loop[0])) * 1e6, 1))
-                    for pooled, new in zip(samples[scheduling], loop):
+                    for pooled, new in zip(samples[scheduling], loop, strict=True):
                         pooled.extend(new)
             for scheduling in spec.schedulings:
                 row = _measure(llm, spec, bs, scheduling, gpu, samples[scheduling])
@@ -204,7 +204,7 @@ def _admit(runner, spec: HostSpec, bs: int, tag: str) -> list[str]:
     """`bs` requests whose first step is already a decode at `context` (no prefill)."""
     req_ids = [f"host-{tag}-{bs}-{i}" for i in range(bs)]
     rng = np.random.default_rng(spec.seed + bs)
-    bpr = runner.max_num_blocks_per_req
+    bpr = runner.limits.max_num_blocks_per_req
     params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
     so = SchedulerOutput(total_num_scheduled_tokens=bs)
     for i, rid in enumerate(req_ids):
@@ -384,7 +384,7 @@ def host_text(result: HostResult) -> str:
     if result.env.get("output_copy_stream") is False:
         driver += ", output copies on the compute stream"
     lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop}{driver})"]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     if result.error:
         lines.append(f"error: {result.error}")
     return "\n".join(lines)

@@ -21,15 +21,15 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
 from capture.modes import CUDAGraphMode
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
-from tools.bench.common import (
+from graphrunner_tools.bench.common import (
     Stats,
     build_runner_config,
     default_compile_backend,
@@ -39,7 +39,7 @@ from tools.bench.common import (
     resolve_device,
     synchronize,
 )
-from tools.bench.roofline import (
+from graphrunner_tools.bench.roofline import (
     Bandwidth,
     decode_roofline,
     kv_bytes_per_token,
@@ -257,14 +257,14 @@ def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeIn
     if spec.random_kv:
         gen = torch.Generator(device=runner.device).manual_seed(spec.seed)
         with torch.inference_mode():
-            for cache in runner.kv_caches:
+            for cache in runner.buffers.kv_caches:
                 cache.normal_(generator=gen)
 
 
 def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth) -> LatencyRow:
     device = runner.device
     req_ids = [f"bench-{bs}-{i}" for i in range(bs)]
-    blocks_per_req = runner.max_num_blocks_per_req
+    blocks_per_req = runner.limits.max_num_blocks_per_req
     rng = np.random.default_rng(spec.seed + bs)
     params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
     admit = SchedulerOutput(total_num_scheduled_tokens=bs)

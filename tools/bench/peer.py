@@ -26,9 +26,10 @@ import contextlib
 import importlib
 import inspect
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,7 +147,7 @@ def hf_state_from_runner(runner_model: nn.Module) -> dict[str, torch.Tensor]:
             if fused is None:
                 continue
             q, k, v = fused.split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=0)  # rows: q | k | v
-            out.update({f"{p}self_attn.{s}_proj.{param}": t for s, t in zip("qkv", (q, k, v))})
+            out.update({f"{p}self_attn.{s}_proj.{param}": t for s, t in zip("qkv", (q, k, v), strict=True)})
         out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
         if attn.o_proj.bias is not None:
             out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
@@ -346,7 +347,7 @@ def token_agreement(ours: Sequence[int], theirs: Sequence[int], n: int = AGREEME
     k = min(n, len(ours), len(theirs))
     if k == 0:
         return None
-    return sum(a == b for a, b in zip(ours[:k], theirs[:k])) / k
+    return sum(a == b for a, b in zip(ours[:k], theirs[:k], strict=True)) / k
 
 
 # ---------------------------------------------------------------------------- the comparison

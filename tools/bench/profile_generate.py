@@ -1,6 +1,6 @@
 """Host-side profile of `graphrunner generate` (cProfile), for finding per-step CPU overhead.
 
-    python -m tools.bench.profile_generate [generate args...]
+    python -m graphrunner_tools.bench.profile_generate [generate args...]
 Prints the 40 most expensive functions by cumulative and by own time.
 """
 

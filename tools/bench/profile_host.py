@@ -1,6 +1,6 @@
 """Where the host time of a decode step goes: per-section timers and a cProfile dump.
 
-    python -m tools.bench.profile_host [--model M] [--batch-sizes 1,256] [--steps 200]
+    python -m graphrunner_tools.bench.profile_host [--model M] [--batch-sizes 1,256] [--steps 200]
 
 Wraps the runner's host-side sections (validation, state updates, batch preparation,
 graph replay launch, output launch and resolve) with perf_counter timers over the same
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import graphrunner.runner as runner_mod
     from graphrunner.engine.llm import LLM
-    from tools.bench import host_overhead as ho
-    from tools.bench.common import resolve_device
+    from graphrunner_tools.bench import host_overhead as ho
+    from graphrunner_tools.bench.common import resolve_device
 
     sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     spec = ho.HostSpec(model=args.model, batch_sizes=sizes, steps=args.steps, warmup=10, device=args.device)

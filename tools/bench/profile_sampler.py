@@ -1,6 +1,6 @@
 """Which kernels the all-features sampler spends its GPU time in (torch.profiler).
 
-    python -m tools.bench.profile_sampler [--num-reqs 256] [--filter sort] [--vocab 151936]
+    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--filter sort] [--vocab 151936]
 
 A diagnostic beside `graphrunner bench sampler`: one eager call per iteration of the same
 batch the benchmark builds, CUDA kernel time per op, largest first.
@@ -14,7 +14,7 @@ import sys
 import torch
 
 from graphrunner.sample.sampler import Sampler
-from tools.bench.sampler_bench import _setup
+from graphrunner_tools.bench.sampler_bench import _setup
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tools.bench.capture_bench import CaptureResult
-    from tools.bench.latency import LatencyResult
-    from tools.bench.throughput import ThroughputResult
+    from graphrunner_tools.bench.capture_bench import CaptureResult
+    from graphrunner_tools.bench.latency import LatencyResult
+    from graphrunner_tools.bench.throughput import ThroughputResult
 
 _GIB = float(1 << 30)
 
@@ -48,7 +48,7 @@ def env_lines(env: dict[str, Any]) -> list[str]:
 _LAT_COLUMNS = ("mode", "bs", "graph", "ms/step", "p90 ms", "dev ms", "tok/s", "roofline ms", "% roofline")
 
 
-def _latency_cells(result: "LatencyResult") -> list[tuple[str, ...]]:
+def _latency_cells(result: LatencyResult) -> list[tuple[str, ...]]:
     cells = []
     for r in result.rows:
         cells.append(
@@ -71,12 +71,12 @@ def _text_table(columns: tuple[str, ...], cells: list[tuple[str, ...]]) -> list[
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
     # Left-align the text columns (first three), right-align numbers.
     def fmt(row: tuple[str, ...]) -> str:
-        return "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+        return "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
 
     return [fmt(columns), "  ".join("-" * w for w in widths), *(fmt(r) for r in cells)]
 
 
-def _latency_header(result: "LatencyResult") -> list[str]:
+def _latency_header(result: LatencyResult) -> list[str]:
     s, bw = result.spec, result.bandwidth
     return [
         f"decode latency: {s.model}, context {s.context}, {s.steps} timed steps after {s.warmup} warmup",
@@ -85,7 +85,7 @@ def _latency_header(result: "LatencyResult") -> list[str]:
     ]
 
 
-def _mode_lines(result: "LatencyResult") -> list[str]:
+def _mode_lines(result: LatencyResult) -> list[str]:
     lines = []
     for m in result.modes:
         parts = [f"mode {m.mode}"]
@@ -99,12 +99,12 @@ def _mode_lines(result: "LatencyResult") -> list[str]:
     return lines
 
 
-def latency_table(result: "LatencyResult") -> str:
+def latency_table(result: LatencyResult) -> str:
     """The readable mode x batch table, with the run's context above it."""
     return "\n".join([*_latency_header(result), *_mode_lines(result), "", *_text_table(_LAT_COLUMNS, _latency_cells(result))])
 
 
-def latency_markdown(result: "LatencyResult") -> str:
+def latency_markdown(result: LatencyResult) -> str:
     lines = [f"### {result.spec.model}: decode step latency", ""]
     lines += [f"- {line}" for line in [*_latency_header(result)[1:], *_mode_lines(result)]]
     lines += ["", "| " + " | ".join(_LAT_COLUMNS) + " |", "|" + "|".join("---" for _ in _LAT_COLUMNS) + "|"]
@@ -112,7 +112,7 @@ def latency_markdown(result: "LatencyResult") -> str:
     return "\n".join(lines) + "\n"
 
 
-def latency_png(result: "LatencyResult", path: str) -> None:
+def latency_png(result: LatencyResult, path: str) -> None:
     """ms/step vs batch size per mode, with the roofline as a dashed line."""
     plt = require_pyplot()
     fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -156,7 +156,7 @@ def require_pyplot():
 
 
 # ---- capture ------------------------------------------------------------------------
-def capture_text(result: "CaptureResult", top_kernels: int = 15) -> str:
+def capture_text(result: CaptureResult, top_kernels: int = 15) -> str:
     r = result.report
     lines = [
         f"graph capture: {result.spec.model}, mode {result.spec.mode} (resolved {r.mode})",
@@ -173,7 +173,7 @@ def capture_text(result: "CaptureResult", top_kernels: int = 15) -> str:
     return "\n".join(lines)
 
 
-def capture_markdown(result: "CaptureResult") -> str:
+def capture_markdown(result: CaptureResult) -> str:
     r = result.report
     lines = [
         f"### {result.spec.model}: graph capture ({r.mode})",
@@ -192,7 +192,7 @@ def capture_markdown(result: "CaptureResult") -> str:
 
 
 # ---- throughput ---------------------------------------------------------------------
-def throughput_text(result: "ThroughputResult") -> str:
+def throughput_text(result: ThroughputResult) -> str:
     s = result.spec
     lines = [
         f"offline throughput: {s.model}, {s.num_prompts} prompts, input {s.input_len}, output {s.output_len} ({s.dist})",
@@ -213,7 +213,7 @@ def throughput_text(result: "ThroughputResult") -> str:
     return "\n".join(lines)
 
 
-def throughput_markdown(result: "ThroughputResult") -> str:
+def throughput_markdown(result: ThroughputResult) -> str:
     s = result.spec
     return (
         f"### {s.model}: offline throughput\n\n"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner.config import ModelConfig
-from tools.bench.common import Stats, synchronize
+from graphrunner_tools.bench.common import Stats, synchronize
 
 # 2 GiB: far beyond any L2 (50-60 MiB on H100/H200), so the copy sees HBM, not cache.
 DEFAULT_CUDA_COPY_BYTES = 2 << 30

@@ -12,7 +12,7 @@ Variants (per batch size):
            and logprobs=5 (K bucket 5).
   all_on   SamplingFeatures.all_on() on the same batch (the ALL_FEATURES graph, K=20).
 
-    python -m tools.bench.sampler_bench --device cuda --json out/sampler.json
+    python -m graphrunner_tools.bench.sampler_bench --device cuda --json out/sampler.json
 
 Times are per sampler call: CUDA events on a GPU, perf_counter on a CPU (where only
 eager runs). Must run on CPU with small sizes (the tests do).
@@ -25,13 +25,15 @@ import json
 import statistics
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from graphrunner.protocol import SamplingParams
-from graphrunner.sample.sampler import Sampler, SamplingFeatures, SamplingStates
+from graphrunner.sample.sampler import Sampler
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.state.sampling import SamplingStates
 
 VARIANTS = ("greedy", "sampled", "all", "all_on")
 

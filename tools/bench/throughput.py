@@ -25,16 +25,23 @@ that the peer's copy of the weights fits where ours ran.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 
 from capture.modes import CUDAGraphMode
 from graphrunner.protocol import SamplingParams
-from tools.bench.common import default_compile_backend, element_size, env_info, release_memory, resolve_device, synchronize
-from tools.bench.peer import PEER_VARIANTS, PeerComparison, compare_with_peer
-from tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
+from graphrunner_tools.bench.common import (
+    default_compile_backend,
+    element_size,
+    env_info,
+    release_memory,
+    resolve_device,
+    synchronize,
+)
+from graphrunner_tools.bench.peer import PEER_VARIANTS, PeerComparison, compare_with_peer
+from graphrunner_tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
 
 DISTRIBUTIONS = ("fixed", "uniform")
 _WARMUP_TOKENS = 4

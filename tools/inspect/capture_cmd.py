@@ -15,7 +15,7 @@ from typing import Any
 
 from capture.modes import CUDAGraphMode
 from capture.report import CaptureReport
-from tools.inspect.render import descriptor_dict
+from graphrunner_tools.inspect.render import descriptor_dict
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ def check_dot_device(device_type: str) -> None:
 
 def run_capture(spec: CaptureSpec) -> CaptureResult:
     """Build, capture with node inspection, optionally write one DOT, shut down."""
-    from tools.bench.capture_bench import build_loaded_runner
-    from tools.bench.common import env_info, release_memory, resolve_device
+    from graphrunner_tools.bench.capture_bench import build_loaded_runner
+    from graphrunner_tools.bench.common import env_info, release_memory, resolve_device
 
     device = resolve_device(spec.device)
     if spec.dot is not None:
@@ -150,7 +150,7 @@ def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
 
 
 def capture_text(result: CaptureResult, top: int) -> str:
-    from tools.bench.report import env_lines
+    from graphrunner_tools.bench.report import env_lines
 
     r = result.report
     graphs = f"model load {result.load_seconds:.2f} s; {len(result.descriptors)} descriptors, {r.num_graphs} graphs"

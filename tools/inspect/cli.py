@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
+
+from graphrunner.cli import (
+    CUDAGRAPH_MODES,
+    add_graph_args,
+    add_limit_args,
+    add_model_args,
+    add_runner_args,
+    add_subcommand,
+    parse_int_list,
+    runner_kwargs,
+)
 
 _DESCRIPTION = (
     "What was captured, what it cost, and which graph a batch uses. Every subcommand prints a readable "
@@ -39,39 +50,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # ---- arguments ----------------------------------------------------------------------
 def _parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = add_subcommand(sub, name, help)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     return p
 
 
-def _model_args(p: argparse.ArgumentParser, model: str | None = _DEFAULT_MODEL) -> None:
-    p.add_argument("--model", default=model, help="builtin:NAME (dummy weights) or a Hugging Face folder")
-    p.add_argument("--device", default=None, help="unset = cuda if available, else cpu")
-
-
 def _table_args(p: argparse.ArgumentParser) -> None:
     """The inputs of a dispatch table (table, explain, simulate)."""
-    from tools.inspect.table import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+    from graphrunner_tools.inspect.table import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
     # The table does not depend on the model: --model only labels the output.
-    _model_args(p, model=None)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--cudagraph-mode", "--mode", dest="mode", default=None,
-                   help="NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE; unset = the runner's default")
-    p.add_argument("--cudagraph-capture-sizes", "--capture-sizes", dest="capture_sizes", default=None,
-                   help="comma-separated token counts; unset = the runner's default ladder")
+    add_model_args(p, model=None)
+    add_limit_args(p, max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES}; unset = the runner's default")
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="q = 1 + this for uniform decode")
     p.add_argument("--attention-support", default=None, choices=("NEVER", "UNIFORM_DECODE", "ALWAYS"),
                    type=str.upper,
                    help="what attention allows in FULL graphs; unset = what the backend on --device declares")
-
-
-def _runner_args(p: argparse.ArgumentParser) -> None:
-    """How a real runner is built (capture, replay)."""
-    from tools.cli_args import add_runner_args
-
-    add_runner_args(p, model=_DEFAULT_MODEL)
 
 
 def _register_table(sub: argparse._SubParsersAction) -> None:
@@ -90,24 +85,21 @@ def _register_explain(sub: argparse._SubParsersAction) -> None:
 
 def _register_capture(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "capture", "capture with node inspection; show the CaptureReport and a kernel histogram")
-    _runner_args(p)
-    p.add_argument("--cudagraph-mode", "--mode", dest="mode", default="FULL_AND_PIECEWISE", help="cudagraph mode")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--cudagraph-capture-sizes", "--capture-sizes", dest="capture_sizes", default=None,
-                   help="comma-separated token counts; unset = the runner's default ladder")
+    add_runner_args(p, model=_DEFAULT_MODEL)
+    add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode")
+    add_limit_args(p, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
     p.add_argument("--top", type=int, default=20, help="kernels shown in the histogram")
     p.add_argument("--dot", nargs=2, metavar=("DESC", "FILE"), default=None,
-                   help='write one FULL graph as Graphviz DOT, e.g. --dot "FULL(t=8,r=8,q=1)[greedy]" out.dot (CUDA only)')
+                   help="write one FULL graph as Graphviz DOT, e.g. "
+                        '--dot "FULL(t=8,r=8,q=1)[greedy]" out.dot (CUDA only)')
     p.add_argument("--progress", action="store_true", help="show the capture progress bar")
 
 
 def _register_replay(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "replay", "FULL-graph replay latency vs the same batch run eagerly, per size")
-    _runner_args(p)
-    p.add_argument("--cudagraph-mode", "--mode", dest="mode", default="FULL_DECODE_ONLY",
-                   help="a mode with FULL graphs: FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
+    add_runner_args(p, model=_DEFAULT_MODEL)
+    add_graph_args(p, mode="FULL_DECODE_ONLY", capture_sizes=False,
+                   mode_help="a mode with FULL graphs: FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
     p.add_argument("--sizes", default="1,8,32", help="comma-separated decode batch sizes (= captured sizes)")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
     p.add_argument("--steps", type=int, default=20, help="timed steps per size")
@@ -115,7 +107,7 @@ def _register_replay(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_simulate(sub: argparse._SubParsersAction) -> None:
-    from tools.inspect.workloads import WORKLOADS
+    from graphrunner_tools.inspect.workloads import WORKLOADS
 
     p = _parser(sub, "simulate", "dispatch hit rates and padding waste over a recorded or synthesised batch trace")
     _table_args(p)
@@ -126,10 +118,10 @@ def _register_simulate(sub: argparse._SubParsersAction) -> None:
                           + "; ".join(f"{k}: {w.description}" for k, w in WORKLOADS.items()))
     p.add_argument("--num-requests", type=int, default=200, help="requests in a synthesised workload")
     p.add_argument("--seed", type=int, default=0, help="seeds a synthesised workload")
-    p.add_argument("--max-model-len", type=int, default=2048, help="synthesised requests fit in it")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the synthesising scheduler")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks of the synthesising scheduler; unset = room for every request (no preemption)")
+    add_limit_args(p, max_model_len=2048, num_kv_blocks=None,
+                   help={"max_model_len": "synthesised requests fit in it",
+                         "num_kv_blocks": "the synthesising scheduler's; unset = room for every request (no preemption)"})
     p.add_argument("--save-trace", metavar="FILE", default=None, help="write the synthesised trace as JSONL")
     p.add_argument("--top", type=int, default=10, help="descriptors listed")
     p.add_argument("--plot", metavar="PNG", default=None, help="plot mode shares and tokens per step (needs matplotlib)")
@@ -145,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         "replay": _run_replay,
         "simulate": _run_simulate,
     }
-    from tools.inspect.render import InspectError
+    from graphrunner_tools.inspect.render import InspectError
 
     command = args.inspect_command
     try:
@@ -159,15 +151,11 @@ def _log(msg: str) -> None:
 
 
 def _sizes(text: str | None, what: str) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    from tools.bench.common import parse_int_list
-
-    return parse_int_list(text, what)
+    return parse_int_list(text, what) if text else None
 
 
 def _built_table(args: argparse.Namespace):
-    from tools.inspect.table import TableSpec, build_table
+    from graphrunner_tools.inspect.table import TableSpec, build_table
 
     return build_table(
         TableSpec(
@@ -184,8 +172,8 @@ def _built_table(args: argparse.Namespace):
 
 
 def _run_table(args: argparse.Namespace) -> int:
-    from tools.inspect.render import print_json
-    from tools.inspect.table import table_dict, table_text
+    from graphrunner_tools.inspect.render import print_json
+    from graphrunner_tools.inspect.table import table_dict, table_text
 
     built = _built_table(args)
     if args.json:
@@ -196,8 +184,8 @@ def _run_table(args: argparse.Namespace) -> int:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from tools.inspect.explain import BatchShape, explain_batch, explanation_dict, explanation_text
-    from tools.inspect.render import print_json
+    from graphrunner_tools.inspect.explain import BatchShape, explain_batch, explanation_dict, explanation_text
+    from graphrunner_tools.inspect.render import print_json
 
     built = _built_table(args)
     if args.query_lens is not None:
@@ -220,22 +208,16 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 
 def _run_capture(args: argparse.Namespace) -> int:
-    from tools.inspect.capture_cmd import CaptureSpec, capture_text, run_capture
-    from tools.inspect.render import print_json
+    from graphrunner_tools.inspect.capture_cmd import CaptureSpec, capture_text, run_capture
+    from graphrunner_tools.inspect.render import print_json
 
     spec = CaptureSpec(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
+        **runner_kwargs(args),
         mode=args.mode,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        block_size=args.block_size,
         capture_sizes=_sizes(args.capture_sizes, "--cudagraph-capture-sizes"),
-        compile_backend=args.compile_backend,
-        load_format=args.load_format,
-        seed=args.seed,
         dot=tuple(args.dot) if args.dot else None,
         progress=args.progress,
     )
@@ -248,22 +230,16 @@ def _run_capture(args: argparse.Namespace) -> int:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from tools.inspect.render import print_json
-    from tools.inspect.replay import ReplaySpec, replay_text, run_replay
+    from graphrunner_tools.inspect.render import print_json
+    from graphrunner_tools.inspect.replay import ReplaySpec, replay_text, run_replay
 
     spec = ReplaySpec(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
+        **runner_kwargs(args),
         mode=args.mode,
         sizes=_sizes(args.sizes, "--sizes") or (),
         context=args.context,
         steps=args.steps,
         warmup=args.warmup,
-        block_size=args.block_size,
-        compile_backend=args.compile_backend,
-        load_format=args.load_format,
-        seed=args.seed,
     )
     result = run_replay(spec, log=_log)
     if args.json:
@@ -276,9 +252,9 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from tools.inspect.render import print_json
-    from tools.inspect.simulate import read_trace, require_plot, shape_of_record, simulate, simulation_text
-    from tools.inspect.table import header_lines
+    from graphrunner_tools.inspect.render import print_json
+    from graphrunner_tools.inspect.simulate import read_trace, require_plot, shape_of_record, simulate, simulation_text
+    from graphrunner_tools.inspect.table import header_lines
 
     if args.plot:
         require_plot()  # fail before the work, not after
@@ -289,7 +265,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             raise ValueError("--save-trace writes a synthesised trace; it needs --workload, not --trace")
         shapes, source = read_trace(args.trace, q), args.trace
     else:
-        from tools.inspect.workloads import synthesize
+        from graphrunner_tools.inspect.workloads import synthesize
 
         records = synthesize(
             args.workload,
@@ -315,7 +291,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     else:
         print(simulation_text(result, header_lines(built), args.top))
     if args.plot:
-        from tools.inspect.simulate import plot_simulation
+        from graphrunner_tools.inspect.simulate import plot_simulation
 
         plot_simulation(result, args.plot)
     return 0

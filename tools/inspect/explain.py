@@ -7,12 +7,13 @@ step: uniform with q when every request has exactly q tokens) or by its sizes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from capture.dispatch import DispatchTable, Explanation
-from tools.inspect.render import descriptor_dict, pct
-from tools.inspect.table import BuiltTable, header_lines
+from graphrunner_tools.inspect.render import descriptor_dict, pct
+from graphrunner_tools.inspect.table import BuiltTable, header_lines
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class BatchShape:
     uniform: int | None = None
 
     @classmethod
-    def from_query_lens(cls, query_lens: Sequence[int], q: int) -> "BatchShape":
+    def from_query_lens(cls, query_lens: Sequence[int], q: int) -> BatchShape:
         """Classify like the runner: uniform iff every request has exactly q tokens."""
         lens = [int(n) for n in query_lens]
         if not lens or any(n < 1 for n in lens):
@@ -32,7 +33,7 @@ class BatchShape:
         return cls(len(lens), sum(lens), q if all(n == q for n in lens) else None)
 
     @classmethod
-    def from_sizes(cls, num_tokens: int, *, uniform: int | None = None, num_reqs: int | None = None) -> "BatchShape":
+    def from_sizes(cls, num_tokens: int, *, uniform: int | None = None, num_reqs: int | None = None) -> BatchShape:
         """`uniform` q: num_reqs = num_tokens / q (num_reqs, if given, must agree);
         otherwise a mixed batch of `num_reqs` requests."""
         if num_tokens < 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from capture.descriptor import BatchExecutionDescriptor
 
@@ -21,7 +22,7 @@ def text_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, numeric
     widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
 
     def fmt(row: Sequence[str]) -> str:
-        cells = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(row, widths, numeric))
+        cells = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(row, widths, numeric, strict=True))
         return "  ".join(cells).rstrip()
 
     return "\n".join([fmt(columns), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)])

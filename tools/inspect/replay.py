@@ -12,8 +12,9 @@ are emulated, so the ratio is ~1 by construction and only the plumbing is exerci
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from capture.modes import CUDAGraphMode
 
@@ -90,7 +91,7 @@ class ReplayResult:
 
 def run_replay(spec: ReplaySpec, log: Callable[[str], None]) -> ReplayResult:
     """Time every size under the graph mode and eagerly; a failed mode is recorded in `errors`."""
-    from tools.bench.latency import LatencySpec, run_latency
+    from graphrunner_tools.bench.latency import LatencySpec, run_latency
 
     mode = CUDAGraphMode.parse(spec.mode).name
     latency = run_latency(
@@ -144,8 +145,8 @@ def run_replay(spec: ReplaySpec, log: Callable[[str], None]) -> ReplayResult:
 
 
 def replay_text(result: ReplayResult) -> str:
-    from tools.bench.report import env_lines
-    from tools.inspect.render import text_table
+    from graphrunner_tools.bench.report import env_lines
+    from graphrunner_tools.inspect.render import text_table
 
     s = result.spec
     lines = [

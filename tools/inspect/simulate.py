@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from capture.dispatch import DispatchTable
 from capture.modes import CUDAGraphMode
-from tools.inspect.explain import BatchShape
-from tools.inspect.render import InspectError, pct, text_table
+from graphrunner_tools.inspect.explain import BatchShape
+from graphrunner_tools.inspect.render import InspectError, pct, text_table
 
 RUNTIME_MODES = ("FULL", "PIECEWISE", "NONE")
 
@@ -201,7 +202,7 @@ def plot_simulation(result: SimulationResult, path: str) -> None:
     for m in RUNTIME_MODES:
         shares = [100 * result.step_fraction(m), 100 * result.token_fraction(m)]
         ax_share.bar(["steps", "real tokens"], shares, bottom=bottoms, color=colors[m], label=m)
-        bottoms = [b + s for b, s in zip(bottoms, shares)]
+        bottoms = [b + s for b, s in zip(bottoms, shares, strict=True)]
     ax_share.set_ylabel("% of trace")
     ax_share.set_ylim(0, 100)
     ax_share.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize="small")
@@ -210,7 +211,7 @@ def plot_simulation(result: SimulationResult, path: str) -> None:
     for m in RUNTIME_MODES:
         pts = [(i, s.run_tokens) for i, s in enumerate(result.steps) if s.mode == m]
         if pts:
-            ax_steps.scatter(*zip(*pts), s=6, color=colors[m], label=f"{m} (run tokens)")
+            ax_steps.scatter(*zip(*pts, strict=True), s=6, color=colors[m], label=f"{m} (run tokens)")
     ax_steps.set_xlabel("step")
     ax_steps.set_ylabel("tokens")
     ax_steps.legend(markerscale=2)
@@ -224,7 +225,7 @@ def plot_simulation(result: SimulationResult, path: str) -> None:
 
 def require_plot():
     """pyplot on the Agg backend; InspectError with the install hint when matplotlib is missing."""
-    from tools.bench.report import MissingDependency, require_pyplot
+    from graphrunner_tools.bench.report import MissingDependency, require_pyplot
 
     try:
         return require_pyplot()

@@ -10,12 +10,11 @@ the runner's own rule (`attention_cg_support`), so the two can never disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from capture.dispatch import DispatchTable
 from capture.modes import AttentionCGSupport, resolve_mode
-from tools.inspect.render import descriptor_dict, text_table
+from graphrunner_tools.inspect.render import descriptor_dict, text_table
 
 # Shared defaults of every inspect subcommand: the reference engine's (`graphrunner
 # generate`), so that a recorded trace simulates under the table it was recorded with.
@@ -76,12 +75,11 @@ def backend_support(device: str) -> tuple[AttentionCGSupport, str]:
     import torch
 
     from graphrunner.attention import get_attention_backend
-    from graphrunner.step_graphs import attention_cg_support
+    from graphrunner.step.graphs import attention_cg_support
 
     dev = torch.device(device)
     backend = get_attention_backend(dev)
-    # attention_cg_support reads only `.device` and `.attn_backend` of a runner.
-    support = attention_cg_support(SimpleNamespace(device=dev, attn_backend=backend))  # type: ignore[arg-type]
+    support = attention_cg_support(dev, backend)
     if dev.type != "cuda":
         why = f"on {dev.type} FULL graphs are emulated, so attention backend {backend.name!r} qualifies"
     else:

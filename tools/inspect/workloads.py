@@ -12,9 +12,10 @@ top: the CLI reads `WORKLOADS` while it builds its parser, on every `graphrunner
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
@@ -61,7 +62,7 @@ class TokenlessRunner:
             self.known[new.req_id] = len(new.all_token_ids)
             computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         out = ModelRunnerOutput()
         for i, (req_id, n) in enumerate(so.num_scheduled_tokens.items()):
             out.req_ids.append(req_id)

@@ -15,56 +15,52 @@ exactly the same inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from graphrunner.protocol import SchedulerOutput
+from graphrunner.limits import StepLimits
+from graphrunner.protocol import NewRequestData, SchedulerOutput
+from graphrunner.state.store import StateStore
 
-if TYPE_CHECKING:
-    from graphrunner.runner import ModelRunner
 
-
-def _check_block_ids(req_id: str, block_ids: list[int], held: int, runner: "ModelRunner") -> int:
+def _check_block_ids(req_id: str, block_ids: list[int], held: int, state: StateStore, limits: StepLimits) -> int:
     """Validates new block ids for a request; returns the blocks it will hold."""
-    limit = runner.num_kv_blocks
+    limit = state.tables.num_kv_blocks
     for b in block_ids:
         if not 0 <= b < limit:
             raise ValueError(f"request {req_id!r}: block id {b} out of range [0, {limit})")
     total = held + len(block_ids)
-    if total > runner.max_num_blocks_per_req:
+    if total > limits.max_num_blocks_per_req:
         raise ValueError(
-            f"request {req_id!r}: {total} blocks exceed the per-request limit of {runner.max_num_blocks_per_req} "
-            f"(max_model_len={runner.max_model_len}, block_size={runner.block_size})"
+            f"request {req_id!r}: {total} blocks exceed the per-request limit of {limits.max_num_blocks_per_req} "
+            f"(max_model_len={limits.max_model_len}, block_size={limits.block_size})"
         )
     return total
 
 
-def _check_sampling(runner: "ModelRunner", new) -> None:
+def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) -> None:
     """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
     try:
-        runner.sampling_states.validate(
-            new.sampling_params, runner.vocab_size, runner.eos_token_ids, prompt_len=len(new.prompt_token_ids)
+        state.sampling.validate(
+            new.sampling_params, limits.vocab_size, state.eos_token_ids, prompt_len=len(new.prompt_token_ids)
         )
     except ValueError as e:
         raise ValueError(f"request {new.req_id!r}: {e}") from None
 
 
-def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
+def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
     """Request-by-request check of every rule; raises ValueError at the first violation."""
-    states = runner.req_states
-    assert runner.block_tables is not None
-    held_blocks = runner.block_tables.num_blocks
+    states = state.requests
+    held_blocks = state.tables.num_blocks
 
     total = sum(so.num_scheduled_tokens.values())
     if total != so.total_num_scheduled_tokens:
         raise ValueError(
             f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but num_scheduled_tokens sums to {total}"
         )
-    if total > runner.max_num_tokens:
-        raise ValueError(f"{total} scheduled tokens exceed max_num_batched_tokens={runner.max_num_tokens}")
-    if len(so.num_scheduled_tokens) > runner.max_num_reqs:
-        raise ValueError(f"{len(so.num_scheduled_tokens)} scheduled requests exceed max_num_seqs={runner.max_num_reqs}")
+    if total > limits.max_num_tokens:
+        raise ValueError(f"{total} scheduled tokens exceed max_num_batched_tokens={limits.max_num_tokens}")
+    if len(so.num_scheduled_tokens) > limits.max_num_reqs:
+        raise ValueError(f"{len(so.num_scheduled_tokens)} scheduled requests exceed max_num_seqs={limits.max_num_reqs}")
 
     removed = so.finished_req_ids | so.preempted_req_ids
     live = {rid for rid in states.req_id_to_index if rid not in removed}
@@ -81,20 +77,20 @@ def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
         tokens = new.all_token_ids
         if not tokens:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if len(tokens) > runner.max_model_len:
-            raise ValueError(f"request {rid!r}: {len(tokens)} tokens exceed max_model_len={runner.max_model_len}")
-        bad = next((t for t in tokens if not 0 <= t < runner.vocab_size), None)
+        if len(tokens) > limits.max_model_len:
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens exceed max_model_len={limits.max_model_len}")
+        bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {runner.vocab_size})")
+            raise ValueError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {limits.vocab_size})")
         if not 0 <= new.num_computed_tokens < len(tokens):
             raise ValueError(
                 f"request {rid!r}: num_computed_tokens={new.num_computed_tokens} must be in [0, {len(tokens)})"
             )
-        held = _check_block_ids(rid, new.block_ids, 0, runner)
-        _check_sampling(runner, new)
+        held = _check_block_ids(rid, new.block_ids, 0, state, limits)
+        _check_sampling(state, limits, new)
         after[rid] = (new.num_computed_tokens, len(tokens), held)
-    if len(after) > runner.max_num_reqs:
-        raise ValueError(f"{len(after)} live requests exceed max_num_seqs={runner.max_num_reqs}")
+    if len(after) > limits.max_num_reqs:
+        raise ValueError(f"{len(after)} live requests exceed max_num_seqs={limits.max_num_reqs}")
 
     cached = so.scheduled_cached_reqs
     if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
@@ -105,7 +101,7 @@ def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
         computed, known, held = after[rid]
         if nc != computed:
             raise ValueError(f"request {rid!r}: scheduler says num_computed_tokens={nc}, runner has {computed}")
-        after[rid] = (computed, known, _check_block_ids(rid, new_blocks or [], held, runner))
+        after[rid] = (computed, known, _check_block_ids(rid, new_blocks or [], held, state, limits))
 
     for rid, n in so.num_scheduled_tokens.items():
         if rid not in after:
@@ -114,8 +110,8 @@ def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
             raise ValueError(f"request {rid!r}: {n} scheduled tokens; must be >= 1")
         computed, known, held = after[rid]
         end = computed + n
-        if end > runner.max_model_len:
-            raise ValueError(f"request {rid!r}: {end} tokens would exceed max_model_len={runner.max_model_len}")
+        if end > limits.max_model_len:
+            raise ValueError(f"request {rid!r}: {end} tokens would exceed max_model_len={limits.max_model_len}")
         if computed < known and end > known:
             raise ValueError(
                 f"request {rid!r}: chunk [{computed}, {end}) runs past its {known} known tokens "
@@ -123,9 +119,9 @@ def validate_reference(runner: "ModelRunner", so: SchedulerOutput) -> None:
             )
         if computed >= known and n != 1:
             raise ValueError(f"request {rid!r}: a decode step takes exactly 1 token, got {n}")
-        if end > held * runner.block_size:
+        if end > held * limits.block_size:
             raise ValueError(
-                f"request {rid!r}: {end} tokens need {-(-end // runner.block_size)} blocks, it holds {held}"
+                f"request {rid!r}: {end} tokens need {-(-end // limits.block_size)} blocks, it holds {held}"
             )
 
 
@@ -157,7 +153,7 @@ class DecodeHint:
         self.room_ref = None
 
 
-def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint | None = None,
+def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput, hint: DecodeHint | None = None,
                               new_blocks: bool | None = None) -> None:
     """Check `so` against the runner's limits and state; ValueError names the first violation.
 
@@ -170,13 +166,13 @@ def validate_scheduler_output(runner: "ModelRunner", so: SchedulerOutput, hint: 
     """
     try:
         if hint is not None:
-            _validate_steady_decode(runner, so, hint, new_blocks)
+            _validate_steady_decode(state, limits, so, hint, new_blocks)
         else:
-            _validate_vectorized(runner, so)
+            _validate_vectorized(state, limits, so)
     except _Invalid:
         # The reference is the specification: it raises with the first violation's
         # message (and, should the two ever disagree, its acceptance wins).
-        validate_reference(runner, so)
+        validate_reference(state, limits, so)
 
 
 def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, int]) -> np.ndarray:
@@ -197,19 +193,18 @@ def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, 
     return np.asarray(rows, dtype=np.int64)
 
 
-def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: DecodeHint,
+def _validate_steady_decode(state: StateStore, limits: StepLimits, so: SchedulerOutput, hint: DecodeHint,
                             new_blocks: bool | None = None) -> None:
     """The rules that can fail for a repeated decode batch (see `validate_scheduler_output`).
 
     A handful of C-level calls whatever the batch size: this runs every decode step.
     """
-    assert runner.block_tables is not None
-    q = runner.uniform_decode_query_len
+    q = limits.uniform_decode_query_len
     rows = hint.rows
-    if q * len(rows) > runner.max_num_tokens:
+    if q * len(rows) > limits.max_num_tokens:
         raise _Invalid
     cached = so.scheduled_cached_reqs
-    computed = runner.req_states.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64
+    computed = state.requests.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64
     # List equality of Python ints is C-level: cheaper than converting the list to numpy.
     claimed = cached.num_computed_tokens
     if claimed != computed.tolist():
@@ -219,15 +214,15 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
     limit = hint.limit
     if new_blocks:
         limit = limit.copy()
-        held = runner.block_tables.num_blocks
+        held = state.tables.num_blocks
         for i, blocks in enumerate(cached.new_block_ids):
             if blocks:
-                if min(blocks) < 0 or max(blocks) >= runner.num_kv_blocks:
+                if min(blocks) < 0 or max(blocks) >= state.tables.num_kv_blocks:
                     raise _Invalid
                 total = int(held[rows[i]]) + len(blocks)
-                if total > runner.max_num_blocks_per_req:
+                if total > limits.max_num_blocks_per_req:
                     raise _Invalid
-                limit[i] = min(total * runner.block_size, runner.max_model_len)
+                limit[i] = min(total * limits.block_size, limits.max_model_len)
     if new_blocks or not hint.all_decode:
         room = int((limit - computed).min())
     else:
@@ -238,7 +233,7 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
     if room < q:  # room in max_model_len and in the held blocks
         raise _Invalid
     if not hint.all_decode:
-        known = runner.req_states.prefill_len_np[rows]
+        known = state.requests.prefill_len_np[rows]
         prefill = computed < known
         if bool(((prefill & (computed + q > known)) | (~prefill & (q != 1))).any()):
             raise _Invalid
@@ -246,19 +241,18 @@ def _validate_steady_decode(runner: "ModelRunner", so: SchedulerOutput, hint: De
         raise _Invalid  # a decode takes exactly one token (no speculative decoding yet)
 
 
-def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
-    states = runner.req_states
-    assert runner.block_tables is not None
+def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
+    states = state.requests
     nst = so.num_scheduled_tokens
     num_sched = len(nst)
     n = np.fromiter(nst.values(), dtype=np.int64, count=num_sched)  # [S] tokens per scheduled request
     total = int(n.sum())
-    if total != so.total_num_scheduled_tokens or total > runner.max_num_tokens or num_sched > runner.max_num_reqs:
+    if total != so.total_num_scheduled_tokens or total > limits.max_num_tokens or num_sched > limits.max_num_reqs:
         raise _Invalid
 
     removed = so.finished_req_ids | so.preempted_req_ids if (so.finished_req_ids or so.preempted_req_ids) else set()
     index = states.req_id_to_index
-    computed, known, held = states.num_computed_np, states.prefill_len_np, runner.block_tables.num_blocks
+    computed, known, held = states.num_computed_np, states.prefill_len_np, state.tables.num_blocks
     new_rows: dict[str, int] = {}
     news = so.scheduled_new_reqs
     if news:
@@ -268,20 +262,20 @@ def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
             rid, tokens = new.req_id, new.all_token_ids
             if rid in new_rows or (rid in index and rid not in removed):
                 raise _Invalid
-            if not tokens or len(tokens) > runner.max_model_len:
+            if not tokens or len(tokens) > limits.max_model_len:
                 raise _Invalid
             arr = np.asarray(tokens)
-            if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= runner.vocab_size:
+            if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= limits.vocab_size:
                 raise _Invalid
             if not 0 <= new.num_computed_tokens < len(tokens):
                 raise _Invalid
             blocks = new.block_ids
-            if blocks and (min(blocks) < 0 or max(blocks) >= runner.num_kv_blocks):
+            if blocks and (min(blocks) < 0 or max(blocks) >= state.tables.num_kv_blocks):
                 raise _Invalid
-            if len(blocks) > runner.max_num_blocks_per_req:
+            if len(blocks) > limits.max_num_blocks_per_req:
                 raise _Invalid
             try:
-                _check_sampling(runner, new)
+                _check_sampling(state, limits, new)
             except ValueError:
                 raise _Invalid from None
             new_rows[rid] = base + j
@@ -289,7 +283,7 @@ def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
             new_known.append(len(tokens))
             new_held.append(len(blocks))
         num_removed_live = sum(1 for rid in removed if rid in index)
-        if states.num_live - num_removed_live + len(news) > runner.max_num_reqs:
+        if states.num_live - num_removed_live + len(news) > limits.max_num_reqs:
             raise _Invalid
         computed = np.concatenate([computed, np.asarray(new_computed, dtype=computed.dtype)])
         known = np.concatenate([known, np.asarray(new_known, dtype=known.dtype)])
@@ -308,13 +302,13 @@ def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
             raise _Invalid
         if any(cached.new_block_ids):
             held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
-            limit = runner.num_kv_blocks
+            limit = state.tables.num_kv_blocks
             for i, blocks in enumerate(cached.new_block_ids):
                 if blocks:
                     if min(blocks) < 0 or max(blocks) >= limit:
                         raise _Invalid
                     held[crows[i]] += len(blocks)
-            if int(held[crows].max()) > runner.max_num_blocks_per_req:
+            if int(held[crows].max()) > limits.max_num_blocks_per_req:
                 raise _Invalid
 
     if num_sched == 0:
@@ -326,10 +320,10 @@ def _validate_vectorized(runner: "ModelRunner", so: SchedulerOutput) -> None:
     prefill = c < k
     bad = (
         (n < 1)
-        | (end > runner.max_model_len)
+        | (end > limits.max_model_len)
         | (prefill & (end > k))
         | (~prefill & (n != 1))
-        | (end > held[rows].astype(np.int64) * runner.block_size)
+        | (end > held[rows].astype(np.int64) * limits.block_size)
     )
     if bad.any():
         raise _Invalid

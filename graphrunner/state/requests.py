@@ -12,28 +12,21 @@ it, so a padded entry can never read or write a live request's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from graphrunner.staging import StagedRowWrites, to_device_async
-
-
-@dataclass(frozen=True)
-class _Admission:
-    row: int
-    token_ids: list[int]
-    num_computed_tokens: int
+from graphrunner.state.staging import StagedWrites
 
 
 class RequestState:
     """Per-request rows on the device plus host-side bookkeeping."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device):
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device,
+                 staging: StagedWrites | None = None):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
+        self.staging = staging if staging is not None else StagedWrites(device)
         self.num_rows = max_num_reqs + 1
         self.scratch_row = max_num_reqs
 
@@ -55,15 +48,6 @@ class RequestState:
         # Bumped whenever the row of some request changes (admission, removal): host-side
         # caches keyed on the batch layout (the runner's steady-decode plan) compare it.
         self.epoch = 0
-        self._admissions: list[_Admission] = []
-        self._row_writes = StagedRowWrites(
-            {
-                "num_computed_tokens": self.num_computed_tokens,
-                "prefill_len": self.prefill_len,
-                "last_sampled": self.last_sampled,
-            },
-            device=device,
-        )
 
     # ---- predicates -------------------------------------------------------------
     @property
@@ -93,8 +77,14 @@ class RequestState:
         self.index_to_req_id[row] = req_id
         self.num_computed_np[row] = num_computed_tokens
         self.prefill_len_np[row] = len(token_ids)
-        self._admissions.append(_Admission(row, list(token_ids), num_computed_tokens))
-        self._row_writes.stage(row, num_computed_tokens=num_computed_tokens, prefill_len=len(token_ids), last_sampled=0)
+        staging = self.staging
+        # The token history: flat elements row * L .. row * L + len - 1 of all_token_ids.
+        base = row * self.max_model_len
+        staging.stage_array(self.all_token_ids, np.arange(base, base + len(token_ids), dtype=np.int64),
+                            np.asarray(token_ids, dtype=np.int32))
+        staging.stage(self.num_computed_tokens, row, num_computed_tokens)
+        staging.stage(self.prefill_len, row, len(token_ids))
+        staging.stage(self.last_sampled, row, 0)
         return row
 
     def remove_request(self, req_id: str) -> int | None:
@@ -107,17 +97,10 @@ class RequestState:
         self.num_computed_np[row] = 0
         self.prefill_len_np[row] = 0
         self._free_rows.append(row)
-        # An admission staged in the same step for this row is void now.
-        self._admissions = [a for a in self._admissions if a.row != row]
+        # An admission staged in the same step for this row still lands: a free row is
+        # read by no batch, and a later admission's writes to it win.
         return row
 
     def apply_staged_writes(self) -> None:
-        """Push admitted requests' token histories and counters to the device."""
-        if self._admissions:
-            rows = np.concatenate([np.full(len(a.token_ids), a.row, dtype=np.int64) for a in self._admissions])
-            cols = np.concatenate([np.arange(len(a.token_ids), dtype=np.int64) for a in self._admissions])
-            values = np.concatenate([np.asarray(a.token_ids, dtype=np.int32) for a in self._admissions])
-            flat_index = to_device_async(rows * self.max_model_len + cols, self.device)
-            self.all_token_ids.view(-1).index_copy_(0, flat_index, to_device_async(values, self.device))
-            self._admissions.clear()
-        self._row_writes.apply()
+        """Commit the staging (all of it: with the runner's shared staging, every holder's)."""
+        self.staging.commit()

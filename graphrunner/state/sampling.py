@@ -24,119 +24,26 @@ Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from graphrunner.protocol import SamplingParams
-from graphrunner.staging import StagedRowWrites, to_device_async
+from graphrunner.state.features import (
+    DEFAULT_MAX_LOGPROBS,
+    NO_LOGPROBS,
+    SamplingFeatures,
+    round_logprobs,
+)
+from graphrunner.state.staging import StagedWrites
 
-# Logprob counts are rounded up to one of these, so a batch's K takes few values and
-# graphs stay few. Counts above the last bucket round up to `max_logprobs`.
-LOGPROB_BUCKETS = (0, 1, 5, 20)
-DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 DEFAULT_MAX_STOP_IDS = 16  # stop_token_ids + EOS ids masked by min_tokens
-NO_LOGPROBS = -1
-
-
-def round_logprobs(k: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> int:
-    """The bucket a logprob count runs at: the smallest bucket >= k (or max_logprobs)."""
-    if k < 0:
-        return NO_LOGPROBS
-    for bucket in LOGPROB_BUCKETS:
-        if k <= bucket:
-            return max(k, min(bucket, max_logprobs))
-    return max(k, max_logprobs)
-
-
-@dataclass(frozen=True)
-class SamplingFeatures:
-    """Which parts of the pipeline a batch needs (decided on the host from mirrors).
-
-    They select code paths, so they are static per captured graph. Every stage is
-    neutral for a row that does not use it, so `all_on()` gives the same tokens (and
-    logprobs, for the k a row asked for) as the exact features of any batch.
-    `SamplingFeatures()` is plain greedy: argmax of the raw logits and nothing else.
-    """
-
-    any_random: bool = False  # some row has temperature > 0
-    any_top_k: bool = False  # a random row has 0 < top_k < V
-    any_top_p: bool = False  # a random row has top_p < 1
-    any_min_p: bool = False  # a random row has min_p > 0
-    any_penalties: bool = False  # repetition / frequency / presence on some row
-    any_logit_bias: bool = False  # logit_bias or allowed_token_ids on some row
-    any_min_tokens: bool = False  # min_tokens > 0 (with ids to mask) on some row
-    num_logprobs: int = NO_LOGPROBS  # bucketed max k of the batch; -1 = no logprobs
-
-    @classmethod
-    def all_on(cls, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
-        """A superset of every batch's features (the ALL_FEATURES graph variant)."""
-        return cls(True, True, True, True, True, True, True, round_logprobs(max_logprobs, max_logprobs))
-
-    @classmethod
-    def sampled_only(cls) -> "SamplingFeatures":
-        """Temperature, top-k, top-p and min-p with seeds, nothing else: the SAMPLED graph
-        variant, which serves plain random sampling without paying for penalties, logit
-        bias, allowed ids, min_tokens or logprobs (several [R, V] passes each)."""
-        return cls(True, True, True, True)
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits is the whole pipeline (the GREEDY graph variant)."""
-        return self == SamplingFeatures()
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.num_logprobs >= 0
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether the sampler reads the token history (penalties) or output counts."""
-        return self.any_penalties or self.any_min_tokens
-
-    @property
-    def is_plain_sampling(self) -> bool:
-        """Only temperature / top-k / top-p / min-p (the SAMPLED graph variant serves it)."""
-        return not (self.any_penalties or self.any_logit_bias or self.any_min_tokens or self.wants_logprobs)
-
-    def graph_variant(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
-        """The captured variant that serves this batch: GREEDY, SAMPLED or ALL_FEATURES."""
-        if self.is_plain_greedy:
-            return SamplingFeatures()
-        if self.is_plain_sampling:
-            return SamplingFeatures.sampled_only()
-        return SamplingFeatures.all_on(max_logprobs)
-
 
 def default_seed(base_seed: int, req_id: str) -> int:
     """Seed of a request that gave none: stable across preemption and re-admission."""
     digest = hashlib.blake2b(f"{base_seed}:{req_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-class _StagedBlockWrites:
-    """Staged `row -> [W]` writes into `[rows, W]` tensors; `apply()` scatters once each."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device):
-        self._tensors = tensors
-        self._device = device
-        self._pending: dict[str, dict[int, np.ndarray]] = {name: {} for name in tensors}
-
-    def stage(self, name: str, row: int, values: np.ndarray) -> None:
-        self._pending[name][row] = values  # a later write to the same row wins
-
-    def apply(self) -> None:
-        for name, pending in self._pending.items():
-            if not pending:
-                continue
-            tensor = self._tensors[name]
-            # Pinned sources: a pageable non_blocking copy would synchronise the stream.
-            index = to_device_async(np.fromiter(pending, dtype=np.int64, count=len(pending)), self._device)
-            src = to_device_async(np.stack(list(pending.values())), self._device, dtype=tensor.dtype)  # [n, W]
-            tensor.index_copy_(0, index, src)
-            pending.clear()
 
 
 class SamplingStates:
@@ -164,6 +71,7 @@ class SamplingStates:
         max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS,
         max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        staging: StagedWrites | None = None,
     ):
         device = torch.device(device)
         if all_token_ids is not None and (all_token_ids.dim() != 2 or all_token_ids.shape[0] != num_rows):
@@ -172,6 +80,7 @@ class SamplingStates:
             )
         self.num_rows = num_rows
         self.device = device
+        self.staging = staging if staging is not None else StagedWrites(device)
         self.base_seed = base_seed
         self.vocab_size = vocab_size
         self.all_token_ids = all_token_ids  # [rows, L] int32, owned by RequestState
@@ -212,16 +121,12 @@ class SamplingStates:
         self.min_tokens_np = np.zeros(num_rows, dtype=bool)
         self.logprobs_np = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)
 
-        scalars = {
+        # Per-row scalar settings, staged by name at admission.
+        self._scalars = {
             name: getattr(self, name)
             for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
                          "presence_penalty", "prompt_len", "min_tokens", "use_allowed")
         }
-        self._writes = StagedRowWrites(scalars, device=device)
-        blocks = {"bias_ids": self.bias_ids, "bias_values": self.bias_values, "stop_ids": self.stop_ids}
-        if self.allowed_mask is not None:
-            blocks["allowed_mask"] = self.allowed_mask
-        self._block_writes = _StagedBlockWrites(blocks, device=device)
 
     # ---- validation ---------------------------------------------------------------
     def validate(
@@ -311,8 +216,7 @@ class SamplingStates:
         self.bias_np[row] = bool(params.logit_bias) or use_allowed
         self.min_tokens_np[row] = min_tokens > 0
         self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
-        self._writes.stage(
-            row,
+        scalars = dict(
             temperature=params.temperature,
             top_k=top_k,
             top_p=params.top_p,
@@ -325,18 +229,21 @@ class SamplingStates:
             min_tokens=min_tokens,
             use_allowed=use_allowed,
         )
-        self._block_writes.stage("bias_ids", row, bias_ids)
-        self._block_writes.stage("bias_values", row, bias_values)
-        self._block_writes.stage("stop_ids", row, stop_ids)
+        staging = self.staging
+        for name, value in scalars.items():
+            staging.stage(self._scalars[name], row, value)
+        staging.stage_row(self.bias_ids, row, bias_ids)
+        staging.stage_row(self.bias_values, row, bias_values)
+        staging.stage_row(self.stop_ids, row, stop_ids)
         if use_allowed:
             bits = np.zeros(self.allowed_mask.shape[1] * 32, dtype=bool)
             bits[list(params.allowed_token_ids)] = True
             words = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
-            self._block_writes.stage("allowed_mask", row, words)
+            staging.stage_row(self.allowed_mask, row, words)
 
     def apply_staged_writes(self) -> None:
-        self._writes.apply()
-        self._block_writes.apply()
+        """Commit the staging (all of it: with the runner's shared staging, every holder's)."""
+        self.staging.commit()
 
     # ---- features -----------------------------------------------------------------
     def features(self, rows: np.ndarray) -> SamplingFeatures:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.sample.sampler import SamplingFeatures
+from graphrunner.state.features import SamplingFeatures
 
 # Pinned staging slots for the per-step upload: one being filled while one may be in flight.
 NUM_UPLOAD_SLOTS = 2

@@ -1,0 +1,18 @@
+"""StepLimits: the sizes every step is bounded by, derived once from the runner's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The sizes every step is bounded by (from the runner's config)."""
+
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+    block_size: int
+    max_num_blocks_per_req: int
+    vocab_size: int
+    uniform_decode_query_len: int  # q = 1 + num_speculative_tokens

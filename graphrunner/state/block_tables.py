@@ -1,0 +1,111 @@
+"""Persistent block tables: one row of physical KV-block ids per request state row.
+
+Changes are made on the host (numpy mirror) while the scheduler output is applied and
+staged into the shared `StagedWrites`; the step's one commit pushes them to the device
+table, outside any graph. The device-side gather and slot mapping are kernels
+(`graphrunner.kernels.block_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from graphrunner.kernels.block_table import gather_block_table
+from graphrunner.state.staging import StagedWrites
+
+
+class BlockTables:
+    """Block table of every state row: `table[row, j]` is the j-th KV block of `row`.
+
+    Only the first `num_blocks[row]` entries of a row are meaningful; readers bound
+    their accesses by sequence length, so stale ids past that count are harmless.
+    The host mirror `table_np` and `num_blocks` reflect staged writes immediately;
+    the device `table` sees them only after the staged writes are committed.
+    `staging` is the runner's shared `StagedWrites` (a private one when None).
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        num_kv_blocks: int,
+        device: torch.device | str,
+        staging: StagedWrites | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_rows", num_rows),
+            ("max_num_blocks_per_req", max_num_blocks_per_req),
+            ("block_size", block_size),
+            ("num_kv_blocks", num_kv_blocks),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        self.num_rows = num_rows
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.device = torch.device(device)
+        self.staging = staging if staging is not None else StagedWrites(self.device)
+        # table: [num_rows, max_num_blocks_per_req] int32
+        self.table = torch.zeros(num_rows, max_num_blocks_per_req, dtype=torch.int32, device=self.device)
+        self.table_np = np.zeros((num_rows, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+
+    # ------------------------------------------------------------------ host-side staging
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row={row} is out of range [0, {self.num_rows})")
+
+    def append_block_ids(self, row: int, block_ids: Sequence[int], overwrite: bool) -> None:
+        """Stage new blocks for `row`: replace its blocks (`overwrite`, a new request) or append.
+
+        Raises ValueError, before staging anything, when `row` is out of range, a block
+        id is outside `[0, num_kv_blocks)`, or the row would exceed `max_num_blocks_per_req`.
+        """
+        self._check_row(row)
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if ids.size:
+            bad = ids[(ids < 0) | (ids >= self.num_kv_blocks)]
+            if bad.size:
+                raise ValueError(f"block id {int(bad[0])} is out of range [0, {self.num_kv_blocks})")
+        start = 0 if overwrite else int(self.num_blocks[row])
+        end = start + ids.size
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"row {row} would hold {end} blocks, more than max_num_blocks_per_req={self.max_num_blocks_per_req}"
+            )
+        self.table_np[row, start:end] = ids
+        self.num_blocks[row] = end
+        if end > start:
+            self.staging.stage_row(self.table, row, ids, start)
+
+    def clear_row(self, row: int) -> None:
+        """The row holds no blocks. Host-only: with `num_blocks[row] == 0` nothing reads it."""
+        self._check_row(row)
+        self.num_blocks[row] = 0
+
+    def row_block_ids(self, row: int) -> np.ndarray:
+        """The blocks `row` holds, staged writes included (a read-only host view)."""
+        self._check_row(row)
+        view = self.table_np[row, : self.num_blocks[row]]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def has_staged_writes(self) -> bool:
+        return len(self.staging) > 0
+
+    def apply_staged_writes(self) -> None:
+        """Commit the staging (all of it: with the runner's shared staging, every holder's)."""
+        self.staging.commit()
+
+    # ------------------------------------------------------------------ device-side, graph-safe
+
+    def gather(self, idx_mapping: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[b, :] = table[idx_mapping[b], :]` for every batch entry b (graph-safe)."""
+        gather_block_table(self.table, idx_mapping, out)

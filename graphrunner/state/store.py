@@ -1,0 +1,101 @@
+"""StateStore: every per-request row of the runner, and one commit of their writes per step.
+
+It applies the request-state part of a `SchedulerOutput` (removals, admissions, new KV
+blocks of running requests) to the three holders of per-row state — `RequestState`
+(token history, counters), `SamplingStates` (settings), `BlockTables` (KV blocks) —
+which all stage their device writes into one `StagedWrites`. `commit()` pushes them, once
+per step, before the step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from graphrunner.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from graphrunner.state.block_tables import BlockTables
+from graphrunner.state.requests import RequestState
+from graphrunner.state.sampling import SamplingStates
+from graphrunner.state.staging import StagedWrites
+
+RowFreed = Callable[[int], None]
+
+
+class StateStore:
+    """The per-row state of one runner. `block_tables` exist once the KV cache does."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 base_seed: int, device: torch.device) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.staging = StagedWrites(device)
+        self.requests = RequestState(max_num_reqs, max_model_len, device, staging=self.staging)
+        self.sampling = SamplingStates(
+            self.requests.num_rows, device, base_seed=base_seed, vocab_size=vocab_size,
+            all_token_ids=self.requests.all_token_ids, staging=self.staging,
+        )
+        self.block_tables: BlockTables | None = None
+        self.on_row_freed: list[RowFreed] = []  # told of every row a removal frees (PP generations)
+        self.on_removed: list[Callable[[str], None]] = []
+        self.on_added: list[Callable[[NewRequestData], None]] = []
+
+    def init_block_tables(self, max_num_blocks_per_req: int, block_size: int, num_kv_blocks: int) -> BlockTables:
+        self.block_tables = BlockTables(self.requests.num_rows, max_num_blocks_per_req, block_size, num_kv_blocks,
+                                        self.device, staging=self.staging)
+        return self.block_tables
+
+    @property
+    def tables(self) -> BlockTables:
+        if self.block_tables is None:
+            raise RuntimeError("call initialize_kv_cache(num_blocks) first")
+        return self.block_tables
+
+    # ---- the step's state changes ------------------------------------------------------
+    def apply(self, so: SchedulerOutput) -> None:
+        """Removals, then admissions, then new blocks of running requests (staged, not committed)."""
+        tables = self.tables
+        if so.finished_req_ids or so.preempted_req_ids:
+            for req_id in so.finished_req_ids | so.preempted_req_ids:
+                row = self.requests.remove_request(req_id)
+                for removed in self.on_removed:
+                    removed(req_id)
+                if row is not None:
+                    tables.clear_row(row)
+                    for freed in self.on_row_freed:
+                        freed(row)
+        for new in so.scheduled_new_reqs:
+            self._add_request(new)
+        cached = so.scheduled_cached_reqs
+        if any(cached.new_block_ids):
+            self.append_cached_blocks(cached)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        row = self.requests.add_request(new.req_id, new.all_token_ids, new.num_computed_tokens)
+        self.sampling.add_request(
+            row, new.req_id, new.sampling_params, self.vocab_size,
+            prompt_len=len(new.prompt_token_ids), eos_ids=self.eos_token_ids,
+        )
+        self.tables.append_block_ids(row, new.block_ids, overwrite=True)
+        for added in self.on_added:
+            added(new)
+
+    def append_cached_blocks(self, cached: CachedRequestData) -> None:
+        """Stage the new KV blocks of running requests (`scheduled_cached_reqs.new_block_ids`)."""
+        index = self.requests.req_id_to_index
+        tables = self.tables
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids:
+                tables.append_block_ids(index[req_id], new_block_ids, overwrite=False)
+
+    def commit(self) -> None:
+        """Push every staged write to the device (once per step, before it runs)."""
+        self.staging.commit()
+
+    def token_limits(self, rows: np.ndarray, max_model_len: int) -> np.ndarray:
+        """[R] int64: the most tokens each row may hold (its blocks, capped by max_model_len)."""
+        tables = self.tables
+        held = tables.num_blocks[rows].astype(np.int64) * tables.block_size
+        return np.minimum(held, max_model_len)

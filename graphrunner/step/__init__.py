@@ -1,0 +1,1 @@
+"""One step of the runner: its buffers, plan, body, graphs and output."""

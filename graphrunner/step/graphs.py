@@ -1,0 +1,288 @@
+"""StepGraphs: the dispatch table, graph pool, captured graphs and capture loop of a runner.
+
+Two questions per step — which descriptor does this batch get (`dispatch`), and which
+captured graph serves it (`full_graph`) — and one at start-up: `capture()`. It receives
+what it uses: the step body (the function FULL graphs capture and the compiled model
+PIECEWISE graphs replay), the step buffers (their static tensors, for debug address
+checks) and the limits; it never sees the runner.
+
+FULL graphs are keyed by (descriptor, sampling variant): the sampler's code path is
+static inside a graph, so a greedy-only batch replays a graph that skips the random
+sampling pipeline, a plain random-sampling batch (temperature / top-k / top-p / min-p)
+one that skips penalties, bias, allowed ids, min_tokens and logprobs, and any other
+batch the one with every feature on.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from capture.descriptor import BatchExecutionDescriptor
+from capture.dispatch import DispatchTable
+from capture.full import FullGraph
+from capture.modes import AttentionCGSupport, CUDAGraphMode, resolve_mode
+from capture.pool import GraphPool
+from graphrunner.attention.op import forward_context
+from capture.report import CaptureRecord, CaptureReport
+from graphrunner.config import CompilationConfig
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.step.body import StepBody
+
+logger = logging.getLogger("graphrunner.capture")
+
+GREEDY = SamplingFeatures()
+SAMPLED = SamplingFeatures.sampled_only()
+ALL_FEATURES = SamplingFeatures.all_on()
+SAMPLING_VARIANTS = (GREEDY, SAMPLED, ALL_FEATURES)
+VARIANT_NAMES = {GREEDY: "greedy", SAMPLED: "sampled", ALL_FEATURES: "all"}
+
+
+def sampling_variant(features: SamplingFeatures) -> SamplingFeatures:
+    """The captured variant that serves a batch. Each variant's stages are exact
+    identities for rows that do not use them, so a wider variant gives the same tokens:
+    SAMPLED serves any batch without penalties / bias / allowed ids / min_tokens /
+    logprobs, ALL_FEATURES serves every batch."""
+    if features == GREEDY:  # the common case first: a compare with the constant
+        return GREEDY
+    return SAMPLED if features.is_plain_sampling else ALL_FEATURES
+
+
+def variant_name(features: SamplingFeatures) -> str:
+    return VARIANT_NAMES[features]
+
+
+def attention_cg_support(device: torch.device, attn_backend: Any) -> AttentionCGSupport:
+    """What the attention backend allows inside FULL graphs.
+
+    On a CPU FULL graphs are emulated by re-running the step, so any backend qualifies.
+    On CUDA only a backend that declares graph safety does (the torch reference syncs
+    with the host).
+    """
+    if device.type != "cuda":
+        return AttentionCGSupport.ALWAYS
+    declared = getattr(attn_backend, "cudagraph_support", None)
+    if declared is not None:
+        return AttentionCGSupport.parse(declared)
+    return AttentionCGSupport.ALWAYS if getattr(attn_backend, "name", "") == "triton" else AttentionCGSupport.NEVER
+
+
+class StepGraphs:
+    """Dispatch table + pool + FULL graphs (+ the PIECEWISE model's captured sizes).
+
+    `num_live` reports the live requests (capture needs an idle runner); `name` labels
+    the compiled model in logs.
+    """
+
+    def __init__(self, comp: CompilationConfig, body: StepBody, device: torch.device, *,
+                 num_live: Callable[[], int], name: str = "model") -> None:
+        self.body = body
+        self.device = device
+        self.num_live = num_live
+        self.name = name
+        self.compile_backend = comp.compile_backend
+        limits = body.limits
+        self.resolution = resolve_mode(
+            comp.cudagraph_mode,
+            attention_cg_support(device, body.attn_backend),
+            enforce_eager=comp.enforce_eager,
+            backend=f"attention backend {getattr(body.attn_backend, 'name', '?')!r}",
+        )
+        self.mode: CUDAGraphMode = self.resolution.mode
+        self.table = DispatchTable(
+            self.resolution,
+            list(comp.cudagraph_capture_sizes) if comp.cudagraph_capture_sizes else None,
+            max_num_reqs=limits.max_num_reqs,
+            max_num_batched_tokens=limits.max_num_tokens,
+            uniform_decode_query_len=limits.uniform_decode_query_len,
+        )
+        self.debug = comp.debug_cudagraphs
+        self.pool: GraphPool | None = None
+        self.full_graphs: dict[tuple[BatchExecutionDescriptor, SamplingFeatures], FullGraph] = {}
+        self.captured = False
+        self.generation = 0  # bumped by every capture and release: plans holding graphs compare it
+        self._setup_compiled()
+
+    # ---- per step -----------------------------------------------------------------
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None) -> BatchExecutionDescriptor:
+        """The plan of a step: NONE with real sizes until capture has run."""
+        if not self.captured:
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+        return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
+
+    def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph:
+        """The captured FULL graph that serves `desc` for a batch needing `features`."""
+        return self.full_graphs[(desc, sampling_variant(features))]
+
+    def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
+        self.full_graph(desc, features).replay()
+
+    def run(self, desc: BatchExecutionDescriptor, batch, graph: FullGraph | None = None) -> None:
+        """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager)."""
+        if desc.is_full:
+            (graph or self.full_graph(desc, batch.sampling_features)).replay()
+        else:
+            self.body.run(batch, piecewise=desc.is_piecewise)
+
+    # ---- start-up -----------------------------------------------------------------
+    def capture(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
+        """Capture every descriptor of the table: largest first, PIECEWISE before FULL."""
+        if self.num_live():
+            raise RuntimeError(
+                f"capture_model() needs an idle runner; {self.num_live()} requests are live "
+                "(capture runs dummy steps that write KV block 0)"
+            )
+        report = CaptureReport(mode=self.mode.name, device=str(self.device))
+        descriptors = [d for d in self.table.descriptors if not d.is_eager]
+        if not descriptors:
+            logger.warning("cudagraph mode %s: nothing to capture; every step runs eagerly", self.mode.name)
+            return report
+        self.release()
+        self.pool = GraphPool(self.device)
+        work: list[tuple[BatchExecutionDescriptor, SamplingFeatures | None]] = [
+            (d, None) for d in descriptors if d.is_piecewise
+        ]
+        work += [(d, v) for d in descriptors if d.is_full for v in SAMPLING_VARIANTS]
+        free_before = self.pool.free_bytes()
+        start = time.perf_counter()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.body.compiled is not None:
+            report.compile_seconds = self.compile_pieces()
+        gc.freeze()  # a GC pass during capture would walk (and time) every frozen object
+        try:
+            bar = _progress(work, progress)
+            for desc, variant in bar:
+                label = str(desc) if variant is None else f"{desc}[{variant_name(variant)}]"
+                if hasattr(bar, "set_postfix_str"):
+                    bar.set_postfix_str(f"{label} free={self.pool.free_bytes() / (1 << 30):.1f}GiB")
+                report.records.append(self._capture_one(desc, variant, label, inspect_nodes))
+                self.body.reset_scratch_row()
+        finally:
+            gc.unfreeze()
+        self.captured = True
+        self.generation += 1
+        report.total_seconds = time.perf_counter() - start - report.compile_seconds
+        report.free_memory_delta_bytes = free_before - self.pool.free_bytes()
+        logger.info("captured %d graphs in %.2f s (%s)", report.num_graphs, report.total_seconds, self.mode.name)
+        return report
+
+    def _capture_one(self, desc: BatchExecutionDescriptor, variant: SamplingFeatures | None, label: str,
+                     inspect_nodes: bool) -> CaptureRecord:
+        assert self.pool is not None
+        if variant is None:
+            return self.capture_pieces(desc, label)
+        graph = FullGraph(
+            label,
+            self.make_full_step(desc, variant),
+            self.pool,
+            static_tensors=self.body.buffers.static_tensors,
+            check_invariants=self.body.check_padding_invariants,
+            debug=self.debug,
+        )
+        record = graph.capture(inspect_nodes=inspect_nodes)
+        self.full_graphs[(desc, variant)] = graph
+        return record
+
+    def release(self) -> None:
+        """Drop every graph and the pool (before process groups go; lifecycle rule)."""
+        for graph in self.full_graphs.values():
+            graph.release()
+        self.full_graphs.clear()
+        if self.body.compiled is not None:
+            self.body.compiled.release()
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
+        self.captured = False
+        self.generation += 1
+
+    # ---- what is captured ---------------------------------------------------------------
+    def capture_query_lens(self, desc: BatchExecutionDescriptor) -> np.ndarray:
+        """Query lengths of the dummy batch a descriptor is captured (or a DP idle step run) with."""
+        if desc.uniform_token_count is not None and desc.num_reqs is not None:
+            return np.full(desc.num_reqs, desc.uniform_token_count, dtype=np.int32)
+        max_num_reqs = self.body.limits.max_num_reqs
+        num_reqs = desc.num_reqs if desc.num_reqs is not None else min(desc.num_tokens, max_num_reqs)
+        # Spread tokens evenly so no dummy entry outgrows max_model_len or its block-table row.
+        lens = np.full(num_reqs, desc.num_tokens // num_reqs, dtype=np.int32)
+        lens[: desc.num_tokens % num_reqs] += 1
+        return lens
+
+    def make_full_step(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> Callable[[], None]:
+        """The step function a FULL graph captures for `desc`: views fixed at padded sizes."""
+        assert desc.num_reqs is not None, f"a FULL descriptor pads requests: {desc}"
+        batch = self.body.dummy_batch(self.capture_query_lens(desc), features, desc.num_reqs, desc.num_tokens)
+        body = self.body
+
+        def step() -> None:
+            body.run(batch)
+
+        return step
+
+    def _setup_compiled(self) -> None:
+        """The compile-once model: attention becomes an opaque op the compiler splits at.
+
+        PIECEWISE graphs replay its pieces per token count; FULL graphs capture its
+        compiled (fused) kernels inside the whole-step graph. Eager mode keeps the
+        plain module.
+        """
+        from capture.piecewise import PiecewiseCompiled
+
+        body = self.body
+        body.compiled = None
+        use_compiled = self.mode.has_piecewise_graphs or self.mode.has_full_graphs
+        body.model.use_attention_op(use_compiled)
+        if use_compiled:
+            body.compiled = PiecewiseCompiled(
+                body.model,
+                [torch.ops.graphrunner.unified_attention],
+                token_args=body.token_args,  # input_ids, positions (+ PP stage inputs): [T_pad]
+                compile_backend=self.compile_backend,
+                device=self.device,
+                check_addresses=self.debug,
+                name=self.name,
+            )
+
+    def compile_pieces(self) -> float:
+        """Trace and compile the pieces once (symbolic token count); returns seconds."""
+        body = self.body
+        start = time.perf_counter()
+        limits = body.limits
+        lens = np.ones(min(limits.max_num_reqs, limits.max_num_tokens), dtype=np.int32)
+        batch = body.dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
+        body.prepare_inputs(batch)
+        with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
+            body.compiled.run_compiled(*body.model_args(batch))
+        body.reset_scratch_row()
+        return time.perf_counter() - start
+
+    def capture_pieces(self, desc: BatchExecutionDescriptor, label: str) -> CaptureRecord:
+        """Capture the pieces for one padded token count (the first call also compiles)."""
+        body, pool = self.body, self.pool
+        assert pool is not None
+        query_lens = self.capture_query_lens(desc)
+        batch = body.dummy_batch(query_lens, SamplingFeatures(), len(query_lens), desc.num_tokens)
+        body.prepare_inputs(batch)
+        reserved = pool.reserved_bytes()
+        start = time.perf_counter()
+        with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
+            body.compiled.capture(*body.model_args(batch), pool=pool.handle, stream=pool.stream)
+        return CaptureRecord(label, time.perf_counter() - start, pool.reserved_bytes() - reserved)
+
+
+def _progress(items: list, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but capture must not hinge on a progress bar
+        return items
+    return tqdm(items, desc="capturing graphs", unit="graph", leave=False)
