@@ -44,7 +44,6 @@ workloads = st.lists(
 )
 
 
-@settings(max_examples=6)
 @given(workloads)
 def test_all_modes_produce_identical_tokens(llms, workload):
     prompts = [w[0] for w in workload]
@@ -134,6 +133,38 @@ def test_debug_mode_catches_reallocated_input():
     llm.runner.input_buffers.positions = torch.zeros_like(llm.runner.input_buffers.positions)
     with pytest.raises(GraphReplayError, match="positions"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def test_debug_mode_catches_reallocated_sampling_state():
+    llm = _llm("FULL", debug_cudagraphs=True)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2]], greedy)
+    states = llm.runner.sampling_states
+    states.temperature = torch.zeros_like(states.temperature)
+    with pytest.raises(GraphReplayError, match=r"sampling\.temperature"):
+        llm.generate([[1, 2]], greedy)
+
+
+def test_debug_mode_catches_reallocated_pp_stage_buffer():
+    """The static-tensor list derives from StepBuffers' fields, PP stage buffers included.
+
+    A single process has no PP peers, so the stage output buffers are allocated by hand
+    before capture (as a non-last stage's would be); nothing reads them here, but every
+    replay must still find them where the graphs were captured.
+    """
+    from graphrunner.step.buffers import StageBuffers
+
+    llm = _llm("FULL", debug_cudagraphs=True)
+    runner = llm.runner
+    runner.buffers.stage = StageBuffers.allocate(runner.limits.max_num_tokens, runner.model_config.hidden_size,
+                                                 torch.float32, runner.device, receives=False, sends=True)
+    runner.capture_model(progress=False)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2]], greedy)
+    assert "stage.hidden_out" in runner.buffers.static_tensors()
+    runner.buffers.stage.hidden_out = torch.zeros_like(runner.buffers.stage.hidden_out)
+    with pytest.raises(GraphReplayError, match=r"stage\.hidden_out"):
+        llm.generate([[1, 2]], greedy)
 
 
 def test_debug_mode_catches_broken_padding_row():

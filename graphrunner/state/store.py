@@ -14,9 +14,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from graphrunner.limits import StepLimits
 from graphrunner.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.requests import RequestState
+from graphrunner.state.rules import token_limit
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.staging import StagedWrites
 
@@ -94,8 +96,6 @@ class StateStore:
         """Push every staged write to the device (once per step, before it runs)."""
         self.staging.commit()
 
-    def token_limits(self, rows: np.ndarray, max_model_len: int) -> np.ndarray:
+    def token_limits(self, rows: np.ndarray, limits: StepLimits) -> np.ndarray:
         """[R] int64: the most tokens each row may hold (its blocks, capped by max_model_len)."""
-        tables = self.tables
-        held = tables.num_blocks[rows].astype(np.int64) * tables.block_size
-        return np.minimum(held, max_model_len)
+        return token_limit(self.tables.num_blocks[rows], limits)

@@ -1,132 +1,47 @@
 """Checks a SchedulerOutput against the runner's limits and state before anything changes.
 
-Every rule raises ValueError naming the offending value and the limit. Because all
-checks run before the first state change, a rejected step leaves the runner exactly as
-it was and the next valid step proceeds normally.
+Every rule (`graphrunner.state.rules`) raises ValueError naming the offending value and
+the limit. Because all checks run before the first state change, a rejected step leaves
+the runner exactly as it was and the next valid step proceeds normally.
 
-Two implementations of the same rules: `validate_reference` checks request by request
-in Python and words every error; `validate_scheduler_output` (the one the runner calls
-every step) checks whole batches with numpy so that a step of hundreds of requests
-costs microseconds, and on any violation hands over to the reference, which finds the
-first offending value and raises with its message. Tests check that both accept
-exactly the same inputs.
+Three checks evaluate the same rule definitions:
+- `validate_reference` goes request by request in Python and words every error;
+- `_validate_vectorized` (what the runner calls for a general step) checks whole
+  batches with numpy, so a step of hundreds of requests costs microseconds;
+- `_validate_steady_decode` (a repeated decode batch) checks only what can change
+  between such steps, in a handful of C-level calls.
+On any violation the fast checks hand over to the reference, which finds the first
+offending value and raises with its message. Tests check that all three accept exactly
+the same inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import NewRequestData, SchedulerOutput
+from graphrunner.state.rules import (
+    SCHEDULED_RULES,
+    SHAPE_RULES,
+    Rows,
+    any_violated,
+    batch_violation,
+    block_ids_message,
+    block_ids_out_of_range,
+    first_violation,
+    prompt_violation,
+    token_limit,
+    too_many_blocks,
+    too_many_blocks_message,
+)
 from graphrunner.state.store import StateStore
 
 
-def _check_block_ids(req_id: str, block_ids: list[int], held: int, state: StateStore, limits: StepLimits) -> int:
-    """Validates new block ids for a request; returns the blocks it will hold."""
-    limit = state.tables.num_kv_blocks
-    for b in block_ids:
-        if not 0 <= b < limit:
-            raise ValueError(f"request {req_id!r}: block id {b} out of range [0, {limit})")
-    total = held + len(block_ids)
-    if total > limits.max_num_blocks_per_req:
-        raise ValueError(
-            f"request {req_id!r}: {total} blocks exceed the per-request limit of {limits.max_num_blocks_per_req} "
-            f"(max_model_len={limits.max_model_len}, block_size={limits.block_size})"
-        )
-    return total
-
-
-def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) -> None:
-    """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
-    try:
-        state.sampling.validate(
-            new.sampling_params, limits.vocab_size, state.eos_token_ids, prompt_len=len(new.prompt_token_ids)
-        )
-    except ValueError as e:
-        raise ValueError(f"request {new.req_id!r}: {e}") from None
-
-
-def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
-    """Request-by-request check of every rule; raises ValueError at the first violation."""
-    states = state.requests
-    held_blocks = state.tables.num_blocks
-
-    total = sum(so.num_scheduled_tokens.values())
-    if total != so.total_num_scheduled_tokens:
-        raise ValueError(
-            f"total_num_scheduled_tokens={so.total_num_scheduled_tokens} but num_scheduled_tokens sums to {total}"
-        )
-    if total > limits.max_num_tokens:
-        raise ValueError(f"{total} scheduled tokens exceed max_num_batched_tokens={limits.max_num_tokens}")
-    if len(so.num_scheduled_tokens) > limits.max_num_reqs:
-        raise ValueError(f"{len(so.num_scheduled_tokens)} scheduled requests exceed max_num_seqs={limits.max_num_reqs}")
-
-    removed = so.finished_req_ids | so.preempted_req_ids
-    live = {rid for rid in states.req_id_to_index if rid not in removed}
-    # req_id -> (num_computed, known tokens, blocks held) after this step's admissions.
-    after: dict[str, tuple[int, int, int]] = {}
-    for rid in live:
-        row = states.req_id_to_index[rid]
-        after[rid] = (int(states.num_computed_np[row]), int(states.prefill_len_np[row]), int(held_blocks[row]))
-
-    for new in so.scheduled_new_reqs:
-        rid = new.req_id
-        if rid in after:
-            raise ValueError(f"request id {rid!r} is already live (duplicate new request)")
-        tokens = new.all_token_ids
-        if not tokens:
-            raise ValueError(f"request {rid!r} has an empty prompt")
-        if len(tokens) > limits.max_model_len:
-            raise ValueError(f"request {rid!r}: {len(tokens)} tokens exceed max_model_len={limits.max_model_len}")
-        bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {limits.vocab_size})")
-        if not 0 <= new.num_computed_tokens < len(tokens):
-            raise ValueError(
-                f"request {rid!r}: num_computed_tokens={new.num_computed_tokens} must be in [0, {len(tokens)})"
-            )
-        held = _check_block_ids(rid, new.block_ids, 0, state, limits)
-        _check_sampling(state, limits, new)
-        after[rid] = (new.num_computed_tokens, len(tokens), held)
-    if len(after) > limits.max_num_reqs:
-        raise ValueError(f"{len(after)} live requests exceed max_num_seqs={limits.max_num_reqs}")
-
-    cached = so.scheduled_cached_reqs
-    if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
-        raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids and num_computed_tokens differ in length")
-    for rid, new_blocks, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-        if rid not in live:
-            raise ValueError(f"unknown request id {rid!r} in scheduled_cached_reqs (not live in the runner)")
-        computed, known, held = after[rid]
-        if nc != computed:
-            raise ValueError(f"request {rid!r}: scheduler says num_computed_tokens={nc}, runner has {computed}")
-        after[rid] = (computed, known, _check_block_ids(rid, new_blocks or [], held, state, limits))
-
-    for rid, n in so.num_scheduled_tokens.items():
-        if rid not in after:
-            raise ValueError(f"unknown request id {rid!r} in num_scheduled_tokens (not live in the runner)")
-        if n < 1:
-            raise ValueError(f"request {rid!r}: {n} scheduled tokens; must be >= 1")
-        computed, known, held = after[rid]
-        end = computed + n
-        if end > limits.max_model_len:
-            raise ValueError(f"request {rid!r}: {end} tokens would exceed max_model_len={limits.max_model_len}")
-        if computed < known and end > known:
-            raise ValueError(
-                f"request {rid!r}: chunk [{computed}, {end}) runs past its {known} known tokens "
-                "(the next token is not sampled yet)"
-            )
-        if computed >= known and n != 1:
-            raise ValueError(f"request {rid!r}: a decode step takes exactly 1 token, got {n}")
-        if end > held * limits.block_size:
-            raise ValueError(
-                f"request {rid!r}: {end} tokens need {-(-end // limits.block_size)} blocks, it holds {held}"
-            )
-
-
 class _Invalid(Exception):
-    """Raised inside the vectorized check: some rule fails; the reference words it."""
+    """Raised inside a fast check: some rule fails; the reference words it."""
 
 
 @dataclass
@@ -134,10 +49,10 @@ class DecodeHint:
     """What the runner knows about a repeated uniform-decode batch (its steady-decode plan).
 
     rows: [R] int64 state rows, in batch order. limit: [R] int64, per row the most tokens
-    it may hold: min(blocks held x block_size, max_model_len). all_decode: every row had
-    all its known tokens computed after the step the plan was made in (so each of them
-    can only decode from then on). rows_index: `rows` as a slice where they are
-    consecutive (a cheaper gather), else None.
+    it may hold (`rules.token_limit` of its blocks). all_decode: every row had all its
+    known tokens computed after the step the plan was made in (so each of them can only
+    decode from then on). rows_index: `rows` as a slice where they are consecutive (a
+    cheaper gather), else None.
     """
 
     rows: np.ndarray
@@ -153,8 +68,8 @@ class DecodeHint:
         self.room_ref = None
 
 
-def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput, hint: DecodeHint | None = None,
-                              new_blocks: bool | None = None) -> None:
+def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput,
+                              hint: DecodeHint | None = None, new_blocks: bool | None = None) -> None:
     """Check `so` against the runner's limits and state; ValueError names the first violation.
 
     `hint` (optional) is the runner's steady-decode shortcut: the caller has checked
@@ -175,6 +90,79 @@ def validate_scheduler_output(state: StateStore, limits: StepLimits, so: Schedul
         validate_reference(state, limits, so)
 
 
+# ---- the reference ----------------------------------------------------------------------------
+def _check_blocks(req_id: str, block_ids: list[int], held: int, state: StateStore, limits: StepLimits) -> int:
+    """Validates new block ids for a request; returns the blocks it will hold."""
+    num_kv = state.tables.num_kv_blocks
+    for b in block_ids:
+        if bool(block_ids_out_of_range(b, num_kv)):
+            raise ValueError(block_ids_message(req_id, b, num_kv))
+    total = held + len(block_ids)
+    if bool(too_many_blocks(total, limits)):
+        raise ValueError(too_many_blocks_message(req_id, total, limits))
+    return total
+
+
+def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) -> None:
+    """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
+    try:
+        state.sampling.validate(new.sampling_params, limits.vocab_size, state.eos_token_ids,
+                                prompt_len=len(new.prompt_token_ids))
+    except ValueError as e:
+        raise ValueError(f"request {new.req_id!r}: {e}") from None
+
+
+def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
+    """Request-by-request check of every rule; raises ValueError at the first violation."""
+    requests, held_blocks = state.requests, state.tables.num_blocks
+    total = sum(so.num_scheduled_tokens.values())
+    error = batch_violation(total, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), limits)
+    if error:
+        raise ValueError(error)
+
+    removed = so.finished_req_ids | so.preempted_req_ids
+    live = {rid for rid in requests.req_id_to_index if rid not in removed}
+    # req_id -> (num_computed, known tokens, blocks held) after this step's admissions.
+    after: dict[str, tuple[int, int, int]] = {}
+    for rid in live:
+        row = requests.req_id_to_index[rid]
+        after[rid] = (int(requests.num_computed_np[row]), int(requests.prefill_len_np[row]), int(held_blocks[row]))
+
+    for new in so.scheduled_new_reqs:
+        rid = new.req_id
+        if rid in after:
+            raise ValueError(f"request id {rid!r} is already live (duplicate new request)")
+        tokens = new.all_token_ids
+        error = prompt_violation(rid, tokens, new.num_computed_tokens, limits)
+        if error:
+            raise ValueError(error)
+        held = _check_blocks(rid, new.block_ids, 0, state, limits)
+        _check_sampling(state, limits, new)
+        after[rid] = (new.num_computed_tokens, len(tokens), held)
+    if len(after) > limits.max_num_reqs:
+        raise ValueError(f"{len(after)} live requests exceed max_num_seqs={limits.max_num_reqs}")
+
+    cached = so.scheduled_cached_reqs
+    if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
+        raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids and num_computed_tokens differ in length")
+    for rid, new_blocks, nc in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        if rid not in live:
+            raise ValueError(f"unknown request id {rid!r} in scheduled_cached_reqs (not live in the runner)")
+        computed, known, held = after[rid]
+        if nc != computed:
+            raise ValueError(f"request {rid!r}: scheduler says num_computed_tokens={nc}, runner has {computed}")
+        after[rid] = (computed, known, _check_blocks(rid, new_blocks or [], held, state, limits))
+
+    for rid, n in so.num_scheduled_tokens.items():
+        if rid not in after:
+            raise ValueError(f"unknown request id {rid!r} in num_scheduled_tokens (not live in the runner)")
+        rows = Rows(n, *after[rid])
+        rule = first_violation(SCHEDULED_RULES, rows, limits)
+        if rule is not None:
+            raise ValueError(rule.message(rid, rows, limits))
+
+
+# ---- the fast checks ----------------------------------------------------------------------------
 def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, int]) -> np.ndarray:
     """State rows of `ids` after removals and admissions (new requests get virtual rows)."""
     if not removed and not new_rows:
@@ -193,6 +181,20 @@ def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, 
     return np.asarray(rows, dtype=np.int64)
 
 
+def _held_after_new_blocks(held: np.ndarray, rows: np.ndarray, new_block_ids: list, num_kv_blocks: int,
+                           limits: StepLimits) -> np.ndarray:
+    """`held` (a copy) plus each row's new blocks; _Invalid if a block rule fails."""
+    held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
+    for i, blocks in enumerate(new_block_ids):
+        if blocks:
+            if block_ids_out_of_range(blocks, num_kv_blocks).any():
+                raise _Invalid
+            held[rows[i]] += len(blocks)
+    if len(rows) and bool(too_many_blocks(held[rows], limits).any()):
+        raise _Invalid
+    return held
+
+
 def _validate_steady_decode(state: StateStore, limits: StepLimits, so: SchedulerOutput, hint: DecodeHint,
                             new_blocks: bool | None = None) -> None:
     """The rules that can fail for a repeated decode batch (see `validate_scheduler_output`).
@@ -201,7 +203,7 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
     """
     q = limits.uniform_decode_query_len
     rows = hint.rows
-    if q * len(rows) > limits.max_num_tokens:
+    if batch_violation(q * len(rows), so.total_num_scheduled_tokens, len(rows), limits):
         raise _Invalid
     cached = so.scheduled_cached_reqs
     computed = state.requests.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64
@@ -213,16 +215,10 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         new_blocks = any(cached.new_block_ids)
     limit = hint.limit
     if new_blocks:
-        limit = limit.copy()
-        held = state.tables.num_blocks
-        for i, blocks in enumerate(cached.new_block_ids):
-            if blocks:
-                if min(blocks) < 0 or max(blocks) >= state.tables.num_kv_blocks:
-                    raise _Invalid
-                total = int(held[rows[i]]) + len(blocks)
-                if total > limits.max_num_blocks_per_req:
-                    raise _Invalid
-                limit[i] = min(total * limits.block_size, limits.max_model_len)
+        held = _held_after_new_blocks(state.tables.num_blocks, rows, cached.new_block_ids,
+                                      state.tables.num_kv_blocks, limits)
+        limit = token_limit(held[rows], limits)
+    # The max_model_len and blocks_held rules, as room left under `rules.token_limit`.
     if new_blocks or not hint.all_decode:
         room = int((limit - computed).min())
     else:
@@ -230,49 +226,41 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
             hint.room_ref = (claimed[0], int((limit - computed).min()))
         base_computed, base_room = hint.room_ref
         room = base_room - (claimed[0] - base_computed)
-    if room < q:  # room in max_model_len and in the held blocks
+    if room < q:
         raise _Invalid
-    if not hint.all_decode:
-        known = state.requests.prefill_len_np[rows]
-        prefill = computed < known
-        if bool(((prefill & (computed + q > known)) | (~prefill & (q != 1))).any()):
-            raise _Invalid
-    elif q != 1:
-        raise _Invalid  # a decode takes exactly one token (no speculative decoding yet)
+    # The shape rules: per row while some row may still prefill; once every row decodes
+    # they hold for all rows alike, so row 0 stands for the batch.
+    sample = slice(None) if not hint.all_decode else slice(0, 1)
+    known = state.requests.prefill_len_np[rows[sample]]
+    if any_violated(SHAPE_RULES, Rows(q, computed[sample], known, None), limits):
+        raise _Invalid
 
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
-    states = state.requests
+    requests, tables = state.requests, state.tables
     nst = so.num_scheduled_tokens
     num_sched = len(nst)
     n = np.fromiter(nst.values(), dtype=np.int64, count=num_sched)  # [S] tokens per scheduled request
-    total = int(n.sum())
-    if total != so.total_num_scheduled_tokens or total > limits.max_num_tokens or num_sched > limits.max_num_reqs:
+    if batch_violation(int(n.sum()), so.total_num_scheduled_tokens, num_sched, limits):
         raise _Invalid
 
     removed = so.finished_req_ids | so.preempted_req_ids if (so.finished_req_ids or so.preempted_req_ids) else set()
-    index = states.req_id_to_index
-    computed, known, held = states.num_computed_np, states.prefill_len_np, state.tables.num_blocks
+    index = requests.req_id_to_index
+    computed, known, held = requests.num_computed_np, requests.prefill_len_np, tables.num_blocks
     new_rows: dict[str, int] = {}
     news = so.scheduled_new_reqs
     if news:
-        base = states.num_rows
+        base = requests.num_rows
         new_computed, new_known, new_held = [], [], []
         for j, new in enumerate(news):
-            rid, tokens = new.req_id, new.all_token_ids
+            rid, tokens, blocks = new.req_id, new.all_token_ids, new.block_ids
             if rid in new_rows or (rid in index and rid not in removed):
                 raise _Invalid
-            if not tokens or len(tokens) > limits.max_model_len:
+            if prompt_violation(rid, tokens, new.num_computed_tokens, limits):
                 raise _Invalid
-            arr = np.asarray(tokens)
-            if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= limits.vocab_size:
+            if blocks and block_ids_out_of_range(blocks, tables.num_kv_blocks).any():
                 raise _Invalid
-            if not 0 <= new.num_computed_tokens < len(tokens):
-                raise _Invalid
-            blocks = new.block_ids
-            if blocks and (min(blocks) < 0 or max(blocks) >= state.tables.num_kv_blocks):
-                raise _Invalid
-            if len(blocks) > limits.max_num_blocks_per_req:
+            if too_many_blocks(len(blocks), limits):
                 raise _Invalid
             try:
                 _check_sampling(state, limits, new)
@@ -283,7 +271,7 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
             new_known.append(len(tokens))
             new_held.append(len(blocks))
         num_removed_live = sum(1 for rid in removed if rid in index)
-        if states.num_live - num_removed_live + len(news) > limits.max_num_reqs:
+        if requests.num_live - num_removed_live + len(news) > limits.max_num_reqs:
             raise _Invalid
         computed = np.concatenate([computed, np.asarray(new_computed, dtype=computed.dtype)])
         known = np.concatenate([known, np.asarray(new_known, dtype=known.dtype)])
@@ -301,29 +289,10 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if not np.array_equal(nc, computed[crows]):
             raise _Invalid
         if any(cached.new_block_ids):
-            held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
-            limit = state.tables.num_kv_blocks
-            for i, blocks in enumerate(cached.new_block_ids):
-                if blocks:
-                    if min(blocks) < 0 or max(blocks) >= limit:
-                        raise _Invalid
-                    held[crows[i]] += len(blocks)
-            if int(held[crows].max()) > limits.max_num_blocks_per_req:
-                raise _Invalid
+            held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
 
     if num_sched == 0:
         return
     rows = _rows_of(nst, index, removed, new_rows)
-    c = computed[rows]
-    k = known[rows]
-    end = c + n
-    prefill = c < k
-    bad = (
-        (n < 1)
-        | (end > limits.max_model_len)
-        | (prefill & (end > k))
-        | (~prefill & (n != 1))
-        | (end > held[rows].astype(np.int64) * limits.block_size)
-    )
-    if bad.any():
+    if any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):
         raise _Invalid

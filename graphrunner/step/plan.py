@@ -105,7 +105,7 @@ class StepPlanner:
 
     def refresh_limits(self, plan: DecodePlan) -> None:
         """New KV blocks arrived for the plan's rows: their token limits changed."""
-        plan.hint.set_limit(self.state.token_limits(plan.hint.rows, self.limits.max_model_len))
+        plan.hint.set_limit(self.state.token_limits(plan.hint.rows, self.limits))
 
     # ---- before the run ---------------------------------------------------------------
     def prepare(self, so: SchedulerOutput, plan: DecodePlan | None,
@@ -161,7 +161,7 @@ class StepPlanner:
             return None
         rows = idx_mapping.astype(np.int64)
         rows_index = as_slice(idx_mapping)
-        limits = self.state.token_limits(rows, self.limits.max_model_len)
+        limits = self.state.token_limits(rows, self.limits)
         hint = DecodeHint(rows, limits, all_decode=False,
                           rows_index=rows_index if isinstance(rows_index, slice) else None)
         return DecodePlan(
