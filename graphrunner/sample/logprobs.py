@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from graphrunner.protocol import Logprob
+from graphrunner.protocol import Logprob, NewRequestData
 
 DEFAULT_PROMPT_CHUNK = 256  # prompt positions per logits slice: 256 x 152k x 4 B = 156 MB
 
@@ -162,10 +162,11 @@ class PromptLogprobs:
     def __bool__(self) -> bool:
         return bool(self._active)
 
-    def add_request(self, req_id: str, prompt: list[int], num_logprobs: int | None, resumed: bool) -> None:
-        """Track `req_id` if it asked for prompt logprobs (a resumed request delivered them already)."""
-        if num_logprobs is not None and not resumed and len(prompt) > 1:
-            self._active[req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), num_logprobs))
+    def add_request(self, new: NewRequestData) -> None:
+        """Track a new request if it asked for prompt logprobs (a resumed one delivered them already)."""
+        k, prompt = new.sampling_params.prompt_logprobs, new.prompt_token_ids
+        if k is not None and not new.output_token_ids and len(prompt) > 1:
+            self._active[new.req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), k))
 
     def remove_request(self, req_id: str) -> None:
         self._active.pop(req_id, None)  # a preempted prompt restarts from token 0

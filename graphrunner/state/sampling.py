@@ -87,6 +87,17 @@ class SamplingStates:
         self.max_logit_bias = max_logit_bias
         self.max_stop_ids = max_stop_ids
         self.max_logprobs = max_logprobs
+        self._allocate_rows(num_rows, device)
+        self._allocate_mirrors(num_rows)
+        # Per-row scalar settings, staged by name at admission.
+        self._scalars = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+                         "presence_penalty", "prompt_len", "min_tokens", "use_allowed")
+        }
+
+    def _allocate_rows(self, num_rows: int, device: torch.device) -> None:
+        """The device rows, at neutral greedy settings (what padded entries read)."""
 
         def full(value, dtype):
             return torch.full((num_rows,), value, dtype=dtype, device=device)
@@ -105,13 +116,15 @@ class SamplingStates:
         self.prompt_len = full(0, i32)  # [rows]
         self.min_tokens = full(0, i32)  # [rows], 0 = off
         self.use_allowed = full(False, torch.bool)  # [rows]
-        self.bias_ids = torch.zeros(num_rows, max_logit_bias, dtype=torch.int64, device=device)  # [rows, B]
-        self.bias_values = torch.zeros(num_rows, max_logit_bias, dtype=f32, device=device)  # [rows, B]
-        self.stop_ids = torch.zeros(num_rows, max_stop_ids, dtype=torch.int64, device=device)  # [rows, S]
-        words = -(-vocab_size // 32) if vocab_size is not None else 0
+        self.bias_ids = torch.zeros(num_rows, self.max_logit_bias, dtype=torch.int64, device=device)  # [rows, B]
+        self.bias_values = torch.zeros(num_rows, self.max_logit_bias, dtype=f32, device=device)  # [rows, B]
+        self.stop_ids = torch.zeros(num_rows, self.max_stop_ids, dtype=torch.int64, device=device)  # [rows, S]
+        words = -(-self.vocab_size // 32) if self.vocab_size is not None else 0
         # [rows, ceil(V/32)]: bit (v % 32) of word v // 32 set = token v allowed.
         self.allowed_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
 
+    def _allocate_mirrors(self, num_rows: int) -> None:
+        """Host mirrors of what decides a batch's code paths (`features`)."""
         self.random_np = np.zeros(num_rows, dtype=bool)
         self.top_k_np = np.zeros(num_rows, dtype=np.int64)
         self.top_p_np = np.ones(num_rows, dtype=np.float64)
@@ -120,13 +133,6 @@ class SamplingStates:
         self.bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias or allowed_token_ids
         self.min_tokens_np = np.zeros(num_rows, dtype=bool)
         self.logprobs_np = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)
-
-        # Per-row scalar settings, staged by name at admission.
-        self._scalars = {
-            name: getattr(self, name)
-            for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
-                         "presence_penalty", "prompt_len", "min_tokens", "use_allowed")
-        }
 
     # ---- validation ---------------------------------------------------------------
     def validate(
@@ -196,16 +202,8 @@ class SamplingStates:
         top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         random = not params.is_greedy
 
-        bias_ids = np.zeros(self.max_logit_bias, dtype=np.int64)
-        bias_values = np.zeros(self.max_logit_bias, dtype=np.float32)
-        if params.logit_bias:
-            n = len(params.logit_bias)
-            bias_ids[:n] = list(params.logit_bias.keys())
-            bias_values[:n] = list(params.logit_bias.values())
         stop = self._min_tokens_ids(params, eos_ids) if params.min_tokens > 0 else []
         min_tokens = params.min_tokens if stop else 0  # nothing to mask: min_tokens is moot
-        stop_ids = np.full(self.max_stop_ids, stop[0] if stop else 0, dtype=np.int64)
-        stop_ids[: len(stop)] = stop
         use_allowed = params.allowed_token_ids is not None
 
         self.random_np[row] = random
@@ -217,25 +215,31 @@ class SamplingStates:
         self.min_tokens_np[row] = min_tokens > 0
         self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         scalars = dict(
-            temperature=params.temperature,
-            top_k=top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=seed,
-            repetition_penalty=params.repetition_penalty,
-            frequency_penalty=params.frequency_penalty,
-            presence_penalty=params.presence_penalty,
-            prompt_len=prompt_len or 0,
-            min_tokens=min_tokens,
+            temperature=params.temperature, top_k=top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
+            repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty, prompt_len=prompt_len or 0, min_tokens=min_tokens,
             use_allowed=use_allowed,
         )
-        staging = self.staging
         for name, value in scalars.items():
-            staging.stage(self._scalars[name], row, value)
+            self.staging.stage(self._scalars[name], row, value)
+        self._stage_slots(row, params, stop)
+
+    def _stage_slots(self, row: int, params: SamplingParams, stop: list[int]) -> None:
+        """Stage the row's fixed-size slots: logit bias, min_tokens stop ids, allowed-ids bitmask."""
+        staging = self.staging
+        bias_ids = np.zeros(self.max_logit_bias, dtype=np.int64)
+        bias_values = np.zeros(self.max_logit_bias, dtype=np.float32)
+        if params.logit_bias:
+            n = len(params.logit_bias)
+            bias_ids[:n] = list(params.logit_bias.keys())
+            bias_values[:n] = list(params.logit_bias.values())
+        stop_ids = np.full(self.max_stop_ids, stop[0] if stop else 0, dtype=np.int64)
+        stop_ids[: len(stop)] = stop
         staging.stage_row(self.bias_ids, row, bias_ids)
         staging.stage_row(self.bias_values, row, bias_values)
         staging.stage_row(self.stop_ids, row, stop_ids)
-        if use_allowed:
+        if params.allowed_token_ids is not None:
+            assert self.allowed_mask is not None  # validate() refuses allowed ids without the bitmask
             bits = np.zeros(self.allowed_mask.shape[1] * 32, dtype=bool)
             bits[list(params.allowed_token_ids)] = True
             words = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
