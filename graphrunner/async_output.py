@@ -25,7 +25,8 @@ API works unchanged.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ Finalize = Callable[[dict[str, torch.Tensor]], Any]
 class AsyncOutput:
     """The result of one step, resolved on first `get()` (later calls return the same object)."""
 
-    def __init__(self, ring: "OutputRing | None", slot: int, host: dict[str, torch.Tensor], finalize: Finalize | None,
-                 copy_done: "torch.cuda.Event | None", result: Any = None):
+    def __init__(self, ring: OutputRing | None, slot: int, host: dict[str, torch.Tensor], finalize: Finalize | None,
+                 copy_done: torch.cuda.Event | None, result: Any = None):
         self._ring = ring
         self._slot = slot
         self._host = host
@@ -52,7 +53,7 @@ class AsyncOutput:
         self._copied = False  # the copy is known to have landed (synchronized once)
 
     @classmethod
-    def ready(cls, result: Any) -> "AsyncOutput":
+    def ready(cls, result: Any) -> AsyncOutput:
         """An output that is already resolved (a step with nothing to copy)."""
         return cls(None, -1, {}, None, None, result)
 
@@ -162,6 +163,7 @@ class OutputRing:
                 ev.record(self._compute)  # torch creates the CUDA event on first record
             self._step_done_h = [ev.cuda_event for ev in self._step_done]
             self._copy_done_h = [ev.cuda_event for ev in self._copy_done]
+            assert self._stream is not None  # the driver fast path needs the copy stream
             self._copy_handle = self._stream.cuda_stream
             self._device_index = self.device.index
             self._raw_current_stream = torch._C._cuda_getCurrentRawStream
@@ -175,8 +177,9 @@ class OutputRing:
         host = [{name: self._host_view(slot, name, t, (capacity or {}).get(name)) for name, t in tensors.items()}
                 for slot in range(self.num_slots)]
         # Raw byte copies need both ends dense (a host view narrowed from a wider buffer is not).
-        raw = self._driver is not None and all(t.is_contiguous() and t.device == self.device for t in tensors.values()) \
-            and all(v.is_contiguous() for h in host for v in h.values())
+        raw = (self._driver is not None
+               and all(t.is_contiguous() and t.device == self.device for t in tensors.values())
+               and all(v.is_contiguous() for h in host for v in h.values()))
         return OutputLayout(tensors, host, raw)
 
     def launch(self, tensors: dict[str, torch.Tensor], finalize: Finalize,
@@ -236,6 +239,7 @@ class OutputRing:
         self._stream.wait_event(step_done)  # the copy reads what the step wrote
         # set_stream rather than `with torch.cuda.stream(...)`: the context manager
         # re-queries current streams and devices (tens of us per step).
+        assert self._stream is not None and self._compute is not None
         torch.cuda.set_stream(self._stream)
         try:
             for name, t in layout.tensors.items():
@@ -254,6 +258,7 @@ class OutputRing:
                 self._driver.stream_wait_event(self._raw_current_stream(self._device_index),
                                                self._last_copy_done.cuda_event)
             else:
+                assert self._compute is not None
                 self._compute.wait_event(self._last_copy_done)
             self._last_copy_done = None
 
@@ -272,9 +277,9 @@ class OutputRing:
         full = ((rows,) + shape[1:]) if rows is not None and shape else shape
         buf = bufs.get(name)
         if buf is None or buf.dtype != src.dtype or buf.dim() != len(shape) or any(
-            b < s for b, s in zip(buf.shape, shape)
+            b < s for b, s in zip(buf.shape, shape, strict=True)
         ):
-            full = tuple(max(f, s) for f, s in zip(full, shape))
+            full = tuple(max(f, s) for f, s in zip(full, shape, strict=True))
             buf = torch.empty(full, dtype=src.dtype, pin_memory=self.is_cuda)
             bufs[name] = buf
         view = buf
@@ -282,7 +287,7 @@ class OutputRing:
             view = view.narrow(dim, 0, size)
         return view
 
-    def _copy_landed(self, copy_done: "torch.cuda.Event | None") -> None:
+    def _copy_landed(self, copy_done: torch.cuda.Event | None) -> None:
         """The host saw `copy_done` complete: if it was the last copy, the next step needs
         no guard (sync scheduling resolves each step before launching the next)."""
         if copy_done is not None and copy_done is self._last_copy_done:

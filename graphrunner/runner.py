@@ -137,7 +137,7 @@ class ModelRunner:
             tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size,
         )
         self.body.model = model
-        self.prompt_logprobs.compute_logits = model.compute_logits
+        self.prompt_logprobs.compute_logits = model.compute_logits  # type: ignore[assignment]  # nn.Module attr
         self.buffers.stage = self.parallel.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
                                                             self.dtype)
         logger.info(

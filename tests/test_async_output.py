@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.async_output import AsyncOutput, OutputRing
-from graphrunner.step.inputs import NUM_UPLOAD_SLOTS, InputBuffers
 from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.state.staging import to_device_async
 from graphrunner.state.validation import _Invalid, _validate_vectorized, validate_reference
+from graphrunner.step.inputs import NUM_UPLOAD_SLOTS, InputBuffers
 from tests.runner_driver import make_runner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -62,7 +62,7 @@ class _Loop:
         return so
 
     def apply(self, out: ModelRunnerOutput) -> None:
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             assert out.req_ids[out.req_id_to_index[rid]] == rid
             self.tokens[rid] += toks
 
@@ -242,7 +242,7 @@ def test_steady_decode_validation_agrees_with_the_reference(small_runner, data):
                 continue
             runner.execute_model(so)
             runner.sample_tokens()
-            for rid, new in zip(prompts, so.scheduled_cached_reqs.new_block_ids):
+            for rid, new in zip(prompts, so.scheduled_cached_reqs.new_block_ids, strict=True):
                 computed[rid] += 1
                 if new:
                     free.remove(new[0])
@@ -282,7 +282,7 @@ def _mostly(valid, invalid):
 def plans(draw):
     so = SchedulerOutput()
     so.finished_req_ids = set(draw(_mostly(st.just(()), st.lists(st.sampled_from(["p", "d", "z"]), max_size=2))))
-    for rid, (tokens, computed, _) in _LIVE.items():
+    for rid, (_tokens, computed, _) in _LIVE.items():
         if draw(st.booleans()):
             so.scheduled_cached_reqs.req_ids.append(rid)
             blocks = draw(_mostly(st.one_of(st.none(), st.lists(st.integers(8, 23), max_size=2)),

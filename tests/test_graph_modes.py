@@ -7,12 +7,11 @@ CI; tests marked `gpu` replay real CUDA graphs.
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from graphrunner import LLM, SamplingParams
-
 from capture.full import GraphReplayError
+from graphrunner import LLM, SamplingParams
 
 CPU_MODES = ["NONE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"]
 SIZES = (1, 2, 4, 8, 16, 24, 32)
@@ -123,7 +122,8 @@ def test_padded_rows_never_write_live_kv():
         cache.fill_(sentinel)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # Exactly the slots of the request's 5 computed tokens (3 prompt + 2 fed-back samples) changed.
-    written = sum(int((c != sentinel).any(dim=(0, 3, 4)).sum()) for c in runner.buffers.kv_caches) // len(runner.buffers.kv_caches)
+    caches = runner.buffers.kv_caches
+    written = sum(int((c != sentinel).any(dim=(0, 3, 4)).sum()) for c in caches) // len(caches)
     assert written == 5
 
 

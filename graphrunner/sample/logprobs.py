@@ -12,8 +12,8 @@ chunk's positions in fixed-size slices so memory is bounded by `chunk_size x V`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ class LogprobsTensors:
     ranks: torch.Tensor  # [N] int32: rank of column 0's token
 
     @classmethod
-    def empty(cls, n: int, num_logprobs: int, device: torch.device) -> "LogprobsTensors":
+    def empty(cls, n: int, num_logprobs: int, device: torch.device) -> LogprobsTensors:
         return cls(
             torch.zeros(n, num_logprobs + 1, dtype=torch.float32, device=device),
             torch.zeros(n, num_logprobs + 1, dtype=torch.int32, device=device),
@@ -75,7 +75,7 @@ class LogprobsTensors:
 def logprob_dicts(logprobs: np.ndarray, token_ids: np.ndarray, ranks: np.ndarray) -> list[dict[int, Logprob]]:
     """Host arrays ([N, K+1], [N, K+1], [N]) -> per-position `{token_id: Logprob}` dicts."""
     out = []
-    for lp, ids, rank in zip(logprobs.tolist(), token_ids.tolist(), ranks.tolist()):
+    for lp, ids, rank in zip(logprobs.tolist(), token_ids.tolist(), ranks.tolist(), strict=True):
         d = {ids[0]: Logprob(lp[0], rank)}
         for j in range(1, len(ids)):
             d.setdefault(ids[j], Logprob(lp[j], j))

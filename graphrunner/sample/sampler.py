@@ -118,7 +118,7 @@ class Sampler:
         # a caller that passes them must pass all three, wide enough for the batch's K.
         want_logprobs = features.wants_logprobs and not all(b is None for b in buffers)
         if want_logprobs:
-            if any(b is None for b in buffers):
+            if out_logprobs is None or out_logprob_ids is None or out_ranks is None:
                 raise ValueError(f"features ask for {k} logprobs: pass out_logprobs, out_logprob_ids and out_ranks")
             if out_logprobs.shape[1] < k + 1 or out_logprob_ids.shape[1] < k + 1:
                 raise ValueError(f"logprob buffers have {out_logprobs.shape[1]} columns, need >= {k + 1}")
@@ -149,6 +149,7 @@ class Sampler:
         else:
             out.copy_(greedy)
         if want_logprobs:
+            assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
             compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
         return out
 

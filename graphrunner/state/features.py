@@ -45,12 +45,12 @@ class SamplingFeatures:
     num_logprobs: int = NO_LOGPROBS  # bucketed max k of the batch; -1 = no logprobs
 
     @classmethod
-    def all_on(cls, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
+    def all_on(cls, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingFeatures:
         """A superset of every batch's features (the ALL_FEATURES graph variant)."""
         return cls(True, True, True, True, True, True, True, round_logprobs(max_logprobs, max_logprobs))
 
     @classmethod
-    def sampled_only(cls) -> "SamplingFeatures":
+    def sampled_only(cls) -> SamplingFeatures:
         """Temperature, top-k, top-p and min-p with seeds, nothing else: the SAMPLED graph
         variant, which serves plain random sampling without paying for penalties, logit
         bias, allowed ids, min_tokens or logprobs (several [R, V] passes each)."""
@@ -75,7 +75,7 @@ class SamplingFeatures:
         """Only temperature / top-k / top-p / min-p (the SAMPLED graph variant serves it)."""
         return not (self.any_penalties or self.any_logit_bias or self.any_min_tokens or self.wants_logprobs)
 
-    def graph_variant(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> "SamplingFeatures":
+    def graph_variant(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingFeatures:
         """The captured variant that serves this batch: GREEDY, SAMPLED or ALL_FEATURES."""
         if self.is_plain_greedy:
             return SamplingFeatures()

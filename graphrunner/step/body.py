@@ -15,17 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from graphrunner.attention.op import forward_context
 from graphrunner.kernels.block_table import compute_slot_mapping
-from graphrunner.limits import StepLimits
 from graphrunner.kernels.input_prep import (
     compute_logits_indices,
     post_update,
     prepare_input_ids,
     prepare_positions_seq_lens,
 )
+from graphrunner.limits import StepLimits
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
 from graphrunner.state.block_tables import BlockTables
@@ -183,7 +182,8 @@ class StepBody:
         seq_lens = batch.seq_lens.cpu()
         assert bool((seq_lens[R:Rp] == 0).all()), f"padded seq_lens not 0: {seq_lens[R:Rp].tolist()}"
         slots = batch.slot_mapping.cpu()
-        assert bool((slots[T:Tp] == -1).all()), f"padded slots not -1 (a padded row would write KV): {slots[T:Tp].tolist()}"
+        assert bool((slots[T:Tp] == -1).all()), \
+            f"padded slots not -1 (a padded row would write KV): {slots[T:Tp].tolist()}"
         limit = self.block_tables.num_kv_blocks * self.limits.block_size
         assert bool(((slots[:T] >= 0) & (slots[:T] < limit)).all()), f"real slots outside [0, {limit})"
 

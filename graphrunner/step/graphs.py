@@ -29,8 +29,8 @@ from capture.dispatch import DispatchTable
 from capture.full import FullGraph
 from capture.modes import AttentionCGSupport, CUDAGraphMode, resolve_mode
 from capture.pool import GraphPool
-from graphrunner.attention.op import forward_context
 from capture.report import CaptureRecord, CaptureReport
+from graphrunner.attention.op import forward_context
 from graphrunner.config import CompilationConfig
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody

@@ -124,7 +124,7 @@ class InputBatch:
         num_tokens_padded: int,
         sampling_features: SamplingFeatures,
         max_seq_len: int,
-    ) -> "InputBatch":
+    ) -> InputBatch:
         R, T = num_reqs_padded, num_tokens_padded
         qsl = buffers.query_start_loc[: R + 1]
         seq_lens = buffers.seq_lens[:R]

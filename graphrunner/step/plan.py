@@ -22,10 +22,10 @@ import numpy as np
 from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
 from graphrunner.async_output import OutputLayout
+from graphrunner.limits import StepLimits
 from graphrunner.protocol import SchedulerOutput
 from graphrunner.state.store import StateStore
 from graphrunner.state.validation import DecodeHint
-from graphrunner.limits import StepLimits
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch, InputBuffers
 
