@@ -83,13 +83,16 @@ class AsyncOutput:
                 self._copy_done.synchronize()
                 self._on_copied()
             assert self._finalize is not None
-            # finalize must not keep views of the host buffers: the slot is reused next.
-            self._result = self._finalize(self._host)
-            self._resolved = True
-            self._host = {}
-            self._finalize = None
-            if self._ring is not None:
-                self._ring._release(self._slot, self)
+            try:
+                # finalize must not keep views of the host buffers: the slot is reused next.
+                self._result = self._finalize(self._host)
+            finally:
+                # Resolved even when finalize raised: the slot must not stay taken forever.
+                self._resolved = True
+                self._host = {}
+                self._finalize = None
+                if self._ring is not None:
+                    self._ring._release(self._slot, self)
         return self._result
 
 

@@ -136,6 +136,28 @@ def test_bad_input_is_rejected_and_runner_keeps_serving(runner, case):
     assert runner.req_states.num_live == 0
 
 
+def test_execute_twice_without_sampling_is_an_error_and_the_step_survives(runner):
+    """A second execute_model before sample_tokens raises; the pending step is kept and the runner goes on."""
+    reference = Driver(runner)
+    reference.add("ref2", [2, 7, 1, 8])
+    expected = [reference.step()["ref2"][0] for _ in range(2)]
+    reference.finish("ref2")
+
+    blocks = list(range(60, 64))
+    first = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("twice", [2, 7, 1, 8], SamplingParams(temperature=0.0), blocks)],
+        num_scheduled_tokens={"twice": 4}, total_num_scheduled_tokens=4)
+    runner.execute_model(first)
+    with pytest.raises(RuntimeError, match="twice without sample_tokens"):
+        runner.execute_model(SchedulerOutput(num_scheduled_tokens={"twice": 1}, total_num_scheduled_tokens=1))
+    tokens = runner.sample_tokens().sampled_token_ids[0]
+    out = _step(runner, cached=[("twice", 4, None)], sched={"twice": 1})
+    assert tokens + out.sampled_token_ids[0] == expected
+    _step(runner, finished={"twice"})
+    assert runner.req_states.num_live == 0
+    assert runner.sample_tokens().sampled_token_ids == []  # no step pending: an empty output (documented)
+
+
 def test_not_initialized_errors():
     from graphrunner.runner import ModelRunner
     r = ModelRunner(make_runner().config, "cpu")

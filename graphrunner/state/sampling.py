@@ -159,8 +159,9 @@ class SamplingStates:
                 )
             if self.vocab_size != vocab_size:
                 raise ValueError(f"vocab_size={vocab_size} differs from SamplingStates.vocab_size={self.vocab_size}")
-        if params.min_tokens > 0:
+        if params.stop_token_ids:
             check_ids("stop_token_ids", params.stop_token_ids)
+        if params.min_tokens > 0:
             n = len(self._min_tokens_ids(params, eos_ids))
             if n > self.max_stop_ids:
                 raise ValueError(f"min_tokens masks {n} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")

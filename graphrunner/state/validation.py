@@ -62,6 +62,8 @@ class DecodeHint:
     # (computed[0], min(limit - computed)) at one step: every row of an all-decode plan
     # advances by the same q per step, so the room of all rows follows from row 0 alone.
     room_ref: tuple[int, int] | None = None
+    # Whether q tokens per row pass the shape rules once every row decodes (set on first use).
+    decode_shape_ok: bool | None = None
 
     def set_limit(self, limit: np.ndarray) -> None:
         self.limit = limit
@@ -228,12 +230,19 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         room = base_room - (claimed[0] - base_computed)
     if room < q:
         raise _Invalid
-    # The shape rules: per row while some row may still prefill; once every row decodes
-    # they hold for all rows alike, so row 0 stands for the batch.
-    sample = slice(None) if not hint.all_decode else slice(0, 1)
-    known = state.requests.prefill_len_np[rows[sample]]
-    if any_violated(SHAPE_RULES, Rows(q, computed[sample], known, None), limits):
-        raise _Invalid
+    # The shape rules: per row while some row may still prefill. Once every row decodes,
+    # their outcome is the same for every row and every later step of the plan (q and
+    # `computed >= known` do not change), so row 0 decides it once.
+    if not hint.all_decode:
+        known = state.requests.prefill_len_np[rows]
+        if any_violated(SHAPE_RULES, Rows(q, computed, known, None), limits):
+            raise _Invalid
+    else:
+        if hint.decode_shape_ok is None:
+            row0 = Rows(q, int(computed[0]), int(state.requests.prefill_len_np[rows[0]]), None)
+            hint.decode_shape_ok = first_violation(SHAPE_RULES, row0, limits) is None
+        if not hint.decode_shape_ok:
+            raise _Invalid
 
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
