@@ -182,8 +182,8 @@ class ModelRunner:
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
 
-        def dispatch(num_reqs: int, num_tokens: int, uniform: int | None) -> BatchExecutionDescriptor:
-            return self.parallel.dispatch(graphs, num_reqs, num_tokens, uniform)
+        def dispatch(num_reqs: int, num_tokens: int, uniform: int | None, eager: bool) -> BatchExecutionDescriptor:
+            return self.parallel.dispatch(graphs, num_reqs, num_tokens, uniform, eager)
 
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, dispatch,
                                    reuse_plans=self.groups.dp_size == 1)
@@ -237,7 +237,8 @@ class ModelRunner:
         """The one host path of a step; the steady-decode plan only shortens its stages."""
         planner, graphs, state = self.planner, self.graphs, self.state
         assert planner is not None and graphs is not None
-        plan = planner.reusable_plan(so, bool(self.prompt_logprobs))
+        prompt_lp = self.prompt_logprobs
+        plan = planner.reusable_plan(so, bool(prompt_lp.active))
         blocks = so.scheduled_cached_reqs.new_block_ids
         # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
         new_blocks = blocks.count(None) != len(blocks) and any(blocks)
@@ -248,14 +249,14 @@ class ModelRunner:
             elif new_blocks:  # a plan's step admits and removes nothing
                 state.append_cached_blocks(so.scheduled_cached_reqs)
                 planner.refresh_limits(plan)
-            state.commit()
+            state.staging.commit()  # the step's one commit of staged state writes
         except BaseException:
             state.staging.discard()
             raise
         if so.total_num_scheduled_tokens == 0:
             self.parallel.idle_step(graphs, self._run_dummy_step)  # DP: an idle replica joins the collectives
             return
-        batch, desc = planner.prepare(so, plan, self.prompt_logprobs.blocks_full_graph)
+        batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
         self.body.current_batch = batch
         self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
         self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
@@ -263,7 +264,8 @@ class ModelRunner:
         graphs.run(desc, batch, current.full_graph if current is not None else None)
         produces, all_produce = planner.advance(batch, plan)
         self.parallel.after_forward(batch, produces, self.body.post_update)  # PP: send on, exchange tokens
-        self._pending = PendingStep(batch, desc, produces, all_produce, self.prompt_logprobs.take_done(), current)
+        done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step
+        self._pending = PendingStep(batch, desc, produces, all_produce, done, current)
         self._last_descriptor = desc
 
     def _run_dummy_step(self, desc: BatchExecutionDescriptor) -> None:
@@ -336,14 +338,15 @@ class ModelRunner:
 
     # ---- helpers ----------------------------------------------------------------
     def _require_model(self) -> None:
-        if self.model is None:
+        if self.body.model is None:
             raise RuntimeError("call load_model() first")
 
     def _require_kv_cache(self) -> StepGraphs:
-        self._require_model()
-        if self.graphs is None:
+        graphs = self.graphs
+        if graphs is None:  # graphs exist once the model and the KV cache do
+            self._require_model()
             raise RuntimeError("call initialize_kv_cache(num_blocks) first")
-        return self.graphs
+        return graphs
 
 
 __all__ = ["ModelRunner"]

@@ -242,3 +242,21 @@ def test_full_and_piecewise_routes_decode_to_full_and_mixed_to_piecewise(llms, m
     monkeypatch.undo()
     # Prefill of 8 tokens: PIECEWISE at the capture size 8; then 3 uniform decodes of 2: FULL.
     assert routes == [("piecewise", 8)] + [("full", 2)] * 3
+
+
+def test_prompt_logprobs_are_the_same_in_every_mode(llms):
+    """A step that carries prompt logprobs reads every prompt position's hidden state: it runs
+    eagerly in every mode (FULL included, whose mixed-batch graphs would drop them)."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)]
+    want = [(o.token_ids, o.prompt_logprobs) for o in llms["NONE"].generate(prompts, params)]
+    assert want[0][1] is not None and len(want[0][1]) == len(prompts[0])
+    for mode in CPU_MODES[1:]:
+        got = [(o.token_ids, o.prompt_logprobs) for o in llms[mode].generate(prompts, params)]
+        assert [g[0] for g in got] == [w[0] for w in want], mode
+        assert got[0][1] is not None, mode
+        for g, w in zip(got[0][1][1:], want[0][1][1:], strict=True):
+            assert g.keys() == w.keys(), mode
+            for tok in w:
+                assert abs(g[tok].logprob - w[tok].logprob) < 1e-4 and g[tok].rank == w[tok].rank, mode

@@ -100,23 +100,25 @@ class ParallelHooks:
         return int(t.item())
 
     # ---- per step: descriptor -------------------------------------------------------
-    def dispatch(self, graphs: StepGraphs, num_reqs: int, num_tokens: int,
-                 uniform: int | None) -> BatchExecutionDescriptor:
+    def dispatch(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None,
+                 force_eager: bool = False) -> BatchExecutionDescriptor:
         """The step's descriptor: local dispatch, then DP agreement (dp_size > 1)."""
         if self.groups.dp_size == 1:
-            return graphs.dispatch(num_reqs, num_tokens, uniform)
-        plan = self._coordinate(graphs, num_reqs, num_tokens, uniform)
+            return graphs.dispatch(num_reqs, num_tokens, uniform, force_eager)
+        plan = self._coordinate(graphs, num_reqs, num_tokens, uniform, force_eager)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
         return plan.descriptor
 
-    def _coordinate(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None):
+    def _coordinate(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None,
+                    force_eager: bool = False):
         """One DP all-reduce; returns this rank's `RankPlan`."""
         from graphrunner.distributed.dp_coordinator import DPCoordinator, DPReport
 
         if self._dp is None:
             self._dp = DPCoordinator(self.groups.dp.cpu_group, graphs.table)
         # Before capture every step is eager: report NONE so that nobody replays.
-        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform, force_eager=not graphs.captured)
+        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform,
+                                     force_eager=force_eager or not graphs.captured)
         decision = self._dp.coordinate(report)
         self.last_dp_decision = decision
         return decision.for_rank(self.groups.dp_rank)

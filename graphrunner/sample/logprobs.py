@@ -151,28 +151,27 @@ class PromptLogprobs:
     collection from each prefill step's hidden states, and the finished results.
 
     A step that carries such a request must run outside FULL graphs (it reads every
-    prompt position's hidden state, not only the sampled ones): `blocks_full_graph`.
+    prompt position's hidden state, which no graph keeps): `needs_eager`.
     """
 
     def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.compute_logits = compute_logits  # hidden [n, H] -> logits [n, V]; set once the model loads
-        self._active: dict[str, tuple[list[int], PromptLogprobsCollector]] = {}  # req_id -> (prompt, collector)
-        self._done: dict[str, list] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._active)
+        # req_id -> (prompt, collector) of requests still in their prompt; plain dicts, so that
+        # the per-step checks (`if tracker.active`) cost no Python call.
+        self.active: dict[str, tuple[list[int], PromptLogprobsCollector]] = {}
+        self.done: dict[str, list] = {}  # req_id -> vLLM's PromptLogprobs, completed, not yet returned
 
     def add_request(self, new: NewRequestData) -> None:
         """Track a new request if it asked for prompt logprobs (a resumed one delivered them already)."""
         k, prompt = new.sampling_params.prompt_logprobs, new.prompt_token_ids
         if k is not None and not new.output_token_ids and len(prompt) > 1:
-            self._active[new.req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), k))
+            self.active[new.req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), k))
 
     def remove_request(self, req_id: str) -> None:
-        self._active.pop(req_id, None)  # a preempted prompt restarts from token 0
+        self.active.pop(req_id, None)  # a preempted prompt restarts from token 0
 
-    def blocks_full_graph(self, req_ids) -> bool:
-        return bool(self._active) and not self._active.keys().isdisjoint(req_ids)
+    def needs_eager(self, req_ids) -> bool:
+        return bool(self.active) and not self.active.keys().isdisjoint(req_ids)
 
     def collect(self, hidden: torch.Tensor, req_ids: list[str], query_lens: np.ndarray, starts: np.ndarray) -> None:
         """Prompt logprobs of one step's prefill chunks (eager; never inside a FULL graph).
@@ -182,7 +181,7 @@ class PromptLogprobs:
         """
         offsets = np.concatenate(([0], np.cumsum(query_lens)))
         for i, req_id in enumerate(req_ids):
-            entry = self._active.get(req_id)
+            entry = self.active.get(req_id)
             if entry is None:
                 continue
             prompt, collector = entry
@@ -195,12 +194,12 @@ class PromptLogprobs:
                                           compute_logits=self.compute_logits)
                 collector.add_chunk(start, tensors)
             if collector.done:
-                self._done[req_id] = collector.result()
-                del self._active[req_id]
+                self.done[req_id] = collector.result()
+                del self.active[req_id]
 
     def take_done(self) -> dict[str, list] | None:
         """The results completed since the last call (None when there are none)."""
-        if not self._done:
+        if not self.done:
             return None
-        done, self._done = self._done, {}
+        done, self.done = self.done, {}
         return done

@@ -205,7 +205,8 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
     """
     q = limits.uniform_decode_query_len
     rows = hint.rows
-    if batch_violation(q * len(rows), so.total_num_scheduled_tokens, len(rows), limits):
+    # The batch rules: reusable_plan checked that the total is q x rows, rows <= max_num_seqs.
+    if q * len(rows) > limits.max_num_tokens:
         raise _Invalid
     cached = so.scheduled_cached_reqs
     computed = state.requests.num_computed_np[rows if hint.rows_index is None else hint.rows_index]  # [R] int64

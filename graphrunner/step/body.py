@@ -103,7 +103,7 @@ class StepBody:
             stage.residual_out[:Tp].copy_(out[1])
             return
         hidden = out  # [T_pad, H]
-        if self.prompt_logprobs:
+        if self.prompt_logprobs.active:
             starts = self.buffers.requests.num_computed_np[batch.idx_mapping_np]  # host mirror, not yet advanced
             self.prompt_logprobs.collect(hidden, batch.req_ids, batch.query_lens_np, starts)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32

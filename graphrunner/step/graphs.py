@@ -110,9 +110,11 @@ class StepGraphs:
         self._setup_compiled()
 
     # ---- per step -----------------------------------------------------------------
-    def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None) -> BatchExecutionDescriptor:
-        """The plan of a step: NONE with real sizes until capture has run."""
-        if not self.captured:
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None,
+                 force_eager: bool = False) -> BatchExecutionDescriptor:
+        """The plan of a step: NONE with real sizes until capture has run, or when the step
+        must run eagerly (`force_eager`: it reads hidden states no graph keeps)."""
+        if force_eager or not self.captured:
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
         return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
 
@@ -125,8 +127,10 @@ class StepGraphs:
 
     def run(self, desc: BatchExecutionDescriptor, batch, graph: FullGraph | None = None) -> None:
         """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager)."""
-        if desc.is_full:
-            (graph or self.full_graph(desc, batch.sampling_features)).replay()
+        if graph is not None:  # FULL, looked up by the caller (a steady-decode plan holds it)
+            graph.replay()
+        elif desc.is_full:
+            self.full_graph(desc, batch.sampling_features).replay()
         else:
             self.body.run(batch, piecewise=desc.is_piecewise)
 

@@ -29,8 +29,8 @@ from graphrunner.state.validation import DecodeHint
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch, InputBuffers
 
-# (num_reqs, num_tokens, uniform query length | None) -> the step's descriptor
-Dispatch = Callable[[int, int, "int | None"], BatchExecutionDescriptor]
+# (num_reqs, num_tokens, uniform query length | None, force_eager) -> the step's descriptor
+Dispatch = Callable[[int, int, "int | None", bool], BatchExecutionDescriptor]
 
 
 @dataclass
@@ -109,7 +109,7 @@ class StepPlanner:
 
     # ---- before the run ---------------------------------------------------------------
     def prepare(self, so: SchedulerOutput, plan: DecodePlan | None,
-                blocks_full_graph: Callable[[list[str]], bool]) -> tuple[InputBatch, BatchExecutionDescriptor]:
+                needs_eager: Callable[[list[str]], bool]) -> tuple[InputBatch, BatchExecutionDescriptor]:
         """Order decode-first, dispatch, upload idx_mapping and query_start_loc, return the views."""
         if plan is not None:
             batch = plan.batch
@@ -126,9 +126,11 @@ class StepPlanner:
         num_reqs, num_tokens = len(req_ids), int(query_lens.sum())
         q = self.limits.uniform_decode_query_len
         uniform = q if num_tokens == num_reqs * q and bool((query_lens == q).all()) else None
-        if uniform is not None and blocks_full_graph(req_ids):
-            uniform = None  # prompt logprobs read every position's hidden state: no FULL graph
-        desc = self.dispatch(num_reqs, num_tokens, uniform)
+        # Prompt logprobs read every position's hidden state, which no graph keeps: eager.
+        eager = needs_eager(req_ids)
+        if eager:
+            uniform = None  # and no decode plan
+        desc = self.dispatch(num_reqs, num_tokens, uniform, eager)
         # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (DESIGN.md §4.3).
         num_reqs_padded = desc.num_reqs if desc.is_full and desc.num_reqs is not None else num_reqs
         requests = self.state.requests
