@@ -37,7 +37,7 @@ class CudaDriver:
     and cuGraphLaunch. Handles are ints (torch's `.cuda_stream`, `.cuda_event`,
     `CUDAGraph.raw_cuda_graph_exec()`); pointers are ints (`data_ptr()`)."""
 
-    _instance: "CudaDriver | None" = None
+    _instance: CudaDriver | None = None
     _tried = False
 
     def __init__(self, lib: ctypes.CDLL):
@@ -57,7 +57,7 @@ class CudaDriver:
         return fn
 
     @classmethod
-    def load(cls) -> "CudaDriver | None":
+    def load(cls) -> CudaDriver | None:
         """The process's driver binding, or None where it cannot (or must not) be used."""
         if cls._tried:
             return cls._instance
@@ -98,7 +98,7 @@ class CudaDriver:
             self._check(r, "cuGraphLaunch")
 
     @staticmethod
-    def graph_exec_handle(graph: "torch.cuda.CUDAGraph") -> int | None:
+    def graph_exec_handle(graph: torch.cuda.CUDAGraph) -> int | None:
         """The graph's cudaGraphExec_t as an int; None where this torch cannot say."""
         fn = getattr(graph, "raw_cuda_graph_exec", None)
         if fn is None:

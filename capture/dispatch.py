@@ -20,8 +20,8 @@ descriptor the batch fits, else NONE with the real sizes: O(1), no scan over siz
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from capture.descriptor import BatchExecutionDescriptor
 from capture.modes import CUDAGraphMode, Resolution
@@ -30,7 +30,7 @@ logger = logging.getLogger("graphrunner.capture")
 
 __all__ = ["CandidateVerdict", "DispatchTable", "Explanation", "default_capture_sizes", "validate_capture_sizes"]
 
-# Default ladder (DESIGN.md §5): dense where small decode batches live, coarser above.
+# Default ladder (docs/architecture.md §5): dense where small decode batches live, coarser above.
 _SMALL_SIZES = (1, 2, 4)
 _STEP_BELOW_256 = 8
 _STEP_FROM_256 = 16

@@ -1,12 +1,12 @@
 """FULL graphs: capture and replay of a whole step function over static buffers.
 
 A `FullGraph` owns one captured step for one graph key. The step function reads and
-writes only persistent buffers (DESIGN.md §4), so replay needs no arguments: the caller
+writes only persistent buffers (docs/architecture.md §4), so replay needs no arguments: the caller
 writes the per-step host inputs into their static buffers and calls `replay()`.
 
 On CUDA the step is captured into a `torch.cuda.CUDAGraph` in the shared pool. On a
 CPU there are no graphs, so capture *records* the step and replay re-runs it over the
-same buffers (DESIGN.md §7): CI still exercises dispatch, padding and buffer discipline.
+same buffers (docs/architecture.md §7): CI still exercises dispatch, padding and buffer discipline.
 
 Debug mode (a flag, not a log level): capture snapshots the addresses of the static
 tensors the step reads; each replay checks them and then runs the caller's invariant
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,7 @@ from capture.report import CaptureRecord, read_graph_dot
 StaticTensors = Callable[[], dict[str, torch.Tensor]]
 
 
-def _new_graph(keep_graph: bool) -> "torch.cuda.CUDAGraph":
+def _new_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
     """A CUDA graph; `keep_graph` keeps its node list after instantiation (for DOT dumps).
 
     Newer torch versions free the captured node list at instantiation unless asked to
@@ -79,6 +79,7 @@ class FullGraph:
         start = time.perf_counter()
         if self._pool.is_cuda:
             stream = self._pool.stream
+            assert stream is not None, "a CUDA pool has its capture stream"
             stream.wait_stream(torch.cuda.current_stream(self._pool.device))
             with torch.cuda.stream(stream):
                 for _ in range(warmup):
@@ -126,7 +127,7 @@ class FullGraph:
             raise RuntimeError(f"graph {self.key} has no CUDA graph to dump (CPU emulation or not captured)")
         self._graph.debug_dump(str(path))
 
-    def _driver_launch(self, graph: "torch.cuda.CUDAGraph") -> Callable[[], None] | None:
+    def _driver_launch(self, graph: torch.cuda.CUDAGraph) -> Callable[[], None] | None:
         """A replay that skips torch's wrapper: a graph launch on the current stream.
 
         torch's replay also re-seeds the default generator's graph-safe RNG state (two
@@ -169,6 +170,8 @@ class FullGraph:
         fd, path = tempfile.mkstemp(suffix=".dot")
         os.close(fd)
         try:
+            if self._graph is None:
+                return None, {}
             self._graph.debug_dump(path)
             return read_graph_dot(path)
         except Exception:  # node introspection is best effort across torch/CUDA versions

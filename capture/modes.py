@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 logger = logging.getLogger("graphrunner.capture")
 
@@ -69,17 +69,26 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = "full_and_piecewise"
 
     @classmethod
-    def parse(cls, value: "str | CUDAGraphMode") -> "CUDAGraphMode":
+    def parse(cls, value: str | CUDAGraphMode) -> CUDAGraphMode:
         """`"full_and_piecewise"`, `"FULL"`, `"full-decode-only"`, `"eager"` (= NONE), or a member."""
         return _parse_enum(cls, value, "cudagraph_mode", _MODE_ALIASES)  # type: ignore[return-value]
 
+    @classmethod
+    def parse_capturing(cls, value: str | CUDAGraphMode) -> CUDAGraphMode:
+        """`parse`, refusing NONE: for the commands whose point is to capture graphs."""
+        mode = cls.parse(value)
+        if mode is cls.NONE:
+            capturing = ", ".join(m.name for m in cls if m is not cls.NONE)
+            raise ValueError(f"mode=NONE captures nothing; pick one of {capturing}")
+        return mode
+
     @property
-    def decode_mode(self) -> "CUDAGraphMode":
+    def decode_mode(self) -> CUDAGraphMode:
         """Runtime mode for uniform-decode batches."""
         return _ROUTINES[self][0]
 
     @property
-    def mixed_mode(self) -> "CUDAGraphMode":
+    def mixed_mode(self) -> CUDAGraphMode:
         """Runtime mode for mixed batches (prefills, uneven query lengths)."""
         return _ROUTINES[self][1]
 
@@ -127,7 +136,7 @@ class AttentionCGSupport(enum.IntEnum):
     ALWAYS = 2  # any batch, mixed prefills included
 
     @classmethod
-    def parse(cls, value: "str | AttentionCGSupport") -> "AttentionCGSupport":
+    def parse(cls, value: str | AttentionCGSupport) -> AttentionCGSupport:
         """`"never"`, `"UNIFORM_DECODE"`, `"always"`, or a member."""
         return _parse_enum(cls, value, "attention cudagraph support")  # type: ignore[return-value]
 

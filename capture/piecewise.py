@@ -25,7 +25,7 @@ because every replay rewrites, in capture order, everything it reads; the one ru
 callers: consume (or copy) the returned output before the next replay of any graph in
 the same pool.
 
-On a CPU there are no graphs (DESIGN.md §7): `capture` runs the compiled pieces and
+On a CPU there are no graphs (docs/architecture.md §7): `capture` runs the compiled pieces and
 records the size, calls run them directly. This module is model-agnostic: it imports
 torch only.
 """
@@ -35,14 +35,15 @@ from __future__ import annotations
 import logging
 import time
 import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._guards import detect_fake_mode
-from torch.fx.passes.split_module import split_module
+
+from capture.split import compile_pieces, normalize_split_ops, split_at_ops
 
 logger = logging.getLogger("capture.piecewise")
 
@@ -183,38 +184,6 @@ class _Piece(nn.Module):
 # ------------------------------------------------------------------ the torch.compile backend
 
 
-def _normalize_split_ops(split_ops: Iterable[Any]) -> frozenset:
-    """Every target dynamo may record for the given ops: packet and each overload."""
-    targets: set = set()
-    for op in split_ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
-            targets.add(op)
-            targets.update(getattr(op, name) for name in op.overloads())
-        elif isinstance(op, torch._ops.OpOverload):
-            targets.update((op, op.overloadpacket))
-        else:
-            raise TypeError(f"split op {op!r} is not a torch.ops operator (an OpOverloadPacket or OpOverload)")
-    return frozenset(targets)
-
-
-def _is_split_node(node: fx.Node, targets: frozenset) -> bool:
-    return node.op == "call_function" and node.target in targets
-
-
-def _compile_piece(gm: fx.GraphModule, example_args: list[Any], backend: str | Callable) -> Callable:
-    if backend == "eager":
-        return gm
-    compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    if isinstance(output.args[0], (tuple, list)):
-        return compiler(gm, example_args)
-    # AOT-based compilers want a tuple output; a piece with one output returns it bare.
-    output.args = ((output.args[0],),)
-    gm.recompile()
-    compiled = compiler(gm, example_args)
-    return lambda *args: compiled(*args)[0]
-
-
 @dataclass
 class _SplitResult:
     """What the backend leaves behind for inspection and tests."""
@@ -244,27 +213,8 @@ class _PiecewiseBackend:
                 "piecewise: dynamo compiled graph #%d (a guard failed; run with TORCH_LOGS=recompiles to see "
                 "which); its pieces have no CUDA graphs", self.num_graphs,
             )
-        partition: dict[fx.Node, int] = {}
-        current = 0
-        for node in gm.graph.nodes:
-            if _is_split_node(node, self.targets):
-                current += 1
-                partition[node] = current  # the split op alone in its piece
-                current += 1
-            else:
-                partition[node] = current
-        split = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
-
-        names = [n.target for n in split.graph.nodes if n.op == "call_module"]  # run order
-        is_split = {
-            name: any(_is_split_node(n, self.targets) for n in getattr(split, name).graph.nodes) for name in names
-        }
-        fake_mode = detect_fake_mode(example_inputs)
-        fake_args = [
-            fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and fake_mode is not None else a
-            for a in example_inputs
-        ]
-        compiled = _CompileEachPiece(split, is_split, self.compile_backend).run_fake(fake_mode, fake_args)
+        split, names, is_split = split_at_ops(gm, self.targets)
+        compiled = compile_pieces(split, is_split, self.compile_backend, example_inputs)
 
         pieces: list[_Piece] = []
         for name in names:
@@ -283,32 +233,6 @@ class _PiecewiseBackend:
             len(names), len(pieces), self.compile_backend, len(names) - len(pieces), self.result.compile_seconds,
         )
         return split
-
-
-class _CompileEachPiece(fx.Interpreter):
-    """Propagates fake tensors through the split module, compiling each non-split piece
-    with the fake (symbolic-shape) inputs it receives: one compile per piece, every size."""
-
-    def __init__(self, split: fx.GraphModule, is_split: dict[str, bool], backend: str | Callable) -> None:
-        super().__init__(split)
-        self.is_split = is_split
-        self.backend = backend
-        self.compiled: dict[str, Callable] = {}
-
-    def run_fake(self, fake_mode: Any, fake_args: list[Any]) -> dict[str, Callable]:
-        if fake_mode is None:
-            self.run(*fake_args)
-        else:
-            with fake_mode:
-                self.run(*fake_args)
-        return self.compiled
-
-    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
-        assert not kwargs, "split_module passes piece inputs positionally"
-        out = super().call_module(target, args, kwargs)
-        if not self.is_split[target]:
-            self.compiled[target] = _compile_piece(getattr(self.module, target), list(args), self.backend)
-        return out
 
 
 # ------------------------------------------------------------------ the public wrapper
@@ -367,7 +291,7 @@ class PiecewiseCompiled:
         self.token_args = tuple(token_args)
         self.device = None if device is None else torch.device(device)
         self._runtime = _Runtime(check_addresses=check_addresses)
-        self._backend = _PiecewiseBackend(_normalize_split_ops(split_ops), compile_backend, self._runtime)
+        self._backend = _PiecewiseBackend(normalize_split_ops(split_ops), compile_backend, self._runtime)
         self._compiled = torch.compile(_private_entry(fn), backend=self._backend, fullgraph=True)
         # num_tokens -> (argument position, data_ptr) of the top-level tensor inputs at capture
         self._captured: dict[int, tuple[tuple[int, int], ...]] = {}

@@ -73,7 +73,8 @@ class CaptureReport:
         lines.append(
             f"{self.num_graphs} graphs ({self.mode}) on {self.device} in {self.total_seconds:.2f} s "
             f"(+ {self.compile_seconds:.2f} s compile); "
-            f"pool {self.pool_bytes / _GIB:.3f} GiB; device memory in use +{self.free_memory_delta_bytes / _GIB:.3f} GiB"
+            f"pool {self.pool_bytes / _GIB:.3f} GiB; "
+            f"device memory in use +{self.free_memory_delta_bytes / _GIB:.3f} GiB"
         )
         return "\n".join(lines)
 

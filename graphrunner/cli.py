@@ -9,8 +9,8 @@ and is listed in `subcommands()` below. Modules are imported when the parser is 
 so they must keep heavy imports (torch, the model stack) inside `run`.
 
 The options several subcommands share (how a runner is built, the scheduler limits, the
-graph mode) are added by the `add_*_args` helpers below, so that one option reads the
-same in `generate`, `bench` and `inspect`.
+graph mode) come from `graphrunner.cli_args`, so that one option reads the same in
+`generate`, `bench` and `inspect`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class Subcommand(Protocol):
@@ -52,87 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in subcommands():
         module.register(subparsers)
     return parser
-
-
-# ---- options the subcommands share ------------------------------------------------------
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-CUDAGRAPH_MODES = "NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"
-# Each scheduler limit's help, for add_limit_args; a subcommand may say more.
-_LIMIT_HELP = {
-    "max_num_seqs": "requests in one step at most",
-    "max_num_batched_tokens": "tokens in one step at most",
-    "max_model_len": "prompt + output tokens of one request at most",
-    "num_kv_blocks": "KV cache blocks",
-}
-# The options add_runner_args adds, as the keyword arguments of a spec (runner_kwargs).
-_RUNNER_FIELDS = ("model", "dtype", "device", "block_size", "compile_backend", "load_format", "seed")
-
-
-def add_subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand's parser; `--help` shows `help` and every option's default."""
-    parser: argparse.ArgumentParser = sub.add_parser(
-        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    return parser
-
-
-def add_model_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
-    """--model and --device."""
-    p.add_argument("--model", default=model, help="builtin:NAME (dummy weights) or a Hugging Face checkpoint folder")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-
-
-def add_runner_args(p: argparse.ArgumentParser, *, model: str, compile_backend: str | None = None) -> None:
-    """How a runner is built: --model, --device, --dtype, --block-size, --compile-backend,
-    --load-format, --seed. `runner_kwargs` hands them on to a spec."""
-    add_model_args(p, model=model)
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--compile-backend",
-        default=compile_backend,
-        choices=COMPILE_BACKENDS,
-        help="compiles the model for graph modes (PIECEWISE pieces)"
-        + ("; unset = inductor on CUDA, eager on CPU" if compile_backend is None else ""),
-    )
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="builtins always use dummy weights")
-    p.add_argument("--seed", type=int, default=0, help="seeds dummy weights and whatever else is random")
-
-
-def runner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of `add_runner_args`, by their spec field names."""
-    return {name: getattr(args, name) for name in _RUNNER_FIELDS}
-
-
-def add_limit_args(p: argparse.ArgumentParser, *, help: dict[str, str] | None = None, **defaults: int | None) -> None:
-    """The scheduler limits named in `defaults`, in that order: `max_num_seqs=64` adds
-    --max-num-seqs with default 64. `help` adds to a limit's help text."""
-    more = help or {}
-    for name, default in defaults.items():
-        text = _LIMIT_HELP[name] + (f"; {more[name]}" if name in more else "")
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=text)
-
-
-def add_graph_args(
-    p: argparse.ArgumentParser, *, mode: str | None, mode_help: str = CUDAGRAPH_MODES, capture_sizes: bool = True
-) -> None:
-    """--cudagraph-mode (alias --mode) and, with `capture_sizes`, --cudagraph-capture-sizes
-    (alias --capture-sizes); parsed into `args.mode` and `args.capture_sizes`."""
-    p.add_argument("--cudagraph-mode", "--mode", dest="mode", default=mode, help=mode_help)
-    if capture_sizes:
-        p.add_argument("--cudagraph-capture-sizes", "--capture-sizes", dest="capture_sizes", default=None,
-                       help="comma-separated token counts; unset = the runner's default ladder")
-
-
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """"1,8,32" -> (1, 8, 32); ValueError naming `what` on anything but positive ints."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{what}={text!r} must be a comma-separated list of ints") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{what}={text!r} must list at least one int, each >= 1")
-    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,7 +37,6 @@ from graphrunner.limits import StepLimits
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
-from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.requests import RequestState
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
@@ -254,7 +253,7 @@ class ModelRunner:
             state.staging.discard()
             raise
         if so.total_num_scheduled_tokens == 0:
-            self.parallel.idle_step(graphs, self._run_dummy_step)  # DP: an idle replica joins the collectives
+            self.parallel.idle_step(graphs, self.body)  # DP: an idle replica joins the step's collectives
             return
         batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
         self.body.current_batch = batch
@@ -267,24 +266,6 @@ class ModelRunner:
         done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step
         self._pending = PendingStep(batch, desc, produces, all_produce, done, current)
         self._last_descriptor = desc
-
-    def _run_dummy_step(self, desc: BatchExecutionDescriptor) -> None:
-        """An idle DP replica's step: the agreed descriptor over scratch entries only.
-
-        Runs the same graph / compiled / eager body (and PP exchange) as a real step of
-        that shape, so every collective inside it matches the busy replicas'.
-        """
-        graphs = self.graphs
-        assert graphs is not None
-        query_lens = graphs.capture_query_lens(desc)
-        num_reqs_padded = desc.num_reqs if desc.num_reqs is not None else len(query_lens)
-        batch = self.body.dummy_batch(query_lens, SamplingFeatures(), num_reqs_padded, desc.num_tokens)
-        self.body.current_batch = batch
-        self.parallel.before_forward(batch.num_tokens_padded)
-        graphs.run(desc, batch)
-        self.parallel.after_forward(batch, None, self.body.post_update)
-        self.body.current_batch = None
-        self.body.reset_scratch_row()
 
     @property
     def last_descriptor(self) -> BatchExecutionDescriptor | None:

@@ -5,10 +5,11 @@
 Each child: OMP_NUM_THREADS=1 and torch.set_num_threads(1) (a 2-core CI machine runs
 several ranks), the torchrun env variables set, joins a gloo world on a free localhost
 port with `init_process_group` (unless init_pg=False), calls `fn(rank, world_size,
-*args)`, and sends back its return value (picklable) or its formatted traceback. The parent raises `WorldError` naming each failed rank with its
-traceback, and kills (by pid: only processes it started) any rank that has not reported
-within `timeout_s`, naming it as hung. Children leave through `os._exit` after
-reporting, so a stalled peer can never hang the teardown of the process group.
+*args)`, and sends back its return value (picklable) or its formatted traceback. The
+parent raises `WorldError` naming each failed rank with its traceback, and kills (by
+pid: only processes it started) any rank that has not reported within `timeout_s`,
+naming it as hung. Children leave through `os._exit` after reporting, so a stalled peer
+can never hang the teardown of the process group.
 
 Children are forked (torch is already imported; fork costs milliseconds where spawn
 costs an interpreter and a torch import per rank). Set GRAPHRUNNER_TEST_START=spawn

@@ -118,7 +118,13 @@ def make_hf_model(arch: str, *, seed: int = 0, **overrides: Any):
 
 
 def make_hf_checkpoint(
-    arch: str, path: str | os.PathLike, *, seed: int = 0, make_sharded: bool = False, num_shards: int = 3, **overrides: Any
+    arch: str,
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    make_sharded: bool = False,
+    num_shards: int = 3,
+    **overrides: Any,
 ) -> Path:
     """Save a tiny fp32 checkpoint of fixture `arch` to `path` (config.json + safetensors).
 

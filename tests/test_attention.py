@@ -79,7 +79,7 @@ def make_batch(
     """Requests `(context_len, query_len)` with shuffled physical blocks, then padding.
 
     Padded requests get query length 0, seq_len 0 and a garbage block-table row; padded
-    tokens get slot -1 and garbage q/k/v (DESIGN.md §4).
+    tokens get slot -1 and garbage q/k/v (docs/architecture.md §4).
     """
     gen = torch.Generator().manual_seed(seed)  # real data: the same whatever the padding
     junk = torch.Generator().manual_seed(seed + 1)  # garbage in padding and unused entries
@@ -158,7 +158,9 @@ def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
         qq = q[start : start + qlen].float().transpose(0, 1)  # [H, qlen, D]
         kk = fk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         vv = fv.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        allowed = torch.arange(ctx + qlen, device=q.device)[None, :] <= (ctx + torch.arange(qlen, device=q.device))[:, None]
+        key_pos = torch.arange(ctx + qlen, device=q.device)  # [S]
+        query_pos = ctx + torch.arange(qlen, device=q.device)  # [qlen]
+        allowed = key_pos[None, :] <= query_pos[:, None]
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, scale=scale)
         out[start : start + qlen] = o.transpose(0, 1)
         start += qlen
@@ -213,7 +215,9 @@ def kv_write_cases(draw):
     block_size = draw(st.sampled_from([4, 8, 16]))
     num_blocks = draw(st.integers(1, 4))
     num_tokens = draw(st.integers(1, min(6, num_blocks * block_size)))
-    slots = draw(st.lists(st.integers(0, num_blocks * block_size - 1), min_size=num_tokens, max_size=num_tokens, unique=True))
+    slots = draw(
+        st.lists(st.integers(0, num_blocks * block_size - 1), min_size=num_tokens, max_size=num_tokens, unique=True)
+    )
     skip = draw(st.lists(st.booleans(), min_size=num_tokens, max_size=num_tokens))
     slots = [-1 if s else x for x, s in zip(slots, skip, strict=True)]
     num_kv_heads = draw(st.integers(1, 2))
@@ -337,7 +341,9 @@ def test_torch_backend_writes_into_out_and_checks_shapes():
     dtype=st.sampled_from([torch.float32, torch.float16]),
     seed=st.integers(0, 2**16),
 )
-def test_triton_matches_torch_reference(reqs, hk, head_dim, block_size, pad_reqs, pad_tokens, splits, block_n, dtype, seed):
+def test_triton_matches_torch_reference(
+    reqs, hk, head_dim, block_size, pad_reqs, pad_tokens, splits, block_n, dtype, seed
+):
     num_heads, num_kv_heads = hk
     batch = make_batch(
         reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
@@ -369,7 +375,9 @@ def test_triton_backend_forward_mixed_batch(splits):
         out = TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
     else:
         write_kv_triton(batch.k, batch.v, batch.kv_cache, batch.metadata.slot_mapping)
-        out = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(batch.q), num_kv_splits=2)
+        out = paged_attention_triton(
+            batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(batch.q), num_kv_splits=2
+        )
     assert torch.equal(batch.kv_cache, want_cache)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, dense_reference(batch, scale), atol=2e-5, rtol=2e-5)
@@ -436,7 +444,9 @@ def test_registry_defaults_and_errors():
 # --------------------------------------------------------------------------- GPU
 
 
-def _gpu_reqs(gen: torch.Generator, num_decodes: int, prefills: list[tuple[int, int]], max_ctx: int) -> list[tuple[int, int]]:
+def _gpu_reqs(
+    gen: torch.Generator, num_decodes: int, prefills: list[tuple[int, int]], max_ctx: int
+) -> list[tuple[int, int]]:
     ctx = torch.randint(1, max_ctx, (num_decodes,), generator=gen).tolist()
     return [(c, 1) for c in ctx] + prefills
 
@@ -463,7 +473,9 @@ def test_gpu_triton_matches_reference(head_dim, hk, num_decodes, prefills):
     assert torch.equal(batch.kv_cache, want_cache)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     for splits in (1, 4):
-        out2 = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(out), num_kv_splits=splits)
+        out2 = paged_attention_triton(
+            batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(out), num_kv_splits=splits
+        )
         torch.testing.assert_close(out2.float(), ref, atol=3e-2, rtol=3e-2)
 
 
@@ -497,7 +509,8 @@ def _load_batch_into(static: Batch, batch: Batch) -> None:
 def test_gpu_cuda_graph_capture_and_replay(shape):
     """Capture once, then replay with different batch contents of the same padded shape."""
     num_heads, num_kv_heads, head_dim, bs = 14, 2, 64, 16
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs, dtype=torch.bfloat16, device="cuda")
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs)
+    kw.update(dtype=torch.bfloat16, device="cuda")
     if shape == "decode1":  # split-KV path: batch-1 decode at long context
         batches = [[(100, 1)], [(2000, 1)], [(5, 1)]]
         pad = lambda reqs: dict(pad_reqs=1 - len(reqs), pad_tokens=1 - sum(n for _, n in reqs))  # noqa: E731
@@ -505,7 +518,10 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
         batches = [[(10, 1), (3, 20)], [(700, 1), (40, 1), (0, 25)], [(0, 30)]]
         pad = lambda reqs: dict(pad_reqs=4 - len(reqs), pad_tokens=32 - sum(n for _, n in reqs))  # noqa: E731
     # Equal spare blocks make every batch's cache the same size; block tables are copied in.
-    made = [make_batch(r, seed=i, spare_blocks=200 - sum(-(-(c + n) // bs) for c, n in r), **pad(r), **kw) for i, r in enumerate(batches)]
+    made = [
+        make_batch(r, seed=i, spare_blocks=200 - sum(-(-(c + n) // bs) for c, n in r), **pad(r), **kw)
+        for i, r in enumerate(batches)
+    ]
     width = max(b.metadata.block_table.shape[1] for b in made)
     md0 = made[0].metadata
     static = dataclasses.replace(  # the persistent buffers a graph reads, filled per step
@@ -513,7 +529,8 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
         q=made[0].q.clone(), k=made[0].k.clone(), v=made[0].v.clone(), kv_cache=made[0].kv_cache.clone(),
         metadata=dataclasses.replace(
             md0,
-            query_start_loc=md0.query_start_loc.clone(), seq_lens=md0.seq_lens.clone(), slot_mapping=md0.slot_mapping.clone(),
+            query_start_loc=md0.query_start_loc.clone(), seq_lens=md0.seq_lens.clone(),
+            slot_mapping=md0.slot_mapping.clone(),
             block_table=torch.zeros(md0.num_reqs, width, dtype=torch.int32, device="cuda"),
         ),
     )  # fmt: skip

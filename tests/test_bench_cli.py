@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture.dispatch import default_capture_sizes
-from graphrunner.cli import main, parse_int_list
+from graphrunner.cli import main
+from graphrunner.cli_args import parse_int_list
 from graphrunner.config import LoadConfig
 from graphrunner.models.loader import load_model, load_model_config
 from graphrunner_tools.bench.common import Stats

@@ -154,7 +154,12 @@ class Batch:
 
 
 def make_batch(
-    rng: random.Random, max_num_reqs: int, max_blocks: int, block_size: int, max_extra: int, max_chunk: int | None = None
+    rng: random.Random,
+    max_num_reqs: int,
+    max_blocks: int,
+    block_size: int,
+    max_extra: int,
+    max_chunk: int | None = None,
 ) -> Batch:
     num_rows = max_num_reqs + 1
     perm = rng.sample(range(num_rows * max_blocks + 7), num_rows * max_blocks)

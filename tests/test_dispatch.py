@@ -270,7 +270,7 @@ def test_descriptor_validation(args, match):
 
 
 def formula_sizes(max_num_reqs: int, max_tokens: int, q: int) -> list[int]:
-    """DESIGN.md §5 restated as membership rules: 1, 2, 4; multiples of 8 below 256; of 16 from 256."""
+    """docs/architecture.md §5 restated as membership rules: 1, 2, 4; multiples of 8 below 256; of 16 from 256."""
     top = min(2 * max_num_reqs * q, 512, max_tokens)
     return [
         s

@@ -198,7 +198,10 @@ def test_all_idle_skips():
 )
 def test_microbatch_rule(tokens, wants, expected):
     table = make_table()
-    reports = [report(table, 1, t, None, ubatch=w) if t else DPReport.idle_report() for t, w in zip(tokens, wants, strict=True)]
+    reports = [
+        report(table, 1, t, None, ubatch=w) if t else DPReport.idle_report()
+        for t, w in zip(tokens, wants, strict=True)
+    ]
     d = coordinate(reports, table)
     assert d.microbatch is expected
     assert d.ubatch_split == (d.descriptor.num_tokens // 2 if expected else None)

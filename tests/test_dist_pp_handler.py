@@ -85,7 +85,8 @@ def oracle_states(steps: list[Step], max_num_reqs: int, depth: int) -> tuple[lis
             owner[r] = req
             truth[r] = view[r] = SENTINEL
         deliver(t - depth)
-        entries = [(r, owner[r], tok) for r, p, tok in zip(s.rows, s.produces, s.tokens, strict=True) if p]
+        real_tokens = s.tokens[: len(s.rows)]  # tokens is padded to num_reqs_padded
+        entries = [(r, owner[r], tok) for r, p, tok in zip(s.rows, s.produces, real_tokens, strict=True) if p]
         for r, _, tok in entries:
             truth[r] = tok
         if entries:

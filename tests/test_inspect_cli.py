@@ -214,7 +214,8 @@ def test_simulate_workload_hit_rates_sum_to_one(tmp_path, workload):
         assert r["num_tokens"] == sum(r["query_lens"]) and r["num_reqs"] == len(r["query_lens"])
     tally = _redispatch(reference_table(None, "ALWAYS", None, 16, 128, 1), records, 1)
     for mode, (steps, tokens, padding) in tally.items():
-        assert (rates[mode]["steps"], rates[mode]["real_tokens"], rates[mode]["padding_tokens"]) == (steps, tokens, padding)
+        got = rates[mode]
+        assert (got["steps"], got["real_tokens"], got["padding_tokens"]) == (steps, tokens, padding)
     assert data["padding_waste"] == pytest.approx(sum(t[2] for t in tally.values()) / sum(t[1] for t in tally.values()))
 
 

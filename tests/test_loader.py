@@ -37,7 +37,8 @@ class NullBackend:
 
 def _load(path, **kw):
     cfg = load_model_config(str(path))
-    return load_model(cfg, LoadConfig(model=str(path), **kw), attn_backend=NullBackend(), dtype=torch.float32, device="cpu")
+    load = LoadConfig(model=str(path), **kw)
+    return load_model(cfg, load, attn_backend=NullBackend(), dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,9 @@ def _raw_configs(f) -> tuple[dict, dict]:
         "none": None,
         "default": {},
         "linear": {"factor": 2.0},
-        "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+        "llama3": {
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024
+        },
         "llama3-no-orig": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
     }[f["rope"]]
     rope_type = f["rope"].split("-")[0]

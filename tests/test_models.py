@@ -187,7 +187,9 @@ def test_unknown_rope_type_names_it_and_allowed_set():
 
 
 @settings(deadline=None)
-@given(rows=st.integers(1, 6), hidden=st.sampled_from([8, 64]), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 99))
+@given(
+    rows=st.integers(1, 6), hidden=st.sampled_from([8, 64]), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 99)
+)
 def test_rms_norm_and_fused_add(rows, hidden, eps, seed):
     gen = torch.Generator().manual_seed(seed)
     x, r = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)

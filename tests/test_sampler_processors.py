@@ -405,7 +405,9 @@ def test_sampled_variant_gives_the_all_features_tokens_on_plain_sampling_batches
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0)) * 2
     for position in range(6, 30):
         tokens = {
-            name: run_sampler(states, logits, rows, [position] * len(rows), features=f, filter_impl=filter_impl).tolist()
+            name: run_sampler(
+                states, logits, rows, [position] * len(rows), features=f, filter_impl=filter_impl
+            ).tolist()
             for name, f in (("exact", exact), ("sampled", SamplingFeatures.sampled_only()),
                             ("all", SamplingFeatures.all_on()))
         }

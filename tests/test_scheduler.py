@@ -66,7 +66,8 @@ class FakeRunner:
             self.reqs[new.req_id] = _RunnerReq(list(new.all_token_ids), new.num_computed_tokens, list(new.block_ids))
         cached = so.scheduled_cached_reqs
         assert len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
-        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        rows = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
+        for req_id, new_blocks, num_computed in rows:
             state = self.reqs[req_id]
             assert num_computed == state.num_computed, f"{req_id}: scheduler and runner disagree on progress"
             state.block_ids += new_blocks or []
@@ -185,7 +186,9 @@ def workloads(draw, *, tight: bool = True, chunked: bool | None = None):
         )
         requests.append((f"r{i}", prompt, params))
     # The fewest blocks that let every request run alone; tight caches force preemption.
-    need = max(cdiv(min(len(p) + sp.max_tokens - 1, max(len(p), max_model_len - 1)), block_size) for _, p, sp in requests)
+    need = max(
+        cdiv(min(len(p) + sp.max_tokens - 1, max(len(p), max_model_len - 1)), block_size) for _, p, sp in requests
+    )
     extra = draw(st.integers(0, 4)) if tight else 10_000
     return dict(
         block_size=block_size,
@@ -234,7 +237,9 @@ def test_preemption_resumes_with_the_same_outputs():
         # Long decodes under a generous budget and seat count make the cache the bottleneck.
         cfg.update(max_num_seqs=8, max_num_batched_tokens=64)
         requests = [(r, p, SamplingParams(max_tokens=24, ignore_eos=True)) for r, p, _ in requests]
-        need = max(cdiv(min(len(p) + 23, max(len(p), cfg["max_model_len"] - 1)), cfg["block_size"]) for _, p, _ in requests)
+        need = max(
+            cdiv(min(len(p) + 23, max(len(p), cfg["max_model_len"] - 1)), cfg["block_size"]) for _, p, _ in requests
+        )
         cfg["num_blocks"] = need + extra_blocks
         sched = make_scheduler(**cfg)
         outputs, steps = run_engine(sched, FakeRunner(cfg["block_size"], cfg["max_model_len"]), requests)

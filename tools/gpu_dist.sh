@@ -3,8 +3,8 @@
 #   tools/gpu_dist.sh [tests|bench|all]     (default all; logs and JSON under $OUT)
 # Every step has a time limit, so a hung NCCL world cannot eat the device budget.
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-OUT="${OUT:-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu_dist_gpus.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpu_dist_gpus.txt"
 what="${1:-all}"

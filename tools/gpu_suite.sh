@@ -2,8 +2,7 @@
 # The GPU test suite and the benchmarks of the closing notes, in one device call.
 #   tools/gpu_suite.sh tests|bench-small|bench-8b   (writes logs and JSON under $OUT)
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
-OUT="${OUT:-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 gr() { python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 # gr with a time limit in seconds: grt SECONDS ARGS...
 grt() { local t="$1"; shift; timeout "$t" python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }

@@ -5,8 +5,7 @@
 # call of their own (`pytest -m gpu tests`, about 5 minutes).
 #   tools/host_suite.sh            (writes logs and JSON under $OUT)
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
-OUT="${OUT:-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 gr() { timeout "$1" python3 -c 'import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[2:]))' "$@"; }
 python3 -m graphrunner_tools.bench.api_costs 2>&1 | tee "$OUT/api_costs.txt" | tail -15
 gr 170 bench host --batch-sizes 1,64,256 --json "$OUT/host_qwen.json" --markdown "$OUT/host_qwen.md" 2>&1 \

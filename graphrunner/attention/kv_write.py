@@ -1,7 +1,7 @@
 """Write a step's new keys and values into the paged KV cache.
 
 Slot s of the cache is `(block s // block_size, offset s % block_size)`; slot -1 marks
-a token whose k/v must not be written (padding, DESIGN.md §4). Both implementations
+a token whose k/v must not be written (padding, docs/architecture.md §4). Both implementations
 below are graph-safe: no host sync, no value-dependent shapes, writes in place.
 
 - `write_kv_triton`: one program per token; a token with slot -1 stores nothing.
@@ -99,7 +99,9 @@ def write_kv_torch(
     any_live = live.any()  # 0-d bool, stays on the device
     first = live.to(torch.int32).argmax().reshape(1)  # [1]: first live token (0 when none)
     # Redirect target for skipped tokens: the first live token's slot, else slot 0.
-    fallback_slot = torch.where(any_live, slot_mapping.index_select(0, first), torch.zeros_like(first, dtype=torch.int64))
+    fallback_slot = torch.where(
+        any_live, slot_mapping.index_select(0, first), torch.zeros_like(first, dtype=torch.int64)
+    )
     slots = torch.where(live, slot_mapping, fallback_slot)  # [T], all valid
     blk, off = slots // block_size, slots % block_size
     live3 = live.view(-1, 1, 1)

@@ -24,7 +24,8 @@ def check_attention_args(
         raise ValueError(f"q has {num_tokens} tokens but metadata.num_tokens={metadata.num_tokens}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
         raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}, expected [2, num_blocks, block_size, num_kv_heads, {head_dim}]"
+            f"kv_cache has shape {tuple(kv_cache.shape)}, "
+            f"expected [2, num_blocks, block_size, num_kv_heads, {head_dim}]"
         )
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads:

@@ -2,7 +2,7 @@
 
 Each DP rank has its own scheduler and requests, but collectives inside the model (and
 captured graphs) need every rank to run the same padded shape in the same mode, or none
-(DESIGN.md §4.5). Per step every rank reports
+(docs/architecture.md §4). Per step every rank reports
 
     DPReport(num_tokens, mode, uniform_token_count, num_reqs, wants_microbatch)
 
@@ -19,7 +19,7 @@ function `coordinate(reports, table)`:
    inputs are identical on every rank, so is the descriptor. If it is above the agreed
    mode, the table's candidate of exactly the agreed mode is taken, else NONE.
 6. Idle ranks run a dummy step of the agreed descriptor (`RankPlan.dummy`). Under NONE a
-   busy rank runs its own batch unpadded (DESIGN.md §4.3) and the descriptor is
+   busy rank runs its own batch unpadded (docs/architecture.md §4) and the descriptor is
    NONE(max tokens, max reqs): the agreed size an idle rank's dummy step uses.
 7. Microbatching (two microbatches, split at `split = padded // 2` where padded is the
    agreed token count): all-or-nothing -- every rank must want it -- and abandoned when

@@ -29,6 +29,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -207,6 +208,30 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _new_groups(
+    layout: dict[str, list[list[int]]], rank: int, backend: str, timeout: timedelta
+) -> tuple[dict[str, ParallelGroup], dist.ProcessGroup | None]:
+    """Create every TP, PP and DP group of `layout`; returns this rank's group of each kind
+    and its PP broadcast communicator (None without pipeline parallelism)."""
+    mine: dict[str, ParallelGroup] = {}
+    pp_broadcast = None
+    # Every rank must create every group, in the same order, members or not.
+    for kind in ("tp", "pp", "dp"):
+        for ranks in layout[kind]:
+            device_group = dist.new_group(ranks, backend=backend, timeout=timeout) if len(ranks) > 1 else None
+            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if len(ranks) > 1 else None
+            sibling = None
+            if kind == "pp" and len(ranks) > 1:
+                # A second communicator over the same ranks, so that the sampled-token
+                # broadcast never queues behind the hidden-state send/recv.
+                sibling = dist.new_group(ranks, backend=backend, timeout=timeout)
+            if rank in ranks:
+                mine[kind] = ParallelGroup(kind, list(ranks), ranks.index(rank), device_group, cpu_group)
+                if kind == "pp":
+                    pp_broadcast = sibling
+    return mine, pp_broadcast
+
+
 def init_distributed(parallel_config: ParallelConfig, device: torch.device | str | None = None) -> ParallelGroups:
     """Join the world described by the torchrun env variables and build the DP x PP x TP groups.
 
@@ -241,34 +266,18 @@ def init_distributed(parallel_config: ParallelConfig, device: torch.device | str
     timeout = timedelta(seconds=parallel_config.collective_timeout_s)
     owns_world = not dist.is_initialized()
     if owns_world:
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(
             f"torch.distributed is already initialized with rank {dist.get_rank()} of {dist.get_world_size()}, "
             f"but the environment says rank {rank} of {world_size}"
         )
-    tp_size, pp_size, dp_size = (
-        parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size, parallel_config.data_parallel_size,
-    )
+    tp_size = parallel_config.tensor_parallel_size
+    pp_size = parallel_config.pipeline_parallel_size
+    dp_size = parallel_config.data_parallel_size
     world_cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    layout = group_ranks(tp_size, pp_size, dp_size)
-    mine: dict[str, ParallelGroup] = {}
-    pp_broadcast = None
-    # Every rank must create every group, in the same order, members or not.
-    for kind in ("tp", "pp", "dp"):
-        for ranks in layout[kind]:
-            device_group = dist.new_group(ranks, backend=backend, timeout=timeout) if len(ranks) > 1 else None
-            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if len(ranks) > 1 else None
-            sibling = None
-            if kind == "pp" and len(ranks) > 1:
-                # A second communicator over the same ranks, so that the sampled-token
-                # broadcast never queues behind the hidden-state send/recv.
-                sibling = dist.new_group(ranks, backend=backend, timeout=timeout)
-            if rank in ranks:
-                mine[kind] = ParallelGroup(kind, list(ranks), ranks.index(rank), device_group, cpu_group)
-                if kind == "pp":
-                    pp_broadcast = sibling
+    mine, pp_broadcast = _new_groups(group_ranks(tp_size, pp_size, dp_size), rank, backend, timeout)
     groups = ParallelGroups(
         parallel_config, rank, world_size, local_rank, device, mine["tp"], mine["pp"], mine["dp"],
         pp_broadcast_group=pp_broadcast, world_cpu_group=world_cpu_group, owns_world=owns_world,

@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise SystemExit("graphrunner launch: give the command after --, e.g. graphrunner launch --nproc 2 -- python x.py")
+        raise SystemExit(
+            "graphrunner launch: give the command after --, e.g. graphrunner launch --nproc 2 -- python x.py"
+        )
     if args.nproc < 1:
         raise SystemExit(f"graphrunner launch: --nproc={args.nproc} must be >= 1")
     return launch(cmd, args.nproc, timeout=args.timeout, prefix=not args.no_prefix)

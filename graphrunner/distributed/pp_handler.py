@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -281,7 +282,7 @@ class PPHandler:
 
     @classmethod
     def loopback(
-        cls, pp_size: int, max_num_reqs: int, device: torch.device | str = "cpu", **kwargs: object
+        cls, pp_size: int, max_num_reqs: int, device: torch.device | str = "cpu", **kwargs: Any
     ) -> list[PPHandler]:
         """One handler per stage of an in-process pipeline (tests, single-process simulation):
         the last stage's broadcasts reach the others without torch.distributed. Receives are

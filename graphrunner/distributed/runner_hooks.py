@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from capture.descriptor import BatchExecutionDescriptor
 from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import StageBuffers
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch
@@ -123,7 +125,7 @@ class ParallelHooks:
         self.last_dp_decision = decision
         return decision.for_rank(self.groups.dp_rank)
 
-    def idle_step(self, graphs: StepGraphs, run_dummy_step: Callable[[BatchExecutionDescriptor], None]) -> None:
+    def idle_step(self, graphs: StepGraphs, body: StepBody) -> None:
         """A DP rank with nothing scheduled: join the coordination and run a dummy step of
         the agreed size, so that every collective inside the step (TP, PP) matches."""
         if self.groups.dp_size == 1:
@@ -132,7 +134,20 @@ class ParallelHooks:
         if plan.skip:
             return
         self.num_dummy_steps += 1
-        run_dummy_step(plan.descriptor)
+        self._dummy_step(graphs, body, plan.descriptor)
+
+    def _dummy_step(self, graphs: StepGraphs, body: StepBody, desc: BatchExecutionDescriptor) -> None:
+        """The agreed descriptor over scratch entries only: the same graph / compiled / eager
+        body (and PP exchange) as a real step of that shape, touching no live request."""
+        query_lens = graphs.capture_query_lens(desc)
+        num_reqs_padded = desc.num_reqs if desc.num_reqs is not None else len(query_lens)
+        batch = body.dummy_batch(query_lens, SamplingFeatures(), num_reqs_padded, desc.num_tokens)
+        body.current_batch = batch
+        self.before_forward(batch.num_tokens_padded)
+        graphs.run(desc, batch)
+        self.after_forward(batch, None, body.post_update)
+        body.current_batch = None
+        body.reset_scratch_row()
 
     # ---- per step: PP -----------------------------------------------------------------
     def before_forward(self, num_tokens_padded: int) -> None:

@@ -15,15 +15,22 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from graphrunner.cli import (
+from graphrunner.cli_args import (
     CUDAGRAPH_MODES,
     add_graph_args,
     add_limit_args,
     add_runner_args,
+    limit_kwargs,
     parse_int_list,
     runner_kwargs,
 )
+
+if TYPE_CHECKING:
+    from graphrunner.engine.llm import LLM
+    from graphrunner.engine.request import RequestOutput
+    from graphrunner.protocol import SamplingParams
 
 NUM_SHOWN_OUTPUTS = 3
 TOKENIZER_FILE = "tokenizer.json"
@@ -101,26 +108,9 @@ def run(args: argparse.Namespace) -> int:
         return launch([sys.executable, "-m", "graphrunner.cli", *argv], world, timeout=args.launch_timeout)
     is_printer = int(os.environ.get("RANK", "0")) == 0
 
-    from graphrunner.engine.llm import LLM
-    from graphrunner.protocol import SamplingParams
-
     # Load the tokenizer before the model so that a missing one fails fast.
     tokenizer = _load_tokenizer(args.model) if args.prompt else None
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            ignore_eos=args.ignore_eos,
-        )
-    except ValueError as e:
-        raise SystemExit(f"graphrunner generate: {e}") from None
-    if args.prompt is None and (args.num_prompts < 1 or args.prompt_len < 1):
-        raise SystemExit(
-            f"graphrunner generate: --num-prompts={args.num_prompts} and --prompt-len={args.prompt_len} must be >= 1"
-        )
-
+    params = _sampling_params(args)
     if args.record_batches:
         try:  # fail before loading the model, and start from an empty trace
             Path(args.record_batches).write_text("")
@@ -128,25 +118,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"graphrunner generate: --record-batches={args.record_batches!r}: {e}") from None
 
     load_start = time.perf_counter()
-    try:
-        llm = LLM(
-            **runner_kwargs(args),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks,
-            enforce_eager=args.enforce_eager,
-            cudagraph_mode=args.mode,
-            cudagraph_capture_sizes=_sizes(args.capture_sizes),
-            debug_cudagraphs=args.debug_cudagraphs,
-            async_scheduling=args.async_scheduling,
-            tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp,
-            data_parallel_size=args.dp,
-            collective_timeout_s=args.collective_timeout,
-        )
-    except (ValueError, FileNotFoundError) as e:  # bad model name, folder or limits: no traceback needed
-        raise SystemExit(f"graphrunner generate: {e}") from None
+    llm = _build_llm(args)
     load_seconds = time.perf_counter() - load_start
 
     if tokenizer is not None:
@@ -167,18 +139,73 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"graphrunner generate: {e}") from None
     elapsed = time.perf_counter() - start
+    llm.shutdown()
+    if is_printer:
+        _print_summary(args, llm, prompts, outputs, tokenizer, load_seconds=load_seconds, elapsed=elapsed)
+    return 0
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of the command line; SystemExit naming a bad value."""
+    from graphrunner.protocol import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: {e}") from None
+    if args.prompt is None and (args.num_prompts < 1 or args.prompt_len < 1):
+        raise SystemExit(
+            f"graphrunner generate: --num-prompts={args.num_prompts} and --prompt-len={args.prompt_len} must be >= 1"
+        )
+    return params
+
+
+def _build_llm(args: argparse.Namespace) -> LLM:
+    """The engine the command line describes; SystemExit on a bad model name, folder or limit."""
+    from graphrunner.engine.llm import LLM
+
+    try:
+        return LLM(
+            **runner_kwargs(args),
+            **limit_kwargs(args),
+            enforce_eager=args.enforce_eager,
+            cudagraph_mode=args.mode,
+            cudagraph_capture_sizes=_sizes(args.capture_sizes),
+            debug_cudagraphs=args.debug_cudagraphs,
+            async_scheduling=args.async_scheduling,
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            data_parallel_size=args.dp,
+            collective_timeout_s=args.collective_timeout,
+        )
+    except (ValueError, FileNotFoundError) as e:  # no traceback needed
+        raise SystemExit(f"graphrunner generate: {e}") from None
+
+
+def _print_summary(
+    args: argparse.Namespace,
+    llm: LLM,
+    prompts: list[list[int]],
+    outputs: list[RequestOutput],
+    tokenizer: Any,
+    *,
+    load_seconds: float,
+    elapsed: float,
+) -> None:
     graphs = llm.runner.graphs
     mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"
-    llm.shutdown()
-    if not is_printer:
-        return 0
-
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"model:            {args.model}")
     print(f"device:           {llm.device}")
     print(f"cudagraph mode:   {mode_name}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
-    if world > 1:
+    if args.tp * args.pp * args.dp > 1:
         print(f"tensor parallel:  {args.tp}")
         print(f"pipeline stages:  {args.pp}")
         print(f"data parallel:    {args.dp}")
@@ -194,7 +221,6 @@ def run(args: argparse.Namespace) -> int:
     for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):
         shown = repr(tokenizer.decode(out.token_ids)) if tokenizer is not None else out.token_ids
         print(f"output {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {shown}")
-    return 0
 
 
 def _random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -220,8 +246,3 @@ def _load_tokenizer(model: str):
         ) from None
     return Tokenizer.from_file(str(path))
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from graphrunner.cli import main
-
-    sys.exit(main(["generate", *sys.argv[1:]]))

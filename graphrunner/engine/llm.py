@@ -58,6 +58,37 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse `LLM`'s extra keywords that are not `CompilationConfig` fields (TypeError, as Python would)."""
+    unknown = set(kwargs) - _COMPILATION_FIELDS
+    if unknown:
+        raise TypeError(
+            f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
+            f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
+        )
+
+
+def _parallel_config(
+    tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
+    async_scheduling: bool,
+) -> ParallelConfig:
+    """The `ParallelConfig` of `LLM`'s layout arguments; refuses async scheduling over several processes."""
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size,
+        collective_timeout_s=collective_timeout_s,
+    )
+    if async_scheduling and parallel.world_size > 1:
+        # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
+        # protocol for placeholders; neither is built, so refuse instead of diverging.
+        raise ValueError(
+            f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
+            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
+        )
+    return parallel
+
+
 class LLM:
     """Offline batch generation over one `ModelRunner`.
 
@@ -111,34 +142,43 @@ class LLM:
         collective_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
-        unknown = set(kwargs) - _COMPILATION_FIELDS
-        if unknown:
-            raise TypeError(
-                f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
-                f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
-            )
-        # Imported here so that the engine package imports without the model stack.
-        from graphrunner.distributed.groups import init_distributed
-        from graphrunner.models.loader import is_builtin, load_model_config
-        from graphrunner.runner import ModelRunner
-
-        parallel = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            collective_timeout_s=collective_timeout_s,
+        _check_compilation_kwargs(kwargs)
+        parallel = _parallel_config(
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling
         )
-        if async_scheduling and parallel.world_size > 1:
-            # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
-            # protocol for placeholders; neither is built, so refuse instead of diverging.
-            raise ValueError(
-                f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
-                f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
-            )
+        self._init_distributed(parallel, device, dtype)
+        self.config = self._build_config(
+            model, parallel, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, seed=seed, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, enforce_eager=enforce_eager,
+            compilation_kwargs=kwargs,
+        )
+        self._init_runner()
+        self.scheduler = self._make_scheduler(async_scheduling)
+        self.async_scheduling = async_scheduling
+        # Async scheduling: the launched step whose output is not applied yet.
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        self._next_req_id = 0
+        self.record_batches: str | os.PathLike | None = record_batches
+
+    def _init_distributed(self, parallel: ParallelConfig, device: torch.device | str | None, dtype: str) -> None:
+        """Join the process groups of `parallel`; sets `device` (this rank's), `groups` and `dtype`."""
+        # Imported here (as in the helpers below) so that the engine package imports without the model stack.
+        from graphrunner.distributed.groups import init_distributed
+
         self.device = torch.device(device) if device is not None else default_device()
         self.groups = init_distributed(parallel, self.device)
         self.device = self.groups.device
         self.dtype = resolve_dtype(dtype, self.device)
+
+    def _build_config(
+        self, model: str, parallel: ParallelConfig, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+        max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
+        gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
+    ) -> RunnerConfig:
+        """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
+        from graphrunner.models.loader import is_builtin, load_model_config
+
         model_config = load_model_config(model)
         if max_model_len is None:
             max_model_len = min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -146,7 +186,7 @@ class LLM:
             load_format = "dummy"  # builtins have no checkpoint
         if enforce_eager is None:
             enforce_eager = self.device.type != "cuda"
-        self.config = RunnerConfig(
+        return RunnerConfig(
             model=model_config,
             load=LoadConfig(model=model, load_format=load_format, seed=seed),
             cache=CacheConfig(
@@ -159,34 +199,37 @@ class LLM:
                 enable_chunked_prefill=True,
             ),
             parallel=parallel,
-            compilation=CompilationConfig(enforce_eager=enforce_eager, **kwargs),
+            compilation=CompilationConfig(enforce_eager=enforce_eager, **compilation_kwargs),
             dtype=dtype,
             seed=seed,
         )
 
+    def _init_runner(self) -> None:
+        """Build the `ModelRunner`, load the weights, allocate the KV cache, then capture graphs unless eager."""
+        from graphrunner.runner import ModelRunner
+
         self.runner = ModelRunner(self.config, self.device, self.groups)
         self.runner.load_model()
+        num_kv_blocks = self.config.cache.num_blocks
         num_blocks = num_kv_blocks if num_kv_blocks is not None else self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
-        if not enforce_eager:
+        if not self.config.compilation.enforce_eager:
             self.runner.capture_model()
 
-        self.scheduler = Scheduler(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+    def _make_scheduler(self, async_scheduling: bool) -> Scheduler:
+        """The `Scheduler` over the runner's KV cache, under the configured batch limits."""
+        limits = self.config.scheduler
+        return Scheduler(
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             max_model_len=self.runner.max_model_len,
-            block_size=block_size,
+            block_size=self.config.cache.block_size,
             num_blocks=self.runner.num_kv_blocks,
             enable_chunked_prefill=True,
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
         )
-        self.async_scheduling = async_scheduling
-        # Async scheduling: the launched step whose output is not applied yet.
-        self._in_flight: tuple[SchedulerOutput, Any] | None = None
-        self._next_req_id = 0
-        self.record_batches: str | os.PathLike | None = record_batches
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Every check a request passes before it is queued; raises ValueError and changes nothing.

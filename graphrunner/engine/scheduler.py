@@ -226,14 +226,34 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Always returns an output (possibly with no tokens)."""
-        budget = self.max_num_batched_tokens
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
+        budget = self._schedule_running(self.max_num_batched_tokens, cached, num_scheduled, preempted)
+        # Admit waiting requests only if the cache was not just found to be full.
+        if not preempted:
+            budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
 
-        # Pass 1: running requests. `self.running` shrinks from the tail as we preempt, and
-        # only unscheduled requests (index > i) or the current one can be preempted.
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+        if self.async_scheduling and num_scheduled:
+            self._advance_in_flight(so)
+        return so
+
+    def _schedule_running(
+        self, budget: int, cached: CachedRequestData, num_scheduled: dict[str, int], preempted: set[str]
+    ) -> int:
+        """Pass 1: schedule the running requests in admission order; returns the budget left."""
+        # `self.running` shrinks from the tail as we preempt, and only unscheduled
+        # requests (index > i) or the current one can be preempted.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -250,9 +270,11 @@ class Scheduler:
             num_scheduled[req.req_id] = num_new
             budget -= num_new
             i += 1
+        return budget
 
-        # Pass 2: admit waiting requests, unless the cache was just found to be full.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, budget: int, new_reqs: list[NewRequestData], num_scheduled: dict[str, int]) -> int:
+        """Pass 2: admit waiting requests in FCFS order; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it is known (FCFS)
@@ -279,19 +301,7 @@ class Scheduler:
             )
             num_scheduled[req.req_id] = num_new
             budget -= num_new
-
-        finished, self._finished_req_ids = self._finished_req_ids, set()
-        so = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
-        )
-        if self.async_scheduling and num_scheduled:
-            self._advance_in_flight(so)
-        return so
+        return budget
 
     def _finishes_in_flight(self, req: Request) -> bool:
         """Async: the request's in-flight tokens already end it by length; nothing more to schedule."""

@@ -161,7 +161,7 @@ def compute_slot_mapping(
     """Write each token's KV-cache slot: `block_table[b, pos // bs] * bs + pos % bs`.
 
     Padded tokens (`t >= query_start_loc[R_pad]`) get slot -1, which the KV-write
-    kernel skips (DESIGN.md §4).
+    kernel skips (docs/architecture.md §4).
     """
     if block_table.dim() != 2 or block_table.shape[0] < 1:
         raise ValueError(f"block_table has shape {tuple(block_table.shape)}, expected [R_pad, M] with R_pad >= 1")

@@ -14,7 +14,7 @@ Row state (persistent tensors, indexed by row):
   last_sampled        [rows] int32   last token sampled for the row (stays on the device)
   all_token_ids       [rows, max_model_len] int32   token history
 
-Each public function writes every element of its outputs (padding included, DESIGN.md
+Each public function writes every element of its outputs (padding included, docs/architecture.md
 §4) and dispatches to the Triton kernel on CUDA or to the torch reference elsewhere;
 the `_torch` / `_triton` variants are exported for tests. Neither implementation
 synchronizes with the host or allocates value-dependent shapes.

@@ -77,7 +77,9 @@ class ColumnLinear(_LinearBase):
     ) -> None:
         self.in_features, self.out_features = in_features, out_features
         out_local = _split(out_features, tp_size, "out_features")
-        super().__init__(in_features, out_local, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank)
+        super().__init__(
+            in_features, out_local, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank
+        )
 
     # A shard is one fused part (q/k/v, gate/up); plain ColumnLinear has one, `None`.
     def _shard_layout(self, shard_id) -> tuple[int, int, int]:
@@ -189,12 +191,15 @@ class RowLinear(_LinearBase):
             raise ValueError(f"RowLinear with tp_size={tp_size} needs an all_reduce function")
         self.in_features, self.out_features = in_features, out_features
         in_local = _split(in_features, tp_size, "in_features")
-        super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank)
+        super().__init__(
+            in_local, out_features, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank
+        )
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out]
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
         out = self.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 

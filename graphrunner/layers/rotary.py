@@ -60,13 +60,14 @@ def compute_inv_freq(
         raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (rope_theta**exponent)
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; allowed: {sorted(ROPE_TYPES)}")
     if rope_type == "linear":
-        inv_freq = inv_freq / float(rope_scaling["factor"])
+        inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     return inv_freq
 
 
@@ -92,6 +93,8 @@ class RotaryEmbedding(nn.Module):
     first half of each row is cos, the second half sin (one gather serves both). It is
     non-persistent: it is derived from the config, never loaded from a checkpoint.
     """
+
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer in __init__)
 
     def __init__(
         self,

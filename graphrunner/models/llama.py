@@ -21,8 +21,9 @@ next one, and a non-first stage takes them as extra `forward` arguments.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,8 @@ class Attention(nn.Module):
             config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
             tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None,
         )
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
@@ -94,11 +97,11 @@ class Attention(nn.Module):
         self,
         positions: torch.Tensor,  # [T] int64
         hidden: torch.Tensor,  # [T, hidden]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hkv, D]; None in op mode
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # q: [T, H, D]; k, v: [T, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary[0](positions, q, k)
         # The split leaves v a strided view of qkv; backends get contiguous inputs.
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
         """The single call into the attention backend: the torch.compile split point.
@@ -123,6 +126,7 @@ class Attention(nn.Module):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous for the reshape
             torch.ops.graphrunner.unified_attention(q, k, v, out, self.layer_index, self.scale)
             return out
+        assert kv_cache is not None, "outside op mode every layer gets its KV cache"
         return self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)
 
 
@@ -248,6 +252,11 @@ class LlamaModel(nn.Module):
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
 
+    @property
+    def local_layers(self) -> list[DecoderLayer]:
+        """This stage's decoder layers (the other entries of `layers` are `MissingLayer`s)."""
+        return [layer for layer in self.layers[self.start_layer : self.end_layer] if isinstance(layer, DecoderLayer)]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int32
@@ -258,25 +267,42 @@ class LlamaModel(nn.Module):
         residual_in: torch.Tensor | None = None,  # [T, hidden]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Last stage: [T, hidden] after the final norm. Other stages: (hidden, residual)."""
-        local_layers = self.layers[self.start_layer : self.end_layer]
+        local_layers = self.local_layers
+        caches: Sequence[torch.Tensor | None]
         if self.attention_op_mode:
             # The op takes each layer's cache from the forward context; not touching the
             # list here keeps it (and its guards) out of the compiled graph.
-            kv_caches = [None] * len(local_layers)
+            caches = [None] * len(local_layers)
         elif len(kv_caches) != len(local_layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(local_layers)} layers")
+        else:
+            caches = kv_caches
+        residual: torch.Tensor | None
         if self.is_first_stage:
+            assert self.embed_tokens is not None, "the first stage holds the embedding"
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             if hidden_in is None or residual_in is None:
                 raise ValueError("a non-first pipeline stage needs hidden_in and residual_in")
             hidden, residual = hidden_in, residual_in
-        for layer, kv_cache in zip(local_layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(local_layers, caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        assert residual is not None, "every stage runs at least one layer"
         if not self.is_last_stage:
             return hidden, residual
+        assert self.norm is not None, "the last stage holds the final norm"
         hidden, _ = self.norm.add_norm(hidden, residual)
         return hidden
+
+
+@runtime_checkable
+class ShardedModule(Protocol):
+    """A layer whose parameters are split across TP ranks (linear layers, vocab embedding
+    and head): it knows a parameter's full checkpoint shape and loads its own share."""
+
+    def checkpoint_shape(self, param: str, shard_id: int | str | None = None) -> tuple[int, ...]: ...
+
+    def load_shard(self, param: str, tensor: torch.Tensor, shard_id: int | str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -284,7 +310,7 @@ class _WeightTarget:
     """Where one checkpoint tensor goes: its expected (full HF) shape and the copy."""
 
     shape: tuple[int, ...]
-    load: Callable[[torch.Tensor], None]
+    load: Callable[[torch.Tensor], object]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -345,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         `kv_caches` and `attn_metadata` arguments of `forward` are then ignored.
         """
         self.model.attention_op_mode = bool(enabled)
-        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
+        for layer in self.model.local_layers:
             layer.self_attn.attention_op_mode = bool(enabled)
 
     @property
@@ -355,8 +381,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         """Full-vocabulary logits on every TP rank (last PP stage only)."""
         if not self.model.is_last_stage:
-            raise RuntimeError(f"compute_logits on pipeline stage {self.pp_rank} of {self.pp_size}: only the last has the head")
+            raise RuntimeError(
+                f"compute_logits on pipeline stage {self.pp_rank} of {self.pp_size}: only the last has the head"
+            )
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        assert head is not None, "a tied head keeps the embedding on the last stage"
         return head.logits(hidden)
 
     # ------------------------------------------------------------------ weight loading
@@ -401,11 +430,11 @@ class LlamaForCausalLM(nn.Module):
         def plain(name: str, param: nn.Parameter) -> None:
             targets[name] = _WeightTarget(tuple(param.shape), param.copy_)
 
-        def sharded(name: str, layer, param: str, shard_id=None) -> None:
-            targets[name] = _WeightTarget(
-                layer.checkpoint_shape(param, shard_id),
-                lambda t, layer=layer, param=param, shard_id=shard_id: layer.load_shard(param, t, shard_id),
-            )
+        def sharded(name: str, layer: ShardedModule, param: str, shard_id: int | str | None = None) -> None:
+            def load(tensor: torch.Tensor) -> None:
+                layer.load_shard(param, tensor, shard_id)
+
+            targets[name] = _WeightTarget(layer.checkpoint_shape(param, shard_id), load)
 
         m = self.model
         if m.embed_tokens is not None:
@@ -414,8 +443,7 @@ class LlamaForCausalLM(nn.Module):
             plain("model.norm.weight", m.norm.weight)
         if self.lm_head is not None:
             sharded("lm_head.weight", self.lm_head, "weight")
-        for i in range(m.start_layer, m.end_layer):
-            layer = m.layers[i]
+        for i, layer in enumerate(m.local_layers, start=m.start_layer):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             plain(p + "input_layernorm.weight", layer.input_layernorm.weight)
@@ -426,7 +454,7 @@ class LlamaForCausalLM(nn.Module):
                     sharded(f"{p}self_attn.{shard}_proj.{param}", attn.qkv_proj, param, shard)
             for param in ["weight"] + (["bias"] if attn.o_proj.bias is not None else []):
                 sharded(f"{p}self_attn.o_proj.{param}", attn.o_proj, param)
-            if attn.q_norm is not None:
+            if attn.q_norm is not None and attn.k_norm is not None:
                 plain(p + "self_attn.q_norm.weight", attn.q_norm.weight)
                 plain(p + "self_attn.k_norm.weight", attn.k_norm.weight)
             sharded(p + "mlp.gate_proj.weight", mlp.gate_up_proj, "weight", 0)
@@ -458,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
         elif isinstance(module, MergedColumnLinear):
             for i, part in enumerate(tensor.split(list(module.out_sizes), dim=0)):
                 module.load_shard(param, part, i)
-        elif hasattr(module, "load_shard"):
+        elif isinstance(module, ShardedModule):
             module.load_shard(param, tensor)
         else:
             getattr(module, param).copy_(tensor)

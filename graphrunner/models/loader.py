@@ -12,13 +12,16 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphrunner.config import LoadConfig, ModelConfig, resolve_dtype
 from graphrunner.layers.rotary import normalize_rope_scaling
 from graphrunner.models.registry import check_architecture, get_builtin, is_builtin
+
+if TYPE_CHECKING:
+    from graphrunner.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("graphrunner.models")
 
@@ -254,7 +257,7 @@ def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02) 
 
 
 @torch.no_grad()
-def init_dummy_weights_sharded(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights_sharded(model: LlamaForCausalLM, *, seed: int, std: float = 0.02) -> None:
     """Dummy weights of a TP/PP-sharded model equal to the single-process model's shards.
 
     Walks the parameters of the *unsharded* model (built on the meta device, so nothing
@@ -262,9 +265,13 @@ def init_dummy_weights_sharded(model: torch.nn.Module, *, seed: int, std: float 
     generator, same order, same shape), and keeps this rank's share. One full tensor
     exists at a time.
     """
+    from graphrunner.attention.torch_ref import TorchReferenceBackend
     from graphrunner.models.llama import LlamaForCausalLM
 
-    full = LlamaForCausalLM(model.config, None, dtype=next(model.parameters()).dtype, device="meta")
+    # The full model only names and shapes the parameters: its attention never runs.
+    full = LlamaForCausalLM(
+        model.config, TorchReferenceBackend(), dtype=next(model.parameters()).dtype, device="meta"
+    )
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, meta in full.named_parameters():

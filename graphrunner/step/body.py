@@ -168,7 +168,7 @@ class StepBody:
             t[row] = 0
 
     def check_padding_invariants(self) -> None:
-        """Debug mode, after a replay: padding is neutral (DESIGN.md §4.2). Raises AssertionError."""
+        """Debug mode, after a replay: padding is neutral (docs/architecture.md §4). Raises AssertionError."""
         batch = self.current_batch
         if batch is None:
             return

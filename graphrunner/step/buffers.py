@@ -1,6 +1,6 @@
 """StepBuffers: every tensor a step reads or writes on the device, in one place.
 
-A captured graph bakes in the address of every tensor its step touches (DESIGN.md §4.1),
+A captured graph bakes in the address of every tensor its step touches (docs/architecture.md §4),
 so each of them is allocated once, at its largest size, before capture, and rewritten in
 place afterwards. `StepBuffers` holds them all — the per-step inputs, the per-request
 state rows, the sampled-logprob outputs, the pipeline-parallel stage buffers and the KV

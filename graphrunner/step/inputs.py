@@ -1,7 +1,7 @@
 """InputBuffers (persistent, max-size) and InputBatch (one step's views of them).
 
 Every tensor the step reads or writes is a view of a buffer allocated here once, at
-maximum size (DESIGN.md §4). Per step the runner writes the two host arrays that only
+maximum size (docs/architecture.md §4). Per step the runner writes the two host arrays that only
 the scheduler knows (idx_mapping and query_start_loc) into one pinned staging buffer
 and uploads it with a single H2D copy; everything else is derived on the device.
 

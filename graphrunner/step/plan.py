@@ -131,7 +131,7 @@ class StepPlanner:
         if eager:
             uniform = None  # and no decode plan
         desc = self.dispatch(num_reqs, num_tokens, uniform, eager)
-        # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (DESIGN.md §4.3).
+        # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (docs/architecture.md §4).
         num_reqs_padded = desc.num_reqs if desc.is_full and desc.num_reqs is not None else num_reqs
         requests = self.state.requests
         self.inputs.upload(idx_mapping, query_lens, num_reqs_padded, requests.scratch_row)

@@ -47,9 +47,7 @@ class CaptureSpec:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        mode = CUDAGraphMode.parse(self.mode)
-        if mode is CUDAGraphMode.NONE:
-            raise ValueError("mode=NONE captures nothing; pick one of PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
+        CUDAGraphMode.parse_capturing(self.mode)
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
 

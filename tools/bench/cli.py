@@ -1,4 +1,4 @@
-"""`graphrunner bench {latency,capture,throughput,host}`: argument parsing and output.
+"""`graphrunner bench {latency,capture,throughput,host,sampler}`: argument parsing and output.
 
 Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
 `--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
@@ -13,11 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphrunner.cli import (
+from graphrunner.cli_args import (
+    add_command_group,
     add_graph_args,
     add_limit_args,
     add_runner_args,
     add_subcommand,
+    limit_kwargs,
     parse_int_list,
     runner_kwargs,
 )
@@ -26,20 +28,20 @@ _DESCRIPTION = __doc__
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `bench` and its three subcommands to the `graphrunner` parser."""
-    p = subparsers.add_parser(
+    """Add `bench` and its subcommands to the `graphrunner` parser."""
+    sub = add_command_group(
+        subparsers,
         "bench",
         help="benchmarks: decode latency vs roofline, capture cost, offline throughput",
         description=_DESCRIPTION,
+        metavar="BENCHMARK",
+        run=run,
     )
-    sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    sub.required = True
     _register_latency(sub)
     _register_capture(sub)
     _register_throughput(sub)
     _register_host(sub)
     _register_sampler(sub)
-    p.set_defaults(func=run)
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
@@ -71,7 +73,9 @@ def _register_latency(sub: argparse._SubParsersAction) -> None:
 
 
 def _copy_mib_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)")
+    p.add_argument(
+        "--copy-mib", type=int, default=None, help="copy-bandwidth buffer size; default 2048 (CUDA), 128 (CPU)"
+    )
 
 
 def _register_capture(sub: argparse._SubParsersAction) -> None:
@@ -92,7 +96,9 @@ def _register_capture(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_throughput(sub: argparse._SubParsersAction) -> None:
-    p = add_subcommand(sub, "throughput", "offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal")
+    p = add_subcommand(
+        sub, "throughput", "offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal"
+    )
     _common(p)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean, with --dist uniform)")
@@ -224,7 +230,9 @@ def _run_latency(args: argparse.Namespace) -> int:
             raise _fail("latency", e) from None
     try:
         sizes = args.capture_sizes
-        capture_sizes = None if sizes == "batch" else "default" if sizes == "default" else parse_int_list(sizes, "--capture-sizes")
+        capture_sizes = (
+            None if sizes == "batch" else "default" if sizes == "default" else parse_int_list(sizes, "--capture-sizes")
+        )
         spec = LatencySpec(
             **runner_kwargs(args),
             batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
@@ -255,10 +263,7 @@ def _run_capture(args: argparse.Namespace) -> int:
         spec = CaptureSpec(
             **runner_kwargs(args),
             mode=args.mode,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks,
+            **limit_kwargs(args),
             capture_sizes=parse_int_list(args.capture_sizes, "--capture-sizes") if args.capture_sizes else None,
             inspect_nodes=args.inspect_nodes,
             progress=args.progress,
@@ -282,9 +287,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             output_len=args.output_len,
             dist=args.dist,
             mode=args.mode,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks,
+            **limit_kwargs(args),
             gpu_memory_utilization=args.gpu_memory_utilization,
             copy_bytes=_copy_bytes(args),
             peer=args.peer,

@@ -238,7 +238,9 @@ def _markdown(results: list[dict]) -> str:
         for b in r.get("bubble", []):
             waits = "; ".join(
                 f"stage {st['pp_rank']} waits "
-                + ", ".join(f"{k.removesuffix('_s')} {v:.3f} ms" for k, v in st.items() if k != "pp_rank" and v is not None)
+                + ", ".join(
+                    f"{k.removesuffix('_s')} {v:.3f} ms" for k, v in st.items() if k != "pp_rank" and v is not None
+                )
                 for st in b["stages_ms"]
             )
             lines.append(f"\nPP bubble bs={b['bs']}: instrumented step {b['instrumented_step_ms']:.3f} ms; {waits}")

@@ -30,12 +30,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner_tools.bench.common import Stats, env_info, release_memory, resolve_device
+
+if TYPE_CHECKING:
+    from graphrunner.engine.llm import LLM
 
 logger = logging.getLogger("graphrunner.bench")
 
@@ -133,34 +137,17 @@ class HostResult:
 
 def run_host(spec: HostSpec, log: Log = print) -> HostResult:
     """Measure every (scheduling, batch size) of `spec`; a failure is recorded, not raised."""
-    from graphrunner.engine.llm import LLM
-
     device = resolve_device(spec.device)
     result = HostResult(spec, env_info(device, spec.dtype))
     llm = None
     try:
-        blocks_per_req = -(-spec.tokens_per_request // spec.block_size)
-        compile_backend = spec.compile_backend or ("inductor" if device.type == "cuda" else "eager")
         log(f"building {spec.model} on {device} ({spec.mode}, capture sizes {list(spec.batch_sizes)})")
-        llm = LLM(
-            spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch,
-            # Prefill every engine-loop request in a step or two (eagerly: FULL graphs
-            # cover decodes only), so all of them decode together before any finishes.
-            max_num_batched_tokens=min(max(spec.max_batch, spec.context, spec.max_batch * spec.context), 16384),
-            max_model_len=blocks_per_req * spec.block_size,
-            block_size=spec.block_size, seed=spec.seed, num_kv_blocks=1 + spec.max_batch * blocks_per_req,
-            load_format=spec.load_format, enforce_eager=spec.mode.upper() == "NONE",
-            cudagraph_mode=None if spec.mode.upper() == "NONE" else spec.mode,
-            cudagraph_capture_sizes=spec.batch_sizes, compile_backend=compile_backend,
-        )
-        result.resolved_mode = llm.runner.graphs.mode.name if llm.runner.graphs.captured else "NONE"
+        llm = _build_llm(spec, device)
+        graphs = llm.runner.graphs
+        result.resolved_mode = graphs.mode.name if graphs is not None and graphs.captured else "NONE"
         result.env["output_copy_stream"] = llm.runner.output_ring.copy_stream
         if spec.noop_step:
-            # Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
-            llm.runner.body.run = lambda batch, piecewise=False: None
-            llm.runner.graphs.replay_full = lambda desc, features: None
-            for graph in llm.runner.graphs.full_graphs.values():  # steady decoding replays them directly
-                graph.replay = lambda: None
+            _replace_step_with_noop(llm)
         settle = spec.settle_s if spec.settle_s is not None else (20.0 if device.type == "cuda" else 0.0)
         if settle > 0:
             log(f"settling the host: untimed decode loops for {settle:.0f} s")
@@ -168,25 +155,7 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
             while time.perf_counter() < deadline:
                 _runner_loop(llm.runner, spec, spec.max_batch, spec.schedulings[0])
         for bs in spec.batch_sizes:
-            gpu = _gpu_step_us(llm.runner, spec, bs)
-            samples: dict[str, tuple[list[float], list[float], list[float]]] = {
-                s: ([], [], []) for s in spec.schedulings}
-            repeat_medians: dict[str, list[float]] = {s: [] for s in spec.schedulings}
-            for _ in range(spec.repeats):
-                for scheduling in spec.schedulings:  # interleaved: drift of the host hits both alike
-                    loop = _runner_loop(llm.runner, spec, bs, scheduling)
-                    repeat_medians[scheduling].append(round(float(np.median(loop[0])) * 1e6, 1))
-                    for pooled, new in zip(samples[scheduling], loop, strict=True):
-                        pooled.extend(new)
-            for scheduling in spec.schedulings:
-                row = _measure(llm, spec, bs, scheduling, gpu, samples[scheduling])
-                row.host_repeat_medians_us = repeat_medians[scheduling]
-                result.rows.append(row)
-                log(f"  {scheduling:<5} bs={bs:<4} host {row.host_us:7.1f} us/step (p90 {row.host_p90_us:.1f}, "
-                    f"cpu {row.host_cpu_us:.1f})  "
-                    f"step {row.step_us:8.1f} us  engine host {row.engine_host_us or float('nan'):7.1f} us  "
-                    f"gpu {row.gpu_us if row.gpu_us is not None else float('nan'):8.1f} us  [{row.descriptor}]  "
-                    f"per loop {row.host_repeat_medians_us}")
+            result.rows += _measure_batch_size(llm, spec, bs, log)
     except Exception as e:  # the numbers measured so far still count
         result.error = f"{type(e).__name__}: {e}"
         logger.exception("bench host failed")
@@ -197,6 +166,62 @@ def run_host(spec: HostSpec, log: Log = print) -> HostResult:
         del llm
         release_memory(device)
     return result
+
+
+def _build_llm(spec: HostSpec, device: torch.device) -> LLM:
+    from graphrunner.engine.llm import LLM
+
+    blocks_per_req = -(-spec.tokens_per_request // spec.block_size)
+    compile_backend = spec.compile_backend or ("inductor" if device.type == "cuda" else "eager")
+    return LLM(
+        spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch,
+        # Prefill every engine-loop request in a step or two (eagerly: FULL graphs
+        # cover decodes only), so all of them decode together before any finishes.
+        max_num_batched_tokens=min(max(spec.max_batch, spec.context, spec.max_batch * spec.context), 16384),
+        max_model_len=blocks_per_req * spec.block_size,
+        block_size=spec.block_size, seed=spec.seed, num_kv_blocks=1 + spec.max_batch * blocks_per_req,
+        load_format=spec.load_format, enforce_eager=spec.mode.upper() == "NONE",
+        cudagraph_mode=None if spec.mode.upper() == "NONE" else spec.mode,
+        cudagraph_capture_sizes=spec.batch_sizes, compile_backend=compile_backend,
+    )
+
+
+def _replace_step_with_noop(llm: LLM) -> None:
+    """Host path only: sampled tokens stay whatever the buffer holds (ignore_eos everywhere).
+    Instance attributes shadow the methods; steady decoding replays FULL graphs directly."""
+    graphs = llm.runner.graphs
+    noops: list[tuple[object, str, Callable[..., None]]] = [
+        (llm.runner.body, "run", lambda batch, piecewise=False: None)
+    ]
+    if graphs is not None:
+        noops.append((graphs, "replay_full", lambda desc, features: None))
+        noops += [(graph, "replay", lambda: None) for graph in graphs.full_graphs.values()]
+    for owner, method, noop in noops:
+        setattr(owner, method, noop)
+
+
+def _measure_batch_size(llm: LLM, spec: HostSpec, bs: int, log: Log) -> list[HostRow]:
+    """One row per scheduling at batch size `bs`; the runner loops of the schedulings interleave."""
+    gpu = _gpu_step_us(llm.runner, spec, bs)
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {s: ([], [], []) for s in spec.schedulings}
+    repeat_medians: dict[str, list[float]] = {s: [] for s in spec.schedulings}
+    for _ in range(spec.repeats):
+        for scheduling in spec.schedulings:  # interleaved: drift of the host hits both alike
+            loop = _runner_loop(llm.runner, spec, bs, scheduling)
+            repeat_medians[scheduling].append(round(float(np.median(loop[0])) * 1e6, 1))
+            for pooled, new in zip(samples[scheduling], loop, strict=True):
+                pooled.extend(new)
+    rows = []
+    for scheduling in spec.schedulings:
+        row = _measure(llm, spec, bs, scheduling, gpu, samples[scheduling])
+        row.host_repeat_medians_us = repeat_medians[scheduling]
+        rows.append(row)
+        log(f"  {scheduling:<5} bs={bs:<4} host {row.host_us:7.1f} us/step (p90 {row.host_p90_us:.1f}, "
+            f"cpu {row.host_cpu_us:.1f})  "
+            f"step {row.step_us:8.1f} us  engine host {row.engine_host_us or float('nan'):7.1f} us  "
+            f"gpu {row.gpu_us if row.gpu_us is not None else float('nan'):8.1f} us  [{row.descriptor}]  "
+            f"per loop {row.host_repeat_medians_us}")
+    return rows
 
 
 # ---- runner loop ------------------------------------------------------------------------
@@ -364,26 +389,30 @@ def _measure(llm, spec: HostSpec, bs: int, scheduling: str, gpu_us: float | None
 
 
 # ---- rendering ----------------------------------------------------------------------------
-_COLUMNS = ("scheduling", "bs", "host us", "host p90", "host cpu us", "step us", "engine host us", "engine step us", "gpu us",
-            "descriptor")
+_COLUMNS = (
+    "scheduling", "bs", "host us", "host p90", "host cpu us", "step us", "engine host us", "engine step us", "gpu us",
+    "descriptor",
+)
 
 
 def _cells(r: HostRow) -> list[str]:
     def f(x):
         return "n/a" if x is None else f"{x:.1f}"
 
-    return [r.scheduling, str(r.batch_size), f(r.host_us), f(r.host_p90_us), f(r.host_cpu_us), f(r.step_us), f(r.engine_host_us),
-            f(r.engine_step_us), f(r.gpu_us), r.descriptor]
+    times = (r.host_us, r.host_p90_us, r.host_cpu_us, r.step_us, r.engine_host_us, r.engine_step_us, r.gpu_us)
+    return [r.scheduling, str(r.batch_size), *(f(t) for t in times), r.descriptor]
 
 
 def host_text(result: HostResult) -> str:
     rows = [list(_COLUMNS)] + [_cells(r) for r in result.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     noop = (", no-op step body" if result.spec.noop_step else "") + f", {result.spec.wait} wait"
-    driver = {True: ", driver fast path", False: ", torch CUDA calls"}.get(result.env.get("cuda_driver_fast_path"), "")
+    fast_path = result.env.get("cuda_driver_fast_path")
+    driver = ", driver fast path" if fast_path is True else ", torch CUDA calls" if fast_path is False else ""
     if result.env.get("output_copy_stream") is False:
         driver += ", output copies on the compute stream"
-    lines = [f"bench host: {result.spec.model} on {result.env.get('device_name')} ({result.resolved_mode}{noop}{driver})"]
+    where = f"{result.spec.model} on {result.env.get('device_name')}"
+    lines = [f"bench host: {where} ({result.resolved_mode}{noop}{driver})"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     if result.error:
         lines.append(f"error: {result.error}")

@@ -195,7 +195,8 @@ def run_latency(spec: LatencySpec, log: Log = print) -> LatencyResult:
                 result.rows.append(row)
                 log(
                     f"  {mode.name:<9} bs={bs:<4} {row.median_ms:8.3f} ms/step (p90 {row.p90_ms:.3f})  "
-                    f"{row.tokens_per_s:10.1f} tok/s  {100 * row.roofline_fraction:5.1f}% of roofline  [{row.descriptor}]"
+                    f"{row.tokens_per_s:10.1f} tok/s  {100 * row.roofline_fraction:5.1f}% of roofline  "
+                    f"[{row.descriptor}]"
                 )
         except Exception as e:  # one broken mode must not hide the others' numbers
             info.error = f"{type(e).__name__}: {e}"
@@ -262,46 +263,8 @@ def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeIn
 
 
 def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth) -> LatencyRow:
-    device = runner.device
-    req_ids = [f"bench-{bs}-{i}" for i in range(bs)]
-    blocks_per_req = runner.limits.max_num_blocks_per_req
-    rng = np.random.default_rng(spec.seed + bs)
-    params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
-    admit = SchedulerOutput(total_num_scheduled_tokens=bs)
-    for i, rid in enumerate(req_ids):
-        first = _FIRST_REQUEST_BLOCK + i * blocks_per_req
-        prompt = rng.integers(0, runner.vocab_size, size=spec.context).tolist()
-        blocks = list(range(first, first + blocks_per_req))
-        admit.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, blocks, spec.context - 1))
-        admit.num_scheduled_tokens[rid] = 1
-    # Admission is itself a decode at `context`: untimed, like the warmup steps after it.
-    _step(runner, admit, bs)
-    gc.collect()  # start the timed loop with no garbage from admission pending
-    computed = spec.context
-    wall: list[float] = []
-    dev: list[float] = []
-    use_events = device.type == "cuda"
-    # No try/finally: after a failed step the mode is abandoned and its runner shut down,
-    # and a clean-up step here could only mask the original error.
-    for i in range(spec.warmup + spec.steps):
-        so = _decode_output(req_ids, computed)
-        synchronize(device)
-        if use_events:
-            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start_evt.record()
-        t0 = time.perf_counter()
-        runner.execute_model(so)
-        out = runner.sample_tokens()  # D2H copy of the sampled tokens: the step is done
-        t1 = time.perf_counter()
-        if use_events:
-            end_evt.record()
-            end_evt.synchronize()
-        _check_output(out, bs)
-        computed += 1
-        if i >= spec.warmup:
-            wall.append(t1 - t0)
-            if use_events:
-                dev.append(start_evt.elapsed_time(end_evt) / 1e3)
+    req_ids = _admit(runner, spec, bs)
+    wall, dev = _timed_decode_steps(runner, spec, req_ids)
     runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
     runner.sample_tokens()
 
@@ -336,6 +299,56 @@ def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, band
     )
 
 
+def _admit(runner, spec: LatencySpec, bs: int) -> list[str]:
+    """Admit `bs` requests with `context` tokens each, whose first step is already a decode."""
+    req_ids = [f"bench-{bs}-{i}" for i in range(bs)]
+    blocks_per_req = runner.limits.max_num_blocks_per_req
+    rng = np.random.default_rng(spec.seed + bs)
+    params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
+    admit = SchedulerOutput(total_num_scheduled_tokens=bs)
+    for i, rid in enumerate(req_ids):
+        first = _FIRST_REQUEST_BLOCK + i * blocks_per_req
+        prompt = rng.integers(0, runner.vocab_size, size=spec.context).tolist()
+        blocks = list(range(first, first + blocks_per_req))
+        admit.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, blocks, spec.context - 1))
+        admit.num_scheduled_tokens[rid] = 1
+    # Admission is itself a decode at `context`: untimed, like the warmup steps after it.
+    _step(runner, admit, bs)
+    gc.collect()  # start the timed loop with no garbage from admission pending
+    return req_ids
+
+
+def _timed_decode_steps(runner, spec: LatencySpec, req_ids: list[str]) -> tuple[list[float], list[float]]:
+    """Warmup, then timed decode steps: (wall seconds, device seconds (CUDA only)) per timed step."""
+    device, bs = runner.device, len(req_ids)
+    computed = spec.context
+    wall: list[float] = []
+    dev: list[float] = []
+    use_events = device.type == "cuda"
+    # No try/finally: after a failed step the mode is abandoned and its runner shut down,
+    # and a clean-up step here could only mask the original error.
+    for i in range(spec.warmup + spec.steps):
+        so = _decode_output(req_ids, computed)
+        synchronize(device)
+        if use_events:
+            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_evt.record()
+        t0 = time.perf_counter()
+        runner.execute_model(so)
+        out = runner.sample_tokens()  # D2H copy of the sampled tokens: the step is done
+        t1 = time.perf_counter()
+        if use_events:
+            end_evt.record()
+            end_evt.synchronize()
+        _check_output(out, bs)
+        computed += 1
+        if i >= spec.warmup:
+            wall.append(t1 - t0)
+            if use_events:
+                dev.append(start_evt.elapsed_time(end_evt) / 1e3)
+    return wall, dev
+
+
 def _decode_output(req_ids: list[str], computed: int) -> SchedulerOutput:
     """Every request decodes one token; its blocks were all handed over at admission."""
     so = SchedulerOutput(total_num_scheduled_tokens=len(req_ids))
@@ -356,5 +369,6 @@ def _check_output(out, bs: int) -> None:
     """Each request got exactly one token: the step really was a full decode."""
     if len(out.req_ids) != bs or any(len(t) != 1 for t in out.sampled_token_ids):
         raise RuntimeError(
-            f"decode step returned {len(out.req_ids)} requests / tokens {out.sampled_token_ids[:4]}...; expected {bs} x 1"
+            f"decode step returned {len(out.req_ids)} requests / tokens {out.sampled_token_ids[:4]}...; "
+            f"expected {bs} x 1"
         )

@@ -59,7 +59,9 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise PeerUnavailable("transformers not installed: pip install transformers to run the peer comparison") from None
+        raise PeerUnavailable(
+            "transformers not installed: pip install transformers to run the peer comparison"
+        ) from None
     return transformers
 
 
@@ -73,7 +75,9 @@ def hf_config_from_model_config(cfg: ModelConfig):
     """
     transformers = _transformers()
     if cfg.architecture not in _HF_CONFIG_CLASSES:
-        raise ValueError(f"architecture={cfg.architecture!r} has no transformers peer; allowed: {sorted(_HF_CONFIG_CLASSES)}")
+        raise ValueError(
+            f"architecture={cfg.architecture!r} has no transformers peer; allowed: {sorted(_HF_CONFIG_CLASSES)}"
+        )
     config_cls = getattr(transformers, _HF_CONFIG_CLASSES[cfg.architecture])
     fields: dict[str, Any] = dict(
         architectures=[cfg.architecture],
@@ -126,14 +130,20 @@ def hf_state_from_runner(runner_model: nn.Module) -> dict[str, torch.Tensor]:
     gate_up_proj -> gate_proj | up_proj. Raises ValueError for a tensor-parallel shard
     (only the full, tp_size=1 model maps onto a transformers model).
     """
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    if not isinstance(runner_model, LlamaForCausalLM):
+        raise TypeError(f"the peer maps a LlamaForCausalLM onto transformers, not a {type(runner_model).__name__}")
     m = runner_model.model
+    if m.embed_tokens is None or m.norm is None or m.num_local_layers != len(m.layers):
+        raise ValueError("the peer needs the full model (pp_size=1), not one pipeline stage")
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": m.embed_tokens.weight,
         "model.norm.weight": m.norm.weight,
     }
     if runner_model.lm_head is not None:
         out["lm_head.weight"] = runner_model.lm_head.weight
-    for i, layer in enumerate(m.layers):
+    for i, layer in enumerate(m.local_layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -151,7 +161,7 @@ def hf_state_from_runner(runner_model: nn.Module) -> dict[str, torch.Tensor]:
         out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
         if attn.o_proj.bias is not None:
             out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
-        if attn.q_norm is not None:
+        if attn.q_norm is not None and attn.k_norm is not None:
             out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
             out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
         gate, up = mlp.gate_up_proj.weight.split(list(mlp.gate_up_proj.out_sizes), dim=0)  # rows: gate | up
@@ -191,7 +201,9 @@ def hf_model_from_runner(
     theirs = dict(hf.named_parameters())  # tied parameters are listed once
     missing, unexpected = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
     if missing or unexpected:
-        raise ValueError(f"HF/graphrunner parameter names differ: HF-only {missing[:8]}, graphrunner-only {unexpected[:8]}")
+        raise ValueError(
+            f"HF/graphrunner parameter names differ: HF-only {missing[:8]}, graphrunner-only {unexpected[:8]}"
+        )
     for name, param in theirs.items():
         if tuple(param.shape) != tuple(ours[name].shape):
             raise ValueError(f"{name}: HF shape {tuple(param.shape)} != graphrunner shape {tuple(ours[name].shape)}")
@@ -315,7 +327,8 @@ def _time_variant(row: PeerRow, transformers, hf_model, input_ids, output_len, c
     """Warm up, then time one generate of `row.variant`; fills `row` in place."""
     fields: dict[str, Any] = {}
     if row.variant == "hf-eager":
-        row.detail = f"dynamic cache, {getattr(hf_model.config, '_attn_implementation', 'default')} attention, no compile"
+        attn = getattr(hf_model.config, "_attn_implementation", "default")
+        row.detail = f"dynamic cache, {attn} attention, no compile"
         warmup_config = _generation_config(transformers, min(2, output_len))
         config = _generation_config(transformers, output_len)
     else:

@@ -49,7 +49,7 @@ _LAT_COLUMNS = ("mode", "bs", "graph", "ms/step", "p90 ms", "dev ms", "tok/s", "
 
 
 def _latency_cells(result: LatencyResult) -> list[tuple[str, ...]]:
-    cells = []
+    cells: list[tuple[str, ...]] = []
     for r in result.rows:
         cells.append(
             (
@@ -91,8 +91,10 @@ def _mode_lines(result: LatencyResult) -> list[str]:
         parts = [f"mode {m.mode}"]
         if m.resolved_mode and m.resolved_mode != m.mode:
             parts.append(f"resolved to {m.resolved_mode}")
-        if m.capture_seconds is not None:
-            parts.append(f"{m.num_graphs} graphs captured in {m.capture_seconds:.2f} s, pool {m.pool_bytes / _GIB:.3f} GiB")
+        if m.capture_seconds is not None and m.pool_bytes is not None:
+            parts.append(
+                f"{m.num_graphs} graphs captured in {m.capture_seconds:.2f} s, pool {m.pool_bytes / _GIB:.3f} GiB"
+            )
         if m.error:
             parts.append(f"FAILED: {m.error}")
         lines.append("; ".join(parts))
@@ -101,7 +103,8 @@ def _mode_lines(result: LatencyResult) -> list[str]:
 
 def latency_table(result: LatencyResult) -> str:
     """The readable mode x batch table, with the run's context above it."""
-    return "\n".join([*_latency_header(result), *_mode_lines(result), "", *_text_table(_LAT_COLUMNS, _latency_cells(result))])
+    table = _text_table(_LAT_COLUMNS, _latency_cells(result))
+    return "\n".join([*_latency_header(result), *_mode_lines(result), "", *table])
 
 
 def latency_markdown(result: LatencyResult) -> str:
@@ -151,7 +154,9 @@ def require_pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MissingDependency("--png needs matplotlib, which is not installed: pip install 'graphrunner[plot]'") from None
+        raise MissingDependency(
+            "--png needs matplotlib, which is not installed: pip install 'graphrunner[plot]'"
+        ) from None
     return plt
 
 
@@ -195,7 +200,8 @@ def capture_markdown(result: CaptureResult) -> str:
 def throughput_text(result: ThroughputResult) -> str:
     s = result.spec
     lines = [
-        f"offline throughput: {s.model}, {s.num_prompts} prompts, input {s.input_len}, output {s.output_len} ({s.dist})",
+        f"offline throughput: {s.model}, {s.num_prompts} prompts, "
+        f"input {s.input_len}, output {s.output_len} ({s.dist})",
         *env_lines(result.env),
         f"mode {result.mode}, max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}",
         f"input tokens:        {result.input_tokens}",

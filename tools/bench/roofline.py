@@ -7,7 +7,7 @@ step can run is
     roofline seconds = (weight bytes read + KV bytes read) / copy bandwidth
 
 where the copy bandwidth is measured in the same run with one large copy, counting
-bytes read plus bytes written (METHOD.md: measure the ceiling, do not trust the
+bytes read plus bytes written (measure the ceiling, do not trust the
 datasheet). The ratio roofline / measured is the fraction of the roofline achieved.
 
 What is *not* counted, on purpose: activations, logits ([B, V] float32 written and read
@@ -59,7 +59,9 @@ def default_copy_bytes(device: torch.device) -> int:
 
 
 @torch.inference_mode()
-def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, *, iters: int = 20, warmup: int = 3) -> Bandwidth:
+def measure_copy_bandwidth(
+    device: torch.device, nbytes: int | None = None, *, iters: int = 20, warmup: int = 3
+) -> Bandwidth:
     """Median bandwidth of `dst.copy_(src)` with `nbytes`-byte buffers (2 x nbytes moved).
 
     The source holds random bytes, never zeros (zeros can take faster paths). On CUDA

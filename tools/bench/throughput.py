@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +43,13 @@ from graphrunner_tools.bench.common import (
 )
 from graphrunner_tools.bench.peer import PEER_VARIANTS, PeerComparison, compare_with_peer
 from graphrunner_tools.bench.roofline import Bandwidth, kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
+
+if TYPE_CHECKING:
+    import torch
+
+    from graphrunner.engine.llm import LLM
+    from graphrunner.engine.request import RequestOutput
+    from graphrunner.runner import ModelRunner
 
 DISTRIBUTIONS = ("fixed", "uniform")
 _WARMUP_TOKENS = 4
@@ -86,7 +94,9 @@ class ThroughputSpec:
         # The peer runs every prompt as one unpadded batch; the comparison is only fair if
         # our run is the same batch of the same lengths.
         if self.dist != "fixed":
-            raise ValueError(f"peer comparison needs dist='fixed' (one prompt length, no padding), got dist={self.dist!r}")
+            raise ValueError(
+                f"peer comparison needs dist='fixed' (one prompt length, no padding), got dist={self.dist!r}"
+            )
         if self.num_prompts > self.max_num_seqs:
             raise ValueError(
                 f"peer comparison runs all prompts as one batch: num_prompts={self.num_prompts} must be "
@@ -94,7 +104,9 @@ class ThroughputSpec:
             )
         bad = [v for v in self.peer_variants if v not in PEER_VARIANTS]
         if bad or not self.peer_variants:
-            raise ValueError(f"peer_variants={list(self.peer_variants)}; allowed: a non-empty subset of {list(PEER_VARIANTS)}")
+            raise ValueError(
+                f"peer_variants={list(self.peer_variants)}; allowed: a non-empty subset of {list(PEER_VARIANTS)}"
+            )
 
 
 @dataclass
@@ -160,23 +172,11 @@ def sample_lengths(n: int, mean: int, dist: str, rng: np.random.Generator) -> np
     raise ValueError(f"dist={dist!r}; allowed: {DISTRIBUTIONS}")
 
 
-def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
-    """Run the workload on our engine (and, with `spec.peer`, on the transformers peer)."""
+def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, max_model_len: int) -> LLM:
     from graphrunner.engine.llm import LLM
 
-    device = resolve_device(spec.device)
-    bandwidth = measure_copy_bandwidth(device, spec.copy_bytes)
-    # The probe's cached blocks would count as "used" when the engine sizes its KV cache.
-    release_memory(device)
-    rng = np.random.default_rng(spec.seed)
-    input_lens = sample_lengths(spec.num_prompts, spec.input_len, spec.dist, rng)
-    output_lens = sample_lengths(spec.num_prompts, spec.output_len, spec.dist, rng)
-    mode = CUDAGraphMode.parse(spec.mode)
     eager = mode is CUDAGraphMode.NONE
-    max_model_len = int((input_lens + output_lens).max())
-    max_model_len = -(-max_model_len // spec.block_size) * spec.block_size
-
-    llm = LLM(
+    return LLM(
         spec.model,
         dtype=spec.dtype,
         device=device,
@@ -192,44 +192,68 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         cudagraph_mode=None if eager else mode.name,
         compile_backend=spec.compile_backend or default_compile_backend(device),
     )
+
+
+def _ideal_output_tokens_per_s(
+    runner: ModelRunner, concurrency: int, mean_context: float, bandwidth: Bandwidth
+) -> float:
+    """Output tokens/s of `concurrency` requests decoding at `mean_context` tokens each when
+    every step only reads the weights and the KV cache at copy bandwidth."""
+    assert runner.model is not None
+    weights = weight_bytes_read(runner.model, runner.model_config, concurrency)
+    kv_per_token = kv_bytes_per_token(runner.model_config, element_size(runner.dtype))
+    step_bytes = weights + concurrency * mean_context * kv_per_token
+    return concurrency * bandwidth.bytes_per_s / step_bytes
+
+
+def _timed_generate(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], device: torch.device
+) -> tuple[list[RequestOutput], float, int]:
+    """Generate once briefly (warmup), then timed: (outputs, seconds, preemptions of the timed run)."""
+    warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+    # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
+    # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
+    llm.generate(prompts, warm)
+    preempt_before = llm.scheduler.num_preemptions
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    synchronize(device)
+    return outputs, time.perf_counter() - start, llm.scheduler.num_preemptions - preempt_before
+
+
+def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
+    """Run the workload on our engine (and, with `spec.peer`, on the transformers peer)."""
+    device = resolve_device(spec.device)
+    bandwidth = measure_copy_bandwidth(device, spec.copy_bytes)
+    # The probe's cached blocks would count as "used" when the engine sizes its KV cache.
+    release_memory(device)
+    rng = np.random.default_rng(spec.seed)
+    input_lens = sample_lengths(spec.num_prompts, spec.input_len, spec.dist, rng)
+    output_lens = sample_lengths(spec.num_prompts, spec.output_len, spec.dist, rng)
+    mode = CUDAGraphMode.parse(spec.mode)
+    max_model_len = int((input_lens + output_lens).max())
+    llm = _build_llm(spec, device, mode, -(-max_model_len // spec.block_size) * spec.block_size)
     try:
         vocab = llm.vocab_size
         prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
-        warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-        # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
-        # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
-        llm.generate(prompts, warm)
-        preempt_before = llm.scheduler.num_preemptions
-
-        synchronize(device)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-
+        outputs, elapsed, preemptions = _timed_generate(llm, prompts, params, device)
         output_tokens = sum(len(o.token_ids) for o in outputs)
         concurrency = min(spec.num_prompts, spec.max_num_seqs)
         runner = llm.runner
-        assert runner.model is not None
-        weights = weight_bytes_read(runner.model, runner.model_config, concurrency)
-        kv_per_token = kv_bytes_per_token(runner.model_config, element_size(runner.dtype))
         mean_context = float(input_lens.mean() + output_lens.mean() / 2)
-        step_bytes = weights + concurrency * mean_context * kv_per_token
-        ideal = concurrency * bandwidth.bytes_per_s / step_bytes
+        ideal = _ideal_output_tokens_per_s(runner, concurrency, mean_context, bandwidth)
         resolved = runner.graphs.mode.name if runner.graphs is not None else mode.name
         # Kept past shutdown (which drops the KV cache and graphs) for the peer's weights.
         model, model_config, dtype = runner.model, runner.model_config, runner.dtype
         result = ThroughputResult(
-            spec=spec,
-            env=env_info(device, spec.dtype),
-            mode=resolved,
-            bandwidth=bandwidth,
+            spec=spec, env=env_info(device, spec.dtype), mode=resolved, bandwidth=bandwidth,
             input_tokens=int(input_lens.sum()),
             output_tokens=output_tokens,
             expected_output_tokens=int(output_lens.sum()),
             elapsed_seconds=elapsed,
-            preemptions=llm.scheduler.num_preemptions - preempt_before,
+            preemptions=preemptions,
             ideal_batch=concurrency,
             ideal_output_tokens_per_s=ideal,
         )

@@ -38,8 +38,7 @@ class CaptureSpec:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if CUDAGraphMode.parse(self.mode) is CUDAGraphMode.NONE:
-            raise ValueError("mode=NONE captures nothing; pick one of PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
+        CUDAGraphMode.parse_capturing(self.mode)
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
 
@@ -111,10 +110,12 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
             report,
         )
         if device.type != "cuda":
-            result.notes.append("CPU: FULL graphs are emulated (no CUDA graph), so node counts and kernel names are empty")
+            result.notes.append(
+                "CPU: FULL graphs are emulated (no CUDA graph), so node counts and kernel names are empty"
+            )
         elif not report.kernel_histogram():
             result.notes.append("no kernel names: this torch/CUDA version gave no graph node dump")
-        if dot_key is not None:
+        if spec.dot is not None:
             graph = next((g for g in graphs.full_graphs.values() if normalize_key(g.key) == dot_key), None)
             if graph is None:  # dot_graph_key checked the descriptor; only the variant can be missing
                 keys = sorted(g.key for g in graphs.full_graphs.values())

@@ -12,13 +12,15 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from graphrunner.cli import (
+from graphrunner.cli_args import (
     CUDAGRAPH_MODES,
+    add_command_group,
     add_graph_args,
     add_limit_args,
     add_model_args,
     add_runner_args,
     add_subcommand,
+    limit_kwargs,
     parse_int_list,
     runner_kwargs,
 )
@@ -33,19 +35,19 @@ _DEFAULT_MODEL = "builtin:qwen2.5-0.5b"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `inspect` and its subcommands to the `graphrunner` parser."""
-    p = subparsers.add_parser(
+    sub = add_command_group(
+        subparsers,
         "inspect",
         help="graph capture inspection: dispatch table, explain a batch, capture report, replay, simulate",
         description=_DESCRIPTION,
+        metavar="SUBCOMMAND",
+        run=run,
     )
-    sub = p.add_subparsers(dest="inspect_command", metavar="SUBCOMMAND")
-    sub.required = True
     _register_table(sub)
     _register_explain(sub)
     _register_capture(sub)
     _register_replay(sub)
     _register_simulate(sub)
-    p.set_defaults(func=run)
 
 
 # ---- arguments ----------------------------------------------------------------------
@@ -119,12 +121,20 @@ def _register_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, default=200, help="requests in a synthesised workload")
     p.add_argument("--seed", type=int, default=0, help="seeds a synthesised workload")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the synthesising scheduler")
-    add_limit_args(p, max_model_len=2048, num_kv_blocks=None,
-                   help={"max_model_len": "synthesised requests fit in it",
-                         "num_kv_blocks": "the synthesising scheduler's; unset = room for every request (no preemption)"})
+    add_limit_args(
+        p,
+        max_model_len=2048,
+        num_kv_blocks=None,
+        help={
+            "max_model_len": "synthesised requests fit in it",
+            "num_kv_blocks": "the synthesising scheduler's; unset = room for every request (no preemption)",
+        },
+    )
     p.add_argument("--save-trace", metavar="FILE", default=None, help="write the synthesised trace as JSONL")
     p.add_argument("--top", type=int, default=10, help="descriptors listed")
-    p.add_argument("--plot", metavar="PNG", default=None, help="plot mode shares and tokens per step (needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, help="plot mode shares and tokens per step (needs matplotlib)"
+    )
 
 
 # ---- running ------------------------------------------------------------------------
@@ -198,7 +208,9 @@ def _run_explain(args: argparse.Namespace) -> int:
     elif args.num_tokens is not None:
         shape = BatchShape.from_sizes(args.num_tokens, uniform=args.uniform, num_reqs=args.num_reqs)
     else:
-        raise ValueError("describe the batch with --query-lens L1,L2,... or --num-tokens T (--uniform Q | --num-reqs R)")
+        raise ValueError(
+            "describe the batch with --query-lens L1,L2,... or --num-tokens T (--uniform Q | --num-reqs R)"
+        )
     exp = explain_batch(built.table, shape)
     if args.json:
         print_json(explanation_dict(built, shape, exp))
@@ -214,9 +226,7 @@ def _run_capture(args: argparse.Namespace) -> int:
     spec = CaptureSpec(
         **runner_kwargs(args),
         mode=args.mode,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        **limit_kwargs(args),
         capture_sizes=_sizes(args.capture_sizes, "--cudagraph-capture-sizes"),
         dot=tuple(args.dot) if args.dot else None,
         progress=args.progress,

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from capture.dispatch import DispatchTable
 from capture.modes import CUDAGraphMode
@@ -28,7 +28,7 @@ from graphrunner_tools.inspect.render import InspectError, pct, text_table
 RUNTIME_MODES = ("FULL", "PIECEWISE", "NONE")
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 

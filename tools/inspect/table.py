@@ -1,6 +1,6 @@
 """`inspect table`: the dispatch table a configuration gets, without building a model.
 
-The table is built exactly as the runner builds it (graphrunner/step_graphs.py): the
+The table is built exactly as the runner builds it (graphrunner/step/graphs.py): the
 requested mode resolved against the attention backend's graph support, then a
 `DispatchTable` over the capture sizes and batch limits. Only the support level needs
 the backend; by default it is the one the runner would pick on `--device`, found with

@@ -35,8 +35,12 @@ class Workload:
 
 WORKLOADS: Mapping[str, Workload] = MappingProxyType(
     {
-        "decode-heavy": Workload("short prompts, long outputs: mostly uniform decode steps", (16, 128), (128, 512), 0.25),
-        "prefill-heavy": Workload("long prompts, short outputs: mostly (chunked) prefill steps", (256, 1024), (1, 16), 0.5),
+        "decode-heavy": Workload(
+            "short prompts, long outputs: mostly uniform decode steps", (16, 128), (128, 512), 0.25
+        ),
+        "prefill-heavy": Workload(
+            "long prompts, short outputs: mostly (chunked) prefill steps", (256, 1024), (1, 16), 0.5
+        ),
         "mixed": Workload("medium prompts and outputs: prefills interleaved with decodes", (32, 512), (32, 256), 0.5),
     }
 )
@@ -75,6 +79,17 @@ class TokenlessRunner:
         return out
 
 
+def _workload(name: str, num_requests: int, max_model_len: int) -> Workload:
+    """The workload `name`, once the arguments of `synthesize` are known to make sense."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; allowed: {sorted(WORKLOADS)}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests={num_requests} must be >= 1")
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len={max_model_len} must be >= 2 (one prompt token and one output token)")
+    return WORKLOADS[name]
+
+
 def synthesize(
     name: str,
     *,
@@ -99,13 +114,7 @@ def synthesize(
     from graphrunner.engine.llm import batch_record
     from graphrunner.engine.scheduler import Scheduler
 
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; allowed: {sorted(WORKLOADS)}")
-    if num_requests < 1:
-        raise ValueError(f"num_requests={num_requests} must be >= 1")
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len={max_model_len} must be >= 2 (one prompt token and one output token)")
-    wl = WORKLOADS[name]
+    wl = _workload(name, num_requests, max_model_len)
     rng = np.random.default_rng(seed)
     if num_blocks is None:
         num_blocks = max_num_seqs * -(-max_model_len // block_size)
