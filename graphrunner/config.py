@@ -182,9 +182,81 @@ class CompilationConfig:
             raise ValueError(f"compile_backend={self.compile_backend!r}; allowed: {allowed}")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # q = 1 + k multiplies every decode graph's token count
+REJECTION_SAMPLE_METHODS = ("strict", "synthetic")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """Speculative decoding, in vLLM's shape (`speculative_config={...}` / `--speculative-config`).
+
+    `num_speculative_tokens` = k drafts per verifying step (0: off; the uniform decode
+    query length is q = 1 + k). `method` "ngram" looks the drafts up in the request's own
+    history (suffixes of `prompt_lookup_min`..`prompt_lookup_max` tokens); "draft_model"
+    runs `model` (a builtin name or a Hugging Face folder with the target's vocabulary).
+    `rejection_sample_method` "synthetic" accepts each draft with probability
+    `synthetic_acceptance_rate` regardless of the models: a benchmarking aid, never for
+    real output.
+    """
+
     num_speculative_tokens: int = 0
+    method: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: float = 0.8
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an int in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if k == 0:
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method={self.method!r}; allowed: {SPEC_METHODS}")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs a draft `model` (builtin name or HF folder)")
+        if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise ValueError(
+                f"rejection_sample_method={self.rejection_sample_method!r}; allowed: {REJECTION_SAMPLE_METHODS}"
+            )
+        if not 0.0 <= self.synthetic_acceptance_rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate={self.synthetic_acceptance_rate} must be in [0, 1]")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | str | None) -> SpeculativeConfig:
+        """From vLLM's dict (or its JSON text, as `--speculative-config` takes it); None: off."""
+        if config is None:
+            return cls()
+        if isinstance(config, str):
+            import json
+
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON ({e}): {config!r}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; allowed: {sorted(known)}")
+        return cls(**config)
+
+    def check_draft_vocab(self, target_vocab_size: int, draft_vocab_size: int) -> None:
+        """A draft model must share the target's vocabulary (its ids are the target's ids)."""
+        if draft_vocab_size != target_vocab_size:
+            raise ValueError(
+                f"draft model {self.model!r} has vocab_size={draft_vocab_size}, the target {target_vocab_size}: "
+                "a draft model must share the target's vocabulary"
+            )
 
 
 @dataclass(frozen=True)
