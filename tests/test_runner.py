@@ -77,7 +77,8 @@ def _new(rid, tokens, blocks=(0, 1, 2, 3), **kw):
 
 
 def _step(runner, new=(), cached=(), sched=None, finished=()):
-    so = SchedulerOutput(scheduled_new_reqs=list(new), finished_req_ids=set(finished))
+    so = SchedulerOutput(scheduled_new_reqs=list(new),
+                         finished_req_ids=finished if isinstance(finished, list) else set(finished))
     for rid, nc, blocks in cached:
         so.scheduled_cached_reqs.req_ids.append(rid)
         so.scheduled_cached_reqs.new_block_ids.append(blocks)
@@ -98,6 +99,11 @@ BAD_STEPS = {
     "too many tokens": (dict(new=[_new("bad", [1] * 100, blocks=range(13))], sched={"bad": 100}),
                         "max_num_batched_tokens=64"),
     "block id out of range": (dict(new=[_new("bad", [1, 2], blocks=[96])], sched={"bad": 2}), "block id 96"),
+    "float token count": (dict(new=[_new("bad", [1, 2, 3])], sched={"bad": 2.5}), r"2.5 \(float\); token counts"),
+    "bool token count": (dict(cached=[("live", 4, None)], sched={"live": True}), r"True \(bool\)"),
+    "float block id": (dict(new=[_new("bad", [1, 2], blocks=[1.5])], sched={"bad": 2}), r"block id 1.5 \(float\)"),
+    "float num_computed": (dict(cached=[("live", 4.0, None)], sched={"live": 1}), r"4.0 \(float\); must be ints"),
+    "finished ids not a set": (dict(finished=["live"]), "finished_req_ids must be a set"),
     "too few blocks": (dict(new=[_new("bad", [1] * 20, blocks=[5])], sched={"bad": 20}), "holds 1"),
     "decode of several tokens": (dict(cached=[("live", 4, None)], sched={"live": 3}), "exactly 1"),
     "wrong num_computed": (dict(cached=[("live", 2, None)], sched={"live": 1}), "num_computed_tokens=2"),

@@ -125,3 +125,59 @@ def prompt_violation(req_id: str, tokens: list[int], num_computed: int, limits: 
     if not 0 <= num_computed < len(tokens):
         return f"request {req_id!r}: num_computed_tokens={num_computed} must be in [0, {len(tokens)})"
     return None
+
+
+# ---- field types ---------------------------------------------------------------------------
+# Python ints and numpy integers; bool is not a count (type(True) is bool, not int).
+_INT_TYPES = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
+
+
+def _not_ints(values: Any) -> Any:
+    """The first value of `values` that is not an integer, or None (C-level: map(type))."""
+    if set(map(type, values)) <= _INT_TYPES:
+        return None
+    return next(v for v in values if type(v) not in _INT_TYPES)
+
+
+def _all_str(values: Any) -> bool:
+    return set(map(type, values)) <= {str}
+
+
+def field_type_violation(so: Any) -> str | None:
+    """The error of the first SchedulerOutput field of the wrong type, or None.
+
+    Counts, block ids and token counts must be integers (not floats, strings or bools),
+    request ids strings, the id sets sets. A repeated decode batch (the steady-decode
+    plan) compares its counts by value instead: there an integral float equal to q passes.
+    """
+    for name in ("finished_req_ids", "preempted_req_ids"):
+        ids = getattr(so, name)
+        if not isinstance(ids, (set, frozenset)) or not _all_str(ids):
+            return f"{name} must be a set of request id strings, got {ids!r}"
+    nst = so.num_scheduled_tokens
+    if not isinstance(nst, dict) or not _all_str(nst):
+        return f"num_scheduled_tokens must map request id strings to ints, got {nst!r}"
+    bad = _not_ints(nst.values())
+    if bad is not None:
+        return f"num_scheduled_tokens has {bad!r} ({type(bad).__name__}); token counts must be ints"
+    if type(so.total_num_scheduled_tokens) not in _INT_TYPES:
+        return f"total_num_scheduled_tokens={so.total_num_scheduled_tokens!r} must be an int"
+    for new in so.scheduled_new_reqs:
+        if type(new.req_id) is not str:
+            return f"request id {new.req_id!r} must be a string"
+        bad = _not_ints(new.block_ids)
+        if bad is not None:
+            return f"request {new.req_id!r}: block id {bad!r} ({type(bad).__name__}) is not an int"
+        if type(new.num_computed_tokens) not in _INT_TYPES:
+            return f"request {new.req_id!r}: num_computed_tokens={new.num_computed_tokens!r} must be an int"
+    cached = so.scheduled_cached_reqs
+    if not _all_str(cached.req_ids):
+        return f"scheduled_cached_reqs.req_ids must be strings, got {cached.req_ids!r}"
+    bad = _not_ints(cached.num_computed_tokens)
+    if bad is not None:
+        return f"scheduled_cached_reqs.num_computed_tokens has {bad!r} ({type(bad).__name__}); must be ints"
+    for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=False):  # lengths: a rule of its own
+        bad = _not_ints(blocks) if blocks else None
+        if bad is not None:
+            return f"request {rid!r}: new block id {bad!r} ({type(bad).__name__}) is not an int"
+    return None

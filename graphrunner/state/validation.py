@@ -31,6 +31,7 @@ from graphrunner.state.rules import (
     batch_violation,
     block_ids_message,
     block_ids_out_of_range,
+    field_type_violation,
     first_violation,
     prompt_violation,
     token_limit,
@@ -117,6 +118,9 @@ def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) 
 def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
     """Request-by-request check of every rule; raises ValueError at the first violation."""
     requests, held_blocks = state.requests, state.tables.num_blocks
+    error = field_type_violation(so)
+    if error:
+        raise ValueError(error)
     total = sum(so.num_scheduled_tokens.values())
     error = batch_violation(total, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), limits)
     if error:
@@ -248,6 +252,8 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
     requests, tables = state.requests, state.tables
+    if field_type_violation(so):
+        raise _Invalid
     nst = so.num_scheduled_tokens
     num_sched = len(nst)
     n = np.fromiter(nst.values(), dtype=np.int64, count=num_sched)  # [S] tokens per scheduled request
