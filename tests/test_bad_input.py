@@ -147,17 +147,17 @@ def test_params_changed_after_construction_are_caught_at_admission(llm, fresh_to
 # ---- vocabulary-dependent checks (the runner's) ------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(stop_token_ids=[5, 10**6]), "stop_token_ids contains token id 1000000 outside the vocabulary"),
-        (dict(stop_token_ids=[2048]), "stop_token_ids contains token id 2048"),
-        (dict(min_tokens=2, stop_token_ids=[2048]), "stop_token_ids contains token id 2048"),
-        (dict(allowed_token_ids=[1, 5000]), "allowed_token_ids contains token id 5000"),
-        (dict(logit_bias={9999: 1.0}), "logit_bias contains token id 9999"),
-        (dict(logprobs=10**6), "logprobs=1000000 exceeds max_logprobs"),
-    ],
-)
+VOCAB_PARAMS = [
+    (dict(stop_token_ids=[5, 10**6]), "stop_token_ids contains token id 1000000 outside the vocabulary"),
+    (dict(stop_token_ids=[2048]), "stop_token_ids contains token id 2048"),
+    (dict(min_tokens=2, stop_token_ids=[2048]), "stop_token_ids contains token id 2048"),
+    (dict(allowed_token_ids=[1, 5000]), "allowed_token_ids contains token id 5000"),
+    (dict(logit_bias={9999: 1.0}), "logit_bias contains token id 9999"),
+    (dict(logprobs=10**6), "logprobs=1000000 exceeds max_logprobs"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", VOCAB_PARAMS)
 def test_token_ids_outside_the_vocabulary_are_rejected(llm, fresh_tokens, kwargs, match):
     assert llm.vocab_size == 2048  # the messages above assume tiny-llama's vocabulary
     with pytest.raises(ValueError, match=match):
@@ -168,20 +168,20 @@ def test_token_ids_outside_the_vocabulary_are_rejected(llm, fresh_tokens, kwargs
 # ---- prompts ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "prompt, match",
-    [
-        ([1, 1.7, 3], "request '.*' prompt: token id 1.7 at position 1 is not an int"),
-        ([1, "5"], "token id '5' at position 1 is not an int"),
-        ([True, 2], "token id True at position 0 is not an int"),
-        ([1, None], "token id None at position 1"),
-        ([1, -1], "token id -1 is out of range"),
-        ([1, 2048], "token id 2048 is out of range for vocab_size=2048"),
-        ([], "prompt is empty"),
-        (list(range(65)), "prompt length 65 exceeds max_model_len=64"),
-        ("abc", "must be a list of token ids"),
-    ],
-)
+BAD_PROMPTS = [
+    ([1, 1.7, 3], "request '.*' prompt: token id 1.7 at position 1 is not an int"),
+    ([1, "5"], "token id '5' at position 1 is not an int"),
+    ([True, 2], "token id True at position 0 is not an int"),
+    ([1, None], "token id None at position 1"),
+    ([1, -1], "token id -1 is out of range"),
+    ([1, 2048], "token id 2048 is out of range for vocab_size=2048"),
+    ([], "prompt is empty"),
+    (list(range(65)), "prompt length 65 exceeds max_model_len=64"),
+    ("abc", "must be a list of token ids"),
+]
+
+
+@pytest.mark.parametrize("prompt, match", BAD_PROMPTS)
 def test_bad_prompt_rejects_the_whole_call_up_front(llm, fresh_tokens, prompt, match):
     """The bad prompt is the second one: the first, valid, is not run either."""
     with pytest.raises(ValueError, match=match):
