@@ -251,15 +251,12 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
 
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
-    requests, tables = state.requests, state.tables
-    if field_type_violation(so):
+    if field_type_violation(so):  # before numpy reads the counts (it would coerce or raise its own error)
         raise _Invalid
-    nst = so.num_scheduled_tokens
-    num_sched = len(nst)
-    n = np.fromiter(nst.values(), dtype=np.int64, count=num_sched)  # [S] tokens per scheduled request
-    if batch_violation(int(n.sum()), so.total_num_scheduled_tokens, num_sched, limits):
+    requests, tables, nst = state.requests, state.tables, so.num_scheduled_tokens
+    n = np.fromiter(nst.values(), dtype=np.int64, count=len(nst))  # [S] tokens per scheduled request
+    if batch_violation(int(n.sum()), so.total_num_scheduled_tokens, len(n), limits):
         raise _Invalid
-
     removed = so.finished_req_ids | so.preempted_req_ids if (so.finished_req_ids or so.preempted_req_ids) else set()
     index = requests.req_id_to_index
     computed, known, held = requests.num_computed_np, requests.prefill_len_np, tables.num_blocks
@@ -307,7 +304,7 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if any(cached.new_block_ids):
             held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
 
-    if num_sched == 0:
+    if len(n) == 0:
         return
     rows = _rows_of(nst, index, removed, new_rows)
     if any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):

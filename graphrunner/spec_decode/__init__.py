@@ -1,0 +1,6 @@
+"""Speculative decoding (issue #13): graph-safe pieces, not yet wired into the step."""
+
+from graphrunner.spec_decode.ngram import propose_ngram, propose_ngram_torch, propose_ngram_triton
+from graphrunner.spec_decode.rejection import PAD_TOKEN_ID, rejection_sample
+
+__all__ = ["PAD_TOKEN_ID", "propose_ngram", "propose_ngram_torch", "propose_ngram_triton", "rejection_sample"]
