@@ -37,6 +37,36 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
         raise ValueError(f"unknown dtype {dtype!r}; allowed: 'auto', {sorted(_DTYPES)}") from None
 
 
+DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device a run is asked for: None -> cuda when a GPU is available, else cpu.
+
+    Accepts "cpu", "cuda" and "cuda:N" (or such a `torch.device`); anything else, CUDA
+    when no GPU is available, or an index past the last GPU raises ValueError naming the
+    value and the allowed forms, before anything is built.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = f"allowed: {', '.join(repr(f) for f in DEVICE_FORMS)}"
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(str(device))
+    except RuntimeError:  # torch's message lists every backend it was built with
+        raise ValueError(f"unknown device {str(device)!r}; {allowed}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(device)!r}; {allowed}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} needs a CUDA GPU, but none is available; use 'cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"device {str(device)!r} does not exist: {count} CUDA GPU(s) visible (cuda:0..cuda:{count - 1})"
+            )
+    return dev
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     Bad arguments raise SystemExit with a one-line message, as argparse does."""
     import os
 
+    _check_device(args.device)
     world = args.tp * args.pp * args.dp
     if world < 1 or min(args.tp, args.pp, args.dp) < 1:
         raise SystemExit(f"graphrunner generate: --tp={args.tp} --pp={args.pp} --dp={args.dp} must all be >= 1")
@@ -230,19 +231,31 @@ def _random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: in
     return rng.integers(0, vocab_size, size=(num_prompts, prompt_len)).tolist()
 
 
-def _load_tokenizer(model: str):
-    """The `tokenizers.Tokenizer` of a model folder; SystemExit with the reason when there is none."""
-    path = Path(model) / TOKENIZER_FILE
-    if not path.is_file():
-        raise SystemExit(
-            f"graphrunner generate: --prompt needs {TOKENIZER_FILE} in the model folder, "
-            f"but {str(path)!r} does not exist (builtin models have no tokenizer; omit --prompt for random prompts)"
-        )
+def _check_device(device: str | None) -> None:
+    """SystemExit naming a --device that is not cpu, cuda or an existing cuda:N (before any rank starts)."""
+    from graphrunner.config import resolve_device
+
     try:
-        from tokenizers import Tokenizer
+        resolve_device(device)
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: --device: {e}") from None
+
+
+def _load_tokenizer(model: str):
+    """The `tokenizers.Tokenizer` of a model folder; SystemExit with the reason when there is
+    none, the package is missing, or the file cannot be parsed (naming the file)."""
+    from graphrunner.models.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(model)
+    except FileNotFoundError as e:
+        raise SystemExit(
+            f"graphrunner generate: --prompt needs {TOKENIZER_FILE} in the model folder: {e} "
+            f"(builtin models have no tokenizer; omit --prompt for random prompts)"
+        ) from None
     except ImportError:
         raise SystemExit(
             "graphrunner generate: --prompt needs the `tokenizers` package: pip install 'graphrunner[text]'"
         ) from None
-    return Tokenizer.from_file(str(path))
-
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: {e}") from None

@@ -42,6 +42,7 @@ from graphrunner.config import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    resolve_device,
     resolve_dtype,
 )
 from graphrunner.engine.request import RequestOutput
@@ -166,7 +167,7 @@ class LLM:
         # Imported here (as in the helpers below) so that the engine package imports without the model stack.
         from graphrunner.distributed.groups import init_distributed
 
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device) if device is not None else default_device()
         self.groups = init_distributed(parallel, self.device)
         self.device = self.groups.device
         self.dtype = resolve_dtype(dtype, self.device)

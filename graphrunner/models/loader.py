@@ -3,6 +3,12 @@
 `load_model_config` turns `builtin:NAME` or a folder's config.json (old or
 transformers-5 keys) into a `ModelConfig`; `load_model` builds the model on its device
 and fills it with dummy weights or the folder's safetensors.
+
+Damaged inputs raise errors that name the file (and the tensor where one is at fault):
+FileNotFoundError for a missing folder, config.json or shard, `CheckpointError` (a
+ValueError) for a file that cannot be parsed (malformed JSON, a truncated or foreign
+safetensors file, a bad tokenizer.json), a missing or misshaped tensor, or weights that
+are not finite (NaN or inf) once loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphrunner.models")
 
 __all__ = [
+    "CheckpointError",
     "checkpoint_dtype",
     "init_dummy_weights",
     "init_dummy_weights_sharded",
@@ -33,11 +40,18 @@ __all__ = [
     "iter_checkpoint_weights",
     "load_model",
     "load_model_config",
+    "load_tokenizer",
 ]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
 LOAD_FORMATS = ("auto", "dummy")
+
+
+class CheckpointError(ValueError):
+    """A model folder's file is damaged or does not match the model; the message names the
+    file (and the tensor, where one is at fault). The library error, if any, is `__cause__`."""
 
 # config.json `model_type` -> architecture, for configs that omit `architectures`.
 _MODEL_TYPE_TO_ARCH = {
@@ -74,9 +88,13 @@ def load_model_config(model: str) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model folder {str(folder)!r} (looked for {str(path)!r})")
-    with open(path) as f:
-        raw = json.load(f)
-    return model_config_from_dict(raw, name=str(folder))
+    raw = _read_json_object(path)
+    try:
+        return model_config_from_dict(raw, name=str(folder))
+    except KeyError as e:
+        raise CheckpointError(f"{str(path)!r}: required key {e} is missing") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{str(path)!r}: {e}") from e
 
 
 def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> ModelConfig:
@@ -127,10 +145,46 @@ def checkpoint_dtype(model: str) -> torch.dtype | None:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {str(path)!r}")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = _read_json_object(path)
     name = raw.get("dtype") or raw.get("torch_dtype")
     return resolve_dtype(name, "cpu") if name else None
+
+
+def load_tokenizer(model: str | Path) -> Any:
+    """The `tokenizers.Tokenizer` of a model folder's tokenizer.json.
+
+    FileNotFoundError naming the path when there is none, ImportError when the optional
+    `tokenizers` package is missing, CheckpointError naming the file when it cannot be parsed.
+    """
+    path = Path(model) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in model folder {str(model)!r} (looked for {str(path)!r})")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(
+            f"reading {str(path)!r} needs the `tokenizers` package: pip install 'graphrunner[text]'"
+        ) from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for every parse error
+        raise CheckpointError(f"{str(path)!r} is not a valid tokenizer file: {e}") from e
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError naming the file (and the line and column
+    of a syntax error) when it is not valid UTF-8 JSON or not an object."""
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{str(path)!r} is not a text (UTF-8 JSON) file: byte {e.start} is invalid") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(path)!r} holds a JSON {type(raw).__name__}, expected an object")
+    return raw
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -195,11 +249,15 @@ def iter_checkpoint_weights(folder: str | Path, *, progress: bool = False) -> It
 
     One `model.safetensors`, or the shards listed in `model.safetensors.index.json`
     (every shard is checked to exist before the first tensor is yielded). With
-    `progress`, a tqdm bar over shards is shown when there is more than one.
+    `progress`, a tqdm bar over shards is shown when there is more than one. A file that
+    is truncated or not safetensors raises `CheckpointError` naming it.
     """
-    from safetensors import safe_open
+    for _, name, tensor in _iter_file_tensors(_checkpoint_files(Path(folder)), progress=progress):
+        yield name, tensor
 
-    files = _checkpoint_files(Path(folder))
+
+def _iter_file_tensors(files: list[Path], *, progress: bool = False) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Yield (file, HF tensor name, CPU tensor) from `files` in order."""
     bar = None
     if progress and len(files) > 1:
         from tqdm.auto import tqdm
@@ -207,9 +265,9 @@ def iter_checkpoint_weights(folder: str | Path, *, progress: bool = False) -> It
         bar = tqdm(total=len(files), desc="loading shards", unit="shard")
     try:
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with _open_safetensors(file) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield file, name, _read_tensor(f, file, name)
             if bar is not None:
                 bar.update(1)
     finally:
@@ -217,13 +275,40 @@ def iter_checkpoint_weights(folder: str | Path, *, progress: bool = False) -> It
             bar.close()
 
 
+def _open_safetensors(file: Path) -> Any:
+    """`safe_open(file)`; CheckpointError naming the file when its header cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        # The header's offsets reach past the end of the file: the file was cut short
+        # (an interrupted download or copy). Anything else: not a safetensors file at all.
+        what = (
+            "is truncated (its header describes more tensor data than the file holds)"
+            if "incomplete metadata" in str(e)
+            else "is not a safetensors file (or is truncated inside its header)"
+        )
+        raise CheckpointError(f"checkpoint file {str(file)!r} {what}: {e}") from e
+
+
+def _read_tensor(f: Any, file: Path, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"checkpoint file {str(file)!r}: cannot read tensor {name!r}: {e}") from e
+
+
 def _checkpoint_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
     index = folder / INDEX_FILE
     if index.is_file():
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{str(index)!r} has no 'weight_map' object of tensor name -> shard file")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
@@ -236,6 +321,61 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     if others:
         return others
     raise FileNotFoundError(f"no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}) in folder {str(folder)!r}")
+
+
+def _load_checkpoint(model: LlamaForCausalLM, folder: Path) -> None:
+    """Fill `model` from the folder's safetensors, then check that every weight is finite.
+
+    A misshaped or duplicate tensor is reported with the file it came from, a missing one
+    with the folder."""
+    files = _checkpoint_files(folder)
+    current: list[Path] = []  # the file of the tensor being loaded; empty once all are
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, name, tensor in _iter_file_tensors(files, progress=True):
+            current[:] = [file]
+            yield name, tensor
+        current.clear()
+
+    try:
+        model.load_weights(stream())
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        where = f"checkpoint file {str(current[0])!r}" if current else f"checkpoint folder {str(folder)!r}"
+        raise CheckpointError(f"{where}: {e}") from e
+    _check_finite(model, files)
+
+
+@torch.no_grad()
+def _check_finite(model: torch.nn.Module, files: list[Path]) -> None:
+    """CheckpointError naming the first non-finite (NaN or inf) checkpoint tensor and its file.
+
+    Cost: one read of the loaded weights on their device (one min/max reduction per
+    parameter, bandwidth-bound; NaN propagates through both) and one host sync. Only when
+    a parameter fails are the files read again on the CPU, to name the culprit. Checking
+    the parameters, not the files, also catches values that overflow the runtime dtype
+    (an fp32 checkpoint loaded as float16).
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.numel() > 0]
+    if not params:
+        return
+    extremes = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in params])
+    finite = torch.isfinite(extremes).all(dim=1).tolist()
+    if all(finite):
+        return
+    param, tensor = params[finite.index(False)]
+    for file, name, source in _iter_file_tensors(files):
+        if source.dtype.is_floating_point and source.numel() > 0 and not bool(torch.isfinite(source).all()):
+            bad = torch.count_nonzero(~torch.isfinite(source)).item()
+            raise CheckpointError(
+                f"checkpoint file {str(file)!r}: tensor {name!r} has {bad} non-finite (NaN or inf) value(s) "
+                f"of {source.numel()}; the checkpoint is damaged"
+            )
+    raise CheckpointError(
+        f"parameter {param!r} is not finite after casting the checkpoint in {str(files[0].parent)!r} to "
+        f"{tensor.dtype}: its values overflow that dtype; load it in a wider one (e.g. dtype='bfloat16')"
+    )
 
 
 @torch.no_grad()
@@ -318,7 +458,7 @@ def load_model(
             init_dummy_weights(model, seed=load_config.seed)
         source = f"dummy weights (seed {load_config.seed})"
     else:
-        model.load_weights(iter_checkpoint_weights(load_config.model, progress=True))
+        _load_checkpoint(model, Path(load_config.model))
         source = repr(load_config.model)
     model.eval()
     if device.type == "cuda":

@@ -80,6 +80,17 @@ class Sampler:
             "bisect" (sort-free per-row thresholds: less graph-pool memory, slower).
         kernel_impl: how the random rows are sampled: "auto" (default; the fused Triton
             kernels on CUDA when triton imports, else torch), "torch" or "triton".
+
+    Non-finite logits (a faulty model or kernel) are not detected (that would cost a host
+    sync) but are contained: every stage works row by row, so NaN or +-inf in one row never
+    changes another row's token or logprobs, and the bad row still gets a token id in
+    [0, V) (tests/test_fault_step.py checks every variant, both kernel paths). The bad row's
+    token is meaningless; which one it is: the first +inf entry, if any survives the masks
+    (allowed ids, min_tokens); token 0 for a row of only -inf; for a greedy row (and any row
+    of the greedy variant) the first NaN entry, as `torch.argmax` ranks NaN above every
+    number; for a random row with NaN entries some entry of the row (the torch path picks a
+    NaN, the Triton kernels skip NaN entries, an all-NaN row giving 0). Its logprobs are NaN
+    or +-inf, their token ids and rank in range.
     """
 
     def __init__(self, states: SamplingStates, filter_impl: str = "sort", kernel_impl: str = "auto"):

@@ -136,7 +136,14 @@ class StepGraphs:
 
     # ---- start-up -----------------------------------------------------------------
     def capture(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
-        """Capture every descriptor of the table: largest first, PIECEWISE before FULL."""
+        """Capture every descriptor of the table: largest first, PIECEWISE before FULL.
+
+        All or nothing: if any graph fails (out of device memory, most likely), every graph
+        captured so far is released with the pool, `captured` stays False so steps keep
+        running eagerly (dispatch NONE), and the error names the graph being captured; an
+        out-of-memory error is re-raised as `torch.OutOfMemoryError` with the pool's figures.
+        Capture may be tried again (with fewer sizes, say).
+        """
         if self.num_live():
             raise RuntimeError(
                 f"capture_model() needs an idle runner; {self.num_live()} requests are live "
@@ -158,25 +165,71 @@ class StepGraphs:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.body.compiled is not None:
-            report.compile_seconds = self.compile_pieces()
-        gc.freeze()  # a GC pass during capture would walk (and time) every frozen object
         try:
-            bar = _progress(work, progress)
-            for desc, variant in bar:
-                label = str(desc) if variant is None else f"{desc}[{variant_name(variant)}]"
-                if hasattr(bar, "set_postfix_str"):
-                    bar.set_postfix_str(f"{label} free={self.pool.free_bytes() / (1 << 30):.1f}GiB")
-                report.records.append(self._capture_one(desc, variant, label, inspect_nodes))
-                self.body.reset_scratch_row()
-        finally:
-            gc.unfreeze()
+            if self.body.compiled is not None:
+                report.compile_seconds = self.compile_pieces()
+            self._capture_all(work, report, inspect_nodes, progress, free_before)
+        except BaseException:
+            self._abandon_capture()
+            raise
         self.captured = True
         self.generation += 1
         report.total_seconds = time.perf_counter() - start - report.compile_seconds
         report.free_memory_delta_bytes = free_before - self.pool.free_bytes()
         logger.info("captured %d graphs in %.2f s (%s)", report.num_graphs, report.total_seconds, self.mode.name)
         return report
+
+    def _capture_all(self, work: list[tuple[BatchExecutionDescriptor, SamplingFeatures | None]],
+                     report: CaptureReport, inspect_nodes: bool, progress: bool, free_before: int) -> None:
+        """The capture loop; a failure names the graph (descriptor[variant]) it was capturing."""
+        assert self.pool is not None
+        gc.freeze()  # a GC pass during capture would walk (and time) every frozen object
+        bar = _progress(work, progress)
+        try:
+            for i, (desc, variant) in enumerate(bar):
+                label = str(desc) if variant is None else f"{desc}[{variant_name(variant)}]"
+                if hasattr(bar, "set_postfix_str"):
+                    bar.set_postfix_str(f"{label} free={self.pool.free_bytes() / (1 << 30):.1f}GiB")
+                try:
+                    report.records.append(self._capture_one(desc, variant, label, inspect_nodes))
+                except torch.OutOfMemoryError as e:
+                    raise torch.OutOfMemoryError(self._oom_message(label, i, len(work), report, free_before)) from e
+                except Exception as e:
+                    note = f"while capturing graph {i + 1} of {len(work)}, {label}; every graph was released"
+                    logger.error("capture_model() failed %s: %s", note, e)
+                    if hasattr(e, "add_note"):  # Python >= 3.11
+                        e.add_note(note)
+                    raise
+                self.body.reset_scratch_row()
+        finally:
+            gc.unfreeze()
+            if hasattr(bar, "close"):
+                bar.close()
+
+    def _oom_message(self, label: str, index: int, total: int, report: CaptureReport, free_before: int) -> str:
+        """What capture knew when it ran out of memory: the graph, the pool and the device."""
+        assert self.pool is not None
+        gib = float(1 << 30)
+        device = f"device free {self.pool.free_bytes() / gib:.2f} GiB"
+        if self.device.type == "cuda":
+            device += f" of {torch.cuda.mem_get_info(self.device)[1] / gib:.2f} GiB"
+        return (
+            f"capture_model(): out of device memory capturing graph {index + 1} of {total}, {label} "
+            f"({self.mode.name}): {device} ({free_before / gib:.2f} GiB before capture), "
+            f"reserved by torch {self.pool.reserved_bytes() / gib:.2f} GiB, graph pool grown by "
+            f"{report.pool_bytes / gib:.2f} GiB over the {len(report.records)} graphs captured before it. "
+            "Every graph was released and steps run eagerly (dispatch NONE). Capture fewer sizes "
+            "(cudagraph_capture_sizes), a mode with fewer graphs (cudagraph_mode), or leave the pool more "
+            "room (a lower gpu_memory_utilization or num_kv_blocks)."
+        )
+
+    def _abandon_capture(self) -> None:
+        """After a failed capture: no graph survives to replay, the scratch row is neutral again."""
+        self.release()
+        self.body.reset_scratch_row()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _capture_one(self, desc: BatchExecutionDescriptor, variant: SamplingFeatures | None, label: str,
                      inspect_nodes: bool) -> CaptureRecord:
@@ -191,7 +244,11 @@ class StepGraphs:
             check_invariants=self.body.check_padding_invariants,
             debug=self.debug,
         )
-        record = graph.capture(inspect_nodes=inspect_nodes)
+        try:
+            record = graph.capture(inspect_nodes=inspect_nodes)
+        except BaseException:
+            graph.release()  # a half-captured graph never replays
+            raise
         self.full_graphs[(desc, variant)] = graph
         return record
 

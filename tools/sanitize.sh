@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU tests of every Triton kernel and one FULL replay per
+# sampling variant (issue #12), in one device call. Logs under $OUT; a tool's summary line
+# ("ERROR SUMMARY: N errors") is printed for each run.
+#   tools/sanitize.sh [memcheck|racecheck] [SECONDS]
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+tool="${1:-memcheck}"; limit="${2:-280}"
+tests=(
+  "tests/test_block_table.py::test_gpu_triton_matches_torch_large"
+  "tests/test_input_prep.py::test_gpu_simulation_triton"
+  "tests/test_triton_sampling.py::test_gpu_kernels_match_torch_and_capture_in_cuda_graph"
+  "tests/test_spec_ngram.py::test_gpu_triton_matches_torch_large"
+  "tests/test_attention.py::test_gpu_cuda_graph_capture_and_replay"
+)
+san() { timeout "$limit" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 "$@"; }
+san python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile ci "${tests[@]}" \
+  > "$OUT/sanitize_${tool}_kernels.log" 2>&1
+echo "kernels rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_${tool}_kernels.log" | tail -3
+san python3 -m graphrunner_tools.sanitize_replay > "$OUT/sanitize_${tool}_replay.log" 2>&1
+echo "replay rc=$?"; grep -E "ERROR SUMMARY|replayed|never" "$OUT/sanitize_${tool}_replay.log" | tail -3
