@@ -260,3 +260,55 @@ def test_prompt_logprobs_are_the_same_in_every_mode(llms):
             assert g.keys() == w.keys(), mode
             for tok in w:
                 assert abs(g[tok].logprob - w[tok].logprob) < 1e-4 and g[tok].rank == w[tok].rank, mode
+
+
+POISON_VARIANTS = {
+    "greedy": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    "sampled": SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=5, ignore_eos=True),
+    "all": SamplingParams(max_tokens=8, temperature=0.8, repetition_penalty=1.2, presence_penalty=0.2,
+                          logit_bias={7: 1.5}, min_tokens=2, logprobs=2, seed=11, ignore_eos=True),
+}
+
+
+def _poison_step_buffers(runner, value=-7777):
+    """Every per-step buffer a step derives on the device (not the uploaded idx_mapping /
+    query_start_loc, which a steady decode plan keeps on purpose)."""
+    ib, lp = runner.buffers.inputs, runner.buffers.logprobs
+    for t in (ib.input_ids, ib.positions, ib.slot_mapping, ib.seq_lens, ib.logits_indices, ib.block_table, ib.sampled,
+              lp.token_ids, lp.ranks):
+        t.fill_(value)
+    lp.values.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("variant", sorted(POISON_VARIANTS))
+def test_poisoned_buffers_are_rewritten_in_every_mode_and_variant(llms, variant, monkeypatch):
+    """Poison the derived buffers before every step (steady decode replays included): every
+    graph kind (FULL uniform decode, FULL mixed, PIECEWISE) and every sampling variant must
+    rewrite all it reads, and give the eager tokens and logprobs."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    params = POISON_VARIANTS[variant]
+
+    def run(llm):
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+
+    want = run(llms["NONE"])
+    kinds = set()
+    for mode in CPU_MODES[1:]:
+        runner = llms[mode].runner
+        original = runner.graphs.run
+
+        def poisoned_run(desc, batch, graph=None, runner=runner, original=original):
+            _poison_step_buffers(runner)
+            kinds.add(f"{desc.cg_mode.name}{'-uniform' if desc.uniform_token_count else ''}")
+            return original(desc, batch, graph)
+
+        monkeypatch.setattr(runner.graphs, "run", poisoned_run)
+        got = run(llms[mode])
+        monkeypatch.undo()
+        assert [g[0] for g in got] == [w[0] for w in want], mode
+        for (_, got_lp), (_, want_lp) in zip(got, want, strict=True):
+            assert (got_lp is None) == (want_lp is None), mode
+            for g, w in zip(got_lp or [], want_lp or [], strict=True):
+                assert g.keys() == w.keys(), mode
+                assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in w), mode
+    assert {"FULL", "FULL-uniform", "PIECEWISE"} <= kinds, kinds
