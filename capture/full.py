@@ -8,6 +8,11 @@ On CUDA the step is captured into a `torch.cuda.CUDAGraph` in the shared pool. O
 CPU there are no graphs, so capture *records* the step and replay re-runs it over the
 same buffers (docs/architecture.md §7): CI still exercises dispatch, padding and buffer discipline.
 
+A replay that raises (a CUDA error surfacing at the launch, or the CPU stand-in's step
+failing) is re-raised as `GraphReplayError` naming the graph key, the original kept as
+`__cause__`. (A fault inside a kernel is asynchronous: it surfaces at the next sync, such
+as the output copy, not in `replay()`.)
+
 Debug mode (a flag, not a log level): capture snapshots the addresses of the static
 tensors the step reads; each replay checks them and then runs the caller's invariant
 check, raising `GraphReplayError` that names the graph key.
@@ -44,7 +49,8 @@ def _new_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
 
 
 class GraphReplayError(RuntimeError):
-    """A replay whose inputs moved or whose padding broke an invariant."""
+    """A replay that failed (its `__cause__` the device's error), whose inputs moved, or whose
+    padding broke an invariant; the message names the graph key."""
 
 
 class FullGraph:
@@ -109,12 +115,17 @@ class FullGraph:
             raise RuntimeError(f"graph {self.key} replayed before capture")
         if self.debug:
             self._check_addresses()
-        if self._launch is not None:
-            self._launch()
-        elif self._graph is not None:
-            self._graph.replay()
-        else:
-            self._step()
+        try:  # free in CPython >= 3.11 while nothing raises: the hot path pays nothing
+            if self._launch is not None:
+                self._launch()
+            elif self._graph is not None:
+                self._graph.replay()
+            else:
+                self._step()
+        except GraphReplayError:
+            raise
+        except RuntimeError as e:  # a CUDA error (or the CPU stand-in's): say which graph
+            raise GraphReplayError(f"graph {self.key}: replay failed: {e}") from e
         if self.debug and self._check_invariants is not None:
             try:
                 self._check_invariants()
