@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_throughput(sub)
     _register_host(sub)
     _register_sampler(sub)
+    _register_soak(sub)
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
@@ -158,6 +159,43 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
 
 
+def _register_soak(sub: argparse._SubParsersAction) -> None:
+    p = add_subcommand(sub, "soak", "reference-engine loop under request churn: memory, graphs, preemptions over "
+                       "time; exit 1 on memory growth, a recapture, a probe mismatch or a bad output "
+                       "(--model unset = builtin:qwen2.5-0.5b on CUDA, builtin:tiny-llama on CPU)")
+    add_runner_args(p, model="builtin:qwen2.5-0.5b")
+    p.set_defaults(model=None)  # chosen by device in run_soak
+    p.add_argument("--minutes", type=float, default=10.0, help="how long to soak (fractions allowed)")
+    p.add_argument("--report-every-s", type=float, default=60.0, help="seconds between rows (the first closes warm-up)")
+    p.add_argument("--max-growth-mib", type=float, default=64.0,
+                   help="fail when allocated device memory exceeds the first row's by more than this (MiB)")
+    p.add_argument("--abort-fraction", type=float, default=0.1,
+                   help="share of requests aborted at a random step after submission")
+    add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode (NONE = eager)")
+    add_limit_args(p, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024, num_kv_blocks=None,
+                   help={"num_kv_blocks": "unset = a quarter of max-num-seqs max-length requests (forces preemption)"})
+    p.add_argument("--async-scheduling", action="store_true", help="drive the engine with async scheduling")
+    _output_args(p)
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from graphrunner_tools.bench.soak import SoakSpec, run_soak, soak_markdown, verdict
+
+    try:
+        spec = SoakSpec(**runner_kwargs(args), **limit_kwargs(args), minutes=args.minutes,
+                        report_every_s=args.report_every_s, max_growth_mib=args.max_growth_mib,
+                        abort_fraction=args.abort_fraction, mode=args.mode, async_scheduling=args.async_scheduling,
+                        capture_sizes=parse_int_list(args.capture_sizes, "--capture-sizes") if args.capture_sizes
+                        else None)
+    except ValueError as e:
+        raise _fail("soak", e) from None
+    result = run_soak(spec, log=lambda msg: print(msg, file=sys.stderr if args.json == "-" else sys.stdout, flush=True))
+    _emit(args, result.to_dict(), verdict(result), soak_markdown(result))
+    for reason in result.failures:
+        print(f"graphrunner bench soak: {reason}", file=sys.stderr)
+    return 1 if result.failures else 0
+
+
 def _run_sampler(args: argparse.Namespace) -> int:
     import json
 
@@ -185,7 +223,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; returns the exit status."""
     handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host,
-                "sampler": _run_sampler}
+                "sampler": _run_sampler, "soak": _run_soak}
     return handlers[args.bench_command](args)
 
 
