@@ -312,3 +312,11 @@ def test_poisoned_buffers_are_rewritten_in_every_mode_and_variant(llms, variant,
                 assert g.keys() == w.keys(), mode
                 assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in w), mode
     assert {"FULL", "FULL-uniform", "PIECEWISE"} <= kinds, kinds
+
+
+def test_one_token_prompt_logprobs_are_a_single_none(llms):
+    """vLLM's shape: the first prompt token has no logprob, so a one-token prompt gives [None]."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    for mode in ("NONE", "FULL"):
+        (out,) = llms[mode].generate([[42]], params)
+        assert out.prompt_logprobs == [None], mode

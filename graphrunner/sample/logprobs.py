@@ -164,7 +164,7 @@ class PromptLogprobs:
     def add_request(self, new: NewRequestData) -> None:
         """Track a new request if it asked for prompt logprobs (a resumed one delivered them already)."""
         k, prompt = new.sampling_params.prompt_logprobs, new.prompt_token_ids
-        if k is not None and not new.output_token_ids and len(prompt) > 1:
+        if k is not None and not new.output_token_ids and len(prompt) >= 1:  # one token: [None]
             self.active[new.req_id] = (list(prompt), PromptLogprobsCollector(len(prompt), k))
 
     def remove_request(self, req_id: str) -> None:

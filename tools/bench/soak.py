@@ -255,8 +255,7 @@ def check_output(out: RequestOutput, params: SamplingParams, lim: _Limits) -> st
         lps = out.logprobs or []
         if len(lps) != n or any(t not in lp for t, lp in zip(toks, lps, strict=False)):
             problems.append(f"{len(lps)} logprobs entries for {n} tokens (or the sampled token missing)")
-    # A one-token prompt gets None, not [None] (a known gap of the engine, not checked here).
-    if params.prompt_logprobs is not None and out.finish_reason != "abort" and len(out.prompt_token_ids) > 1:
+    if params.prompt_logprobs is not None and out.finish_reason != "abort":
         plps = out.prompt_logprobs or []
         if len(plps) != len(out.prompt_token_ids):
             problems.append(f"{len(plps)} prompt logprobs for a prompt of {len(out.prompt_token_ids)}")
