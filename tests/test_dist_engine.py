@@ -181,6 +181,37 @@ def test_dead_or_stalled_rank_raises_within_timeout(how: str) -> None:
     assert info["seconds"] < 4.0 + 10.0, info
 
 
+def _engine_with_dead_peer(rank: int, world: int, tp: int, pp: int, dp: int, how: str) -> dict:
+    """Both ranks serve one generate; then rank 1 dies or stalls, and rank 0 generates again."""
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM("builtin:tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              **{**LLM_ARGS, "collective_timeout_s": 5.0})
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)
+    if rank == 1:
+        if how == "kill":
+            os._exit(7)
+        time.sleep(120)  # stalled: never joins the next step's collectives
+    start = time.monotonic()
+    try:
+        llm.generate(PROMPTS[:2], params)
+    except Exception as e:  # the error type depends on the collective that noticed
+        return {"raised": True, "seconds": time.monotonic() - start, "msg": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"raised": False, "seconds": time.monotonic() - start, "msg": ""}
+
+
+@pytest.mark.parametrize("how", ["kill", "stall"])
+@pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
+def test_engine_rank_dead_or_stalled_fails_within_timeout(tp: int, pp: int, dp: int, how: str) -> None:
+    """In every parallel mode a lost peer ends the survivor's step with an error within the
+    collective timeout (5 s here) plus slack, instead of a hang."""
+    info, _ = run_world(2, _engine_with_dead_peer, tp, pp, dp, how, timeout_s=90, allow_hang=frozenset({1}))
+    assert info["raised"], info
+    assert info["seconds"] < 5.0 + 15.0, info
+
+
 # ---------------------------------------------------------------------------- launcher
 
 
