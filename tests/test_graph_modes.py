@@ -5,6 +5,8 @@ same static buffers), so these tests exercise dispatch, padding and buffer disci
 CI; tests marked `gpu` replay real CUDA graphs.
 """
 
+import os
+
 import pytest
 import torch
 from hypothesis import given
@@ -27,9 +29,14 @@ def _llm(mode: str, device="cpu", **kw) -> LLM:
                compile_backend="eager", **args)
 
 
+# The property tests below run on a CPU in CI (FULL graphs emulated); the device-scale run
+# (tools/graph_vs_eager.sh) sets this to "cuda" to compare real graphs with eager.
+PROPERTY_DEVICE = os.environ.get("GRAPHRUNNER_GRAPH_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="module")
 def llms():
-    return {mode: _llm(mode, debug_cudagraphs=True) for mode in CPU_MODES}
+    return {mode: _llm(mode, device=PROPERTY_DEVICE, debug_cudagraphs=True) for mode in CPU_MODES}
 
 
 workloads = st.lists(
