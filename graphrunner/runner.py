@@ -260,7 +260,10 @@ class ModelRunner:
         self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
         self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
         current = planner.plan if planner.plan is not None and planner.plan.batch is batch else None
-        graphs.run(desc, batch, current.full_graph if current is not None else None)
+        try:
+            graphs.run(desc, batch, current.full_graph if current is not None else None)
+        except RuntimeError as e:  # free while nothing raises; under TP/PP/DP it names this rank
+            self.parallel.raise_step_failure(e)
         produces, all_produce = planner.advance(batch, plan)
         self.parallel.after_forward(batch, produces, self.body.post_update)  # PP: send on, exchange tokens
         done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step

@@ -210,6 +210,9 @@ def test_engine_rank_dead_or_stalled_fails_within_timeout(tp: int, pp: int, dp: 
     info, _ = run_world(2, _engine_with_dead_peer, tp, pp, dp, how, timeout_s=90, allow_hang=frozenset({1}))
     assert info["raised"], info
     assert info["seconds"] < 5.0 + 15.0, info
+    # The error names the exchange, this rank's place and the timeout (not only the transport's words).
+    assert info["msg"].startswith("CollectiveError: "), info
+    assert f"tp 0/{tp}, pp 0/{pp}, dp 0/{dp}; collective_timeout_s=5.0" in info["msg"], info
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -33,8 +33,9 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -49,6 +50,11 @@ from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch
 
 logger = logging.getLogger("graphrunner.distributed")
+
+
+class CollectiveError(RuntimeError):
+    """A step's communication with its peers failed (a peer died, stalled past the
+    collective timeout, or diverged); the message says which exchange and where."""
 
 
 class ParallelHooks:
@@ -72,6 +78,30 @@ class ParallelHooks:
                 groups.pp_broadcast_group, max_num_reqs, device, depth=0,
                 num_rows=num_rows, timeout_s=groups.config.collective_timeout_s,
             )
+
+    @contextmanager
+    def exchange(self, what: str) -> Iterator[None]:
+        """Re-raise a failed collective as CollectiveError naming the exchange, this rank's
+        place and the timeout (used only on multi-process paths: no cost for one process)."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            g = self.groups
+            raise CollectiveError(
+                f"{what} failed on rank {g.rank} (tp {g.tp_rank}/{g.tp_size}, pp {g.pp_rank}/{g.pp_size}, "
+                f"dp {g.dp_rank}/{g.dp_size}; collective_timeout_s={g.config.collective_timeout_s}): a peer died, "
+                f"stalled or diverged: {e}"
+            ) from e
+
+    def raise_step_failure(self, error: RuntimeError) -> NoReturn:
+        """Raise for a step whose forward failed: under TP/PP/DP a CollectiveError naming this
+        rank's place (TP all-reduces run inside the model); for one process `error` as it is."""
+        if self.groups.world_size == 1 or isinstance(error, CollectiveError):
+            raise error
+        with self.exchange("the step's forward (its tensor-parallel all-reduces)"):
+            raise error
 
     def on_row_freed(self, row: int) -> None:
         """A request row changed hands: receives queued for it must not be applied."""
@@ -121,7 +151,8 @@ class ParallelHooks:
         # Before capture every step is eager: report NONE so that nobody replays.
         report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform,
                                      force_eager=force_eager or not graphs.captured)
-        decision = self._dp.coordinate(report)
+        with self.exchange("DP step agreement (all-reduce over the data-parallel replicas)"):
+            decision = self._dp.coordinate(report)
         self.last_dp_decision = decision
         return decision.for_rank(self.groups.dp_rank)
 
@@ -156,8 +187,9 @@ class ParallelHooks:
         if stage.hidden_in is None or stage.residual_in is None:
             return
         src, group = self.pp.prev_rank, self.pp.device_group
-        dist.recv(stage.hidden_in[:num_tokens_padded], src=src, group=group)
-        dist.recv(stage.residual_in[:num_tokens_padded], src=src, group=group)
+        with self.exchange(f"PP receive of the step's hidden states from rank {src}"):
+            dist.recv(stage.hidden_in[:num_tokens_padded], src=src, group=group)
+            dist.recv(stage.residual_in[:num_tokens_padded], src=src, group=group)
 
     def after_forward(self, batch: InputBatch, produces: np.ndarray | None,
                       post_update: Callable[[InputBatch], None]) -> None:
@@ -172,10 +204,12 @@ class ParallelHooks:
         stage = self.stage
         if stage.hidden_out is not None and stage.residual_out is not None:
             dst, group = self.pp.next_rank, self.pp.device_group
-            dist.send(stage.hidden_out[:Tp], dst=dst, group=group)
-            dist.send(stage.residual_out[:Tp], dst=dst, group=group)
+            with self.exchange(f"PP send of the step's hidden states to rank {dst}"):
+                dist.send(stage.hidden_out[:Tp], dst=dst, group=group)
+                dist.send(stage.residual_out[:Tp], dst=dst, group=group)
         if produces is not None:
-            self._exchange_sampled(batch, produces)
+            with self.exchange("PP broadcast of the sampled tokens from the last stage"):
+                self._exchange_sampled(batch, produces)
         if not self.is_last_stage:
             post_update(batch)
 
@@ -202,4 +236,4 @@ def dp_split(items: list, dp_rank: int, dp_size: int) -> list[int]:
     return list(np.arange(dp_rank, len(items), dp_size))
 
 
-__all__ = ["ParallelHooks", "dp_split"]
+__all__ = ["CollectiveError", "ParallelHooks", "dp_split"]

@@ -351,12 +351,12 @@ class LLM:
         import torch.distributed as dist
 
         flag = torch.tensor([int(local)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        with self.runner.parallel.exchange("DP check for unfinished requests (all-reduce over the replicas)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         import torch.distributed as dist
-
         gathered: list[Any] = [None] * self.groups.dp_size
         dist.all_gather_object(gathered, results, group=self.groups.dp.cpu_group)
         merged: dict[str, RequestOutput] = {}
