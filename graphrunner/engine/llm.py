@@ -55,10 +55,6 @@ DEFAULT_MAX_MODEL_LEN = 2048
 _COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
     """Refuse `LLM`'s extra keywords that are not `CompilationConfig` fields (TypeError, as Python would)."""
     unknown = set(kwargs) - _COMPILATION_FIELDS
@@ -167,7 +163,7 @@ class LLM:
         # Imported here (as in the helpers below) so that the engine package imports without the model stack.
         from graphrunner.distributed.groups import init_distributed
 
-        self.device = resolve_device(device) if device is not None else default_device()
+        self.device = resolve_device(device)  # None: cuda when a GPU is available, else cpu
         self.groups = init_distributed(parallel, self.device)
         self.device = self.groups.device
         self.dtype = resolve_dtype(dtype, self.device)

@@ -43,6 +43,17 @@ def to_device_async(array: np.ndarray, device: torch.device | str, dtype: torch.
     return pinned.to(device, non_blocking=True)
 
 
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a torch dtype, looked up once."""
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        found = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return found
+
+
 class _TensorWrites:
     """The staged writes of one tensor: scalar writes as Python lists (cheap to append
     per admission), array writes as numpy chunks."""
@@ -58,7 +69,7 @@ class _TensorWrites:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(flat index [n] int64, values [n]) in staging order, the last write per index kept."""
-        np_dtype = torch.empty(0, dtype=self.tensor.dtype).numpy().dtype
+        np_dtype = _numpy_dtype(self.tensor.dtype)
         index = [np.asarray(self.index, dtype=np.int64), *self.index_chunks]
         values = [np.asarray(self.values, dtype=np_dtype), *(c.astype(np_dtype, copy=False) for c in self.value_chunks)]
         flat, vals = np.concatenate(index), np.concatenate(values)

@@ -34,6 +34,7 @@ from graphrunner.attention.op import forward_context
 from graphrunner.config import CompilationConfig
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody
+from graphrunner.step.inputs import InputBatch
 
 logger = logging.getLogger("graphrunner.capture")
 
@@ -125,7 +126,7 @@ class StepGraphs:
     def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
         self.full_graph(desc, features).replay()
 
-    def run(self, desc: BatchExecutionDescriptor, batch, graph: FullGraph | None = None) -> None:
+    def run(self, desc: BatchExecutionDescriptor, batch: InputBatch, graph: FullGraph | None = None) -> None:
         """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager)."""
         if graph is not None:  # FULL, looked up by the caller (a steady-decode plan holds it)
             graph.replay()
