@@ -246,6 +246,12 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding (vLLM's field): per verifying request, the draft ids placed
+    # behind its last sampled token, so it is scheduled 1 + len(drafts) tokens. -1 is a
+    # placeholder: "the draft the runner proposed for this slot" (read on the device; async
+    # scheduling never knows the ids). A decoding request scheduled q > 1 tokens without an
+    # entry here has q - 1 placeholders. Real ids (>= 0) replace the runner's own drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -304,6 +310,23 @@ class ModelRunnerOutput:
         (None: built from req_ids)."""
         out = cls(req_ids, None, None, logprobs, prompt_logprobs_dict)
         out._tokens, out._produces, out._index_source = tokens, produces, index_source
+        return out
+
+    @classmethod
+    def from_token_rows(
+        cls,
+        req_ids: list[str],
+        tokens: np.ndarray,
+        num_tokens: np.ndarray,
+        index_source: dict[str, int] | None = None,
+        logprobs: list[list[dict[int, Logprob]]] | None = None,
+        prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] | None = None,
+    ) -> ModelRunnerOutput:
+        """Several tokens per entry (speculative decoding): tokens [R, k + 1] int, of which
+        entry i emitted the first num_tokens[i] (0..k + 1; 0: it sampled nothing)."""
+        sampled = [row[:n] for row, n in zip(tokens.tolist(), num_tokens.tolist(), strict=True)]
+        out = cls(req_ids, None, sampled, logprobs, prompt_logprobs_dict)
+        out._index, out._index_source = None, index_source
         return out
 
     @classmethod
@@ -420,6 +443,15 @@ class FrozenLogitBias(dict):
 
     def __reduce__(self):
         return (FrozenLogitBias, (dict(self),))
+
+
+@dataclass
+class DraftTokenIds:
+    """The drafts a speculative step proposed for the next one (vLLM's `DraftTokenIds`):
+    `draft_token_ids[i]` (0..k ids) belongs to `req_ids[i]`."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
 
 
 @dataclass(frozen=True)

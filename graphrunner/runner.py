@@ -34,9 +34,10 @@ from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.distributed.runner_hooks import ParallelHooks
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.limits import StepLimits
-from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
+from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
+from graphrunner.spec_decode.step import make_speculative_step
 from graphrunner.state.requests import RequestState
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
@@ -100,11 +101,15 @@ class ModelRunner:
 
         L = self.limits
         self.state = StateStore(L.max_num_reqs, L.max_model_len, L.vocab_size, self.eos_token_ids, config.seed,
-                                self.device)
+                                self.device, num_speculative_tokens=config.speculative.num_speculative_tokens)
+        sampler = Sampler(self.state.sampling)
+        spec = make_speculative_step(config.speculative, self.state.requests, sampler, L.max_num_reqs, groups,
+                                     self.device)
         self.buffers = StepBuffers(
             inputs=InputBuffers(L.max_num_reqs, L.max_num_tokens, L.max_num_blocks_per_req, self.device),
             requests=self.state.requests, sampling=self.state.sampling,
-            logprobs=LogprobBuffers.allocate(L.max_num_reqs, self.device),
+            logprobs=LogprobBuffers.allocate(L.max_num_reqs * L.uniform_decode_query_len, self.device),
+            spec=spec.buffers if spec is not None else None,
         )
         self.prompt_logprobs = PromptLogprobs()
         self.state.on_removed.append(self.prompt_logprobs.remove_request)
@@ -113,10 +118,11 @@ class ModelRunner:
                                       device=self.device)
         self.state.on_row_freed.append(self.parallel.on_row_freed)
         self.attn_backend = get_attention_backend(self.device)
-        self.body = StepBody(self.buffers, L, Sampler(self.state.sampling), self.attn_backend, self.prompt_logprobs,
-                             is_last_stage=self.parallel.is_last_stage)
+        self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
+                             is_last_stage=self.parallel.is_last_stage, spec=spec)
         self.output_ring = OutputRing(self.device)  # pinned slots + copy stream of async outputs
-        self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs)
+        self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
+                                   self.state.requests, self.buffers.spec)
         self.graphs: StepGraphs | None = None  # with the KV cache
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
@@ -264,10 +270,10 @@ class ModelRunner:
             graphs.run(desc, batch, current.full_graph if current is not None else None)
         except RuntimeError as e:  # free while nothing raises; under TP/PP/DP it names this rank
             self.parallel.raise_step_failure(e)
-        produces, all_produce = planner.advance(batch, plan)
+        produces, all_produce, verify = planner.advance(batch, plan)
         self.parallel.after_forward(batch, produces, self.body.post_update)  # PP: send on, exchange tokens
         done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step
-        self._pending = PendingStep(batch, desc, produces, all_produce, done, current)
+        self._pending = PendingStep(batch, desc, produces, all_produce, done, current, verify)
         self._last_descriptor = desc
 
     @property
@@ -290,6 +296,14 @@ class ModelRunner:
             empty = ModelRunnerOutput.empty()
             return AsyncOutput.ready(empty) if async_output else empty
         return self.outputs.collect(pending, async_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed by the last step whose output was taken (speculative decoding;
+        None without it, or once taken). A scheduler may place them in the next step's
+        `scheduled_spec_decode_tokens`, or place -1 placeholders and let the runner read them
+        on the device."""
+        drafts, self.outputs.drafts = self.outputs.drafts, None
+        return drafts
 
     # ---- what engines and tools read --------------------------------------------------
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphrunner.config import CacheConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from graphrunner.config import CacheConfig, CompilationConfig, LoadConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from graphrunner.models.loader import load_model_config
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.runner import ModelRunner
@@ -12,13 +12,16 @@ from graphrunner.runner import ModelRunner
 
 def make_runner(model: str = "builtin:tiny-llama", *, max_num_seqs=4, max_num_batched_tokens=64,
                 max_model_len=128, block_size=8, num_blocks=96, device="cpu", dtype="float32",
-                load_format="dummy") -> ModelRunner:
+                load_format="dummy", speculative: dict | None = None,
+                compilation: CompilationConfig | None = None) -> ModelRunner:
     config = RunnerConfig(
         model=load_model_config(model),
         load=LoadConfig(model=model, load_format=load_format, seed=0),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
+        speculative=SpeculativeConfig.from_dict(speculative),
+        compilation=compilation if compilation is not None else CompilationConfig(),
         dtype=dtype,
     )
     runner = ModelRunner(config, device)
@@ -64,7 +67,10 @@ class Driver:
                 so.scheduled_cached_reqs.new_block_ids.append(None)
                 so.scheduled_cached_reqs.num_computed_tokens.append(r.computed)
             known = len(r.tokens) + len(r.outputs)
-            n = known - r.computed if r.computed < len(r.tokens) else 1
+            decoding = r.computed >= len(r.tokens)
+            # A decode takes 1 token plus up to k draft slots (placeholders), within max_model_len.
+            q = min(self.runner.uniform_decode_query_len, self.runner.max_model_len - r.computed)
+            n = known - r.computed if not decoding else q
             if chunk is not None:
                 n = min(n, chunk)
             so.num_scheduled_tokens[rid] = n
@@ -73,8 +79,11 @@ class Driver:
         self.runner.execute_model(so)
         out = self.runner.sample_tokens()
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            self.reqs[rid].computed += so.num_scheduled_tokens[rid]
-            self.reqs[rid].outputs += toks
+            r = self.reqs[rid]
+            n = so.num_scheduled_tokens[rid]
+            # A verifying decode computed its last token and the accepted drafts: len(toks).
+            r.computed += len(toks) if r.computed >= len(r.tokens) and n > 1 else n
+            r.outputs += toks
         return dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
 
     def finish(self, req_id: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import ModelRunnerOutput, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +38,11 @@ class Request:
     `num_computed_tokens` counts tokens whose KV is in the cache; the last sampled token
     is never computed until the step after it was sampled, so a running request always
     has `num_tokens - num_computed_tokens >= 1` tokens left to schedule.
+
+    A running request is in prefill until its chunks reach `num_prefill_tokens` (every
+    token known when it was admitted, the runner's prefill length), then decoding: each
+    step computes its last sampled token, behind which speculative decoding places draft
+    slots.
     """
 
     req_id: str
@@ -48,6 +53,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Tokens known at the last admission (prompt, plus the outputs of a resumed request).
+    num_prefill_tokens: int = 0
     # Async scheduling: tokens sampled by launched steps whose output is not resolved yet.
     # Their values stay on the device (the runner feeds them to the next step); the host
     # counts them so that it can schedule the next decode before they are known.
@@ -66,6 +73,28 @@ class Request:
         self.output_token_ids.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def take_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        """Keep the first complete prompt logprobs of a step's output (a resumed request does not repeat them)."""
+        got = runner_output.prompt_logprobs_dict.get(self.req_id)
+        if got is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = got
+
+    def stop_status(self, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:
+        """How the last appended token ends the request, or None. Stop tokens take precedence
+        over length: a final EOS reads as "stop"."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token known at admission is computed: each step now computes the last sampled token."""
+        return 0 < self.num_prefill_tokens <= self.num_computed_tokens
 
     @property
     def finish_reason(self) -> str | None:
@@ -129,3 +158,4 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+

@@ -29,15 +29,31 @@ its in-flight token is appended when its step resolves, and a waiting request is
 re-admitted while it still has a placeholder (its NewRequestData must carry every
 token). The reference engine resolves step N before it schedules step N + 2, so that
 wait never happens there.
+
+Speculative decoding (`num_speculative_tokens=k > 0`): every decode is scheduled as
+1 + k tokens, the last sampled token and k draft slots (capped by the step's budget and
+by max_model_len), so steady decode batches stay uniform (q = 1 + k: FULL graphs). The
+plan never names the drafts: the runner proposed them itself and reads them on the
+device (no `scheduled_spec_decode_tokens` entry means q - 1 placeholders), so sync and
+async plan alike. A verifying step emits 1..q tokens (the accepted drafts and one more);
+they are appended one by one, and a stop token, max_tokens or max_model_len inside the
+run ends the request there and drops the rest. KV is valid only for the emitted tokens:
+sync, num_computed_tokens advances by the number emitted, not by q; async, the plan
+advanced it by q at once (the runner's count does the same at launch), and the output,
+applied one step late, takes the rejected q - emitted back (as the runner does when it
+resolves that step), unless the request was preempted since. Blocks are reserved for all
+q tokens, and a request must fit the cache alone with that lookahead.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from graphrunner.engine.block_allocator import BlockAllocator
 from graphrunner.engine.request import Request, RequestOutput, RequestStatus
+from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -50,6 +66,15 @@ from graphrunner.protocol import (
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """Async: a launched plan, the requests it samples for, and those among them that verify drafts."""
+
+    plan: SchedulerOutput
+    produces: frozenset[str]
+    decodes: frozenset[str]
 
 
 class Scheduler:
@@ -68,6 +93,8 @@ class Scheduler:
         async_scheduling: schedule with placeholders for tokens still in flight (module
             docstring); outputs must then be applied in schedule order, one per
             non-empty plan.
+        num_speculative_tokens: k draft slots behind every decode (0: no speculation);
+            the runner's `uniform_decode_query_len` - 1.
     """
 
     def __init__(
@@ -82,7 +109,11 @@ class Scheduler:
         vocab_size: int | None = None,
         eos_token_ids: Iterable[int] = (),
         async_scheduling: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -113,8 +144,9 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # running total, for stats and tests
         self.async_scheduling = async_scheduling
-        # Async: each launched plan and the requests it will sample a token for, in order.
-        self._in_flight: deque[tuple[SchedulerOutput, frozenset[str]]] = deque()
+        self.num_speculative_tokens = num_speculative_tokens
+        # Async: the launched plans whose outputs are not applied yet, in schedule order.
+        self._in_flight: deque[_Launched] = deque()
 
     # ---------------------------------------------------------------- requests
 
@@ -168,14 +200,25 @@ class Scheduler:
         # A request must fit in the cache on its own, or preemption could never make room for it.
         needed = _cdiv(self._max_computed_tokens(len(prompt), params.max_tokens), self.block_size)
         if needed > self.num_blocks:
+            lookahead = f" + {self._spec_lookahead} draft slots" if self._spec_lookahead else ""
             raise ValueError(
                 f"request {req_id!r}: needs up to {needed} KV blocks (prompt {len(prompt)} + max_tokens "
-                f"{params.max_tokens}, block_size {self.block_size}) but the cache has num_blocks={self.num_blocks}"
+                f"{params.max_tokens}{lookahead}, block_size {self.block_size}) but the cache has "
+                f"num_blocks={self.num_blocks}"
             )
 
+    @property
+    def _spec_lookahead(self) -> int:
+        """Draft slots a request may hold blocks for beyond its tokens: k per decode whose
+        drafts are counted as computed (sync: the one planned; async: also the unresolved one)."""
+        return self.num_speculative_tokens * (2 if self.async_scheduling else 1)
+
     def _max_computed_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        """Most tokens a request ever has KV for: the last sampled token is never computed."""
-        return min(prompt_len + max_tokens - 1, max(prompt_len, self.max_model_len - 1))
+        """Most token slots a request ever holds blocks for: the last sampled token is never
+        computed, draft slots are, and nothing goes past max_model_len."""
+        lookahead = self._spec_lookahead
+        cap = self.max_model_len if lookahead else self.max_model_len - 1
+        return min(prompt_len + max_tokens - 1 + lookahead, max(prompt_len, cap))
 
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
@@ -288,6 +331,7 @@ class Scheduler:
             self.waiting.popleft()
             req.block_ids = self.block_allocator.allocate(needed)
             req.status = RequestStatus.RUNNING
+            req.num_prefill_tokens = req.num_tokens
             self.running.append(req)
             new_reqs.append(
                 NewRequestData(
@@ -313,26 +357,32 @@ class Scheduler:
         )
 
     def _advance_in_flight(self, so: SchedulerOutput) -> None:
-        """Async: count the plan's tokens as computed, and its samples as placeholders."""
-        produces = set()
+        """Async: count the plan's tokens as computed (drafts included: the output takes the
+        rejected ones back), and each chunk that samples as one placeholder."""
+        produces, decodes = set(), set()
         for req_id, num_new in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
+            if req.is_decoding:
+                decodes.add(req_id)
             req.num_computed_tokens += num_new
-            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
+            if req.is_decoding:  # the chunk reached the end of the known tokens: it samples
                 req.num_output_placeholders += 1
                 produces.add(req_id)
-        self._in_flight.append((so, frozenset(produces)))
+        self._in_flight.append(_Launched(so, frozenset(produces), frozenset(decodes)))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens to compute for `req` this step: its uncomputed tokens, capped by the
-        budget and by max_model_len (KV beyond it has no room in the runner's tables)."""
+        """Tokens to compute for `req` this step, capped by the budget and by max_model_len
+        (KV beyond it has no room in the runner's tables): a prefill chunk's uncomputed
+        tokens, or a decode's last sampled token and its k draft slots (known or not)."""
+        wanted = 1 + self.num_speculative_tokens if req.is_decoding else req.num_uncomputed_tokens
         room = self.max_model_len - req.num_computed_tokens
-        return max(0, min(req.num_uncomputed_tokens, budget, room))
+        return max(0, min(wanted, budget, room))
 
     def _try_grow(self, req: Request, num_new: int, preempted: set[str]) -> list[int] | None:
         """Give `req` the blocks for `num_new` more tokens, preempting from the tail of
         `running` as needed. Returns the new block ids, or None if `req` itself was preempted."""
-        needed = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+        # Negative after rejected drafts: the request still holds blocks for their slots.
+        needed = max(0, _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids))
         if needed == 0:
             return []  # most decode steps: the last block still has room
         while not self.block_allocator.can_allocate(needed):
@@ -370,7 +420,8 @@ class Scheduler:
         """Apply one step's sampled tokens; returns the requests that finished in it.
 
         Raises RuntimeError when the runner's output does not match the plan (a token for
-        a partial prefill chunk, or none for a chunk that reached the end of its tokens).
+        a partial prefill chunk, none for a chunk that reached the end of its tokens, or
+        more than a chunk can emit: 1, or 1 + its draft slots for a decode).
         """
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
@@ -379,92 +430,74 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            index = runner_output.req_id_to_index.get(req_id)
-            if index is None:
-                raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
-            sampled = runner_output.sampled_token_ids[index]
-            self._take_prompt_logprobs(req, runner_output)
-            req.num_computed_tokens += num_tokens
-            if req.num_computed_tokens < req.num_tokens:
-                if sampled:
-                    raise RuntimeError(
-                        f"runner sampled {sampled} for request {req_id!r} whose prefill is partial "
-                        f"({req.num_computed_tokens}/{req.num_tokens} tokens computed)"
-                    )
-                continue
-            if not sampled:
-                raise RuntimeError(
-                    f"runner sampled no token for request {req_id!r} although all its "
-                    f"{req.num_tokens} tokens were computed"
-                )
-            for j, token in enumerate(sampled):
-                req.append_output(int(token), _token_logprobs(runner_output, index, j))
-                status = self._check_stop(req)
-                if status is not None:
-                    self.running.remove(req)
-                    self._finished_req_ids.add(req_id)
-                    self._finish(req, status)
-                    finished.append(req.to_output())
-                    break
+            index, sampled = output_entry(req, runner_output)
+            if req.is_decoding:
+                check_num_sampled(req, sampled, num_tokens)
+                req.num_computed_tokens += len(sampled)  # KV of rejected drafts is rewritten later
+            else:
+                req.num_computed_tokens += num_tokens
+                if req.num_computed_tokens < req.num_tokens:
+                    check_partial_prefill(req, sampled)
+                    continue
+                check_num_sampled(req, sampled, 1)
+            out = self._append_sampled(req, sampled, runner_output, index)
+            if out is not None:
+                finished.append(out)
         return finished
 
     def _update_from_async_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Async: placeholders become tokens; finished requests' later in-flight tokens are dropped."""
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+        """Async: placeholders become tokens, rejected drafts stop counting as computed, and
+        finished requests' later in-flight tokens are dropped."""
+        if not self._in_flight or self._in_flight[0].plan is not scheduler_output:
             raise RuntimeError(
                 "async scheduling: outputs must be applied in schedule order, once per non-empty plan "
                 f"({len(self._in_flight)} plans in flight)"
             )
-        _, produces = self._in_flight.popleft()
+        launched = self._in_flight.popleft()
         finished: list[RequestOutput] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:
-                continue  # finished (by an earlier output) or aborted since: discard its token
-            index = runner_output.req_id_to_index.get(req_id)
-            if index is None:
-                raise RuntimeError(f"runner output has no entry for scheduled request {req_id!r}")
-            sampled = runner_output.sampled_token_ids[index]
-            self._take_prompt_logprobs(req, runner_output)
-            if bool(sampled) != (req_id in produces):
+                continue  # finished (by an earlier output) or aborted since: discard its tokens
+            index, sampled = output_entry(req, runner_output)
+            if bool(sampled) != (req_id in launched.produces):
                 raise RuntimeError(
                     f"runner sampled {sampled} for request {req_id!r}, but its chunk "
-                    f"{'reached' if req_id in produces else 'did not reach'} the end of its tokens"
+                    f"{'reached' if req_id in launched.produces else 'did not reach'} the end of its tokens"
                 )
             if not sampled:
                 continue
+            decoded = req_id in launched.decodes
+            check_num_sampled(req, sampled, num_tokens if decoded else 1)
             req.num_output_placeholders -= 1
-            for j, token in enumerate(sampled):
-                req.append_output(int(token), _token_logprobs(runner_output, index, j))
-                status = self._check_stop(req)
-                if status is not None:
-                    if req.status == RequestStatus.RUNNING:
-                        self.running.remove(req)
-                        self._finished_req_ids.add(req_id)
-                    else:
-                        self.waiting.remove(req)  # preempted while this token was in flight
-                    self._finish(req, status)
-                    finished.append(req.to_output())
-                    break
+            # A preempted request (WAITING: it cannot be re-admitted while this token was a
+            # placeholder) already counts nothing as computed.
+            if decoded and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= num_tokens - len(sampled)
+            out = self._append_sampled(req, sampled, runner_output, index)
+            if out is not None:
+                finished.append(out)
         return finished
 
-    @staticmethod
-    def _take_prompt_logprobs(req: Request, runner_output: ModelRunnerOutput) -> None:
-        """Keep the first complete prompt logprobs (a resumed request does not repeat them)."""
-        got = runner_output.prompt_logprobs_dict.get(req.req_id)
-        if got is not None and req.prompt_logprobs is None:
-            req.prompt_logprobs = got
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        """Stop tokens take precedence over length: a final EOS reads as "stop"."""
-        params = req.sampling_params
-        last = req.output_token_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+    def _append_sampled(
+        self, req: Request, sampled: list[int], runner_output: ModelRunnerOutput, index: int
+    ) -> RequestOutput | None:
+        """Append a step's tokens one by one; the first that ends the request finishes it
+        (the rest of an accepted run is dropped) and its output is returned."""
+        for j, token in enumerate(sampled):
+            req.append_output(int(token), token_logprobs(runner_output, index, j))
+            status = req.stop_status(self.eos_token_ids, self.max_model_len)
+            if status is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._finished_req_ids.add(req.req_id)
+            else:
+                self.waiting.remove(req)  # async: preempted while these tokens were in flight
+            self._finish(req, status)
+            return req.to_output()
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -473,11 +506,3 @@ class Scheduler:
             self.block_allocator.free(req.block_ids)
             req.block_ids = []
         del self.requests[req.req_id]
-
-
-def _token_logprobs(runner_output: ModelRunnerOutput, index: int, j: int) -> dict | None:
-    """The logprobs of entry `index`'s j-th sampled token, if the step returned any."""
-    if runner_output.logprobs is None:
-        return None
-    per_entry = runner_output.logprobs[index]
-    return per_entry[j] if j < len(per_entry) else None

@@ -95,13 +95,14 @@ def prepare_input_ids_torch(
 ) -> None:
     """Torch reference of `prepare_input_ids`."""
     max_model_len = all_token_ids.shape[1]
-    entry, _, is_real = token_entries(query_start_loc, input_ids_out.shape[0])
+    entry, offset, is_real = token_entries(query_start_loc, input_ids_out.shape[0])
     row = idx_mapping.long()[entry]  # [T] int64
     # Clamped so that the gather stays in bounds for every token; only positions
-    # below prefill_len (<= max_model_len) are used.
+    # below max_model_len are used.
     col = positions.clamp(0, max_model_len - 1)
     known = all_token_ids[row, col]  # [T] int32
-    tok = torch.where(positions < prefill_len[row], known, last_sampled[row])
+    from_history = (positions < prefill_len[row]) | (offset > 0)
+    tok = torch.where(from_history, known, last_sampled[row])
     input_ids_out.copy_(torch.where(is_real, tok, torch.zeros_like(tok)))
 
 
@@ -122,6 +123,7 @@ def post_update_torch(
     prefill_len: torch.Tensor,  # [rows] int32
     last_sampled: torch.Tensor,  # [rows] int32
     all_token_ids: torch.Tensor,  # [rows, L] int32
+    num_rejected: torch.Tensor | None = None,  # [R] int32
 ) -> None:
     """Torch reference of `post_update`.
 
@@ -135,15 +137,17 @@ def post_update_torch(
     row = idx_mapping.long()  # [R]
     qlen = _query_lens(query_start_loc)
     real = qlen > 0
-    num_computed_tokens[row] = num_computed_tokens[row] + qlen  # padded: + 0, same value
+    rejected = torch.zeros_like(qlen) if num_rejected is None else torch.where(real, num_rejected, 0)
+    num_computed_tokens[row] = num_computed_tokens[row] + qlen - rejected  # padded: + 0, same value
 
     # Only a chunk that reaches the end of the known tokens sampled a real token.
     new_token = real & (seq_lens >= prefill_len[row])
     tok = sampled.to(torch.int32)
     last_sampled[row] = torch.where(new_token, tok, last_sampled[row])
 
-    in_range = new_token & (seq_lens < max_model_len)
-    col = seq_lens.long().clamp(0, max_model_len - 1)
+    end = seq_lens - rejected  # [R]: where the new token sits (after the accepted run)
+    in_range = new_token & (end < max_model_len)
+    col = end.long().clamp(0, max_model_len - 1)
     all_token_ids[row, col] = torch.where(in_range, tok, all_token_ids[row, col])
 
 
@@ -202,7 +206,7 @@ if HAS_TRITON:
                 o = i + offs
                 m = o < qlen
                 p = tl.load(pos_ptr + start + o, mask=m, other=0)
-                known = p < prefill
+                known = (p < prefill) | (o > 0)
                 # Same clamp as the torch reference: the gather index always stays in bounds.
                 col = tl.minimum(tl.maximum(p, 0), max_model_len - 1)
                 tok = tl.load(row_ptr + col, mask=m & known, other=0)
@@ -231,8 +235,10 @@ if HAS_TRITON:
         last_sampled_ptr,
         tokens_ptr,
         tokens_stride,
+        rejected_ptr,
         num_reqs,
         max_model_len,
+        HAS_REJECTED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Vectorized over entries. Stores are masked to real entries, whose rows are
@@ -244,8 +250,12 @@ if HAS_TRITON:
         real = valid & (qlen > 0)
         row = tl.load(idx_ptr + offs, mask=real, other=0).to(tl.int64)
         computed = tl.load(computed_ptr + row, mask=real, other=0)
-        tl.store(computed_ptr + row, computed + qlen, mask=real)
-        seq_len = tl.load(seq_lens_ptr + offs, mask=real, other=0)
+        if HAS_REJECTED:
+            rejected = tl.load(rejected_ptr + offs, mask=real, other=0)
+        else:
+            rejected = tl.zeros([BLOCK], dtype=tl.int32)
+        tl.store(computed_ptr + row, computed + qlen - rejected, mask=real)
+        seq_len = tl.load(seq_lens_ptr + offs, mask=real, other=0) - rejected
         prefill = tl.load(prefill_len_ptr + row, mask=real, other=0)
         new_token = real & (seq_len >= prefill)
         tok = tl.load(sampled_ptr + offs, mask=new_token, other=0).to(tl.int32)
@@ -354,6 +364,7 @@ def post_update_triton(
     prefill_len: torch.Tensor,
     last_sampled: torch.Tensor,
     all_token_ids: torch.Tensor,
+    num_rejected: torch.Tensor | None = None,
 ) -> None:
     """Triton implementation of `post_update`."""
     _require_triton()
@@ -368,6 +379,8 @@ def post_update_triton(
         all_token_ids=all_token_ids,
     )
     num_reqs = idx_mapping.shape[0]
+    if num_rejected is not None:
+        _check_contiguous(num_rejected=num_rejected)
     _post_update_kernel[(triton.cdiv(num_reqs, _REQ_BLOCK),)](
         idx_mapping,
         query_start_loc,
@@ -378,8 +391,10 @@ def post_update_triton(
         last_sampled,
         all_token_ids,
         all_token_ids.stride(0),
+        num_rejected if num_rejected is not None else seq_lens,
         num_reqs,
         all_token_ids.shape[1],
+        HAS_REJECTED=num_rejected is not None,
         BLOCK=_REQ_BLOCK,
     )
 
@@ -438,9 +453,10 @@ def prepare_input_ids(
     """Write the input token id of every token.
 
     The token at position p of row r is `all_token_ids[r, p]` when `p < prefill_len[r]`
-    (known at admission), else `last_sampled[r]`: a decode reads the token sampled last
-    step straight from the device, never round-tripped through the host. Padded tokens
-    get id 0.
+    (known at admission) or p is not the first token of its entry's query (the draft
+    slots of a verifying entry, placed in the history by `spec_decode.verify`), else
+    `last_sampled[r]`: a decode reads the token sampled last step straight from the
+    device, never round-tripped through the host. Padded tokens get id 0.
     """
     _check_batch(idx_mapping, query_start_loc)
     _check_rows(prefill_len=prefill_len, last_sampled=last_sampled, all_token_ids=all_token_ids)
@@ -474,13 +490,16 @@ def post_update(
     prefill_len: torch.Tensor,  # [rows] int32
     last_sampled: torch.Tensor,  # [rows] int32, updated in place
     all_token_ids: torch.Tensor,  # [rows, max_model_len] int32, updated in place
+    num_rejected: torch.Tensor | None = None,  # [R_pad] int32: speculative decoding
 ) -> None:
     """Advance row state after a step, on the device.
 
-    For each real entry b (query length > 0) of row r: `num_computed[r] += qlen`; if the
-    chunk reached the end of the known tokens (`seq_lens[b] >= prefill_len[r]`),
-    `sampled[b]` is a real new token: it becomes `last_sampled[r]` and, when
-    `seq_lens[b] < max_model_len`, is appended at `all_token_ids[r, seq_lens[b]]`.
+    For each real entry b (query length > 0) of row r: `num_computed[r] += qlen - j`
+    with j = `num_rejected[b]` (0 without it: the rejected draft positions of a verifying
+    entry, whose KV is overwritten later); if the chunk reached the end of the known
+    tokens (`seq_lens[b] >= prefill_len[r]`), `sampled[b]` is a real new token: it
+    becomes `last_sampled[r]` and, when `e = seq_lens[b] - j < max_model_len`, is
+    written at `all_token_ids[r, e]` (the accepted drafts before it are already there).
     Padded entries (query length 0, all on the scratch row) change nothing.
     """
     num_reqs = _check_batch(idx_mapping, query_start_loc)
@@ -492,8 +511,11 @@ def post_update(
     )
     check_tensor("seq_lens", seq_lens, (num_reqs,), _I32)
     check_tensor("sampled", sampled, (num_reqs,), _SAMPLED)
+    if num_rejected is not None:
+        check_tensor("num_rejected", num_rejected, (num_reqs,), _I32)
     impl = post_update_triton if use_triton(all_token_ids) else post_update_torch
-    impl(idx_mapping, query_start_loc, seq_lens, sampled, num_computed_tokens, prefill_len, last_sampled, all_token_ids)
+    impl(idx_mapping, query_start_loc, seq_lens, sampled, num_computed_tokens, prefill_len, last_sampled, all_token_ids,
+         num_rejected)
 
 
 __all__ = [

@@ -122,7 +122,6 @@ class Sampler:
         out_logprob_ids: torch.Tensor | None = None,  # [R, >= K+1] int32
         out_ranks: torch.Tensor | None = None,  # [R] int32
     ) -> torch.Tensor:
-        s = self.states
         k = features.num_logprobs
         buffers = (out_logprobs, out_logprob_ids, out_ranks)
         # A caller that returns no logprobs passes no buffers (then none are computed);
@@ -134,8 +133,61 @@ class Sampler:
             if out_logprobs.shape[1] < k + 1 or out_logprob_ids.shape[1] < k + 1:
                 raise ValueError(f"logprob buffers have {out_logprobs.shape[1]} columns, need >= {k + 1}")
 
-        x = logits  # [R, V] float32
         rows = idx_mapping.long()  # [R]
+        x = self._process(logits, rows, positions, features, all_token_ids)
+        greedy = x.argmax(dim=-1)  # [R]
+        if features.any_random:
+            out.copy_(self._sample_random(x, rows, positions, features, greedy))
+        else:
+            out.copy_(greedy)
+        if want_logprobs:
+            assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
+            compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
+        return out
+
+    def target_logits(
+        self,
+        logits: torch.Tensor,  # [N, V] float32 raw logits
+        idx_mapping: torch.Tensor,  # [N] int32: sampled position -> state row
+        positions: torch.Tensor,  # [N] int: position of the token each row samples
+        features: SamplingFeatures,
+    ) -> torch.Tensor:  # [N, V] float32
+        """The target distribution of speculative verification (spec_decode.rejection).
+
+        The processed logits (steps 1-2 of the module docstring) with -inf where min-p,
+        top-k or top-p drop a token of a random row, the filters computed on the
+        temperature-scaled logits exactly as `__call__` does: `result / T` is then what
+        the plain sampler draws from, bit for bit. Rows of one request at consecutive
+        positions see the history up to their own position (penalties, min_tokens).
+        """
+        rows = idx_mapping.long()  # [N]
+        x = self._process(logits, rows, positions, features, None)
+        if not features.any_random:
+            return x
+        s = self.states
+        temperature = s.temperature[rows]  # [N]
+        is_greedy = temperature == 0.0
+        scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
+        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
+        if self.filter_impl == "bisect":
+            kept = apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
+                                 features.any_min_p)
+        else:
+            kept = _sort_filter(scaled, top_k, top_p, min_p, features)
+        dropped = (kept == float("-inf")) & ~is_greedy[:, None]  # [N, V]
+        return x.masked_fill(dropped, float("-inf"))
+
+    def _process(
+        self,
+        logits: torch.Tensor,  # [R, V] float32 raw logits
+        rows: torch.Tensor,  # [R] int64 state rows
+        positions: torch.Tensor,  # [R]
+        features: SamplingFeatures,
+        all_token_ids: torch.Tensor | None,
+    ) -> torch.Tensor:  # [R, V] float32
+        """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off)."""
+        s = self.states
+        x = logits
         if features.needs_history:
             seq_len = positions.long()  # [R]
             prompt_len = s.prompt_len[rows].long()  # [R]
@@ -153,16 +205,7 @@ class Sampler:
             counts = token_counts(history, rows, prompt_len, seq_len, x.shape[-1])  # [R, V] int32
             x = apply_penalties(x, counts, s.repetition_penalty[rows], s.frequency_penalty[rows],
                                 s.presence_penalty[rows])
-
-        greedy = x.argmax(dim=-1)  # [R]
-        if features.any_random:
-            out.copy_(self._sample_random(x, rows, positions, features, greedy))
-        else:
-            out.copy_(greedy)
-        if want_logprobs:
-            assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
-            compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
-        return out
+        return x
 
     def _sample_random(
         self,

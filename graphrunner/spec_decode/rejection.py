@@ -58,6 +58,7 @@ PAD_TOKEN_ID = -1  # written (as int32) into the slots of out_tokens after the e
 # XORed into the plain key before one more hash32 to give independent noise streams.
 ACCEPT_SALT = 0x5BD1E995
 RESIDUAL_SALT = 0xC2B2AE3D
+SYNTHETIC_SALT = 0x27D4EB2F  # xxhash's PRIME32_2: the synthetic acceptance test's stream
 
 _INT = (torch.int32, torch.int64)
 
@@ -175,10 +176,16 @@ def rejection_sample(
     out_num_accepted: torch.Tensor,  # [R] int32, written in place
     *,
     all_greedy: bool,  # static: every row has temperature 0 (skips the random path entirely)
+    synthetic_acceptance_rate: float | None = None,  # static: the benchmarking aid (below)
 ) -> None:
     """Verifies the drafts of every row and writes the emitted tokens; see the module docstring.
 
-    Raises ValueError when a tensor's shape, dtype or device does not match target_logits.
+    `synthetic_acceptance_rate` (vLLM's "synthetic" rejection method, a benchmarking aid
+    that never gives the target's distribution): each valid draft is accepted with that
+    probability, whatever the models say (u from a third salted stream of the same keys),
+    and the token after the accepted run is the target's own draw there (argmax for greedy
+    rows). Raises ValueError when a tensor's shape, dtype or device does not match
+    target_logits.
     """
     num_rows, k, vocab = _check_inputs(target_logits, draft_token_ids, num_draft, draft_probs, temperature,
                                        seeds, positions, out_tokens, out_num_accepted)
@@ -190,10 +197,15 @@ def rejection_sample(
     target_argmax = target_logits.argmax(dim=-1)  # [R, k + 1]
     accept = target_argmax[:, :k] == drafts  # [R, k]: the greedy test
     is_greedy = temperature == 0.0  # [R]
-    if not all_greedy:
+    synthetic = synthetic_acceptance_rate is not None
+    if not all_greedy or synthetic:
         temp = torch.where(is_greedy, 1.0, temperature)  # [R]
         keys = rng.row_keys(seeds[:, None].expand(num_rows, k + 1).reshape(-1),
                             (positions[:, None] + slots[None, :]).reshape(-1)).view(num_rows, k + 1)
+    if synthetic:
+        u = rng.uniform(rng.hash32(keys[:, :k].reshape(-1) ^ SYNTHETIC_SALT), 1).view(num_rows, k)  # [R, k]
+        accept = u < synthetic_acceptance_rate
+    elif not all_greedy:
         random_accept = _random_accept(target_logits, drafts, draft_probs, temp, keys)
         accept = torch.where(is_greedy[:, None], accept, random_accept)
     accept = accept & valid
@@ -201,7 +213,8 @@ def rejection_sample(
     at = num_accepted.long()  # [R]
     next_token = target_argmax.gather(1, at[:, None])[:, 0]  # [R]: the greedy rows' token
     if not all_greedy:
-        rejected = at < num_draft.long().clamp(0, k)  # [R]
+        # Synthetic: the target's own draw after the run (no residual: nothing was rejected by it).
+        rejected = torch.zeros_like(is_greedy) if synthetic else at < num_draft.long().clamp(0, k)  # [R]
         sampled = _random_next(target_logits, drafts, draft_probs, temp, keys, at, rejected)
         next_token = torch.where(is_greedy, next_token, sampled)
     drafts_ext = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], dim=1)  # [R, k + 1]

@@ -22,7 +22,7 @@ class RequestState:
     """Per-request rows on the device plus host-side bookkeeping."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device,
-                 staging: StagedWrites | None = None):
+                 staging: StagedWrites | None = None, num_speculative_tokens: int = 0):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
@@ -40,10 +40,20 @@ class RequestState:
         self.num_computed_tokens = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
         self.prefill_len = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
         self.last_sampled = torch.zeros(self.num_rows, dtype=torch.int32, device=device)  # [rows]
+        # Speculative decoding: the drafts the next step verifies (the drafter's proposals,
+        # or ids the scheduler placed), k columns; None without speculation.
+        k = num_speculative_tokens
+        self.num_speculative_tokens = k
+        self.draft_token_ids = torch.zeros(self.num_rows, k, dtype=torch.int32, device=device) if k else None  # [rows, k]
+        self.num_draft = torch.zeros(self.num_rows, dtype=torch.int32, device=device) if k else None  # [rows]
 
         # Host mirrors of the device counters (kept in step by the runner).
         self.num_computed_np = np.zeros(self.num_rows, dtype=np.int64)
         self.prefill_len_np = np.zeros(self.num_rows, dtype=np.int64)
+        # Which admission holds each row (a running count): a late host-side update for a
+        # request (a speculative step's settled counts) applies only while it still holds it.
+        self.admission_np = np.zeros(self.num_rows, dtype=np.int64)
+        self._admissions = 0
 
         # Bumped whenever the row of some request changes (admission, removal): host-side
         # caches keyed on the batch layout (the runner's steady-decode plan) compare it.
@@ -73,6 +83,8 @@ class RequestState:
             raise ValueError(f"no free request row: {self.num_live} live requests, max_num_reqs={self.max_num_reqs}")
         row = self._free_rows.pop()
         self.epoch += 1
+        self._admissions += 1
+        self.admission_np[row] = self._admissions
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
         self.num_computed_np[row] = num_computed_tokens
@@ -85,7 +97,25 @@ class RequestState:
         staging.stage(self.num_computed_tokens, row, num_computed_tokens)
         staging.stage(self.prefill_len, row, len(token_ids))
         staging.stage(self.last_sampled, row, 0)
+        if self.num_draft is not None:
+            staging.stage(self.num_draft, row, 0)  # no drafts until the drafter proposes some
         return row
+
+    def stage_drafts(self, row: int, draft_ids: list[int]) -> None:
+        """Drafts placed by the scheduler (ids >= 0, at most k, checked by validation):
+        they replace the row's own drafts for the next verification."""
+        assert self.draft_token_ids is not None and self.num_draft is not None
+        base = row * self.num_speculative_tokens
+        self.staging.stage_array(self.draft_token_ids, np.arange(base, base + len(draft_ids), dtype=np.int64),
+                                 np.asarray(draft_ids, dtype=np.int32))
+        self.staging.stage(self.num_draft, row, len(draft_ids))
+
+    def settle_rejected(self, rows: np.ndarray, admissions: np.ndarray, num_rejected: np.ndarray) -> None:
+        """A speculative step's outcome reached the host: its rows computed `num_rejected`
+        fewer tokens than the host mirror assumed at launch. Rows that changed hands since
+        (finished, preempted, readmitted) are skipped."""
+        held = self.admission_np[rows] == admissions
+        np.subtract.at(self.num_computed_np, rows[held], num_rejected[held])
 
     def remove_request(self, req_id: str) -> int | None:
         """Free a request's row. Returns the row, or None if the id was not live."""

@@ -54,8 +54,11 @@ CHUNK_WITHIN_KNOWN = Rule(
     lambda rid, r, L: f"request {rid!r}: chunk [{r.computed}, {r.computed + r.n}) runs past its {r.known} known "
                       "tokens (the next token is not sampled yet)")
 DECODE_LENGTH = Rule(
-    "decode_length", lambda r, L: (r.computed >= r.known) & (r.n != 1),
-    lambda rid, r, L: f"request {rid!r}: a decode step takes exactly 1 token, got {r.n}")
+    "decode_length", lambda r, L: (r.computed >= r.known) & (r.n > L.uniform_decode_query_len),
+    lambda rid, r, L: f"request {rid!r}: a decode step takes exactly 1 token, got {r.n}"
+    if L.uniform_decode_query_len == 1 else
+    f"request {rid!r}: a decode step takes 1 token plus at most num_speculative_tokens="
+    f"{L.uniform_decode_query_len - 1} draft slots, got {r.n}")
 BLOCKS_HELD = Rule(
     "blocks_held", lambda r, L: r.computed + r.n > np.asarray(r.held, dtype=np.int64) * L.block_size,
     lambda rid, r, L: f"request {rid!r}: {r.computed + r.n} tokens need "
@@ -127,6 +130,29 @@ def prompt_violation(req_id: str, tokens: list[int], num_computed: int, limits: 
     return None
 
 
+def spec_tokens_violation(rid: str, draft_ids: list[int], rows: Rows | None, limits: StepLimits) -> str | None:
+    """The error of one `scheduled_spec_decode_tokens` entry, or None. `rows` describes the
+    request's scheduled chunk (None: the request is not scheduled this step)."""
+    k = limits.uniform_decode_query_len - 1
+    if rows is None:
+        return f"scheduled_spec_decode_tokens has drafts for request {rid!r}, which is not scheduled this step"
+    if rows.computed < rows.known:
+        return (f"scheduled_spec_decode_tokens has drafts for request {rid!r}, which is in prefill "
+                f"({rows.computed} of {rows.known} known tokens computed): drafts follow a sampled token")
+    if len(draft_ids) > k:
+        return (f"request {rid!r}: {len(draft_ids)} draft tokens, more than num_speculative_tokens={k}")
+    if rows.n != 1 + len(draft_ids):
+        return (f"request {rid!r}: {rows.n} scheduled tokens, but a verifying request takes 1 + its "
+                f"{len(draft_ids)} drafts")
+    if draft_ids and (min(draft_ids) < -1 or max(draft_ids) >= limits.vocab_size):
+        bad = next(t for t in draft_ids if not -1 <= t < limits.vocab_size)
+        return (f"request {rid!r}: draft token id {bad} outside [0, vocab_size={limits.vocab_size}) "
+                "(-1: the runner's own draft)")
+    if draft_ids and (min(draft_ids) < 0 <= max(draft_ids)):
+        return f"request {rid!r}: draft ids {draft_ids} mix placeholders (-1) and real ids; use one kind"
+    return None
+
+
 # ---- field types ---------------------------------------------------------------------------
 # Python ints and numpy integers; bool is not a count (type(True) is bool, not int).
 _INT_TYPES = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
@@ -180,4 +206,13 @@ def field_type_violation(so: Any) -> str | None:
         bad = _not_ints(blocks) if blocks else None
         if bad is not None:
             return f"request {rid!r}: new block id {bad!r} ({type(bad).__name__}) is not an int"
+    spec = so.scheduled_spec_decode_tokens
+    if not isinstance(spec, dict) or not _all_str(spec):
+        return f"scheduled_spec_decode_tokens must map request id strings to lists of token ids, got {spec!r}"
+    for rid, draft_ids in spec.items():
+        if not isinstance(draft_ids, (list, tuple)):
+            return f"request {rid!r}: draft tokens must be a list of token ids, got {draft_ids!r}"
+        bad = _not_ints(draft_ids)
+        if bad is not None:
+            return f"request {rid!r}: draft token id {bad!r} ({type(bad).__name__}) is not an int"
     return None

@@ -29,12 +29,13 @@ class StateStore:
     """The per-row state of one runner. `block_tables` exist once the KV cache does."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 base_seed: int, device: torch.device) -> None:
+                 base_seed: int, device: torch.device, num_speculative_tokens: int = 0) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.staging = StagedWrites(device)
-        self.requests = RequestState(max_num_reqs, max_model_len, device, staging=self.staging)
+        self.requests = RequestState(max_num_reqs, max_model_len, device, staging=self.staging,
+                                     num_speculative_tokens=num_speculative_tokens)
         self.sampling = SamplingStates(
             self.requests.num_rows, device, base_seed=base_seed, vocab_size=vocab_size,
             all_token_ids=self.requests.all_token_ids, staging=self.staging,
@@ -73,6 +74,9 @@ class StateStore:
         cached = so.scheduled_cached_reqs
         if any(cached.new_block_ids):
             self.append_cached_blocks(cached)
+        for req_id, draft_ids in so.scheduled_spec_decode_tokens.items():
+            if draft_ids and draft_ids[0] >= 0:  # real ids (validation: all real or all placeholders)
+                self.requests.stage_drafts(self.requests.req_id_to_index[req_id], draft_ids)
 
     def _add_request(self, new: NewRequestData) -> None:
         row = self.requests.add_request(new.req_id, new.all_token_ids, new.num_computed_tokens)

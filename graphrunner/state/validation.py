@@ -34,6 +34,7 @@ from graphrunner.state.rules import (
     field_type_violation,
     first_violation,
     prompt_violation,
+    spec_tokens_violation,
     token_limit,
     too_many_blocks,
     too_many_blocks_message,
@@ -166,6 +167,21 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
         rule = first_violation(SCHEDULED_RULES, rows, limits)
         if rule is not None:
             raise ValueError(rule.message(rid, rows, limits))
+    error = _spec_tokens_error(so, after, limits)
+    if error:
+        raise ValueError(error)
+
+
+def _spec_tokens_error(so: SchedulerOutput, after: dict[str, tuple[int, int, int]], limits: StepLimits) -> str | None:
+    """The first bad `scheduled_spec_decode_tokens` entry's error (after: rid -> computed, known, held)."""
+    nst = so.num_scheduled_tokens
+    for rid, draft_ids in so.scheduled_spec_decode_tokens.items():
+        state = after.get(rid)
+        rows = Rows(nst[rid], *state) if rid in nst and state is not None else None
+        error = spec_tokens_violation(rid, list(draft_ids), rows, limits)
+        if error:
+            return error
+    return None
 
 
 # ---- the fast checks ----------------------------------------------------------------------------
@@ -226,7 +242,8 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
                                       state.tables.num_kv_blocks, limits)
         limit = token_limit(held[rows], limits)
     # The max_model_len and blocks_held rules, as room left under `rules.token_limit`.
-    if new_blocks or not hint.all_decode:
+    # With speculation rows advance by their accepted counts, not by q each: no shortcut.
+    if new_blocks or not hint.all_decode or q > 1:
         room = int((limit - computed).min())
     else:
         if hint.room_ref is None:
@@ -305,7 +322,14 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
             held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
 
     if len(n) == 0:
+        if so.scheduled_spec_decode_tokens:
+            raise _Invalid
         return
     rows = _rows_of(nst, index, removed, new_rows)
     if any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):
         raise _Invalid
+    if so.scheduled_spec_decode_tokens:
+        row_of = dict(zip(nst, rows.tolist(), strict=True))
+        after = {rid: (int(computed[r]), int(known[r]), int(held[r])) for rid, r in row_of.items()}
+        if _spec_tokens_error(so, after, limits):
+            raise _Invalid

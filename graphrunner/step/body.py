@@ -27,6 +27,7 @@ from graphrunner.kernels.input_prep import (
 from graphrunner.limits import StepLimits
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
+from graphrunner.spec_decode.step import SpeculativeStep
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.buffers import StepBuffers
@@ -41,8 +42,10 @@ class StepBody:
     """
 
     def __init__(self, buffers: StepBuffers, limits: StepLimits, sampler: Sampler, attn_backend: Any,
-                 prompt_logprobs: PromptLogprobs, is_last_stage: bool = True) -> None:
+                 prompt_logprobs: PromptLogprobs, is_last_stage: bool = True,
+                 spec: SpeculativeStep | None = None) -> None:
         self.buffers = buffers
+        self.spec = spec  # speculative decoding: verification and drafting inside the step
         self.limits = limits
         self.sampler = sampler
         self.attn_backend = attn_backend
@@ -64,17 +67,22 @@ class StepBody:
         self.forward_and_sample(batch, piecewise)
         if self.is_last_stage:
             self.post_update(batch)
+            if self.spec is not None:
+                self.spec.propose(batch)  # the drafts the next step verifies
 
     def prepare_inputs(self, batch: InputBatch) -> None:
         s = self.buffers.requests
         prepare_positions_seq_lens(batch.idx_mapping, batch.query_start_loc, s.num_computed_tokens,
                                    batch.positions, batch.seq_lens)
+        if self.spec is not None:
+            self.spec.prepare(batch)  # drafts into the history, read below as input ids
         prepare_input_ids(batch.idx_mapping, batch.query_start_loc, batch.positions, s.all_token_ids,
                           s.prefill_len, s.last_sampled, batch.input_ids)
         self.block_tables.gather(batch.idx_mapping, batch.block_table)
         compute_slot_mapping(batch.block_table, batch.query_start_loc, batch.positions, self.limits.block_size,
                              batch.slot_mapping)
-        compute_logits_indices(batch.query_start_loc, batch.logits_indices)
+        if self.spec is None:
+            compute_logits_indices(batch.query_start_loc, batch.logits_indices)
 
     def forward(self, batch: InputBatch, piecewise: bool = False) -> Any:
         """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage)."""
@@ -106,10 +114,13 @@ class StepBody:
         if self.prompt_logprobs.active:
             starts = self.buffers.requests.num_computed_np[batch.idx_mapping_np]  # host mirror, not yet advanced
             self.prompt_logprobs.collect(hidden, batch.req_ids, batch.query_lens_np, starts)
+        lp = self.buffers.logprobs
+        if self.spec is not None:
+            self.spec.sample(hidden, batch, self.model.compute_logits, (lp.values, lp.token_ids, lp.ranks))
+            return
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         r_pad = batch.num_reqs_padded
-        lp = self.buffers.logprobs
         self.sampler(
             logits, batch.idx_mapping, batch.seq_lens, batch.sampling_features, out=batch.sampled,
             out_logprobs=lp.values[:r_pad], out_logprob_ids=lp.token_ids[:r_pad], out_ranks=lp.ranks[:r_pad],
@@ -119,8 +130,9 @@ class StepBody:
         """Advance request state by the step's sampled tokens (in the step body; on non-last
         PP stages after the tokens arrived from the last stage)."""
         s = self.buffers.requests
+        rejected = self.spec.buffers.num_rejected[: batch.num_reqs_padded] if self.spec is not None else None
         post_update(batch.idx_mapping, batch.query_start_loc, batch.seq_lens, batch.sampled,
-                    s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids)
+                    s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids, rejected)
 
     def model_args(self, batch: InputBatch) -> tuple:
         """The model's forward arguments (plus the received stage inputs off the first stage)."""
@@ -164,8 +176,9 @@ class StepBody:
         """Dummy steps advance the scratch row's counters; padded entries need them at 0."""
         r = self.buffers.requests
         row = r.scratch_row
-        for t in (r.num_computed_tokens, r.prefill_len, r.last_sampled):
-            t[row] = 0
+        for t in (r.num_computed_tokens, r.prefill_len, r.last_sampled, r.num_draft):
+            if t is not None:
+                t[row] = 0
 
     def check_padding_invariants(self) -> None:
         """Debug mode, after a replay: padding is neutral (docs/architecture.md §4). Raises AssertionError."""

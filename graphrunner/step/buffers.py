@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphrunner.spec_decode.step import SpecBuffers
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.requests import RequestState
@@ -25,19 +26,20 @@ from graphrunner.step.inputs import InputBuffers
 @dataclass
 class LogprobBuffers:
     """Sampled-token logprobs: column 0 = the sampled token, then the top-K (K = the
-    all-features variant's). Persistent so that captured graphs write them in place."""
+    all-features variant's). Persistent so that captured graphs write them in place.
+    One row per sampled position: k + 1 per batch entry with speculative decoding."""
 
-    values: torch.Tensor  # [max_reqs, K_all + 1] float32
-    token_ids: torch.Tensor  # [max_reqs, K_all + 1] int32
-    ranks: torch.Tensor  # [max_reqs] int32
+    values: torch.Tensor  # [positions, K_all + 1] float32
+    token_ids: torch.Tensor  # [positions, K_all + 1] int32
+    ranks: torch.Tensor  # [positions] int32
 
     @classmethod
-    def allocate(cls, max_num_reqs: int, device: torch.device) -> LogprobBuffers:
+    def allocate(cls, num_positions: int, device: torch.device) -> LogprobBuffers:
         cols = SamplingFeatures.all_on().num_logprobs + 1
         return cls(
-            values=torch.zeros(max_num_reqs, cols, dtype=torch.float32, device=device),
-            token_ids=torch.zeros(max_num_reqs, cols, dtype=torch.int32, device=device),
-            ranks=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            values=torch.zeros(num_positions, cols, dtype=torch.float32, device=device),
+            token_ids=torch.zeros(num_positions, cols, dtype=torch.int32, device=device),
+            ranks=torch.zeros(num_positions, dtype=torch.int32, device=device),
         )
 
 
@@ -72,6 +74,7 @@ class StepBuffers:
     sampling: SamplingStates
     logprobs: LogprobBuffers
     stage: StageBuffers = field(default_factory=StageBuffers)
+    spec: SpecBuffers | None = None  # speculative decoding's per-entry slots
     block_tables: BlockTables | None = None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
 

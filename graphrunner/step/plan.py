@@ -24,6 +24,7 @@ from capture.full import FullGraph
 from graphrunner.async_output import OutputLayout
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import SchedulerOutput
+from graphrunner.spec_decode.step import VerifyRecord
 from graphrunner.state.store import StateStore
 from graphrunner.state.validation import DecodeHint
 from graphrunner.step.graphs import StepGraphs
@@ -88,6 +89,8 @@ class StepPlanner:
         """The last decode plan if `so` schedules exactly its requests, in its order, as decodes."""
         plan = self.plan
         if plan is None or so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids:
+            return None
+        if so.scheduled_spec_decode_tokens:  # validated and applied in full (drafts may be staged)
             return None
         if prompt_logprobs_active:  # such steps must not take a FULL graph (see prepare)
             return None
@@ -175,12 +178,16 @@ class StepPlanner:
         )
 
     # ---- after the run -----------------------------------------------------------------
-    def advance(self, batch: InputBatch, plan: DecodePlan | None) -> tuple[np.ndarray, bool]:
-        """Advance the host mirrors by the step; returns ([R] bool produces a token, all of them do)."""
-        computed = self.state.requests.num_computed_np
+    def advance(self, batch: InputBatch, plan: DecodePlan | None) -> tuple[np.ndarray, bool, VerifyRecord | None]:
+        """Advance the host mirrors by the step (by every scheduled token: a verifying entry
+        gives its rejected slots back when its output is built). Returns ([R] bool produces a
+        token, all of them do, the verifying entries or None)."""
+        requests = self.state.requests
+        verify = VerifyRecord.of(batch, requests) if self.limits.uniform_decode_query_len > 1 else None
+        computed = requests.num_computed_np
         if plan is not None and plan.hint.all_decode:
             computed[plan.rows_index] += self.limits.uniform_decode_query_len  # rows are distinct
-            return plan.all_produce, True
+            return plan.all_produce, True, verify
         idx = batch.idx_mapping_np
         after = computed[idx] + batch.query_lens_np
         produces = after >= self.state.requests.prefill_len_np[idx]
@@ -189,4 +196,4 @@ class StepPlanner:
         if self.plan is not None and self.plan.batch is batch:
             # From the next step on, every row of the plan can only decode (or not yet).
             self.plan.hint.all_decode = all_produce
-        return produces, all_produce
+        return produces, all_produce, verify

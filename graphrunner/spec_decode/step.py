@@ -1,0 +1,179 @@
+"""SpeculativeStep: the speculative parts of a step, inside the step body (and its graph).
+
+    prepare (drafts into the history, k + 1 logits rows per entry)
+    -> forward -> verify (target logits at k + 1 positions, rejection sampling, logprobs)
+    -> post-update (advance by accepted + 1) -> propose (the drafter, for the next step)
+
+All of it runs in `StepBody.run`, so a FULL graph of a verifying step holds the
+verification and the drafter's proposal too: one launch per step. Every entry of the
+batch goes through the same k + 1 slots (a prefill chunk or plain decode has no verified
+drafts: its slot 0 is the plain sample), so shapes are static per descriptor.
+
+Host side (`VerifyRecord`): the host mirror of num_computed_tokens advances by the
+scheduled q at launch; when the step's output reaches the host, each verifying entry
+gives back its rejected slots (`RequestState.settle_rejected`). A scheduler follows the
+same rule (`docs/speculative_decoding.md`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrunner.config import SpeculativeConfig
+from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.sample.logprobs import compute_logprobs
+from graphrunner.sample.sampler import Sampler
+from graphrunner.spec_decode.ngram import propose_ngram
+from graphrunner.spec_decode.rejection import rejection_sample
+from graphrunner.spec_decode.verify import prepare_verify
+from graphrunner.state.requests import RequestState
+from graphrunner.step.inputs import InputBatch
+
+
+@dataclass
+class SpecBuffers:
+    """Per batch entry, persistent (graphs write them in place), k + 1 slots per entry."""
+
+    logits_indices: torch.Tensor  # [max_reqs, k + 1] int64
+    verify_num_draft: torch.Tensor  # [max_reqs] int32: draft slots verified
+    sample_positions: torch.Tensor  # [max_reqs] int64: position sampled by slot 0
+    num_rejected: torch.Tensor  # [max_reqs] int32: slots given back (post-update)
+    tokens: torch.Tensor  # [max_reqs, k + 1] int32: emitted tokens, -1 after them
+    num_accepted: torch.Tensor  # [max_reqs] int32
+    proposed: torch.Tensor  # [max_reqs, k] int32: the drafter's proposals for the next step
+    num_proposed: torch.Tensor  # [max_reqs] int32
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, k: int, device: torch.device) -> SpecBuffers:
+        def i32(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        return cls(
+            logits_indices=torch.zeros(max_num_reqs, k + 1, dtype=torch.int64, device=device),
+            verify_num_draft=i32(max_num_reqs), sample_positions=torch.zeros(max_num_reqs, dtype=torch.int64,
+                                                                             device=device),
+            num_rejected=i32(max_num_reqs), tokens=i32(max_num_reqs, k + 1), num_accepted=i32(max_num_reqs),
+            proposed=i32(max_num_reqs, k), num_proposed=i32(max_num_reqs),
+        )
+
+
+@dataclass
+class VerifyRecord:
+    """The verifying entries of a launched step, for settling the host mirrors later."""
+
+    entries: np.ndarray  # [n] batch entries that verify
+    rows: np.ndarray  # [n] their state rows
+    admissions: np.ndarray  # [n] RequestState.admission_np of those rows at launch
+    slots: np.ndarray  # [n] draft slots scheduled (q - 1)
+
+    @classmethod
+    def of(cls, batch: InputBatch, requests: RequestState) -> VerifyRecord | None:
+        """Call before the host mirrors advance. None when no entry verifies."""
+        idx, q = batch.idx_mapping_np, batch.query_lens_np
+        verify = (q > 1) & (requests.num_computed_np[idx] >= requests.prefill_len_np[idx])
+        if not verify.any():
+            return None
+        entries = np.flatnonzero(verify)
+        rows = idx[entries].astype(np.int64)
+        return cls(entries, rows, requests.admission_np[rows].copy(), q[entries].astype(np.int64) - 1)
+
+    def settle(self, num_accepted: np.ndarray, requests: RequestState) -> None:
+        """num_accepted: [R] host copy of the step's accepted counts."""
+        requests.settle_rejected(self.rows, self.admissions, self.slots - num_accepted[self.entries])
+
+
+class SpeculativeStep:
+    """Verification and drafting of a step with `num_speculative_tokens` = k > 0."""
+
+    def __init__(self, config: SpeculativeConfig, requests: RequestState, sampler: Sampler,
+                 max_num_reqs: int, device: torch.device) -> None:
+        if config.method != "ngram":
+            raise ValueError(
+                f"speculative method={config.method!r} is not available in this runner yet; use 'ngram' "
+                "(the draft-model drafter is tracked in issue #13)"
+            )
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.requests = requests
+        self.sampler = sampler
+        self.synthetic_rate = (config.synthetic_acceptance_rate
+                               if config.rejection_sample_method == "synthetic" else None)
+        self.buffers = SpecBuffers.allocate(max_num_reqs, self.k, device)
+
+    @property
+    def slots(self) -> int:
+        """Logits rows per batch entry (k + 1)."""
+        return self.k + 1
+
+    def prepare(self, batch: InputBatch) -> None:
+        """Before `prepare_input_ids`: drafts into the history, logits indices, counts."""
+        r, b, R = self.requests, self.buffers, batch.num_reqs_padded
+        assert r.draft_token_ids is not None and r.num_draft is not None
+        prepare_verify(batch.idx_mapping, batch.query_start_loc, r.num_computed_tokens, r.prefill_len,
+                       r.draft_token_ids, r.num_draft, r.all_token_ids, b.logits_indices[:R],
+                       b.verify_num_draft[:R], b.sample_positions[:R], b.num_rejected[:R],
+                       synthetic=self.synthetic_rate is not None)
+
+    def sample(self, hidden: torch.Tensor, batch: InputBatch, compute_logits,
+               logprob_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Target logits at k + 1 positions per entry, rejection sampling, logprobs.
+
+        Leaves each entry's last emitted token in `batch.sampled` and its rejected slots in
+        `num_rejected`, which is what post-update consumes."""
+        b, R, S = self.buffers, batch.num_reqs_padded, self.slots
+        features = batch.sampling_features
+        logits = compute_logits(hidden[b.logits_indices[:R].view(-1)])  # [R * S, V] float32
+        slot = torch.arange(S, device=logits.device)  # [S]
+        positions = (b.sample_positions[:R, None] + slot).view(-1)  # [R * S]
+        target = self.sampler.target_logits(logits, batch.idx_mapping.repeat_interleave(S), positions, features)
+        rows = batch.idx_mapping.long()  # [R]
+        states = self.sampler.states
+        draft_ids = self.requests.draft_token_ids
+        assert draft_ids is not None
+        rejection_sample(
+            target.view(R, S, -1), draft_ids[rows], b.verify_num_draft[:R], None, states.temperature[rows],
+            states.seed[rows], b.sample_positions[:R], b.tokens[:R], b.num_accepted[:R],
+            all_greedy=not features.any_random, synthetic_acceptance_rate=self.synthetic_rate,
+        )
+        accepted = b.num_accepted[:R]
+        batch.sampled.copy_(b.tokens[:R].gather(1, accepted.long()[:, None])[:, 0])
+        b.num_rejected[:R].sub_(accepted)  # verifying entries: (q - 1) - accepted; others 0 - 0
+        if features.wants_logprobs:
+            values, ids, ranks = logprob_out
+            n = R * S
+            compute_logprobs(logits, b.tokens[:R].view(-1).clamp(min=0), features.num_logprobs, values[:n],
+                             ids[:n], ranks[:n])
+
+    def propose(self, batch: InputBatch) -> None:
+        """After post-update: the drafter proposes k tokens behind each entry's new token."""
+        r, b, R = self.requests, self.buffers, batch.num_reqs_padded
+        assert r.draft_token_ids is not None and r.num_draft is not None
+        rows = batch.idx_mapping.long()
+        qlen = batch.query_start_loc[1:] - batch.query_start_loc[:-1]  # [R]
+        produced = (qlen > 0) & (batch.seq_lens >= r.prefill_len[rows])  # [R]
+        history = torch.where(produced, r.num_computed_tokens[rows] + 1, 0)  # [R] int32: incl. the new token
+        cfg = self.config
+        propose_ngram(r.all_token_ids, batch.idx_mapping, history, self.k, cfg.prompt_lookup_min,
+                      cfg.prompt_lookup_max, b.proposed[:R], b.num_proposed[:R])
+        # Padded entries (scratch row) all propose nothing: identical duplicate writes.
+        r.draft_token_ids[rows] = b.proposed[:R]
+        r.num_draft[rows] = b.num_proposed[:R]
+
+
+def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sampler: Sampler, max_num_reqs: int,
+                          groups: ParallelGroups, device: torch.device) -> SpeculativeStep | None:
+    """The runner's speculative step, or None with num_speculative_tokens = 0."""
+    if config.num_speculative_tokens == 0:
+        return None
+    if groups.pp_size > 1:
+        raise ValueError(
+            f"speculative decoding (num_speculative_tokens={config.num_speculative_tokens}) with "
+            f"pipeline_parallel_size={groups.pp_size} is not supported yet; use pipeline_parallel_size=1"
+        )
+    return SpeculativeStep(config, requests, sampler, max_num_reqs, device)
+
+
+__all__ = ["SpecBuffers", "SpeculativeStep", "VerifyRecord", "make_speculative_step"]
