@@ -132,7 +132,10 @@ def loop_input_ids(b: Batch, positions: list[int]) -> list[int]:
         r = b.idx_mapping[e]
         for t in range(b.query_start_loc[e], b.query_start_loc[e + 1]):
             p = positions[t]
-            ids[t] = all_token_ids[r][p] if p < b.prefill_len[r] else b.last_sampled[r]
+            # The first token past the known ones is the last sampled; later query tokens
+            # (a verifying entry's draft slots) come from the history, where drafts are placed.
+            from_history = p < b.prefill_len[r] or t > b.query_start_loc[e]
+            ids[t] = all_token_ids[r][min(p, b.max_model_len - 1)] if from_history else b.last_sampled[r]
     return ids
 
 

@@ -266,3 +266,31 @@ def test_good_args_pass():
     args = _good_args()
     rejection_sample(**args, all_greedy=True)
     assert args["out_tokens"][:, 1:].eq(PAD_TOKEN_ID).all() and args["out_num_accepted"].eq(0).all()
+
+
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 4))
+def test_one_hot_drafts_emit_the_plain_samplers_tokens(seed, k):
+    """Without a draft distribution every emitted token is the plain Sampler's token at its
+    position (greedy and seeded random rows alike), whatever the drafts: speculation never
+    changes a seeded request's output."""
+    vocab, r = 30, 8
+    g = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.4 + 0.2 * i, seed=seed + i) for i in range(r)]
+    states = make_states(params, vocab)
+    logits = torch.randn(r, k + 1, vocab, generator=g) * 1.5
+    positions = torch.randint(0, 500, (r,), generator=g)
+    rows = list(range(r))
+    plain = torch.stack([run_sampler(states, logits[:, j], rows, (positions + j).tolist()) for j in range(k + 1)], 1)
+    # Drafts: the plain token where a coin says so (so runs get accepted), else a random id.
+    guess = torch.randint(0, vocab, (r, k), generator=g)
+    drafts = torch.where(torch.rand(r, k, generator=g) < 0.7, plain[:, :k].long(), guess)
+    num_draft = torch.randint(0, k + 1, (r,), generator=g, dtype=torch.int32)
+    t = torch.arange(r)
+    out, acc = run(logits, drafts, num_draft, None, states.temperature[t], states.seed[t], positions)
+    for i in range(r):
+        a = int(acc[i])
+        assert a <= int(num_draft[i])
+        assert out[i, : a + 1].tolist() == plain[i, : a + 1].tolist()
+        assert out[i, :a].tolist() == drafts[i, :a].tolist()  # accepted drafts are the drafts
+        if a < int(num_draft[i]):
+            assert int(drafts[i, a]) != int(plain[i, a])  # stopped at the first mismatch

@@ -9,7 +9,10 @@ draft was accepted. So a row emits `num_accepted + 1` tokens, between 1 and
 
 - Greedy rows (temperature 0): draft j is accepted while it equals the target's argmax at
   j; the next token is the target's argmax there. Exactly what plain greedy decoding gives.
-- Random rows: standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+- Random rows with one-hot drafts (`draft_probs` None, e.g. n-gram): verification coupled
+  to the plain sampler's noise (`_coupled_one_hot`): the standard rule in distribution, and
+  every emitted token is exactly the token plain sampling gives at its position.
+- Random rows with a draft distribution: standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
   With p_j = softmax(target_logits[r, j] / T) and q_j the drafter's distribution (or a
   one-hot at the draft token when `draft_probs` is None, e.g. n-gram drafts), draft d_j
   is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the
@@ -164,6 +167,44 @@ def _random_next(
     return torch.where(rejected, correction, bonus)
 
 
+def _coupled_one_hot(
+    target_logits: torch.Tensor,  # [R, k + 1, V] float32
+    drafts: torch.Tensor,  # [R, k] int64, clamped into [0, V)
+    valid: torch.Tensor,  # [R, k] bool
+    is_greedy: torch.Tensor,  # [R] bool
+    temperature: torch.Tensor,  # [R] float32
+    seeds: torch.Tensor,  # [R] int64
+    positions: torch.Tensor,  # [R] int64
+    target_argmax: torch.Tensor,  # [R, k + 1]
+    out_tokens: torch.Tensor,  # [R, k + 1] int32
+    out_num_accepted: torch.Tensor,  # [R] int32
+) -> None:
+    """One-hot drafts (no draft distribution): verification coupled to the plain sampler.
+
+    Slot j's token is the plain sampler's draw at its position, `argmax(x_j / T +
+    gumbel(key_j))` (argmax x_j for greedy rows), and draft j is accepted iff it equals that
+    token. For a one-hot q this is the standard rule in distribution — draft d is accepted
+    with probability p(d) = min(1, p(d) / q(d)), and a rejected slot's token is a draw from
+    p conditioned on not being d, the normalised residual max(0, p - q) — with the noise
+    shared with plain decoding, so every emitted token is the one plain decoding gives at
+    that position: a seeded request's tokens do not depend on its drafts, batch, graph mode
+    or preemptions, and match non-speculative decoding.
+    """
+    num_rows, k1, vocab = target_logits.shape
+    k = k1 - 1
+    slots = torch.arange(k1, device=target_logits.device)
+    temp = torch.where(is_greedy, 1.0, temperature)  # [R]
+    keys = rng.row_keys(seeds[:, None].expand(num_rows, k1).reshape(-1),
+                        (positions[:, None] + slots[None, :]).reshape(-1))  # [R * (k + 1)]
+    scaled = target_logits / temp[:, None, None]  # [R, k + 1, V]: the sampler's x / T, bit for bit
+    drawn = (scaled + rng.gumbel(keys, vocab).view(num_rows, k1, vocab)).argmax(dim=-1)  # [R, k + 1]
+    sample = torch.where(is_greedy[:, None], target_argmax, drawn)  # [R, k + 1]
+    accept = (sample[:, :k] == drafts) & valid  # [R, k]
+    num_accepted = accept.to(torch.int32).cumprod(dim=1).sum(dim=1)  # [R]
+    out_tokens.copy_(sample.masked_fill(slots[None, :] > num_accepted[:, None], PAD_TOKEN_ID))
+    out_num_accepted.copy_(num_accepted)
+
+
 def rejection_sample(
     target_logits: torch.Tensor,  # [R, k + 1, V] float32, processed (and filtered) target logits
     draft_token_ids: torch.Tensor,  # [R, k] int32 / int64
@@ -198,6 +239,10 @@ def rejection_sample(
     accept = target_argmax[:, :k] == drafts  # [R, k]: the greedy test
     is_greedy = temperature == 0.0  # [R]
     synthetic = synthetic_acceptance_rate is not None
+    if draft_probs is None and not synthetic and not all_greedy:
+        _coupled_one_hot(target_logits, drafts, valid, is_greedy, temperature, seeds, positions, target_argmax,
+                         out_tokens, out_num_accepted)
+        return
     if not all_greedy or synthetic:
         temp = torch.where(is_greedy, 1.0, temperature)  # [R]
         keys = rng.row_keys(seeds[:, None].expand(num_rows, k + 1).reshape(-1),

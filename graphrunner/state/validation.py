@@ -321,15 +321,13 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if any(cached.new_block_ids):
             held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
 
-    if len(n) == 0:
-        if so.scheduled_spec_decode_tokens:
-            raise _Invalid
-        return
-    rows = _rows_of(nst, index, removed, new_rows)
-    if any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):
+    rows = _rows_of(nst, index, removed, new_rows) if len(n) else np.zeros(0, dtype=np.int64)
+    if len(n) and any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):
         raise _Invalid
-    if so.scheduled_spec_decode_tokens:
-        row_of = dict(zip(nst, rows.tolist(), strict=True))
-        after = {rid: (int(computed[r]), int(known[r]), int(held[r])) for rid, r in row_of.items()}
-        if _spec_tokens_error(so, after, limits):
-            raise _Invalid
+    if so.scheduled_spec_decode_tokens and _spec_tokens_error(so, _after_of(nst, rows, computed, known, held), limits):
+        raise _Invalid
+
+
+def _after_of(ids, rows: np.ndarray, computed: np.ndarray, known: np.ndarray, held: np.ndarray) -> dict:
+    """req_id -> (computed, known, held) of the scheduled requests (the reference's `after`)."""
+    return {rid: (int(computed[r]), int(known[r]), int(held[r])) for rid, r in zip(ids, rows.tolist(), strict=True)}
