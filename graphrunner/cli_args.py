@@ -74,6 +74,32 @@ def limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _LIMIT_HELP if hasattr(args, name)}
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--speculative-config (vLLM's flag), parsed into `args.speculative_config`: the JSON text
+    that `LLM(speculative_config=...)` takes; `speculative_kwargs` checks it."""
+    p.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+             '"model": "builtin:NAME", "num_speculative_tokens": 2}\'; unset = off',
+    )
+
+
+def speculative_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """`speculative_config=` for `LLM` from `add_speculative_args`' option; SystemExit naming
+    the option and the bad value (before any model loads)."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return {}
+    from graphrunner.config import SpeculativeConfig  # torch: only when the option is used
+
+    try:
+        SpeculativeConfig.from_dict(text)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"{command}: --speculative-config: {e}") from None
+    return {"speculative_config": text}
+
+
 def add_command_group(
     subparsers: argparse._SubParsersAction,
     name: str,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphrunner.config import CacheConfig, CompilationConfig, LoadConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+from graphrunner.config import (
+    CacheConfig,
+    CompilationConfig,
+    LoadConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from graphrunner.models.loader import load_model_config
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.runner import ModelRunner

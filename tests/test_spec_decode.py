@@ -99,7 +99,8 @@ class SpecDriver:
         return {rid}
 
     def step(self, preempt: str | None = None) -> None:
-        so = SchedulerOutput(finished_req_ids=self.finished, preempted_req_ids=self.preempt(preempt) if preempt else set())
+        preempted = self.preempt(preempt) if preempt else set()
+        so = SchedulerOutput(finished_req_ids=self.finished, preempted_req_ids=preempted)
         self.finished = set()
         budget = self.runner.limits.max_num_tokens
         q_spec = self.runner.uniform_decode_query_len
@@ -263,7 +264,8 @@ BAD_DRAFTS = [
     (lambda so: so.scheduled_spec_decode_tokens.update(x=[1, -1, 2]), r"mix placeholders"),
     (lambda so: so.scheduled_spec_decode_tokens.update(x=[1.5, 2, 3]), r"draft token id 1.5 \(float\) is not an int"),
     (lambda so: so.scheduled_spec_decode_tokens.update(y=[1]), r"drafts for request 'y', which is not scheduled"),
-    (lambda so: so.num_scheduled_tokens.update(x=5), r"1 token plus at most num_speculative_tokens=3 draft slots, got 5"),
+    (lambda so: so.num_scheduled_tokens.update(x=5),
+     r"1 token plus at most num_speculative_tokens=3 draft slots, got 5"),
 ]
 
 

@@ -22,9 +22,11 @@ from graphrunner.cli_args import (
     add_graph_args,
     add_limit_args,
     add_runner_args,
+    add_speculative_args,
     limit_kwargs,
     parse_int_list,
     runner_kwargs,
+    speculative_kwargs,
 )
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
+    add_speculative_args(p)
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         argv = list(getattr(args, "argv", None) or sys.argv[1:])
         return launch([sys.executable, "-m", "graphrunner.cli", *argv], world, timeout=args.launch_timeout)
     is_printer = int(os.environ.get("RANK", "0")) == 0
+    speculative_kwargs(args, "graphrunner generate")  # a bad --speculative-config fails before the model loads
 
     # Load the tokenizer before the model so that a missing one fails fast.
     tokenizer = _load_tokenizer(args.model) if args.prompt else None
@@ -184,6 +188,7 @@ def _build_llm(args: argparse.Namespace) -> LLM:
             pipeline_parallel_size=args.pp,
             data_parallel_size=args.dp,
             collective_timeout_s=args.collective_timeout,
+            **speculative_kwargs(args, "graphrunner generate"),
         )
     except (ValueError, FileNotFoundError) as e:  # no traceback needed
         raise SystemExit(f"graphrunner generate: {e}") from None
@@ -217,6 +222,9 @@ def _print_summary(
     print(f"generated tokens: {num_generated}")
     print(f"preemptions:      {llm.scheduler.num_preemptions}")
     print(f"scheduling:       {'async' if args.async_scheduling else 'sync'}")
+    spec = llm.config.speculative
+    if spec.num_speculative_tokens:
+        print(f"speculative:      {spec.method}, k={spec.num_speculative_tokens}")
     print(f"elapsed seconds:  {elapsed:.3f}")
     print(f"output tokens/s:  {num_generated / elapsed if elapsed > 0 else float('inf'):.1f}")
     for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):

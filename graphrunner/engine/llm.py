@@ -25,7 +25,6 @@ returns the full, identical result list on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import numbers
 import os
@@ -42,8 +41,15 @@ from graphrunner.config import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_device,
     resolve_dtype,
+)
+from graphrunner.engine.options import (
+    check_compilation_kwargs,
+    parallel_config,
+    per_prompt_params,
+    resolve_speculative_config,
 )
 from graphrunner.engine.request import RequestOutput
 from graphrunner.engine.scheduler import Scheduler
@@ -52,38 +58,6 @@ from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOut
 # The default context when the caller gives none: long enough for demos, small enough
 # that a model with a huge max_position_embeddings does not size huge runner buffers.
 DEFAULT_MAX_MODEL_LEN = 2048
-_COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
-
-
-def _check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
-    """Refuse `LLM`'s extra keywords that are not `CompilationConfig` fields (TypeError, as Python would)."""
-    unknown = set(kwargs) - _COMPILATION_FIELDS
-    if unknown:
-        raise TypeError(
-            f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
-            f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
-        )
-
-
-def _parallel_config(
-    tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
-    async_scheduling: bool,
-) -> ParallelConfig:
-    """The `ParallelConfig` of `LLM`'s layout arguments; refuses async scheduling over several processes."""
-    parallel = ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        data_parallel_size=data_parallel_size,
-        collective_timeout_s=collective_timeout_s,
-    )
-    if async_scheduling and parallel.world_size > 1:
-        # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
-        # protocol for placeholders; neither is built, so refuse instead of diverging.
-        raise ValueError(
-            f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
-            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
-        )
-    return parallel
 
 
 class LLM:
@@ -113,6 +87,10 @@ class LLM:
             `graphrunner launch`). `device` then names the device type; each rank takes
             cuda:LOCAL_RANK.
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
+        speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
+            "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+            (`SpeculativeConfig`; a dict, its JSON text, or None: off). Every decode then
+            verifies k drafts the runner proposed; greedy tokens are those without it.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -137,18 +115,20 @@ class LLM:
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
         collective_timeout_s: float = 60.0,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_compilation_kwargs(kwargs)
-        parallel = _parallel_config(
+        check_compilation_kwargs(kwargs)
+        parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling
         )
+        speculative = resolve_speculative_config(speculative_config)
         self._init_distributed(parallel, device, dtype)
         self.config = self._build_config(
             model, parallel, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, seed=seed, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, enforce_eager=enforce_eager,
-            compilation_kwargs=kwargs,
+            compilation_kwargs=kwargs, speculative=speculative,
         )
         self._init_runner()
         self.scheduler = self._make_scheduler(async_scheduling)
@@ -172,6 +152,7 @@ class LLM:
         self, model: str, parallel: ParallelConfig, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
         max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
         gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
+        speculative: SpeculativeConfig,
     ) -> RunnerConfig:
         """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
         from graphrunner.models.loader import is_builtin, load_model_config
@@ -197,6 +178,7 @@ class LLM:
             ),
             parallel=parallel,
             compilation=CompilationConfig(enforce_eager=enforce_eager, **compilation_kwargs),
+            speculative=speculative,
             dtype=dtype,
             seed=seed,
         )
@@ -226,6 +208,8 @@ class LLM:
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
+            # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
+            num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
         )
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -272,7 +256,7 @@ class LLM:
             len(prompt_token_ids) and isinstance(prompt_token_ids[0], (numbers.Integral, str))
         ):
             raise TypeError("prompt_token_ids must be a list of token-id lists, one per prompt")
-        params = self._per_prompt_params(sampling_params, len(prompt_token_ids))
+        params = per_prompt_params(sampling_params, len(prompt_token_ids))
         dp_size, dp_rank = self.groups.dp_size, self.groups.dp_rank
         # Request ids are global prompt numbers, identical whatever the DP layout.
         base = self._next_req_id
@@ -449,26 +433,6 @@ class LLM:
         )
         with Path(self.record_batches).open("a") as f:  # type: ignore[arg-type]
             f.write(json.dumps(record) + "\n")
-
-    @staticmethod
-    def _per_prompt_params(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if isinstance(sampling_params, (str, bytes, Mapping)):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
-            )
-        params = list(sampling_params)
-        if len(params) != num_prompts:
-            raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one or one per prompt")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        return params
 
 
 def batch_record(scheduler_output: SchedulerOutput, uniform_decode_query_len: int, descriptor: object) -> dict:

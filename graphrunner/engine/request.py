@@ -55,9 +55,10 @@ class Request:
     num_preemptions: int = 0
     # Tokens known at the last admission (prompt, plus the outputs of a resumed request).
     num_prefill_tokens: int = 0
-    # Async scheduling: tokens sampled by launched steps whose output is not resolved yet.
-    # Their values stay on the device (the runner feeds them to the next step); the host
-    # counts them so that it can schedule the next decode before they are known.
+    # Async scheduling: tokens sampled by launched steps whose output is not resolved yet,
+    # one per step (a verifying step emits 1..1 + k: then a lower bound). Their values stay
+    # on the device (the runner feeds them to the next step); the host counts them so that
+    # it can schedule the next decode before they are known.
     num_output_placeholders: int = 0
     # SamplingParams.logprobs: one {token_id: Logprob} per output token.
     logprobs: list[dict] | None = None
@@ -123,7 +124,7 @@ class Request:
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus the in-flight ones (an upper bound; equal to num_tokens when in sync)."""
+        """Known tokens plus one per in-flight sampling step (equal to num_tokens when in sync)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property

@@ -31,18 +31,17 @@ token). The reference engine resolves step N before it schedules step N + 2, so 
 wait never happens there.
 
 Speculative decoding (`num_speculative_tokens=k > 0`): every decode is scheduled as
-1 + k tokens, the last sampled token and k draft slots (capped by the step's budget and
-by max_model_len), so steady decode batches stay uniform (q = 1 + k: FULL graphs). The
-plan never names the drafts: the runner proposed them itself and reads them on the
-device (no `scheduled_spec_decode_tokens` entry means q - 1 placeholders), so sync and
-async plan alike. A verifying step emits 1..q tokens (the accepted drafts and one more);
-they are appended one by one, and a stop token, max_tokens or max_model_len inside the
-run ends the request there and drops the rest. KV is valid only for the emitted tokens:
-sync, num_computed_tokens advances by the number emitted, not by q; async, the plan
-advanced it by q at once (the runner's count does the same at launch), and the output,
-applied one step late, takes the rejected q - emitted back (as the runner does when it
-resolves that step), unless the request was preempted since. Blocks are reserved for all
-q tokens, and a request must fit the cache alone with that lookahead.
+q = 1 + k tokens, the last sampled token and k draft slots (capped by the budget and
+max_model_len), so steady decode batches stay uniform (FULL graphs). The plan never
+names the drafts: the runner proposed them and reads them on the device (no
+`scheduled_spec_decode_tokens` entry: q - 1 placeholders). A verifying step emits 1..q
+tokens (accepted drafts and one more), appended one by one: a stop token, max_tokens or
+max_model_len inside the run ends the request there. KV is valid for the emitted tokens
+only: sync, num_computed_tokens advances by their number, not q; async, the plan
+advanced it by q at once (as the runner's count does at launch), and the output, one
+step late, takes the rejected q - emitted back (as the runner does when it resolves that
+step) unless the request was preempted since. Blocks are reserved for all q tokens; a
+request must fit the cache alone with that lookahead.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class _Launched:
-    """Async: a launched plan, the requests it samples for, and those among them that verify drafts."""
+    """Async: a launched plan, the requests it samples for, and its decodes (they verify drafts)."""
 
     plan: SchedulerOutput
     produces: frozenset[str]
@@ -111,8 +110,7 @@ class Scheduler:
         async_scheduling: bool = False,
         num_speculative_tokens: int = 0,
     ) -> None:
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 0:
+        if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -145,6 +143,9 @@ class Scheduler:
         self.num_preemptions = 0  # running total, for stats and tests
         self.async_scheduling = async_scheduling
         self.num_speculative_tokens = num_speculative_tokens
+        # Draft slots a request may hold blocks for past its tokens: k per decode counted as
+        # computed (sync: the one planned; async: the unresolved one too).
+        self._spec_lookahead = num_speculative_tokens * (2 if async_scheduling else 1)
         # Async: the launched plans whose outputs are not applied yet, in schedule order.
         self._in_flight: deque[_Launched] = deque()
 
@@ -191,34 +192,24 @@ class Scheduler:
             raise ValueError(
                 f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={self.max_model_len}"
             )
-        if self.vocab_size is not None:
-            for tok in prompt:
-                if not 0 <= tok < self.vocab_size:
-                    raise ValueError(
-                        f"request {req_id!r}: token id {tok} is out of range for vocab_size={self.vocab_size}"
-                    )
+        bad = None if self.vocab_size is None else next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"request {req_id!r}: token id {bad} is out of range for vocab_size={self.vocab_size}")
         # A request must fit in the cache on its own, or preemption could never make room for it.
         needed = _cdiv(self._max_computed_tokens(len(prompt), params.max_tokens), self.block_size)
         if needed > self.num_blocks:
-            lookahead = f" + {self._spec_lookahead} draft slots" if self._spec_lookahead else ""
+            lookahead = f" + {self._spec_lookahead} draft slots" if self.num_speculative_tokens else ""
             raise ValueError(
                 f"request {req_id!r}: needs up to {needed} KV blocks (prompt {len(prompt)} + max_tokens "
                 f"{params.max_tokens}{lookahead}, block_size {self.block_size}) but the cache has "
                 f"num_blocks={self.num_blocks}"
             )
 
-    @property
-    def _spec_lookahead(self) -> int:
-        """Draft slots a request may hold blocks for beyond its tokens: k per decode whose
-        drafts are counted as computed (sync: the one planned; async: also the unresolved one)."""
-        return self.num_speculative_tokens * (2 if self.async_scheduling else 1)
-
     def _max_computed_tokens(self, prompt_len: int, max_tokens: int) -> int:
         """Most token slots a request ever holds blocks for: the last sampled token is never
-        computed, draft slots are, and nothing goes past max_model_len."""
-        lookahead = self._spec_lookahead
-        cap = self.max_model_len if lookahead else self.max_model_len - 1
-        return min(prompt_len + max_tokens - 1 + lookahead, max(prompt_len, cap))
+        computed, draft slots are (up to max_model_len)."""
+        cap = self.max_model_len - (0 if self.num_speculative_tokens else 1)
+        return min(prompt_len + max_tokens - 1 + self._spec_lookahead, max(prompt_len, cap))
 
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""

@@ -247,7 +247,7 @@ def rejection_sample(
         temp = torch.where(is_greedy, 1.0, temperature)  # [R]
         keys = rng.row_keys(seeds[:, None].expand(num_rows, k + 1).reshape(-1),
                             (positions[:, None] + slots[None, :]).reshape(-1)).view(num_rows, k + 1)
-    if synthetic:
+    if synthetic_acceptance_rate is not None:
         u = rng.uniform(rng.hash32(keys[:, :k].reshape(-1) ^ SYNTHETIC_SALT), 1).view(num_rows, k)  # [R, k]
         accept = u < synthetic_acceptance_rate
     elif not all_greedy:

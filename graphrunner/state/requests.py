@@ -44,7 +44,8 @@ class RequestState:
         # or ids the scheduler placed), k columns; None without speculation.
         k = num_speculative_tokens
         self.num_speculative_tokens = k
-        self.draft_token_ids = torch.zeros(self.num_rows, k, dtype=torch.int32, device=device) if k else None  # [rows, k]
+        self.draft_token_ids = (torch.zeros(self.num_rows, k, dtype=torch.int32, device=device)  # [rows, k]
+                                if k else None)
         self.num_draft = torch.zeros(self.num_rows, dtype=torch.int32, device=device) if k else None  # [rows]
 
         # Host mirrors of the device counters (kept in step by the runner).

@@ -117,7 +117,8 @@ class StepOutputs:
         index_source = pending.plan.req_id_to_index if pending.plan is not None else None
         return ModelRunnerOutput.from_token_rows(
             list(batch.req_ids), host["tokens"], counts, index_source,
-            logprobs=self._sampled_logprobs(pending, outputs, counts), prompt_logprobs_dict=pending.prompt_logprobs or {},
+            logprobs=self._sampled_logprobs(pending, outputs, counts),
+            prompt_logprobs_dict=pending.prompt_logprobs or {},
         )
 
     def _sampled_logprobs(self, pending: PendingStep, outputs: dict[str, torch.Tensor],
