@@ -237,6 +237,7 @@ class SpeculativeConfig:
     model: str | None = None
     rejection_sample_method: str = "strict"
     synthetic_acceptance_rate: float = 0.8
+    draft_seed: int | None = None  # dummy draft weights: their seed (None: the target's load seed)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

@@ -10,12 +10,12 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from graphrunner.config import CacheConfig
+from graphrunner.kv_shape import KVCacheShape
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody
@@ -25,40 +25,20 @@ logger = logging.getLogger("graphrunner.kv_cache")
 _GIB = 1 << 30
 
 
-@dataclass(frozen=True)
-class KVCacheShape:
-    """One rank's share of the cache: its layers, its KV heads, the block geometry."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across every local layer (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per local layer."""
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
-
-
 def determine_num_kv_blocks(shape: KVCacheShape, cache: CacheConfig, body: StepBody, device: torch.device, *,
                             max_blocks: int, max_num_blocks_per_req: int, max_model_len: int,
-                            agree: Callable[[int], int]) -> int:
+                            agree: Callable[[int], int], extra_block_bytes: int = 0) -> int:
     """How many KV blocks fit: a fixed count if configured, else profile + memory budget.
 
     `max_blocks` caps the count (more than max_num_seqs full-length requests can hold is
-    dead memory); `agree` makes every rank of a replica size the same cache.
+    dead memory); `agree` makes every rank of a replica size the same cache;
+    `extra_block_bytes`: what else each block costs (a draft model's KV for the same block).
     """
+    block_bytes = shape.block_bytes + extra_block_bytes
     if cache.num_blocks is not None:
         return cache.num_blocks
     if device.type != "cuda":
-        num_blocks = cache.cpu_kv_cache_bytes // shape.block_bytes
+        num_blocks = cache.cpu_kv_cache_bytes // block_bytes
     else:
         gc.collect()
         torch.cuda.empty_cache()
@@ -69,7 +49,7 @@ def determine_num_kv_blocks(shape: KVCacheShape, cache: CacheConfig, body: StepB
         current = torch.cuda.memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
         budget = total * cache.gpu_memory_utilization - (total - free) - (peak - current)
-        num_blocks = int(budget // shape.block_bytes)
+        num_blocks = int(budget // block_bytes)
         logger.info(
             "KV cache budget %.2f GiB (%d blocks of %d tokens); activation peak %.2f GiB",
             max(budget, 0) / _GIB, num_blocks, shape.block_size, (peak - current) / _GIB,

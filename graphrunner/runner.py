@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -103,8 +104,7 @@ class ModelRunner:
         self.state = StateStore(L.max_num_reqs, L.max_model_len, L.vocab_size, self.eos_token_ids, config.seed,
                                 self.device, num_speculative_tokens=config.speculative.num_speculative_tokens)
         sampler = Sampler(self.state.sampling)
-        spec = make_speculative_step(config.speculative, self.state.requests, sampler, L.max_num_reqs, groups,
-                                     self.device)
+        spec = make_speculative_step(config.speculative, self.state.requests, sampler, L, groups, self.device)
         self.buffers = StepBuffers(
             inputs=InputBuffers(L.max_num_reqs, L.max_num_tokens, L.max_num_blocks_per_req, self.device),
             requests=self.state.requests, sampling=self.state.sampling,
@@ -142,6 +142,8 @@ class ModelRunner:
             tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size,
         )
         self.body.model = model
+        if self.body.spec is not None:  # a draft model, if the drafter has one
+            self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device)
         self.prompt_logprobs.compute_logits = model.compute_logits  # type: ignore[assignment]  # nn.Module attr
         self.buffers.stage = self.parallel.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
                                                             self.dtype)
@@ -167,11 +169,12 @@ class ModelRunner:
         """How many KV blocks fit: a fixed count if configured, else profile + memory budget
         (CUDA: `gpu_memory_utilization` of the device; CPU: `cpu_kv_cache_bytes`)."""
         self._require_model()
-        L = self.limits
+        L, spec = self.limits, self.body.spec
         return determine_num_kv_blocks(
             self.kv_cache_shape, self.config.cache, self.body, self.device,
             max_blocks=L.max_num_reqs * L.max_num_blocks_per_req, max_num_blocks_per_req=L.max_num_blocks_per_req,
             max_model_len=L.max_model_len, agree=self.parallel.agree_num_kv_blocks,
+            extra_block_bytes=spec.draft_block_bytes(L.block_size) if spec is not None else 0,
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -182,15 +185,14 @@ class ModelRunner:
         shape, L = self.kv_cache_shape, self.limits
         self.buffers.kv_caches = shape.allocate(num_blocks, self.device)
         self.buffers.block_tables = self.state.init_block_tables(L.max_num_blocks_per_req, L.block_size, num_blocks)
+        if self.body.spec is not None:  # a draft model's KV lives in the same blocks
+            self.buffers.draft_kv_caches = self.body.spec.attach_kv_cache(self.buffers.block_tables, num_blocks)
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, L.block_size,
                     num_blocks * shape.block_bytes / _GIB)
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
-
-        def dispatch(num_reqs: int, num_tokens: int, uniform: int | None, eager: bool) -> BatchExecutionDescriptor:
-            return self.parallel.dispatch(graphs, num_reqs, num_tokens, uniform, eager)
-
-        self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, dispatch,
+        # (num_reqs, num_tokens, uniform q | None, force_eager) -> descriptor, agreed across DP replicas
+        self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, partial(self.parallel.dispatch, graphs),
                                    reuse_plans=self.groups.dp_size == 1)
 
     @torch.inference_mode()
@@ -298,10 +300,8 @@ class ModelRunner:
         return self.outputs.collect(pending, async_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """The drafts proposed by the last step whose output was taken (speculative decoding;
-        None without it, or once taken). A scheduler may place them in the next step's
-        `scheduled_spec_decode_tokens`, or place -1 placeholders and let the runner read them
-        on the device."""
+        """The last taken step's drafts (None without speculation, or once taken): a scheduler
+        may place them in `scheduled_spec_decode_tokens`, or -1 placeholders read on the device."""
         drafts, self.outputs.drafts = self.outputs.drafts, None
         return drafts
 

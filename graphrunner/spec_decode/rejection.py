@@ -221,12 +221,10 @@ def rejection_sample(
 ) -> None:
     """Verifies the drafts of every row and writes the emitted tokens; see the module docstring.
 
-    `synthetic_acceptance_rate` (vLLM's "synthetic" rejection method, a benchmarking aid
-    that never gives the target's distribution): each valid draft is accepted with that
-    probability, whatever the models say (u from a third salted stream of the same keys),
-    and the token after the accepted run is the target's own draw there (argmax for greedy
-    rows). Raises ValueError when a tensor's shape, dtype or device does not match
-    target_logits.
+    `synthetic_acceptance_rate` (vLLM's "synthetic" method, a benchmarking aid, never the
+    target's distribution): each valid draft is accepted with that probability whatever the
+    models say, and the token after the run is the target's own draw there. Raises
+    ValueError when a tensor's shape, dtype or device does not match target_logits.
     """
     num_rows, k, vocab = _check_inputs(target_logits, draft_token_ids, num_draft, draft_probs, temperature,
                                        seeds, positions, out_tokens, out_num_accepted)

@@ -18,17 +18,23 @@ same rule (`docs/speculative_decoding.md`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from graphrunner.config import SpeculativeConfig
+from graphrunner.config import LoadConfig, SpeculativeConfig
 from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.kv_shape import KVCacheShape
+from graphrunner.limits import StepLimits
+from graphrunner.models.loader import load_model, load_model_config
 from graphrunner.sample.logprobs import compute_logprobs
 from graphrunner.sample.sampler import Sampler
+from graphrunner.spec_decode.draft_model import DraftModelDrafter
 from graphrunner.spec_decode.ngram import propose_ngram
 from graphrunner.spec_decode.rejection import rejection_sample
 from graphrunner.spec_decode.verify import prepare_verify
+from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.requests import RequestState
 from graphrunner.step.inputs import InputBatch
 
@@ -89,19 +95,56 @@ class SpeculativeStep:
     """Verification and drafting of a step with `num_speculative_tokens` = k > 0."""
 
     def __init__(self, config: SpeculativeConfig, requests: RequestState, sampler: Sampler,
-                 max_num_reqs: int, device: torch.device) -> None:
-        if config.method != "ngram":
-            raise ValueError(
-                f"speculative method={config.method!r} is not available in this runner yet; use 'ngram' "
-                "(the draft-model drafter is tracked in issue #13)"
-            )
+                 limits: StepLimits, device: torch.device) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.requests = requests
         self.sampler = sampler
         self.synthetic_rate = (config.synthetic_acceptance_rate
                                if config.rejection_sample_method == "synthetic" else None)
-        self.buffers = SpecBuffers.allocate(max_num_reqs, self.k, device)
+        self.buffers = SpecBuffers.allocate(limits.max_num_reqs, self.k, device)
+        self.tables: BlockTables | None = None  # with the KV cache (the draft model writes KV)
+        self.drafter: DraftModelDrafter | None = None
+        if config.method == "draft_model":
+            assert config.model is not None  # SpeculativeConfig checks it
+            draft_config = load_model_config(config.model)
+            config.check_draft_vocab(limits.vocab_size, draft_config.vocab_size)
+            self.drafter = DraftModelDrafter(draft_config, self.k, limits.max_num_reqs, requests, limits.block_size,
+                                             device)
+
+    # ---- the draft model's set-up (no-ops for the n-gram drafter) ----------------------------
+    def load_draft_model(self, target_load: LoadConfig, attn_backend: Any, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """Build and fill the draft model (dummy weights when the target's are dummy)."""
+        if self.drafter is None:
+            return
+        assert self.config.model is not None
+        seed = self.config.draft_seed if self.config.draft_seed is not None else target_load.seed
+        load = LoadConfig(model=self.config.model, load_format=target_load.load_format, seed=seed)
+        self.drafter.model = load_model(self.drafter.model_config, load, attn_backend=attn_backend, dtype=dtype,
+                                        device=device)
+
+    def _draft_kv_shape(self, block_size: int) -> KVCacheShape | None:
+        """The draft model's KV per block (the same blocks as the target's), or None."""
+        if self.drafter is None or self.drafter.model is None:
+            return None
+        m = self.drafter.model_config
+        dtype = next(self.drafter.model.parameters()).dtype
+        return KVCacheShape(m.num_hidden_layers, block_size, m.num_key_value_heads, m.head_dim, dtype)
+
+    def draft_block_bytes(self, block_size: int) -> int:
+        """What one KV block costs the draft model (0 without one)."""
+        shape = self._draft_kv_shape(block_size)
+        return shape.block_bytes if shape is not None else 0
+
+    def attach_kv_cache(self, tables: BlockTables, num_blocks: int) -> list[torch.Tensor]:
+        """With the target's KV cache: the block tables, and the draft model's own caches."""
+        self.tables = tables
+        shape = self._draft_kv_shape(tables.block_size)
+        if self.drafter is None or shape is None:
+            return []
+        self.drafter.kv_caches = shape.allocate(num_blocks, tables.device)
+        return self.drafter.kv_caches
 
     @property
     def slots(self) -> int:
@@ -152,18 +195,22 @@ class SpeculativeStep:
         r, b, R = self.requests, self.buffers, batch.num_reqs_padded
         assert r.draft_token_ids is not None and r.num_draft is not None
         rows = batch.idx_mapping.long()
-        qlen = batch.query_start_loc[1:] - batch.query_start_loc[:-1]  # [R]
-        produced = (qlen > 0) & (batch.seq_lens >= r.prefill_len[rows])  # [R]
-        history = torch.where(produced, r.num_computed_tokens[rows] + 1, 0)  # [R] int32: incl. the new token
-        cfg = self.config
-        propose_ngram(r.all_token_ids, batch.idx_mapping, history, self.k, cfg.prompt_lookup_min,
-                      cfg.prompt_lookup_max, b.proposed[:R], b.num_proposed[:R])
+        if self.drafter is not None:
+            assert self.tables is not None, "initialize_kv_cache() before running a step"
+            self.drafter.propose(batch, self.tables, b.proposed[:R], b.num_proposed[:R])
+        else:
+            qlen = batch.query_start_loc[1:] - batch.query_start_loc[:-1]  # [R]
+            produced = (qlen > 0) & (batch.seq_lens >= r.prefill_len[rows])  # [R]
+            history = torch.where(produced, r.num_computed_tokens[rows] + 1, 0)  # [R] int32: incl. the new token
+            cfg = self.config
+            propose_ngram(r.all_token_ids, batch.idx_mapping, history, self.k, cfg.prompt_lookup_min,
+                          cfg.prompt_lookup_max, b.proposed[:R], b.num_proposed[:R])
         # Padded entries (scratch row) all propose nothing: identical duplicate writes.
         r.draft_token_ids[rows] = b.proposed[:R]
         r.num_draft[rows] = b.num_proposed[:R]
 
 
-def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sampler: Sampler, max_num_reqs: int,
+def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sampler: Sampler, limits: StepLimits,
                           groups: ParallelGroups, device: torch.device) -> SpeculativeStep | None:
     """The runner's speculative step, or None with num_speculative_tokens = 0."""
     if config.num_speculative_tokens == 0:
@@ -173,7 +220,7 @@ def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sam
             f"speculative decoding (num_speculative_tokens={config.num_speculative_tokens}) with "
             f"pipeline_parallel_size={groups.pp_size} is not supported yet; use pipeline_parallel_size=1"
         )
-    return SpeculativeStep(config, requests, sampler, max_num_reqs, device)
+    return SpeculativeStep(config, requests, sampler, limits, device)
 
 
 __all__ = ["SpecBuffers", "SpeculativeStep", "VerifyRecord", "make_speculative_step"]

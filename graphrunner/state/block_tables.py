@@ -54,6 +54,9 @@ class BlockTables:
         self.table = torch.zeros(num_rows, max_num_blocks_per_req, dtype=torch.int32, device=self.device)
         self.table_np = np.zeros((num_rows, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+        # The same counts on the device (staged with the table): a device-side writer of KV
+        # beyond the scheduled tokens (the draft model's lookahead) stays inside the row's blocks.
+        self.num_blocks_dev = torch.zeros(num_rows, dtype=torch.int32, device=self.device)  # [rows]
 
     # ------------------------------------------------------------------ host-side staging
 
@@ -83,11 +86,14 @@ class BlockTables:
         self.num_blocks[row] = end
         if end > start:
             self.staging.stage_row(self.table, row, ids, start)
+        if end > start or overwrite:
+            self.staging.stage(self.num_blocks_dev, row, end)
 
     def clear_row(self, row: int) -> None:
-        """The row holds no blocks. Host-only: with `num_blocks[row] == 0` nothing reads it."""
+        """The row holds no blocks (its table entries are left stale: no step reads past the count)."""
         self._check_row(row)
         self.num_blocks[row] = 0
+        self.staging.stage(self.num_blocks_dev, row, 0)
 
     def row_block_ids(self, row: int) -> np.ndarray:
         """The blocks `row` holds, staged writes included (a read-only host view)."""

@@ -77,6 +77,7 @@ class StepBuffers:
     spec: SpecBuffers | None = None  # speculative decoding's per-entry slots
     block_tables: BlockTables | None = None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
+    draft_kv_caches: list[torch.Tensor] = field(default_factory=list)  # the draft model's, same blocks
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of every holder, by `holder.attribute` name (debug address checks).

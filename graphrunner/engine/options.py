@@ -1,0 +1,82 @@
+"""`LLM`'s arguments, checked and turned into the runner's configs or per-prompt lists.
+
+Each helper raises the error Python or vLLM would for a bad argument (TypeError for an
+unknown keyword or a wrong type, ValueError naming the value and what is allowed), before
+any process group, model or cache exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from graphrunner.config import CompilationConfig, ParallelConfig, SpeculativeConfig
+from graphrunner.protocol import SamplingParams
+
+_COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
+
+
+def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse `LLM`'s extra keywords that are not `CompilationConfig` fields (TypeError, as Python would)."""
+    unknown = set(kwargs) - _COMPILATION_FIELDS
+    if unknown:
+        raise TypeError(
+            f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
+            f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
+        )
+
+
+def parallel_config(
+    tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
+    async_scheduling: bool,
+) -> ParallelConfig:
+    """The `ParallelConfig` of `LLM`'s layout arguments; refuses async scheduling over several processes."""
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size,
+        collective_timeout_s=collective_timeout_s,
+    )
+    if async_scheduling and parallel.world_size > 1:
+        # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
+        # protocol for placeholders; neither is built, so refuse instead of diverging.
+        raise ValueError(
+            f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
+            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
+        )
+    return parallel
+
+
+def resolve_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig:
+    """`speculative_config=` as vLLM takes it: a dict, its JSON text (`--speculative-config`),
+    a `SpeculativeConfig`, or None (off). Errors name the value and the allowed set."""
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, Mapping):
+        value = dict(value)
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except TypeError as e:  # e.g. a bool or a list: not a dict, a JSON text or None
+        raise ValueError(f"speculative_config={value!r}: {e}") from None
+
+
+def per_prompt_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt from `generate`'s argument: one for all, one each, or None (defaults)."""
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if isinstance(sampling_params, (str, bytes, Mapping)):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+        )
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one or one per prompt")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params
