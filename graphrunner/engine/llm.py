@@ -197,7 +197,7 @@ class LLM:
 
     def _make_scheduler(self, async_scheduling: bool) -> Scheduler:
         """The `Scheduler` over the runner's KV cache, under the configured batch limits."""
-        limits = self.config.scheduler
+        limits, spec = self.config.scheduler, self.config.speculative
         return Scheduler(
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
@@ -210,6 +210,8 @@ class LLM:
             async_scheduling=async_scheduling,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
+            # A draft model writes KV for its k drafts past each decode: blocks for them too.
+            num_lookahead_tokens=spec.num_speculative_tokens if spec.method == "draft_model" else 0,
         )
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:

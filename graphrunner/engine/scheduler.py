@@ -29,7 +29,6 @@ its in-flight token is appended when its step resolves, and a waiting request is
 re-admitted while it still has a placeholder (its NewRequestData must carry every
 token). The reference engine resolves step N before it schedules step N + 2, so that
 wait never happens there.
-
 Speculative decoding (`num_speculative_tokens=k > 0`): every decode is scheduled as
 q = 1 + k tokens, the last sampled token and k draft slots (capped by the budget and
 max_model_len), so steady decode batches stay uniform (FULL graphs). The plan never
@@ -40,8 +39,8 @@ max_model_len inside the run ends the request there. KV is valid for the emitted
 only: sync, num_computed_tokens advances by their number, not q; async, the plan
 advanced it by q at once (as the runner's count does at launch), and the output, one
 step late, takes the rejected q - emitted back (as the runner does when it resolves that
-step) unless the request was preempted since. Blocks are reserved for all q tokens; a
-request must fit the cache alone with that lookahead.
+step) unless the request was preempted since. Blocks are reserved for all q tokens and
+`num_lookahead_tokens` more (a draft model's KV); a request must fit the cache alone with them.
 """
 
 from __future__ import annotations
@@ -93,7 +92,8 @@ class Scheduler:
             docstring); outputs must then be applied in schedule order, one per
             non-empty plan.
         num_speculative_tokens: k draft slots behind every decode (0: no speculation);
-            the runner's `uniform_decode_query_len` - 1.
+            the runner's `uniform_decode_query_len` - 1. num_lookahead_tokens: slots past a
+            decode's tokens it also gets blocks for (k for a draft model's KV, else 0).
     """
 
     def __init__(
@@ -109,6 +109,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         async_scheduling: bool = False,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
@@ -143,14 +144,14 @@ class Scheduler:
         self.num_preemptions = 0  # running total, for stats and tests
         self.async_scheduling = async_scheduling
         self.num_speculative_tokens = num_speculative_tokens
-        # Draft slots a request may hold blocks for past its tokens: k per decode counted as
-        # computed (sync: the one planned; async: the unresolved one too).
-        self._spec_lookahead = num_speculative_tokens * (2 if async_scheduling else 1)
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # Slots a request may hold blocks for past its tokens: k per decode counted as computed
+        # (sync: the one planned; async: the unresolved one too), and the lookahead.
+        self._spec_lookahead = num_speculative_tokens * (2 if async_scheduling else 1) + num_lookahead_tokens
         # Async: the launched plans whose outputs are not applied yet, in schedule order.
         self._in_flight: deque[_Launched] = deque()
 
     # ---------------------------------------------------------------- requests
-
     @property
     def num_blocks(self) -> int:
         return self.block_allocator.num_blocks
@@ -229,12 +230,10 @@ class Scheduler:
         """Abort every live request after a step raised part-way (the engine's recovery
         path), so that the next requests start from a consistent state.
 
-        Unlike `abort_request`, every aborted id is announced to the runner through the
-        next `finished_req_ids`, waiting ones included: a failed step may have admitted a
-        request in the runner that the scheduler still counts as waiting (or not yet
-        removed one it preempted); the runner ignores ids it does not hold. Plans still in
-        flight (async scheduling) are dropped: their outputs will never be applied.
-        Returns the aborted requests' outputs (finish_reason "abort").
+        Unlike `abort_request`, every aborted id goes to the runner in the next
+        `finished_req_ids`, waiting ones too: a failed step may have admitted a request the
+        scheduler counts as waiting (or kept one it preempted); the runner ignores ids it does
+        not hold. Plans in flight (async) are dropped. Returns the outputs ("abort").
         """
         outputs = []
         for req in list(self.requests.values()):
@@ -370,10 +369,12 @@ class Scheduler:
         return max(0, min(wanted, budget, room))
 
     def _try_grow(self, req: Request, num_new: int, preempted: set[str]) -> list[int] | None:
-        """Give `req` the blocks for `num_new` more tokens, preempting from the tail of
-        `running` as needed. Returns the new block ids, or None if `req` itself was preempted."""
-        # Negative after rejected drafts: the request still holds blocks for their slots.
-        needed = max(0, _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids))
+        """Blocks for `num_new` more tokens, preempting from the tail of `running` as needed:
+        the new block ids, or None if `req` itself was preempted."""
+        # A decode also reserves the lookahead (a draft model's KV for its drafts). Negative after
+        # rejected drafts: the request still holds blocks for their slots.
+        end = min(req.num_computed_tokens + num_new + self.num_lookahead_tokens * req.is_decoding, self.max_model_len)
+        needed = max(0, _cdiv(end, self.block_size) - len(req.block_ids))
         if needed == 0:
             return []  # most decode steps: the last block still has room
         while not self.block_allocator.can_allocate(needed):

@@ -126,7 +126,7 @@ if HAS_TRITON:
             verified = tl.minimum(tl.load(num_draft_ptr + row, mask=verify, other=0).to(tl.int64), slots)
         tl.store(verify_num_draft_ptr + offs, tl.where(verify, verified, 0).to(tl.int32), mask=valid)
         tl.store(num_rejected_ptr + offs, tl.where(verify, slots, 0).to(tl.int32), mask=valid)
-        tl.store(sample_pos_ptr + offs, tl.where(verify, computed + 1, computed + qlen - 1), mask=valid)
+        tl.store(sample_pos_ptr + offs, tl.where(verify, computed + 1, computed + qlen), mask=valid)
 
         j = tl.arange(0, SLOT_BLOCK)[None, :]  # [1, SLOT_BLOCK]
         last = tl.maximum(end - 1, 0)  # the entry's last token (padding: the last real one)
