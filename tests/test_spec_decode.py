@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,6 +32,11 @@ VOCAB = 2048  # builtin:tiny-llama
 
 def ngram(k: int, **extra) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **extra}
+
+
+def draft(k: int, **extra) -> dict:
+    """The tiny model drafting for itself (same weights unless `draft_seed` says otherwise)."""
+    return {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": k, **extra}
 
 
 def build(mode: str, spec: dict | None, device: str = DEVICE):
@@ -176,13 +182,15 @@ def workloads(draw):
     return reqs, chunk, preemptions
 
 
-SPEC_RUNNERS = [("NONE", 1), ("NONE", 3), ("FULL", 3), ("PIECEWISE", 3), ("FULL_AND_PIECEWISE", 2)]
+SPEC_RUNNERS = [("NONE", 1), ("NONE", 3), ("FULL", 3), ("PIECEWISE", 3), ("FULL_AND_PIECEWISE", 2),
+                ("FULL", "draft")]
 
 
 @pytest.fixture(scope="module")
 def runners():
     built = {("NONE", 0): build("NONE", None)}
-    built.update({(mode, k): build(mode, ngram(k)) for mode, k in SPEC_RUNNERS})
+    built.update({(mode, k): build(mode, ngram(k) if k != "draft" else draft(3, draft_seed=5))
+                  for mode, k in SPEC_RUNNERS})
     return built
 
 
@@ -319,9 +327,40 @@ def test_take_draft_token_ids_returns_the_proposals(runners):
     _finish(runner, "t")
 
 
-def test_unsupported_combinations_name_the_option():
-    with pytest.raises(ValueError, match="speculative method='draft_model' is not available"):
-        make_runner(speculative={"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2})
+def test_a_draft_model_of_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="vocab_size=151936, the target 2048"):
+        make_runner(speculative={"method": "draft_model", "model": "builtin:qwen2.5-0.5b", "num_speculative_tokens": 2})
+
+
+def test_an_identical_draft_model_accepts_every_draft():
+    """Same weights: every greedy draft is the target's token, so each decode emits k + 1."""
+    k, max_tokens = 3, 17
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    workload = [([random.Random(2).randrange(VOCAB) for _ in range(9)], params)]
+    plain, _ = drive(build("NONE", None, "cpu"), workload)
+    got, steps = drive(build("NONE", draft(k), "cpu"), workload)
+    assert got == plain
+    assert steps == 1 + -(-(max_tokens - 1) // (k + 1))  # one prefill step, then k + 1 tokens a step
+
+
+def test_draft_model_kv_stays_inside_the_rows_blocks():
+    """The draft model's lookahead never writes KV outside the blocks a request holds: here
+    the row's next table entry is stale (block 0, another request's) and must stay untouched."""
+    runner = build("NONE", draft(3), "cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    other = NewRequestData("b", [7, 8, 9], params, [0], 0)
+    runner.execute_model(SchedulerOutput(scheduled_new_reqs=[other], num_scheduled_tokens={"b": 3},
+                                         total_num_scheduled_tokens=3))
+    runner.sample_tokens()
+    before = [c[:, 0].clone() for c in runner.buffers.draft_kv_caches]  # b's block, written by its prefill
+    a = NewRequestData("a", [1, 2, 3], params, [5], 0)  # 3 tokens + the new one fill block 5 exactly
+    runner.execute_model(SchedulerOutput(scheduled_new_reqs=[a], num_scheduled_tokens={"a": 3},
+                                         total_num_scheduled_tokens=3))
+    runner.sample_tokens()
+    drafts = runner.take_draft_token_ids()
+    assert drafts is not None and len(drafts.draft_token_ids[0]) == 1  # room for one draft's KV in block 5
+    for c, old in zip(runner.buffers.draft_kv_caches, before, strict=True):
+        assert torch.equal(c[:, 0], old)
 
 
 @pytest.mark.gpu
@@ -331,6 +370,7 @@ def test_speculative_cuda_graphs_match_plain_decoding_on_gpu():
     workload = [(repetitive(rng, 16) if i % 2 else [rng.randrange(VOCAB) for _ in range(9)], PARAMS[i % len(PARAMS)])
                 for i in range(4)]
     expected, _ = drive(build("NONE", None, "cuda"), workload, 8)
-    for mode in ("NONE", "FULL", "FULL_AND_PIECEWISE"):
-        got, _ = drive(build(mode, ngram(3), "cuda"), workload, 8, {3: "r1"})
-        assert got == expected, mode
+    for mode, spec in (("NONE", ngram(3)), ("FULL", ngram(3)), ("FULL_AND_PIECEWISE", ngram(3)),
+                       ("FULL", draft(3, draft_seed=5)), ("FULL_AND_PIECEWISE", draft(2))):
+        got, _ = drive(build(mode, spec, "cuda"), workload, 8, {3: "r1"})
+        assert got == expected, (mode, spec)
