@@ -115,7 +115,7 @@ class ModelRunner:
         self.state.on_removed.append(self.prompt_logprobs.remove_request)
         self.state.on_added.append(self.prompt_logprobs.add_request)
         self.parallel = ParallelHooks(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
-                                      device=self.device)
+                                      device=self.device, spec=spec)
         self.state.on_row_freed.append(self.parallel.on_row_freed)
         self.attn_backend = get_attention_backend(self.device)
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,

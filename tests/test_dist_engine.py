@@ -280,3 +280,16 @@ def test_hf_checkpoint_sharded_load_matches_one_process(tmp_path, tp: int, pp: i
     (ref,) = run_world(1, _generate_ckpt, 1, 1, path, timeout_s=60)
     got = run_world(2, _generate_ckpt, tp, pp, path, timeout_s=90)
     assert got[0] == ref and got[1] == ref
+
+
+@pytest.mark.parametrize("tp,pp,spec", [
+    (1, 2, {"method": "ngram", "num_speculative_tokens": 3}),
+    (2, 1, {"method": "ngram", "num_speculative_tokens": 2}),
+    (1, 2, {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2, "draft_seed": 9}),
+])
+def test_speculative_decoding_under_tp_and_pp_matches_one_process(reference, tp, pp, spec):
+    """The last PP stage's emitted tokens, counts and drafts reach every stage ([rows, 2k + 4]);
+    under TP every rank verifies and drafts alike. Greedy tokens equal plain decoding."""
+    infos = run_world(tp * pp, _generate, tp, pp, 1, {"speculative_config": spec}, timeout_s=120)
+    for info in infos:
+        assert info["tokens"] == reference

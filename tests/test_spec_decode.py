@@ -61,6 +61,7 @@ class Req:
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
     live: bool = False  # admitted in the runner
+    prefill_len: int = 0  # tokens known at admission: the runner decodes once they are computed
     logprobs: list = field(default_factory=list)
 
     @property
@@ -90,7 +91,7 @@ class SpecDriver:
     def _admit(self, rid: str, r: Req) -> NewRequestData:
         slot = self.free_slots.pop()
         r.blocks = list(range(slot * self.blocks_per_req, (slot + 1) * self.blocks_per_req))
-        r.live, r.computed = True, 0
+        r.live, r.computed, r.prefill_len = True, 0, r.known
         return NewRequestData(rid, list(r.prompt), r.params, r.blocks, 0, output_token_ids=list(r.outputs))
 
     def _release(self, r: Req) -> None:
@@ -118,8 +119,8 @@ class SpecDriver:
             else:
                 c = so.scheduled_cached_reqs
                 c.req_ids.append(rid), c.new_block_ids.append(None), c.num_computed_tokens.append(r.computed)
-            decoding = r.computed == r.known - 1 and r.outputs
-            n = min(q_spec, MAX_MODEL_LEN - r.computed) if decoding else min(r.known - r.computed, self.chunk)
+            decoding = r.computed >= r.prefill_len  # the runner's rule (a resumed request prefills its outputs too)
+            n = min(q_spec, MAX_MODEL_LEN - r.computed) if decoding else min(r.prefill_len - r.computed, self.chunk)
             so.num_scheduled_tokens[rid] = min(n, budget)
             budget -= so.num_scheduled_tokens[rid]
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
@@ -128,7 +129,7 @@ class SpecDriver:
         self.steps += 1
         for i, (rid, toks) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
             r, n = self.reqs[rid], so.num_scheduled_tokens[rid]
-            r.computed += len(toks) if (r.computed == r.known - 1 and r.outputs and n > 1) else n
+            r.computed += len(toks) if (r.computed >= r.prefill_len and n > 1) else n
             keep = toks[: max(0, r.params.max_tokens - len(r.outputs))]
             r.outputs += keep
             if out.logprobs is not None:
@@ -139,12 +140,16 @@ class SpecDriver:
 
     def run(self, preemptions: dict[int, str] | None = None, max_steps: int = 400) -> dict[str, list[int]]:
         preemptions = preemptions or {}
-        while not all(r.done for r in self.reqs.values()):
-            assert self.steps < max_steps, "driver made no progress"
-            self.step(preemptions.get(self.steps))
-        if self.finished:  # tell the runner, so that it can be reused
-            self.runner.execute_model(SchedulerOutput(finished_req_ids=self.finished))
-            self.runner.sample_tokens()
+        try:
+            while not all(r.done for r in self.reqs.values()):
+                assert self.steps < max_steps, "driver made no progress"
+                self.step(preemptions.get(self.steps))
+        finally:  # tell the runner, so that it can be reused (also after a failure)
+            self.runner.sample_tokens()  # a pending step, if the failure left one
+            live = set(self.runner.req_states.req_id_to_index)
+            if live:
+                self.runner.execute_model(SchedulerOutput(finished_req_ids=live))
+                self.runner.sample_tokens()
         return {rid: r.outputs for rid, r in self.reqs.items()}
 
 

@@ -21,7 +21,9 @@ snapshots the counters of its rows, and consuming keeps only rows whose counter 
 unchanged, so a token is never applied to a row that now belongs to someone else.
 
 Wire format, one int32 tensor per step: `[tokens of the R_pad padded rows..., R]`: the
-padded token row as the step produced it, then how many leading rows are real. The
+padded token row as the step produced it, then how many leading rows are real. With
+`width` W > 1 each row carries W int32 values (speculative decoding: its emitted tokens,
+counts and next drafts), row-major, and `ReceivedTokens.tokens` is [k, W]. The
 receiver sizes its buffer from its own R_pad (every stage runs the same batch shape)
 and checks R against its own count on a CPU, where reading it costs no device sync.
 
@@ -100,7 +102,8 @@ class ReceivedTokens:
     """One consumed broadcast, filtered to the rows that still belong to their request.
 
     rows:      [k] int64 request rows to update (unique), in the step's batch order
-    tokens:    [k] int32 on the handler's device, the token sampled for each row
+    tokens:    [k] int32 on the handler's device, the token sampled for each row ([k, W]
+               with a handler of width W > 1)
     positions: [k] int64 or None: what the caller passed at receive time (typically the
                index in the row's token history where the token belongs), same filter
     step:      the step (count of `post_sample` calls before it) that sent the tokens
@@ -230,6 +233,7 @@ class PPHandler:
         (default max_num_reqs + 1: the live rows and the scratch row).
     timeout_s: on a CPU, how long a receive/send may take when waited before a clear
         RuntimeError (None: the group's own timeout). On CUDA the NCCL watchdog applies.
+    width: int32 values per row (1: one token; speculative decoding sends more).
     """
 
     def __init__(
@@ -242,6 +246,7 @@ class PPHandler:
         generations: RowGenerations | None = None,
         num_rows: int | None = None,
         timeout_s: float | None = None,
+        width: int = 1,
         _roles: tuple[int, int, _LoopbackHub] | None = None,
     ) -> None:
         if not isinstance(max_num_reqs, int) or max_num_reqs < 1:
@@ -263,6 +268,9 @@ class PPHandler:
         if not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth={depth!r} must be an int >= 0")
         self.max_num_reqs = max_num_reqs
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"width={width!r} must be an int >= 1")
+        self.width = width
         self.timeout_s = timeout_s
         if generations is None:
             generations = RowGenerations(num_rows if num_rows is not None else max_num_reqs + 1)
@@ -275,7 +283,8 @@ class PPHandler:
             # At most depth + 1 receives are queued between consumes (one per step); one
             # more slot lets a step's receive start before the oldest is consumed.
             n_slots = self.depth + 2
-            buffers = [torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=self.device) for _ in range(n_slots)]
+            size = max_num_reqs * width + 1
+            buffers = [torch.zeros(size, dtype=torch.int32, device=self.device) for _ in range(n_slots)]
             self._ring = _Ring(buffers)
             if self.device.type == "cuda" and self._hub is None:
                 self._stream = torch.cuda.Stream(self.device)
@@ -327,7 +336,8 @@ class PPHandler:
 
         rows: [R] the real request rows of the step in batch order (idx_mapping[:R]).
         num_reqs_padded: R_pad, the step's padded request count (the same on every stage).
-        sampled: last stage only: [>= R_pad] int32 on the device, the step's tokens.
+        sampled: last stage only: [>= R_pad] int32 on the device, the step's tokens
+            ([>= R_pad, width] with width > 1).
         produces: [R] bool, which rows sample a token this step (non-final prefill chunks
             do not); None = all. Every stage must pass the same rows/produces: it decides
             whether the step is broadcast at all.
@@ -433,17 +443,21 @@ class PPHandler:
         return _Inflight(work, None)
 
     def _send(self, step: int, sampled: torch.Tensor, num_reqs: int, num_reqs_padded: int) -> None:
-        if sampled.dtype != torch.int32 or sampled.dim() != 1 or sampled.shape[0] < num_reqs_padded:
+        W = self.width
+        shape_ok = sampled.dim() == 1 if W == 1 else (sampled.dim() == 2 and sampled.shape[1] == W)
+        if sampled.dtype != torch.int32 or not shape_ok or sampled.shape[0] < num_reqs_padded:
+            want = "a 1-D int32 tensor" if W == 1 else f"a [rows, {W}] int32 tensor"
             raise ValueError(
-                f"step {step}: sampled must be a 1-D int32 tensor of >= num_reqs_padded={num_reqs_padded} "
-                f"entries, got {sampled.dtype} {tuple(sampled.shape)}"
+                f"step {step}: sampled must be {want} of >= num_reqs_padded={num_reqs_padded} "
+                f"rows, got {sampled.dtype} {tuple(sampled.shape)}"
             )
         what = f"PP sampled-token broadcast of step {step} (send)"
         slot, buf = self._take_slot(what)
-        wire = buf[: num_reqs_padded + 1]  # [R_pad + 1] int32
+        n = num_reqs_padded * W
+        wire = buf[: n + 1]  # [R_pad * W + 1] int32
         # Copy on the main stream: `sampled` is a persistent buffer the next step rewrites.
-        wire[:num_reqs_padded].copy_(sampled[:num_reqs_padded], non_blocking=True)
-        wire[num_reqs_padded].fill_(num_reqs)
+        wire[:n].copy_(sampled[:num_reqs_padded].reshape(-1), non_blocking=True)
+        wire[n].fill_(num_reqs)
         assert self._ring is not None
         self._ring.inflight[slot] = self._launch(wire)
 
@@ -452,7 +466,7 @@ class PPHandler:
     ) -> None:
         what = f"PP sampled-token broadcast of step {step} (receive)"
         slot, buf = self._take_slot(what)
-        wire = buf[: num_reqs_padded + 1]
+        wire = buf[: num_reqs_padded * self.width + 1]
         inflight = self._launch(wire)
         assert self._ring is not None
         self._ring.inflight[slot] = inflight
@@ -463,10 +477,11 @@ class PPHandler:
         p.inflight.wait(f"PP sampled-token broadcast of step {p.step} (receive)", self.timeout_s)
         assert self._ring is not None
         self._ring.inflight[p.slot] = None
-        wire = self._ring.buffers[p.slot][: p.num_padded + 1]
+        W = self.width
+        wire = self._ring.buffers[p.slot][: p.num_padded * W + 1]
         num_reqs = len(p.rows)
         if wire.device.type == "cpu":  # free to check here; on CUDA it would be a host sync
-            sent = int(wire[p.num_padded])
+            sent = int(wire[p.num_padded * W])
             if sent != num_reqs:
                 raise RuntimeError(
                     f"PP stages disagree on step {p.step}: the last stage sent {sent} real rows, "
@@ -477,6 +492,7 @@ class PPHandler:
         if len(idx) == 0:
             return None
         # A copy, not a view of the ring slot: the slot is rewritten depth + 2 steps later.
-        tokens = wire[:num_reqs].index_select(0, torch.from_numpy(idx).to(wire.device, non_blocking=True))  # [k]
+        rows = wire[: num_reqs * W].view(num_reqs, W) if W > 1 else wire[:num_reqs]  # [R, W] or [R]
+        tokens = rows.index_select(0, torch.from_numpy(idx).to(wire.device, non_blocking=True))  # [k] or [k, W]
         positions = None if p.positions is None else p.positions[idx]
         return ReceivedTokens(p.step, p.rows[idx], tokens, positions, num_reqs - len(idx))

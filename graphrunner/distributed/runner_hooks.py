@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from capture.descriptor import BatchExecutionDescriptor
 from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.spec_decode.step import SpeculativeStep
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import StageBuffers
@@ -60,7 +61,8 @@ class CollectiveError(RuntimeError):
 class ParallelHooks:
     """The TP/PP/DP seams of one runner. `groups` describes this rank's place in the world."""
 
-    def __init__(self, groups: ParallelGroups, *, max_num_reqs: int, num_rows: int, device: torch.device) -> None:
+    def __init__(self, groups: ParallelGroups, *, max_num_reqs: int, num_rows: int, device: torch.device,
+                 spec: SpeculativeStep | None = None) -> None:
         self.groups = groups
         self.device = device
         self.pp = groups.pp
@@ -77,7 +79,9 @@ class ParallelHooks:
             self.pp_handler = PPHandler(
                 groups.pp_broadcast_group, max_num_reqs, device, depth=0,
                 num_rows=num_rows, timeout_s=groups.config.collective_timeout_s,
+                width=spec.pp_width if spec is not None else 1,
             )
+        self.spec = spec  # speculative decoding: rows of emitted tokens, counts and drafts go round
 
     @contextmanager
     def exchange(self, what: str) -> Iterator[None]:
@@ -217,17 +221,20 @@ class ParallelHooks:
         """Last stage -> every stage, through the PPHandler; `positions` carry batch indices back."""
         handler = self.pp_handler
         assert handler is not None
-        R = batch.num_reqs
-        handler.post_sample(
-            batch.idx_mapping_np[:R], batch.num_reqs_padded,
-            sampled=batch.sampled if self.is_last_stage else None,
-            produces=produces, positions=np.arange(R, dtype=np.int64),
-        )
+        R, spec = batch.num_reqs, self.spec
+        payload = None
+        if self.is_last_stage:
+            payload = spec.pp_payload(batch) if spec is not None else batch.sampled
+        handler.post_sample(batch.idx_mapping_np[:R], batch.num_reqs_padded, sampled=payload, produces=produces,
+                            positions=np.arange(R, dtype=np.int64))
         if self.is_last_stage:
             return
         for got in handler.consume():
             index = torch.from_numpy(got.positions).to(batch.sampled.device)
-            batch.sampled.index_copy_(0, index, got.tokens.to(batch.sampled.dtype))
+            if spec is not None:
+                spec.pp_apply(batch, index, got.tokens)
+            else:
+                batch.sampled.index_copy_(0, index, got.tokens.to(batch.sampled.dtype))
 
 
 def dp_split(items: list, dp_rank: int, dp_size: int) -> list[int]:

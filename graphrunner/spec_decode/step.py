@@ -51,6 +51,7 @@ class SpecBuffers:
     num_accepted: torch.Tensor  # [max_reqs] int32
     proposed: torch.Tensor  # [max_reqs, k] int32: the drafter's proposals for the next step
     num_proposed: torch.Tensor  # [max_reqs] int32
+    pp_wire: torch.Tensor  # [max_reqs, 2k + 4] int32: what the last PP stage broadcasts (pp_payload)
 
     @classmethod
     def allocate(cls, max_num_reqs: int, k: int, device: torch.device) -> SpecBuffers:
@@ -62,7 +63,7 @@ class SpecBuffers:
             verify_num_draft=i32(max_num_reqs), sample_positions=torch.zeros(max_num_reqs, dtype=torch.int64,
                                                                              device=device),
             num_rejected=i32(max_num_reqs), tokens=i32(max_num_reqs, k + 1), num_accepted=i32(max_num_reqs),
-            proposed=i32(max_num_reqs, k), num_proposed=i32(max_num_reqs),
+            proposed=i32(max_num_reqs, k), num_proposed=i32(max_num_reqs), pp_wire=i32(max_num_reqs, 2 * k + 4),
         )
 
 
@@ -210,16 +211,48 @@ class SpeculativeStep:
         r.num_draft[rows] = b.num_proposed[:R]
 
 
+    # ---- pipeline parallelism: the last stage's outcome goes to the other stages ----------------
+    @property
+    def pp_width(self) -> int:
+        """int32 values per entry in the PP broadcast: k + 1 tokens, 3 counts, k drafts."""
+        return 2 * self.k + 4
+
+    def pp_payload(self, batch: InputBatch) -> torch.Tensor:
+        """Last stage, after the step: [R_pad, 2k + 4] int32 = [tokens (k + 1) | accepted |
+        rejected | proposed count | proposed (k)] per entry (a persistent buffer)."""
+        b, R, S = self.buffers, batch.num_reqs_padded, self.slots
+        wire = b.pp_wire[:R]
+        wire[:, :S].copy_(b.tokens[:R])
+        wire[:, S].copy_(b.num_accepted[:R])
+        wire[:, S + 1].copy_(b.num_rejected[:R])
+        wire[:, S + 2].copy_(b.num_proposed[:R])
+        wire[:, S + 3 :].copy_(b.proposed[:R])
+        return wire
+
+    def pp_apply(self, batch: InputBatch, index: torch.Tensor, payload: torch.Tensor) -> None:
+        """Other stages, before their post-update: entries `index` [n] get the last stage's
+        payload [n, 2k + 4] (their emitted tokens, counts and the drafts of their rows)."""
+        b, S = self.buffers, self.slots
+        r = self.requests
+        assert r.draft_token_ids is not None and r.num_draft is not None
+        p = payload.to(device=b.tokens.device, dtype=torch.int32)
+        b.tokens.index_copy_(0, index, p[:, :S])
+        b.num_accepted.index_copy_(0, index, p[:, S])
+        b.num_rejected.index_copy_(0, index, p[:, S + 1])
+        b.num_proposed.index_copy_(0, index, p[:, S + 2])
+        b.proposed.index_copy_(0, index, p[:, S + 3 :])
+        batch.sampled.index_copy_(0, index, p[:, :S].gather(1, p[:, S].long()[:, None])[:, 0])  # the last emitted
+        rows = batch.idx_mapping.long()[index]
+        r.draft_token_ids[rows] = p[:, S + 3 :]
+        r.num_draft[rows] = p[:, S + 2]
+
+
 def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sampler: Sampler, limits: StepLimits,
                           groups: ParallelGroups, device: torch.device) -> SpeculativeStep | None:
     """The runner's speculative step, or None with num_speculative_tokens = 0."""
     if config.num_speculative_tokens == 0:
         return None
-    if groups.pp_size > 1:
-        raise ValueError(
-            f"speculative decoding (num_speculative_tokens={config.num_speculative_tokens}) with "
-            f"pipeline_parallel_size={groups.pp_size} is not supported yet; use pipeline_parallel_size=1"
-        )
+    # Under PP the last stage verifies and drafts; the others get its outcome (pp_payload).
     return SpeculativeStep(config, requests, sampler, limits, device)
 
 

@@ -1,4 +1,4 @@
-"""`graphrunner bench {latency,capture,throughput,host,sampler}`: argument parsing and output.
+"""`graphrunner bench {latency,capture,throughput,host,sampler,soak,spec}`: argument parsing and output.
 
 Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
 `--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from graphrunner.cli_args import (
+    COMPILE_BACKENDS,
     add_command_group,
     add_graph_args,
     add_limit_args,
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_host(sub)
     _register_sampler(sub)
     _register_soak(sub)
+    _register_spec(sub)
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
@@ -178,6 +180,72 @@ def _register_soak(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
 
 
+def _register_spec(sub: argparse._SubParsersAction) -> None:
+    p = add_subcommand(sub, "spec", "speculative decoding (FULL graphs): verifying vs plain decode step, tokens per "
+                       "step, tokens/s with and without speculation (n-gram and draft-model drafters), the "
+                       "drafter's time, real n-gram acceptance")
+    p.add_argument("--models", default="builtin:llama-3.1-8b,builtin:qwen2.5-0.5b",
+                   help="comma-separated models (dummy weights); one runner at a time")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    p.add_argument("--batch-sizes", default="1,8,64", help="comma-separated decode batch sizes")
+    p.add_argument("--num-spec", default="2,4",
+                   help="comma-separated k (draft tokens per step) of the synthetic and draft runs")
+    p.add_argument("--acceptance", default="0.8",
+                   help="comma-separated synthetic acceptance rates (n-gram and draft runs)")
+    p.add_argument("--ngram-k", type=int, default=4, help="k of the strict n-gram run (repetitive prompts); 0 skips")
+    p.add_argument("--draft-model", default="auto",
+                   help="draft model of the draft-model runs (synthetic acceptance, each k and rate): auto = "
+                        "builtin:llama-3.2-1b for builtin:llama-3.1-8b, builtin:tiny-llama for itself, none for "
+                        "other models; none = no draft runs; a model = for every target sharing its vocabulary")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps before the timed ones")
+    p.add_argument("--gpu-steps", type=int, default=20, help="decode steps timed with CUDA events (CUDA only)")
+    p.add_argument("--drafter-repeats", type=int, default=100, help="timed calls of the drafter alone")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (prefilled, untimed)")
+    add_graph_args(p, mode="FULL_DECODE_ONLY", capture_sizes=False,
+                   mode_help="decode steps replay FULL graphs captured at exactly the batch sizes x (1 + k)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--compile-backend", default=None, choices=COMPILE_BACKENDS,
+                   help="compiles the model for the graphs; unset = inductor on CUDA, eager on CPU")
+    p.add_argument("--seed", type=int, default=0, help="seeds dummy weights and prompts")
+    p.add_argument("--out", metavar="PATH", default=None,
+                   help="write the JSON here and the markdown beside it (suffix .md)")
+
+
+def _run_spec(args: argparse.Namespace) -> int:
+    from graphrunner_tools.bench.report import write_json
+    from graphrunner_tools.bench.spec_bench import SpecBenchSpec, run_spec_bench, spec_markdown
+
+    def write(result) -> None:  # after every runner, so that a killed run keeps what it measured
+        write_json(result.to_dict(), args.out)
+        Path(args.out).with_suffix(".md").write_text(spec_markdown(result))
+
+    try:
+        spec = SpecBenchSpec(
+            models=tuple(m.strip() for m in args.models.split(",") if m.strip()), device=args.device,
+            dtype=args.dtype, batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
+            num_spec=parse_int_list(args.num_spec, "--num-spec"), acceptance=_float_list(args.acceptance),
+            ngram_k=args.ngram_k, draft_model=args.draft_model, steps=args.steps, warmup=args.warmup,
+            gpu_steps=args.gpu_steps, drafter_repeats=args.drafter_repeats, prompt_len=args.prompt_len, mode=args.mode,
+            block_size=args.block_size, compile_backend=args.compile_backend, seed=args.seed,
+        )
+        result = run_spec_bench(spec, log=_log, checkpoint=write if args.out else None)
+    except ValueError as e:
+        raise _fail("spec", e) from None
+    print(spec_markdown(result))
+    for err in result.errors:
+        print(f"graphrunner bench spec: {err}", file=sys.stderr)
+    return 1 if result.errors else 0
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--acceptance={text!r} must be a comma-separated list of numbers in [0, 1]") from None
+
+
 def _run_soak(args: argparse.Namespace) -> int:
     from graphrunner_tools.bench.soak import SoakSpec, run_soak, soak_markdown, verdict
 
@@ -223,7 +291,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; returns the exit status."""
     handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host,
-                "sampler": _run_sampler, "soak": _run_soak}
+                "sampler": _run_sampler, "soak": _run_soak, "spec": _run_spec}
     return handlers[args.bench_command](args)
 
 

@@ -11,4 +11,6 @@ Subcommands (tools/inspect/cli.py parses them; each has a module of its own):
 
 `table`, `explain` and `simulate` build no model and need no GPU; `capture` and
 `replay` build a runner with dummy weights and also run on a CPU (FULL graphs emulated).
+With `--speculative-config`, table/explain mark the q = 1 + k verifying descriptors
+(speculation.py) and capture reports the verifying graphs and the drafter's nodes (drafter.py).
 """

@@ -3,7 +3,9 @@
 The runner is built the way `bench capture` builds it (tools/bench/common.py: dummy
 weights, the smallest legal KV cache, since capture's dummy steps only touch block 0),
 then `capture_model(inspect_nodes=True)` returns the `CaptureReport`: per graph seconds,
-pool memory and node count, and kernel names (CUDA graphs only). `--dot DESC FILE`
+pool memory and node count, and kernel names (CUDA graphs only). With
+`--speculative-config` the runner speculates: the report lists the verifying graphs and
+attributes nodes to the drafter (drafter.py). `--dot DESC FILE`
 writes one captured FULL graph as Graphviz DOT; that needs a real CUDA graph, so on a
 CPU (where FULL graphs are emulated) it is refused before anything is built.
 """
@@ -11,11 +13,17 @@ CPU (where FULL graphs are emulated) it is refused before anything is built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from capture.modes import CUDAGraphMode
 from capture.report import CaptureReport
 from graphrunner_tools.inspect.render import descriptor_dict
+from graphrunner_tools.inspect.speculation import Speculation
+
+if TYPE_CHECKING:
+    import torch
+
+    from graphrunner.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class CaptureSpec:
     compile_backend: str | None = None  # None: inductor on CUDA, eager on CPU
     load_format: str = "auto"
     seed: int = 0
+    speculative_config: str | None = None  # JSON, as `--speculative-config` takes it; None: off
     dot: tuple[str, str] | None = None  # (descriptor key, output path)
     progress: bool = False
 
@@ -41,6 +50,10 @@ class CaptureSpec:
         CUDAGraphMode.parse_capturing(self.mode)
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", tuple(self.capture_sizes))
+
+    @property
+    def speculation(self) -> Speculation:
+        return Speculation.from_config_text(self.speculative_config)
 
 
 @dataclass
@@ -53,6 +66,7 @@ class CaptureResult:
     report: CaptureReport
     dot_written: str | None = None
     notes: list[str] = field(default_factory=list)
+    speculative: dict[str, Any] | None = None  # drafter.speculative_capture's summary; None: no speculation
 
     def to_dict(self, top: int) -> dict[str, Any]:
         hist = self.report.kernel_histogram()
@@ -67,6 +81,7 @@ class CaptureResult:
             "report": self.report.to_dict(),
             "kernel_histogram": [{"kernel": k, "count": n} for k, n in hist.most_common(top)],
             "kernel_nodes": sum(hist.values()),
+            "speculative": self.speculative,
             "dot": self.dot_written,
             "notes": self.notes,
         }
@@ -84,15 +99,45 @@ def check_dot_device(device_type: str) -> None:
         )
 
 
+def build_runner(spec: CaptureSpec, device: torch.device) -> tuple[ModelRunner, float]:
+    """`bench capture`'s runner (tools/bench/capture_bench.py: dummy weights, one full-length
+    request's KV blocks), speculating as `spec.speculative_config` says: (runner, load seconds)."""
+    import time
+
+    from graphrunner.config import SpeculativeConfig
+    from graphrunner.runner import ModelRunner
+    from graphrunner_tools.bench.common import build_runner_config, default_compile_backend
+
+    num_blocks = -(-spec.max_model_len // spec.block_size)
+    config = build_runner_config(
+        spec.model, mode=CUDAGraphMode.parse(spec.mode), dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
+        block_size=spec.block_size, num_blocks=num_blocks, capture_sizes=spec.capture_sizes,
+        compile_backend=spec.compile_backend or default_compile_backend(device), load_format=spec.load_format,
+        seed=spec.seed,
+    ).replace(speculative=SpeculativeConfig.from_dict(spec.speculative_config))
+    runner = ModelRunner(config, device)
+    start = time.perf_counter()
+    try:
+        runner.load_model()
+        runner.initialize_kv_cache(num_blocks)
+    except BaseException:
+        runner.shutdown()
+        raise
+    return runner, time.perf_counter() - start
+
+
 def run_capture(spec: CaptureSpec) -> CaptureResult:
-    """Build, capture with node inspection, optionally write one DOT, shut down."""
-    from graphrunner_tools.bench.capture_bench import build_loaded_runner
+    """Build, capture with node inspection, attribute the drafter's nodes, optionally write
+    one DOT, shut down."""
     from graphrunner_tools.bench.common import env_info, release_memory, resolve_device
+    from graphrunner_tools.inspect.drafter import speculative_capture
 
     device = resolve_device(spec.device)
     if spec.dot is not None:
         check_dot_device(device.type)  # before minutes of loading and capture
-    runner, load_seconds = build_loaded_runner(spec, device)
+    speculation = spec.speculation
+    runner, load_seconds = build_runner(spec, device)
     try:
         graphs = runner.graphs
         assert graphs is not None
@@ -115,18 +160,28 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
             )
         elif not report.kernel_histogram():
             result.notes.append("no kernel names: this torch/CUDA version gave no graph node dump")
+        if speculation.k:
+            result.speculative = speculative_capture(runner, report, speculation)
         if spec.dot is not None:
-            graph = next((g for g in graphs.full_graphs.values() if normalize_key(g.key) == dot_key), None)
-            if graph is None:  # dot_graph_key checked the descriptor; only the variant can be missing
-                keys = sorted(g.key for g in graphs.full_graphs.values())
-                raise ValueError(f"--dot {spec.dot[0]!r}: no captured FULL graph with that key; captured: {keys}")
-            graph.write_dot(spec.dot[1])
-            result.dot_written = str(spec.dot[1])
+            assert dot_key is not None
+            result.dot_written = write_dot(runner, spec.dot, dot_key)
         return result
     finally:
         runner.shutdown()
         del runner
         release_memory(device)
+
+
+def write_dot(runner: ModelRunner, dot: tuple[str, str], dot_key: str) -> str:
+    """Write the captured FULL graph named by `dot` = (key as given, path); returns the path."""
+    graphs = runner.graphs
+    assert graphs is not None
+    graph = next((g for g in graphs.full_graphs.values() if normalize_key(g.key) == dot_key), None)
+    if graph is None:  # dot_graph_key checked the descriptor; only the variant can be missing
+        keys = sorted(g.key for g in graphs.full_graphs.values())
+        raise ValueError(f"--dot {dot[0]!r}: no captured FULL graph with that key; captured: {keys}")
+    graph.write_dot(dot[1])
+    return str(dot[1])
 
 
 def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
@@ -152,6 +207,7 @@ def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
 
 def capture_text(result: CaptureResult, top: int) -> str:
     from graphrunner_tools.bench.report import env_lines
+    from graphrunner_tools.inspect.drafter import speculative_lines
 
     r = result.report
     graphs = f"model load {result.load_seconds:.2f} s; {len(result.descriptors)} descriptors, {r.num_graphs} graphs"
@@ -162,6 +218,7 @@ def capture_text(result: CaptureResult, top: int) -> str:
         *env_lines(result.env),
         f"capture sizes: {list(result.capture_sizes)}",
         graphs,
+        *speculative_lines(result.speculative, result.spec.speculation),
         "",
         str(r),
     ]

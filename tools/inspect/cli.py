@@ -19,10 +19,12 @@ from graphrunner.cli_args import (
     add_limit_args,
     add_model_args,
     add_runner_args,
+    add_speculative_args,
     add_subcommand,
     limit_kwargs,
     parse_int_list,
     runner_kwargs,
+    speculative_kwargs,
 )
 
 _DESCRIPTION = (
@@ -65,7 +67,9 @@ def _table_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, model=None)
     add_limit_args(p, max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES}; unset = the runner's default")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, help="q = 1 + this for uniform decode")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="q = 1 + this for uniform decode (or give --speculative-config)")
+    add_speculative_args(p)
     p.add_argument("--attention-support", default=None, choices=("NEVER", "UNIFORM_DECODE", "ALWAYS"),
                    type=str.upper,
                    help="what attention allows in FULL graphs; unset = what the backend on --device declares")
@@ -90,6 +94,7 @@ def _register_capture(sub: argparse._SubParsersAction) -> None:
     add_runner_args(p, model=_DEFAULT_MODEL)
     add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode")
     add_limit_args(p, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
+    add_speculative_args(p)
     p.add_argument("--top", type=int, default=20, help="kernels shown in the histogram")
     p.add_argument("--dot", nargs=2, metavar=("DESC", "FILE"), default=None,
                    help="write one FULL graph as Graphviz DOT, e.g. "
@@ -164,9 +169,25 @@ def _sizes(text: str | None, what: str) -> tuple[int, ...] | None:
     return parse_int_list(text, what) if text else None
 
 
+def _speculation(args: argparse.Namespace):
+    """--speculative-config (checked as `LLM` checks it) reconciled with --num-speculative-tokens."""
+    from graphrunner_tools.inspect.speculation import Speculation
+
+    text = speculative_kwargs(args, f"graphrunner inspect {args.inspect_command}").get("speculative_config")
+    spec = Speculation.from_config_text(text)
+    given = getattr(args, "num_speculative_tokens", 0)
+    if text is None:
+        return Speculation(given)
+    if given and given != spec.k:
+        raise ValueError(f"--num-speculative-tokens={given} disagrees with --speculative-config's "
+                         f"num_speculative_tokens={spec.k}; give one of them")
+    return spec
+
+
 def _built_table(args: argparse.Namespace):
     from graphrunner_tools.inspect.table import TableSpec, build_table
 
+    spec = _speculation(args)
     return build_table(
         TableSpec(
             model=args.model,
@@ -175,8 +196,10 @@ def _built_table(args: argparse.Namespace):
             capture_sizes=_sizes(args.capture_sizes, "--cudagraph-capture-sizes"),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            num_speculative_tokens=args.num_speculative_tokens,
+            num_speculative_tokens=spec.k,
             attention_support=args.attention_support,
+            speculative_method=spec.method,
+            draft_model=spec.draft_model,
         )
     )
 
@@ -228,6 +251,7 @@ def _run_capture(args: argparse.Namespace) -> int:
         mode=args.mode,
         **limit_kwargs(args),
         capture_sizes=_sizes(args.capture_sizes, "--cudagraph-capture-sizes"),
+        speculative_config=speculative_kwargs(args, "graphrunner inspect capture").get("speculative_config"),
         dot=tuple(args.dot) if args.dot else None,
         progress=args.progress,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from capture.dispatch import DispatchTable, Explanation
 from graphrunner_tools.inspect.render import descriptor_dict, pct
+from graphrunner_tools.inspect.speculation import explain_lines, explain_summary
 from graphrunner_tools.inspect.table import BuiltTable, header_lines
 
 
@@ -71,6 +72,7 @@ def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation) -> 
         "padding_tokens": exp.padding_tokens,
         "padding_reqs": exp.padding_reqs,
         "waste": exp.waste,  # padding tokens / tokens the step runs
+        "speculative": explain_summary(built.spec.speculation, exp),  # None without speculation
     }
 
 
@@ -85,5 +87,6 @@ def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation) -> 
         f"descriptor:     {chosen}",
         f"padding:        {exp.padding_tokens} tokens ({chosen.num_tokens} run for {shape.num_tokens} real; "
         f"{pct(exp.waste)} of the step), {exp.padding_reqs} requests ({reqs_run} run for {shape.num_reqs} real)",
+        *explain_lines(built.spec.speculation, exp),
     ]
     return "\n".join(lines)

@@ -15,6 +15,13 @@ from typing import Any
 from capture.dispatch import DispatchTable
 from capture.modes import AttentionCGSupport, resolve_mode
 from graphrunner_tools.inspect.render import descriptor_dict, text_table
+from graphrunner_tools.inspect.speculation import (
+    Speculation,
+    descriptor_role,
+    is_verifying,
+    table_lines,
+    table_summary,
+)
 
 # Shared defaults of every inspect subcommand: the reference engine's (`graphrunner
 # generate`), so that a recorded trace simulates under the table it was recorded with.
@@ -29,7 +36,8 @@ class TableSpec:
     mode None is the runner's default (FULL_AND_PIECEWISE, downgraded if the backend
     cannot serve it); attention_support None is what the backend on `device` declares;
     device None is cuda when available, else cpu. `model` is only named in the output:
-    the table does not depend on the model.
+    the table does not depend on the model; nor does it on the drafter
+    (`speculative_method`, `draft_model`), only on k.
     """
 
     model: str | None = None
@@ -40,6 +48,8 @@ class TableSpec:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     num_speculative_tokens: int = 0
     attention_support: str | None = None
+    speculative_method: str | None = None  # labels the output, like model
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -51,6 +61,10 @@ class TableSpec:
     def uniform_decode_query_len(self) -> int:
         """q: the tokens of each request in a uniform-decode batch."""
         return 1 + self.num_speculative_tokens
+
+    @property
+    def speculation(self) -> Speculation:
+        return Speculation(self.num_speculative_tokens, self.speculative_method, self.draft_model)
 
 
 @dataclass(frozen=True)
@@ -137,9 +151,13 @@ def table_dict(built: BuiltTable) -> dict[str, Any]:
         "max_num_reqs": table.max_num_reqs,
         "max_num_batched_tokens": table.max_num_batched_tokens,
         "uniform_decode_query_len": table.uniform_decode_query_len,
+        "speculative": table_summary(built.spec.speculation, table),
         "capture_sizes": list(table.capture_sizes),
         "max_graph_tokens": table.max_graph_tokens,
-        "descriptors": [descriptor_dict(d) for d in table.descriptors],
+        "descriptors": [
+            {**descriptor_dict(d), "verifying": is_verifying(d, table.uniform_decode_query_len)}
+            for d in table.descriptors
+        ],
         "candidates": [
             {"num_tokens_min": lo, "num_tokens_max": hi, "candidates": list(keys)}
             for lo, hi, keys in candidate_ranges(table)
@@ -164,6 +182,7 @@ def header_lines(built: BuiltTable) -> list[str]:
         f"limits:         max_num_seqs={table.max_num_reqs} max_num_batched_tokens={table.max_num_batched_tokens} "
         f"q={table.uniform_decode_query_len}",
         f"capture sizes:  {sizes} ({len(sizes)} sizes)",
+        *table_lines(spec.speculation, table),
     ]
 
 
@@ -176,7 +195,10 @@ def table_text(built: BuiltTable) -> str:
         f"graphs:         {len(descs)} descriptors ({len(descs) - n_full} PIECEWISE, {n_full} FULL), "
         "in capture order (PIECEWISE first, largest first):"
     )
-    lines += [f"  {d}" for d in descs] or ["  none: every step runs eagerly"]
+    k = built.spec.num_speculative_tokens
+    width = max((len(str(d)) for d in descs), default=0)
+    rows_text = [f"  {d!s:<{width}}  {descriptor_role(d, k)}".rstrip() for d in descs]
+    lines += rows_text or ["  none: every step runs eagerly"]
     lines += ["", "candidates per token count (dispatch takes the first the batch fits; none fits -> NONE, eager):"]
     rows = []
     for lo, hi, keys in candidate_ranges(table):

@@ -125,6 +125,9 @@ def synthesize(
         block_size=block_size,
         num_blocks=num_blocks,
         vocab_size=vocab_size,
+        # Decodes of q = 1 + k tokens; the tokenless runner rejects every draft (one token
+        # per step), which changes how long requests run, not the shape of a step.
+        num_speculative_tokens=uniform_decode_query_len - 1,
     )
     runner = TokenlessRunner(vocab_size, rng)
     pending = [_request(wl, rng, max_model_len, vocab_size) for _ in range(num_requests)]
