@@ -26,6 +26,44 @@ class CaptureRecord:
 
 
 @dataclass
+class NodeAttribution:
+    """The nodes of one captured graph that belong to a named part of its step.
+
+    Measured by whoever knows the part (the report only holds plain data): the same step
+    captured with and without the part; `num_nodes` and `kernels` are the difference,
+    None / empty when no node list was available (`note` says why).
+    """
+
+    part: str  # what the nodes belong to, e.g. "drafter"
+    graph: str  # the graph key it was measured on
+    num_nodes: int | None = None
+    graph_nodes: int | None = None  # all nodes of that graph, part included
+    kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> count in the part
+    note: str = ""
+
+    @classmethod
+    def between(cls, part: str, with_part: CaptureRecord, without_part: CaptureRecord,
+                note: str = "") -> NodeAttribution:
+        """The part's nodes: `with_part` minus `without_part` (None if either has no node list)."""
+        if with_part.num_nodes is None or without_part.num_nodes is None:
+            return cls(part, with_part.key, None, with_part.num_nodes, {}, note or "no node list for this graph")
+        kernels = Counter(with_part.kernels)
+        kernels.subtract(without_part.kernels)
+        return cls(part, with_part.key, with_part.num_nodes - without_part.num_nodes, with_part.num_nodes,
+                   {k: n for k, n in sorted(kernels.items()) if n}, note)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if self.num_nodes is None:
+            return f"{self.part}: nodes unavailable in {self.graph} ({self.note})"
+        kernels = ", ".join(f"{k} x{n}" if n != 1 else k for k, n in self.kernels.items()) or "none"
+        text = f"{self.part}: {self.num_nodes} nodes of {self.graph}'s {self.graph_nodes} (kernels: {kernels})"
+        return text + (f"; {self.note}" if self.note else "")
+
+
+@dataclass
 class CaptureReport:
     """Returned by `ModelRunner.capture_model()`; printed by `graphrunner inspect capture`."""
 
@@ -35,6 +73,7 @@ class CaptureReport:
     total_seconds: float = 0.0  # capture only (compile excluded)
     compile_seconds: float = 0.0  # torch.compile of the PIECEWISE pieces, once
     free_memory_delta_bytes: int = 0  # device memory the whole capture took (free before - free after)
+    attributions: list[NodeAttribution] = field(default_factory=list)  # parts of the step, by their nodes
 
     @property
     def num_graphs(self) -> int:
@@ -60,6 +99,7 @@ class CaptureReport:
             "pool_bytes": self.pool_bytes,
             "free_memory_delta_bytes": self.free_memory_delta_bytes,
             "records": [r.to_dict() for r in self.records],
+            "attributions": [a.to_dict() for a in self.attributions],
         }
 
     def to_json(self) -> str:
@@ -76,6 +116,7 @@ class CaptureReport:
             f"pool {self.pool_bytes / _GIB:.3f} GiB; "
             f"device memory in use +{self.free_memory_delta_bytes / _GIB:.3f} GiB"
         )
+        lines += [str(a) for a in self.attributions]
         return "\n".join(lines)
 
 
