@@ -12,6 +12,10 @@ P = num_computed_tokens (its KV not computed yet). The drafter then
    for position P + i + 1. Drafting is greedy, so the drafts are one-hot proposals: the
    verification rule of `spec_decode.rejection` for one-hot drafts applies.
 
+Under graph modes the draft model is compiled like the target (`setup_compiled`: attention
+becomes the opaque op, the rest fused by the compiler, one trace for every token count) and
+a FULL graph captures its fused kernels; eager mode runs the plain modules.
+
 The draft model has its own KV caches with the target's block geometry and number of
 blocks, addressed through the target's block tables (the same blocks hold both models'
 KV). A pass writes only at positions inside the blocks the row holds (`BlockTables
@@ -23,15 +27,18 @@ KV in the one-token passes.
 Everything is fixed-shape torch over persistent buffers and the model's graph-safe
 forward, so a FULL graph of the step holds the drafter too. The draft model runs without
 the attention op (it is not compiled into PIECEWISE pieces: under PIECEWISE it runs
-eagerly after the pieces). With tensor parallelism every rank runs the whole draft model
+eagerly, compiled, after the pieces). With tensor parallelism every rank runs the whole draft model
 and computes the same drafts.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
+from graphrunner.attention.op import forward_context
 from graphrunner.config import ModelConfig
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.requests import RequestState
@@ -48,6 +55,8 @@ class DraftModelDrafter:
         self.requests = requests
         self.block_size = block_size
         self.model: torch.nn.Module | None = None  # set by the runner's load_model
+        self.attn_backend: Any = None  # with the model
+        self.compiled: Any = None  # capture.piecewise.PiecewiseCompiled under graph modes
         self.kv_caches: list[torch.Tensor] = []  # set with the target's KV cache
         n = max_num_reqs
         # One-token passes: entry b is token b.
@@ -57,13 +66,36 @@ class DraftModelDrafter:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # [R]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [R + 1]
 
+    def setup_compiled(self, enabled: bool, compile_backend: str, device: torch.device) -> None:
+        """Compile the draft model (graph modes) or run its plain modules (eager)."""
+        from capture.piecewise import PiecewiseCompiled
+
+        model = self.model
+        assert model is not None, "load_model() first"
+        model.use_attention_op(enabled)  # type: ignore[operator]
+        self.compiled = None
+        if enabled:
+            self.compiled = PiecewiseCompiled(
+                model, [torch.ops.graphrunner.unified_attention], token_args=(0, 1),  # input_ids, positions: [T]
+                compile_backend=compile_backend, device=device, name=f"draft {self.model_config.name}",
+            )
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The draft model's hidden states [T, H] (compiled kernels under graph modes)."""
+        if self.compiled is None:
+            assert self.model is not None
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        # The attention op reads the metadata and caches from the context (as the target's does).
+        with forward_context(meta, self.kv_caches, self.attn_backend):
+            return self.compiled.run_compiled(input_ids, positions, self.kv_caches, meta)
+
     def propose(self, batch: InputBatch, tables: BlockTables, out_draft: torch.Tensor,
                 out_num_draft: torch.Tensor) -> None:
         """out_draft [R, k] int32 (0 past each entry's count), out_num_draft [R] int32."""
         model = self.model
         assert model is not None, "load_model() before running a step"
         # 1. Catch up: the draft model's KV for this step's tokens (its hidden states are not needed).
-        model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        self._forward(batch.input_ids, batch.positions, batch.attn_metadata)
         # 2. k one-token passes behind each entry's new token.
         R, k, bs = batch.num_reqs_padded, self.k, self.block_size
         r = self.requests
@@ -91,7 +123,7 @@ class DraftModelDrafter:
             self.seq_lens[:R].copy_(torch.where(active, pos + 1, 1))
             self.slot_mapping[:R].copy_(torch.where(active, block * bs + pos % bs, -1))
             self.input_ids[:R].copy_(torch.where(active, token, 0))
-            hidden = model(self.input_ids[:R], self.positions[:R], self.kv_caches, meta)  # [R, H]
+            hidden = self._forward(self.input_ids[:R], self.positions[:R], meta)  # [R, H]
             token = model.compute_logits(hidden).argmax(dim=-1).to(torch.int32)  # type: ignore[operator]  # [R]
             out_draft[:, i].copy_(torch.where(active, token, 0))
 

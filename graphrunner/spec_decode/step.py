@@ -124,6 +124,12 @@ class SpeculativeStep:
         load = LoadConfig(model=self.config.model, load_format=target_load.load_format, seed=seed)
         self.drafter.model = load_model(self.drafter.model_config, load, attn_backend=attn_backend, dtype=dtype,
                                         device=device)
+        self.drafter.attn_backend = attn_backend
+
+    def setup_compiled(self, enabled: bool, compile_backend: str, device: torch.device) -> None:
+        """With the target's: the draft model compiled under graph modes, plain in eager mode."""
+        if self.drafter is not None:
+            self.drafter.setup_compiled(enabled, compile_backend, device)
 
     def _draft_kv_shape(self, block_size: int) -> KVCacheShape | None:
         """The draft model's KV per block (the same blocks as the target's), or None."""

@@ -302,6 +302,8 @@ class StepGraphs:
         body.compiled = None
         use_compiled = self.mode.has_piecewise_graphs or self.mode.has_full_graphs
         body.model.use_attention_op(use_compiled)
+        if body.spec is not None:
+            body.spec.setup_compiled(use_compiled, self.compile_backend, self.device)
         if use_compiled:
             body.compiled = PiecewiseCompiled(
                 body.model,
@@ -323,6 +325,8 @@ class StepGraphs:
         body.prepare_inputs(batch)
         with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
             body.compiled.run_compiled(*body.model_args(batch))
+        if body.spec is not None and body.is_last_stage:
+            body.spec.propose(batch)  # compiles a draft model, outside any graph capture
         body.reset_scratch_row()
         return time.perf_counter() - start
 
