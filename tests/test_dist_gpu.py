@@ -69,14 +69,31 @@ def test_tp2_single_graph_modes_match(reference, tmp_path, mode: str) -> None:
     assert info["tokens"] == reference
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
+def test_speculative_decoding_under_parallelism_matches_one_gpu(reference, tmp_path, tp: int, pp: int) -> None:
+    """n-gram speculation (k = 3) in FULL graphs: under PP the last stage's [rows, 2k + 4]
+    outcome goes to the other stage over NCCL; under TP every rank verifies alike."""
+    if _gpus() < tp * pp:
+        pytest.skip(f"needs {tp * pp} GPUs")
+    info = _run(tmp_path, tp, pp, 1, "FULL_AND_PIECEWISE" + SPEC_SUFFIX)
+    assert info["captured"] and info["tokens"] == reference
+
+
+SPEC_SUFFIX = ":ngram3"  # a mode argument ending in it turns n-gram speculation (k = 3) on
+
+
 def _worker(tp: int, pp: int, dp: int, mode: str, out_path: str) -> None:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
+    spec = None
+    if mode.endswith(SPEC_SUFFIX):
+        mode, spec = mode.removesuffix(SPEC_SUFFIX), {"method": "ngram", "num_speculative_tokens": 3}
     llm = LLM(
         "builtin:tiny-llama", dtype="float32", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
         data_parallel_size=dp, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_kv_blocks=128,
-        enforce_eager=False, cudagraph_mode=mode, collective_timeout_s=120.0, seed=5,
+        enforce_eager=False, cudagraph_mode=mode, collective_timeout_s=120.0, seed=5, speculative_config=spec,
     )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
