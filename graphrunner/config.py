@@ -165,27 +165,59 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the world splits: DP x PP x TP processes, TP innermost (see graphrunner.distributed).
+    """How the world splits: DP x PP x PCP x TP processes, TP innermost (see graphrunner.distributed).
 
-    collective_timeout_s bounds every collective of the process groups: a killed or
-    stalled rank makes the others raise after at most this long instead of hanging.
+    Context parallelism (vLLM's names): `prefill_context_parallel_size` (PCP) splits each
+    prefill's tokens across that many more ranks; `decode_context_parallel_size` (DCP) shards
+    the KV cache along the sequence across ranks of a TP group (it adds no ranks), interleaved
+    in units of `cp_kv_cache_interleave_size` tokens. DCP must divide the TP size; a model
+    check (`check_decode_context_parallel`) adds that the ranks of a DCP group must hold the
+    same KV heads. collective_timeout_s bounds every collective of the process groups: a
+    killed or stalled rank makes the others raise after at most this long instead of hanging.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     collective_timeout_s: float = 60.0
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be positive")
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp:
+            raise ValueError(
+                f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: DCP shards the KV "
+                "cache across ranks of a TP group (it adds no ranks)"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return (self.tensor_parallel_size * self.prefill_context_parallel_size * self.pipeline_parallel_size
+                * self.data_parallel_size)
+
+    def check_decode_context_parallel(self, num_key_value_heads: int) -> None:
+        """DCP's model rule: the ranks of a DCP group hold the same KV heads (each keeps a
+        shard of their sequence), so DCP must divide the TP ranks that share a KV head,
+        tensor_parallel_size // num_key_value_heads."""
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if dcp == 1:
+            return
+        share = tp // num_key_value_heads if tp >= num_key_value_heads else 0
+        if share == 0 or share % dcp:
+            raise ValueError(
+                f"decode_context_parallel_size={dcp} needs DCP groups of TP ranks that hold the same KV heads: "
+                f"with tensor_parallel_size={tp} and num_key_value_heads={num_key_value_heads}, "
+                f"{max(share, 1)} rank(s) share each KV head, which {dcp} must divide"
+            )
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def test_single_process_needs_no_process_group(monkeypatch) -> None:
     groups = init_distributed(ParallelConfig(), "cpu")
     assert not groups.is_distributed and groups.tp.device_group is None and groups.pp_broadcast_group is None
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="WORLD_SIZE=1 but tp\\*pp\\*dp"):
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=1 but tp\\*pcp\\*pp\\*dp"):
         init_distributed(ParallelConfig(tensor_parallel_size=2), "cpu")
     groups.destroy()
     assert isinstance(ParallelGroups.single(), ParallelGroups)
@@ -190,6 +190,9 @@ def _engine_with_dead_peer(rank: int, world: int, tp: int, pp: int, dp: int, how
               **{**LLM_ARGS, "collective_timeout_s": 5.0})
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate(PROMPTS[:2], params)
+    # Both ranks finished the first generate (the last PP stage's final token broadcast is
+    # asynchronous: without this, rank 1 could die before rank 0 received it).
+    llm.groups.barrier()
     if rank == 1:
         if how == "kill":
             os._exit(7)

@@ -3,6 +3,12 @@
 Plain and explicit rather than fast: it reads the metadata back to the host and loops
 over requests, so it is *not* graph-safe on CUDA (FULL graphs need the Triton backend;
 on CPU, "capture" re-runs the step eagerly, where host reads are fine).
+
+Log-sum-exp. Every paged backend can also write, per query token and head, the natural
+log-sum-exp of the scaled scores over the keys that token attended to (`out_lse`,
+[T, H] fp32): what lets partial attention over disjoint key shards be merged exactly
+(`graphrunner.attention.merge`). A token that sees no key (an empty shard, a padded
+token) gets LSE -inf and an output row of zeros.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ from graphrunner.attention.kv_write import write_kv
 
 
 def check_attention_args(
-    q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor | None
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    out: torch.Tensor | None,
+    out_lse: torch.Tensor | None = None,
 ) -> None:
     """Host-side checks shared by every backend (shapes only; safe during capture)."""
     if q.dim() != 3:
@@ -42,6 +52,11 @@ def check_attention_args(
         )
     if out is not None and out.shape != q.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected q's shape {tuple(q.shape)}")
+    if out_lse is not None and (out_lse.shape != (num_tokens, num_heads) or out_lse.dtype != torch.float32):
+        raise ValueError(
+            f"out_lse has shape {tuple(out_lse.shape)} and dtype {out_lse.dtype}, "
+            f"expected [{num_tokens}, {num_heads}] float32"
+        )
 
 
 def paged_attention_torch(
@@ -50,27 +65,28 @@ def paged_attention_torch(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place
+    out_lse: torch.Tensor | None = None,  # [T, H] fp32, written in place if given
 ) -> torch.Tensor:
     """Attend every real query token to its request's cached keys (causal), in fp32.
 
     Query token i of a request with `seq_len` keys and `query_len` tokens sits at
-    position `seq_len - query_len + i` and sees keys `0..` that position. Rows of
-    padded tokens are set to 0. Syncs with the host.
+    position `seq_len - query_len + i` and sees keys `0..` that position (none when the
+    position is negative: such rows come out 0, LSE -inf). Rows of padded tokens are set
+    to 0 (LSE -inf). Syncs with the host.
     """
-    check_attention_args(q, kv_cache, metadata, out)
-    num_heads = q.shape[1]
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
+    check_attention_args(q, kv_cache, metadata, out, out_lse)
+    block_size = kv_cache.shape[2]
+    group = q.shape[1] // kv_cache.shape[3]
     qsl = metadata.query_start_loc[: metadata.num_reqs + 1].tolist()
     seq_lens = metadata.seq_lens[: metadata.num_reqs].tolist()
     out.zero_()
+    if out_lse is not None:
+        out_lse.fill_(float("-inf"))
     for b in range(metadata.num_reqs):
         q0, q1, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
         query_len = q1 - q0
         if query_len <= 0:
             continue
-        if seq_len < query_len:
-            raise ValueError(f"request {b}: seq_len={seq_len} is smaller than its query length {query_len}")
         num_blocks = -(-seq_len // block_size)
         blocks = metadata.block_table[b, :num_blocks].long()
         # k, v: [seq_len, Hkv, D] -> [H, seq_len, D] (query head h reads kv head h // group)
@@ -80,8 +96,13 @@ def paged_attention_torch(
         scores = torch.matmul(qr, k.transpose(1, 2)) * scale  # [H, query_len, seq_len]
         pos = torch.arange(query_len, device=q.device).view(-1, 1) + (seq_len - query_len)
         visible = torch.arange(seq_len, device=q.device).view(1, -1) <= pos  # [query_len, seq_len]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        masked = scores.masked_fill(~visible, float("-inf"))
+        probs = masked.softmax(dim=-1)
+        if seq_len < query_len:  # the first rows see no key: softmax gave NaN, the output is 0
+            probs = probs.nan_to_num(0.0)
         out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+        if out_lse is not None:
+            out_lse[q0:q1] = torch.logsumexp(masked, dim=-1).transpose(0, 1)  # -inf where no key is visible
     return out
 
 
@@ -100,15 +121,16 @@ class WriteThenAttendBackend:
         metadata: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # [T, H, D]
+        out_lse: torch.Tensor | None = None,  # [T, H] fp32: the log-sum-exp, written in place if given
     ) -> torch.Tensor:  # [T, H, D]; rows of padded tokens are 0
         """Write k/v at `metadata.slot_mapping`, then attend; returns `out` (allocated if None)."""
-        check_attention_args(q, kv_cache, metadata, out)
+        check_attention_args(q, kv_cache, metadata, out, out_lse)
         write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
         if out is None:
             out = torch.empty_like(q)
-        return self.attend(q, kv_cache, metadata, scale, out)
+        return self.attend(q, kv_cache, metadata, scale, out, out_lse)
 
-    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -117,5 +139,5 @@ class TorchReferenceBackend(WriteThenAttendBackend):
 
     name = "torch"
 
-    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
-        return paged_attention_torch(q, kv_cache, metadata, scale, out)
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
+        return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse)

@@ -27,6 +27,12 @@ Split-KV (flash-decoding). When the batch is too small to fill the GPU (batch-1
 decode at long context), a third grid axis cuts each tile's key range into
 `num_kv_splits` chunks; every split writes an unnormalized partial result to scratch
 and a second kernel merges them. The split count is also a function of padded sizes.
+
+Log-sum-exp (`out_lse`, for merging partial attention across key shards). A variant
+compiled with `STORE_LSE=True` also stores each row's natural LSE, `ln 2 * (m + log2 l)`
+from the final running max `m` and denominator `l` (-inf for a row that saw no key);
+under split-KV the merge kernel stores it. The default variant (`STORE_LSE=False`)
+compiles without those stores, so attention without an LSE buffer runs the same code.
 """
 
 from __future__ import annotations
@@ -43,12 +49,19 @@ _NEG_BIG = -1.0e30
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 _MAX_KV_SPLITS = 32
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     _NEG_BIG_C: tl.constexpr = tl.constexpr(_NEG_BIG)
+    _LN2_C: tl.constexpr = tl.constexpr(_LN2)
+
+    @triton.jit
+    def _natural_lse(m, denom):
+        """ln(sum_n exp(s_n)) from the base-2 running max `m` and denominator `denom`; -inf if none."""
+        return tl.where(denom > 0.0, (m + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * _LN2_C, float("-inf"))
 
     @triton.jit
     def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
@@ -67,6 +80,7 @@ if HAS_TRITON:
         q_ptr,
         kv_ptr,
         out_ptr,
+        lse_ptr,  # [T, H] fp32 (STORE_LSE only)
         qsl_ptr,
         seq_lens_ptr,
         bt_ptr,
@@ -82,6 +96,8 @@ if HAS_TRITON:
         stride_ot,
         stride_oh,
         stride_od,
+        stride_lt,
+        stride_lh,
         stride_c_kv,
         stride_c_blk,
         stride_c_off,
@@ -97,6 +113,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         COMPUTE_FP32: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -179,6 +196,8 @@ if HAS_TRITON:
                 o.to(out_ptr.dtype.element_ty),
                 mask=row_ok[:, None] & d_ok[None, :],
             )
+            if STORE_LSE:
+                tl.store(lse_ptr + tok64 * stride_lt + head * stride_lh, _natural_lse(m_i, l_i), mask=row_ok)
         else:
             row = (split * num_tokens + tok64) * NUM_HEADS + head  # [BLOCK_M] row of the scratch
             tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
@@ -190,16 +209,20 @@ if HAS_TRITON:
         part_o_ptr,  # [S, T, H, D_PAD] fp32
         part_ml_ptr,  # [S, T, H, 2] fp32
         out_ptr,
+        lse_ptr,  # [T, H] fp32 (STORE_LSE only)
         num_tokens,
         stride_ot,
         stride_oh,
         stride_od,
+        stride_lt,
+        stride_lh,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         G_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -225,6 +248,8 @@ if HAS_TRITON:
             o.to(out_ptr.dtype.element_ty),
             mask=g_ok[:, None] & (d[None, :] < HEAD_DIM),
         )
+        if STORE_LSE:
+            tl.store(lse_ptr + t * stride_lt + head * stride_lh, _natural_lse(m_max, l_sum), mask=g_ok)
 
 
 def _next_pow2(x: int) -> int:
@@ -276,6 +301,7 @@ def paged_attention_triton(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place
+    out_lse: torch.Tensor | None = None,  # [T, H] fp32, written in place if given
     *,
     num_kv_splits: int | None = None,
     block_n: int | None = None,
@@ -286,13 +312,15 @@ def paged_attention_triton(
 
     Reads `metadata.query_start_loc[:num_reqs + 1]` (must start at 0),
     `seq_lens[:num_reqs]` and `block_table[:num_reqs]` on the device; rows of padded
-    tokens are written as zeros. The keyword arguments override `attention_launch_plan`
-    (tests, tuning); they must stay fixed for a captured graph. Works on CPU tensors
-    under TRITON_INTERPRET=1.
+    tokens are written as zeros. With `out_lse`, also writes each row's natural
+    log-sum-exp of the scaled scores over the keys it saw (-inf for none: padded tokens,
+    rows before a request's first key). The keyword arguments override
+    `attention_launch_plan` (tests, tuning); they must stay fixed for a captured graph.
+    Works on CPU tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
-    check_attention_args(q, kv_cache, metadata, out)
+    check_attention_args(q, kv_cache, metadata, out, out_lse)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_tokens == 0:
@@ -316,11 +344,15 @@ def paged_attention_triton(
         part_ml = torch.empty((splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused by the kernel
+    store_lse = out_lse is not None
+    lse = out_lse if out_lse is not None else out  # unused by the kernel unless STORE_LSE
+    lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
     _paged_attn_kernel[(plan["num_tiles"], num_kv_heads, splits)](
         q,
         kv_cache,
         out,
+        lse,
         metadata.query_start_loc,
         metadata.seq_lens,
         block_table,
@@ -332,6 +364,7 @@ def paged_attention_triton(
         scale * _LOG2E,
         *q.stride(),
         *out.stride(),
+        *lse_strides,
         *kv_cache.stride(),
         block_table.stride(0),
         NUM_HEADS=num_heads,
@@ -343,6 +376,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         COMPUTE_FP32=compute_fp32,
+        STORE_LSE=store_lse,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -351,14 +385,17 @@ def paged_attention_triton(
             part_o,
             part_ml,
             out,
+            lse,
             num_tokens,
             *out.stride(),
+            *lse_strides,
             NUM_HEADS=num_heads,
             GROUP=group,
             G_PAD=plan["g_pad"],
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=splits,
+            STORE_LSE=store_lse,
         )
     return out
 
@@ -372,8 +409,8 @@ class TritonPagedAttentionBackend(WriteThenAttendBackend):
         if not HAS_TRITON:
             raise RuntimeError("TritonPagedAttentionBackend needs triton, which failed to import")
 
-    def attend(self, q, kv_cache, metadata, scale, out) -> torch.Tensor:
-        return paged_attention_triton(q, kv_cache, metadata, scale, out)
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
+        return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse)
 
 
 __all__ = ["TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]

@@ -1,4 +1,4 @@
-"""Process groups: the world split into DP x PP x TP, each with a device and a CPU group.
+"""Process groups: the world split into DP x PP x PCP x TP, each with a device and a CPU group.
 
     groups = init_distributed(parallel_config, device)   # reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
     groups.tp.device_group    # NCCL on CUDA, gloo on a CPU: in-graph all-reduces
@@ -7,12 +7,16 @@
     ...
     groups.destroy()          # after the runner released its graphs and pool
 
-Rank layout (TP innermost, then PP, then DP):
+Rank layout (TP innermost, then prefill context parallel (PCP), then PP, then DP):
 
-    rank = (dp * pp_size + pp) * tp_size + tp
+    rank = ((dp * pp_size + pp) * pcp_size + pcp) * tp_size + tp
 
-so the TP ranks of one stage are neighbours (one NVLink island on a node), the PP
-stages of one replica follow, and each DP replica is one contiguous block.
+so the TP ranks of one stage are neighbours (one NVLink island on a node), the PCP ranks
+that split a prefill follow, then the PP stages of one replica, and each DP replica is one
+contiguous block. Decode context parallel (DCP) groups add no ranks: each is a run of
+`dcp_size` consecutive ranks of a TP group (ranks that hold the same KV heads, each keeping
+a shard of their sequence). Without context parallelism (pcp = dcp = 1) the layout and the
+order in which groups are created are the DP x PP x TP ones.
 
 A single process (no WORLD_SIZE, or WORLD_SIZE=1, and a 1x1x1 config) needs neither a
 launcher nor a process group: every group is a `ParallelGroup` of size 1 with no
@@ -97,22 +101,34 @@ class ParallelGroup:
         return "" if self.device_group is None else self.device_group.group_name
 
 
-def group_ranks(tp_size: int, pp_size: int, dp_size: int) -> dict[str, list[list[int]]]:
-    """Every TP, PP and DP group of the world as lists of global ranks (pure; layout above)."""
+def group_ranks(tp_size: int, pp_size: int, dp_size: int, pcp_size: int = 1,
+                dcp_size: int = 1) -> dict[str, list[list[int]]]:
+    """Every TP, PCP, PP, DP and DCP group of the world as lists of global ranks (pure; layout above)."""
+    if tp_size % dcp_size:
+        raise ValueError(f"dcp_size={dcp_size} must divide tp_size={tp_size}")
 
-    def rank(dp: int, pp: int, tp: int) -> int:
-        return (dp * pp_size + pp) * tp_size + tp
+    def rank(dp: int, pp: int, c: int, tp: int) -> int:
+        return ((dp * pp_size + pp) * pcp_size + c) * tp_size + tp
 
+    D, P, C, T = range(dp_size), range(pp_size), range(pcp_size), range(tp_size)
+    tp_groups = [[rank(d, p, c, t) for t in T] for d in D for p in P for c in C]
     return {
-        "tp": [[rank(d, p, t) for t in range(tp_size)] for d in range(dp_size) for p in range(pp_size)],
-        "pp": [[rank(d, p, t) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)],
-        "dp": [[rank(d, p, t) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)],
+        "tp": tp_groups,
+        "pcp": [[rank(d, p, c, t) for c in C] for d in D for p in P for t in T],
+        "pp": [[rank(d, p, c, t) for p in P] for d in D for c in C for t in T],
+        "dp": [[rank(d, p, c, t) for d in D] for p in P for c in C for t in T],
+        "dcp": [g[i : i + dcp_size] for g in tp_groups for i in range(0, tp_size, dcp_size)],
     }
 
 
-def coordinates(rank: int, tp_size: int, pp_size: int) -> tuple[int, int, int]:
-    """(dp, pp, tp) coordinates of a global rank."""
-    return rank // (tp_size * pp_size), (rank // tp_size) % pp_size, rank % tp_size
+def coordinates(rank: int, tp_size: int, pp_size: int, pcp_size: int = 1) -> tuple[int, int, int]:
+    """(dp, pp, tp) coordinates of a global rank (`pcp_coordinate` gives its PCP rank)."""
+    return rank // (tp_size * pcp_size * pp_size), (rank // (tp_size * pcp_size)) % pp_size, rank % tp_size
+
+
+def pcp_coordinate(rank: int, tp_size: int, pcp_size: int) -> int:
+    """The PCP rank of a global rank."""
+    return (rank // tp_size) % pcp_size
 
 
 @dataclass
@@ -133,7 +149,15 @@ class ParallelGroups:
     pp_broadcast_group: dist.ProcessGroup | None = None
     world_cpu_group: dist.ProcessGroup | None = None
     owns_world: bool = False  # True when init_distributed created the default group
+    pcp: ParallelGroup | None = None  # prefill context parallel group (a group of one without PCP)
+    dcp: ParallelGroup | None = None  # decode context parallel group (ranks of the TP group)
     _destroyed: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pcp is None:
+            self.pcp = ParallelGroup("pcp", [self.rank], 0)
+        if self.dcp is None:
+            self.dcp = ParallelGroup("dcp", [self.rank], 0)
 
     @classmethod
     def single(cls, config: ParallelConfig | None = None, device: torch.device | str = "cpu") -> ParallelGroups:
@@ -175,6 +199,26 @@ class ParallelGroups:
         return self.dp.rank_in_group
 
     @property
+    def pcp_size(self) -> int:
+        assert self.pcp is not None
+        return self.pcp.world_size
+
+    @property
+    def pcp_rank(self) -> int:
+        assert self.pcp is not None
+        return self.pcp.rank_in_group
+
+    @property
+    def dcp_size(self) -> int:
+        assert self.dcp is not None
+        return self.dcp.world_size
+
+    @property
+    def dcp_rank(self) -> int:
+        assert self.dcp is not None
+        return self.dcp.rank_in_group
+
+    @property
     def is_driver(self) -> bool:
         """TP rank 0 and PP rank 0 of its DP replica: the rank that prints for the replica."""
         return self.tp_rank == 0 and self.pp_rank == 0
@@ -191,8 +235,9 @@ class ParallelGroups:
         self._destroyed = True
         if self.owns_world and dist.is_initialized():
             dist.destroy_process_group()  # destroys the subgroups too
-        for g in (self.tp, self.pp, self.dp):
-            g.device_group = g.cpu_group = None
+        for g in (self.tp, self.pp, self.dp, self.pcp, self.dcp):
+            if g is not None:
+                g.device_group = g.cpu_group = None
         self.pp_broadcast_group = self.world_cpu_group = None
 
 
@@ -215,8 +260,9 @@ def _new_groups(
     and its PP broadcast communicator (None without pipeline parallelism)."""
     mine: dict[str, ParallelGroup] = {}
     pp_broadcast = None
-    # Every rank must create every group, in the same order, members or not.
-    for kind in ("tp", "pp", "dp"):
+    # Every rank must create every group, in the same order, members or not (groups of one
+    # create nothing, so without context parallelism the order is the DP x PP x TP one).
+    for kind in ("tp", "pcp", "pp", "dp", "dcp"):
         for ranks in layout[kind]:
             device_group = dist.new_group(ranks, backend=backend, timeout=timeout) if len(ranks) > 1 else None
             cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if len(ranks) > 1 else None
@@ -246,11 +292,11 @@ def init_distributed(parallel_config: ParallelConfig, device: torch.device | str
     # A world someone else initialized (a test harness, a host program) wins over the env.
     preset = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size() if preset else _env_int("WORLD_SIZE", 1)
-    expected = parallel_config.world_size
+    expected, pc = parallel_config.world_size, parallel_config
     if world_size != expected:
         raise RuntimeError(
-            f"WORLD_SIZE={world_size} but tp*pp*dp = {parallel_config.tensor_parallel_size}*"
-            f"{parallel_config.pipeline_parallel_size}*{parallel_config.data_parallel_size} = {expected}; "
+            f"WORLD_SIZE={world_size} but tp*pcp*pp*dp = {pc.tensor_parallel_size}*{pc.prefill_context_parallel_size}*"
+            f"{pc.pipeline_parallel_size}*{pc.data_parallel_size} = {expected}; "
             f"start {expected} processes (e.g. `graphrunner launch --nproc {expected} -- ...`)"
         )
     if world_size == 1:
@@ -277,16 +323,20 @@ def init_distributed(parallel_config: ParallelConfig, device: torch.device | str
     pp_size = parallel_config.pipeline_parallel_size
     dp_size = parallel_config.data_parallel_size
     world_cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    mine, pp_broadcast = _new_groups(group_ranks(tp_size, pp_size, dp_size), rank, backend, timeout)
+    layout = group_ranks(tp_size, pp_size, dp_size, pc.prefill_context_parallel_size, pc.decode_context_parallel_size)
+    mine, pp_broadcast = _new_groups(layout, rank, backend, timeout)
     groups = ParallelGroups(
         parallel_config, rank, world_size, local_rank, device, mine["tp"], mine["pp"], mine["dp"],
         pp_broadcast_group=pp_broadcast, world_cpu_group=world_cpu_group, owns_world=owns_world,
+        pcp=mine["pcp"], dcp=mine["dcp"],
     )
     logger.info(
-        "rank %d/%d: dp %d/%d pp %d/%d tp %d/%d on %s (%s)",
-        rank, world_size, groups.dp_rank, dp_size, groups.pp_rank, pp_size, groups.tp_rank, tp_size, device, backend,
+        "rank %d/%d: dp %d/%d pp %d/%d pcp %d/%d tp %d/%d (dcp %d/%d) on %s (%s)",
+        rank, world_size, groups.dp_rank, dp_size, groups.pp_rank, pp_size, groups.pcp_rank, groups.pcp_size,
+        groups.tp_rank, tp_size, groups.dcp_rank, groups.dcp_size, device, backend,
     )
     return groups
 
 
-__all__ = ["ENV_VARS", "ParallelGroup", "ParallelGroups", "coordinates", "group_ranks", "init_distributed"]
+__all__ = ["ENV_VARS", "ParallelGroup", "ParallelGroups", "coordinates", "group_ranks", "init_distributed",
+           "pcp_coordinate"]

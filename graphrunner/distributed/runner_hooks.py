@@ -63,6 +63,12 @@ class ParallelHooks:
 
     def __init__(self, groups: ParallelGroups, *, max_num_reqs: int, num_rows: int, device: torch.device,
                  spec: SpeculativeStep | None = None) -> None:
+        if groups.pcp_size > 1 or groups.dcp_size > 1:
+            # The groups exist (graphrunner.distributed.groups); the step does not split work over them yet.
+            raise ValueError(
+                f"prefill_context_parallel_size={groups.pcp_size}, decode_context_parallel_size={groups.dcp_size}: "
+                "context parallelism is not wired into the step yet (issue #14); use 1 for both"
+            )
         self.groups = groups
         self.device = device
         self.pp = groups.pp
