@@ -1,12 +1,14 @@
-"""CaptureReport: what capture cost, per descriptor and in total."""
+"""CaptureReport: what capture cost, per descriptor and in total; the parsing of graph node dumps."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 _GIB = float(1 << 30)
 
@@ -121,8 +123,35 @@ class CaptureReport:
 
 
 _DOT_NODE = re.compile(r'"(\w+_node_\d+)"\s*\[(.*?)\];', re.DOTALL)
+_DOT_EDGE = re.compile(r'"(\w+_node_\d+)"\s*->\s*"(\w+_node_\d+)"')
+_NODE_INDEX = re.compile(r"(\d+)_node_(\d+)$")
 _NODE_TYPE = re.compile(r'label="\{(\w+)')
 _KERNEL_FUNC = re.compile(r"\{ID \| \d+ \(topoId: \d+\) \| ([^\\<}|]+)")
+# The last name of a symbol says nothing when it is one of these (cutlass::Kernel2,
+# internal::gemvx::kernel): keep the qualified name then.
+_GENERIC_NAME = re.compile(r"[Kk]ernel\d*")
+
+
+class GraphNode(NamedTuple):
+    """One node of a captured graph: its CUDA node type and, for a KERNEL, the short kernel name."""
+
+    kind: str  # KERNEL, MEMCPY, MEMSET, EMPTY, EVENT_RECORD, ... as the DOT dump names it
+    name: str = ""  # short_kernel_name of a KERNEL node's function; "" for other types
+
+
+def _dot_nodes(text: str) -> dict[str, GraphNode]:
+    """Every node of a `cudaGraphDebugDotPrint` dump by its DOT id, in file order."""
+    nodes = {}
+    for match in _DOT_NODE.finditer(text):
+        body = match.group(2)
+        node_type = _NODE_TYPE.search(body)
+        kind = node_type.group(1) if node_type else "UNKNOWN"
+        name = ""
+        if kind == "KERNEL":
+            func = _KERNEL_FUNC.search(body)
+            name = short_kernel_name(func.group(1).strip()) if func else "kernel"
+        nodes[match.group(1)] = GraphNode(kind, name)
+    return nodes
 
 
 def parse_graph_dot(text: str) -> tuple[int, dict[str, int]]:
@@ -131,34 +160,67 @@ def parse_graph_dot(text: str) -> tuple[int, dict[str, int]]:
     Each node is `"graph_G_node_N"[... label="{TYPE | {ID | n (topoId: m) | name<<<grid>>>} ..."]`;
     kernel names are mangled C++ symbols for library kernels, plain for Triton ones.
     """
-    nodes = 0
-    kernels: Counter = Counter()
-    for match in _DOT_NODE.finditer(text):
-        nodes += 1
-        body = match.group(2)
-        node_type = _NODE_TYPE.search(body)
-        if node_type is None or node_type.group(1) != "KERNEL":
-            continue
-        func = _KERNEL_FUNC.search(body)
-        kernels[short_kernel_name(func.group(1).strip()) if func else "kernel"] += 1
-    return nodes, dict(kernels)
+    nodes = _dot_nodes(text).values()
+    return len(nodes), dict(Counter(n.name for n in nodes if n.kind == "KERNEL"))
+
+
+def parse_graph_nodes(text: str) -> list[GraphNode]:
+    """The nodes of a DOT dump in execution order: a topological order of its edges, ties
+    (nodes free to run at once) broken by capture order (the `node_N` index)."""
+    nodes = _dot_nodes(text)
+
+    def index(node_id: str) -> tuple[int, int]:
+        m = _NODE_INDEX.search(node_id)
+        return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+    succ: dict[str, list[str]] = {n: [] for n in nodes}
+    indegree = dict.fromkeys(nodes, 0)
+    for a, b in _DOT_EDGE.findall(text):
+        if a in nodes and b in nodes:
+            succ[a].append(b)
+            indegree[b] += 1
+    ready = [(index(n), n) for n, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for m in succ[n]:
+            indegree[m] -= 1
+            if indegree[m] == 0:
+                heapq.heappush(ready, (index(m), m))
+    if len(order) < len(nodes):  # a cycle cannot come from a graph; keep every node anyway
+        seen = set(order)
+        order += sorted((n for n in nodes if n not in seen), key=index)
+    return [nodes[n] for n in order]
 
 
 def short_kernel_name(symbol: str) -> str:
-    """The function's own name from an Itanium-mangled symbol (`_ZN2at6native9fooKernelI...` -> fooKernel)."""
+    """The function's own name from an Itanium-mangled symbol (`_ZN2at6native9fooKernelI...` -> fooKernel).
+
+    A generic last name (`kernel`, `Kernel2`) keeps its scopes: `cutlass::Kernel2`,
+    `internal::gemvx::kernel`. Unmangled names (Triton kernels, `sm90_xmma_...`) are kept.
+    """
     if not symbol.startswith("_Z"):
         return symbol
-    i = 3 if symbol.startswith("_ZN") else 2
-    name = symbol
-    while i < len(symbol) and symbol[i].isdigit():
+    nested = symbol.startswith("_ZN")
+    i = 3 if nested else 2
+    names: list[str] = []
+    while i < len(symbol) and symbol[i].isdigit() and (nested or not names):
         j = i
         while j < len(symbol) and symbol[j].isdigit():
             j += 1
         n = int(symbol[i:j])
-        name = symbol[j : j + n]
+        names.append(symbol[j : j + n])
         i = j + n
-    return name
+    if not names:
+        return symbol
+    return "::".join(names) if _GENERIC_NAME.fullmatch(names[-1]) else names[-1]
 
 
 def read_graph_dot(path: str | Path) -> tuple[int, dict[str, int]]:
     return parse_graph_dot(Path(path).read_text(errors="replace"))
+
+
+def read_graph_nodes(path: str | Path) -> list[GraphNode]:
+    return parse_graph_nodes(Path(path).read_text(errors="replace"))

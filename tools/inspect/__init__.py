@@ -5,6 +5,7 @@ Subcommands (tools/inspect/cli.py parses them; each has a module of its own):
     table      capture sizes, mode resolution, per token count the ordered candidates  (table.py)
     explain    the descriptor one batch gets and why, with its padding waste           (explain.py)
     capture    capture a runner and show its CaptureReport; --dot writes one graph     (capture_cmd.py)
+               nodes per layer and kernel families of its graphs                       (node_families.py)
     replay     FULL-graph step latency vs the same batch run eagerly                   (replay.py)
     simulate   dispatch over a recorded or synthesised batch trace: hit rates, waste   (simulate.py,
                                                                                         workloads.py)

@@ -5,7 +5,9 @@ weights, the smallest legal KV cache, since capture's dummy steps only touch blo
 then `capture_model(inspect_nodes=True)` returns the `CaptureReport`: per graph seconds,
 pool memory and node count, and kernel names (CUDA graphs only). With
 `--speculative-config` the runner speculates: the report lists the verifying graphs and
-attributes nodes to the drafter (drafter.py). `--dot DESC FILE`
+attributes nodes to the drafter (drafter.py). Each captured FULL graph's DOT dump is read
+again for its node order: nodes per decoder layer and kernel families (node_families.py).
+`--dot DESC FILE`
 writes one captured FULL graph as Graphviz DOT; that needs a real CUDA graph, so on a
 CPU (where FULL graphs are emulated) it is refused before anything is built.
 """
@@ -16,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from capture.modes import CUDAGraphMode
-from capture.report import CaptureReport
+from capture.report import CaptureReport, GraphNode
+from graphrunner_tools.inspect.node_families import (
+    GraphNodeSummary,
+    node_family_lines,
+    rules_dict,
+    smallest_decode_graph,
+    summarize,
+)
 from graphrunner_tools.inspect.render import descriptor_dict
 from graphrunner_tools.inspect.speculation import Speculation
 
@@ -67,6 +76,13 @@ class CaptureResult:
     dot_written: str | None = None
     notes: list[str] = field(default_factory=list)
     speculative: dict[str, Any] | None = None  # drafter.speculative_capture's summary; None: no speculation
+    num_layers: int = 0  # the model's num_hidden_layers
+    node_summaries: list[GraphNodeSummary] = field(default_factory=list)  # one per report record
+
+    @property
+    def default_graph(self) -> str | None:
+        """The graph whose node families the text shows without --all-graphs."""
+        return smallest_decode_graph(self.descriptors, self.report.records)
 
     def to_dict(self, top: int) -> dict[str, Any]:
         hist = self.report.kernel_histogram()
@@ -82,6 +98,12 @@ class CaptureResult:
             "kernel_histogram": [{"kernel": k, "count": n} for k, n in hist.most_common(top)],
             "kernel_nodes": sum(hist.values()),
             "speculative": self.speculative,
+            "node_families": {
+                "num_hidden_layers": self.num_layers,
+                "default_graph": self.default_graph,
+                "rules": rules_dict(),
+                "graphs": [s.to_dict() for s in self.node_summaries],
+            },
             "dot": self.dot_written,
             "notes": self.notes,
         }
@@ -160,6 +182,7 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
             )
         elif not report.kernel_histogram():
             result.notes.append("no kernel names: this torch/CUDA version gave no graph node dump")
+        add_node_summaries(result, runner, device.type)
         if speculation.k:
             result.speculative = speculative_capture(runner, report, speculation)
         if spec.dot is not None:
@@ -170,6 +193,40 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
         runner.shutdown()
         del runner
         release_memory(device)
+
+
+def dump_graph_nodes(runner: ModelRunner) -> dict[str, list[GraphNode]]:
+    """Each captured FULL graph's nodes in execution order, its DOT dump read again (CUDA,
+    captured with inspect_nodes=True); a graph whose dump fails is left out."""
+    import tempfile
+    from pathlib import Path
+
+    from capture.report import read_graph_nodes
+
+    graphs = runner.graphs
+    assert graphs is not None
+    out: dict[str, list[GraphNode]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, graph in enumerate(graphs.full_graphs.values()):
+            path = Path(tmp) / f"{i}.dot"
+            try:
+                graph.write_dot(path)
+                out[graph.key] = read_graph_nodes(path)
+            except Exception:  # best effort, as capture's own node dump: the summary says so
+                continue
+            finally:
+                path.unlink(missing_ok=True)
+    return out
+
+
+def add_node_summaries(result: CaptureResult, runner: ModelRunner, device_type: str) -> None:
+    """Nodes per layer and kernel families of every captured graph, into `result`."""
+    result.num_layers = runner.model_config.num_hidden_layers
+    nodes = dump_graph_nodes(runner) if device_type == "cuda" else {}
+    result.node_summaries = [summarize(r, result.num_layers, nodes.get(r.key), device_type)
+                             for r in result.report.records]
+    if device_type == "cuda" and result.spec.speculation.k:
+        result.notes.append("the FULL graphs hold the drafter's nodes too: nodes per layer count them")
 
 
 def write_dot(runner: ModelRunner, dot: tuple[str, str], dot_key: str) -> str:
@@ -205,7 +262,7 @@ def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
     return f"{base}[{variant}]"
 
 
-def capture_text(result: CaptureResult, top: int) -> str:
+def capture_text(result: CaptureResult, top: int, all_graphs: bool = False) -> str:
     from graphrunner_tools.bench.report import env_lines
     from graphrunner_tools.inspect.drafter import speculative_lines
 
@@ -222,6 +279,9 @@ def capture_text(result: CaptureResult, top: int) -> str:
         "",
         str(r),
     ]
+    node_lines = node_family_lines(result.node_summaries, result.default_graph, all_graphs)
+    if node_lines:
+        lines += ["", *node_lines]
     hist = r.kernel_histogram()
     if hist:
         lines += ["", f"kernel histogram, top {top} (of {sum(hist.values())} kernel nodes in {len(hist)} kernels):"]

@@ -90,12 +90,16 @@ def _register_explain(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_capture(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "capture", "capture with node inspection; show the CaptureReport and a kernel histogram")
+    p = _parser(sub, "capture", "capture with node inspection; show the CaptureReport, nodes per layer, kernel "
+                                "families and a kernel histogram")
     add_runner_args(p, model=_DEFAULT_MODEL)
     add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode")
     add_limit_args(p, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
     add_speculative_args(p)
     p.add_argument("--top", type=int, default=20, help="kernels shown in the histogram")
+    p.add_argument("--all-graphs", action="store_true",
+                   help="nodes per layer and kernel families of every graph (default: the smallest decode graph; "
+                        "--json always has every graph)")
     p.add_argument("--dot", nargs=2, metavar=("DESC", "FILE"), default=None,
                    help="write one FULL graph as Graphviz DOT, e.g. "
                         '--dot "FULL(t=8,r=8,q=1)[greedy]" out.dot (CUDA only)')
@@ -259,7 +263,7 @@ def _run_capture(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_dict(args.top))
     else:
-        print(capture_text(result, args.top))
+        print(capture_text(result, args.top, all_graphs=args.all_graphs))
     return 0
 
 
