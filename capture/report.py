@@ -122,7 +122,9 @@ class CaptureReport:
         return "\n".join(lines)
 
 
-_DOT_NODE = re.compile(r'"(\w+_node_\d+)"\s*\[(.*?)\];', re.DOTALL)
+# A node statement; not the target of an edge statement (`"a" -> "b" [headlabel=0];`),
+# which the same pattern would otherwise also match.
+_DOT_NODE = re.compile(r'(?<!-> )"(\w+_node_\d+)"\s*\[(.*?)\];', re.DOTALL)
 _DOT_EDGE = re.compile(r'"(\w+_node_\d+)"\s*->\s*"(\w+_node_\d+)"')
 _NODE_INDEX = re.compile(r"(\d+)_node_(\d+)$")
 _NODE_TYPE = re.compile(r'label="\{(\w+)')

@@ -391,3 +391,18 @@ def test_gpu_decode_graph_families_sum_to_its_nodes_and_layers_are_counted():
     text = run_text("capture", *argv)
     assert "nodes of FULL(t=1,r=1,q=1)[greedy]:" in text and "nodes per layer" in text
     print(text)  # the sample the issue's closing note quotes (pytest -s shows it)
+
+
+def test_a_real_dump_counts_nodes_not_edges():
+    """An excerpt of a real H100 dump (`cudaGraphDebugDotPrint`, torch 2.11, CUDA 13): edge
+    statements (`"a" -> "b" [headlabel=0];`) are not nodes. The pattern once matched their
+    targets too, which doubled the node counts reported before this was found."""
+    from pathlib import Path
+
+    from capture.report import parse_graph_dot, parse_graph_nodes
+
+    text = (Path(__file__).parent / "data" / "graph_h100_excerpt.dot").read_text()
+    num_nodes, kernels = parse_graph_dot(text)
+    assert num_nodes == 3 and kernels == {"_positions_seq_lens_kernel": 1, "_input_ids_kernel": 1, "_gather_kernel": 1}
+    assert [n.name for n in parse_graph_nodes(text)] == ["_positions_seq_lens_kernel", "_input_ids_kernel",
+                                                         "_gather_kernel"]
