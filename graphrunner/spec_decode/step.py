@@ -105,6 +105,9 @@ class SpeculativeStep:
                                if config.rejection_sample_method == "synthetic" else None)
         self.buffers = SpecBuffers.allocate(limits.max_num_reqs, self.k, device)
         self.tables: BlockTables | None = None  # with the KV cache (the draft model writes KV)
+        # False: `propose` does nothing (graphrunner inspect captures a step without the drafter
+        # to attribute its nodes); a host-side switch, read when a step runs or is captured.
+        self.drafting = True
         self.drafter: DraftModelDrafter | None = None
         if config.method == "draft_model":
             assert config.model is not None  # SpeculativeConfig checks it
@@ -199,6 +202,8 @@ class SpeculativeStep:
 
     def propose(self, batch: InputBatch) -> None:
         """After post-update: the drafter proposes k tokens behind each entry's new token."""
+        if not self.drafting:
+            return
         r, b, R = self.requests, self.buffers, batch.num_reqs_padded
         assert r.draft_token_ids is not None and r.num_draft is not None
         rows = batch.idx_mapping.long()

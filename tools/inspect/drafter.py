@@ -38,22 +38,20 @@ def representative(table: DispatchTable, q: int) -> BatchExecutionDescriptor | N
     smallest FULL one (mode FULL has no separate decode graphs), else None (no FULL graph)."""
     full = sorted((d for d in table.descriptors if d.is_full), key=lambda d: (d.num_tokens, d.num_reqs or 0))
     verifying = [d for d in full if is_verifying(d, q)]
-    return (verifying or full or [None])[0]
+    if verifying:
+        return verifying[0]
+    return full[0] if full else None
 
 
 @contextmanager
 def drafter_off(spec: SpeculativeStep) -> Iterator[None]:
-    """`spec.propose` is a no-op inside (an instance attribute over the method, removed after)."""
-    had = "propose" in vars(spec)
-    saved = vars(spec).get("propose")
-    spec.propose = lambda batch: None  # type: ignore[method-assign]
+    """The step does not draft inside (`SpeculativeStep.drafting`), for captures to compare."""
+    saved = spec.drafting
+    spec.drafting = False
     try:
         yield
     finally:
-        if had:
-            spec.propose = saved  # type: ignore[method-assign]
-        else:
-            del spec.propose
+        spec.drafting = saved
 
 
 def capture_throwaway(graphs: StepGraphs, desc: BatchExecutionDescriptor, label: str) -> CaptureRecord:
