@@ -87,6 +87,9 @@ def _register_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-reqs", type=int, default=None, help="requests in the batch")
     p.add_argument("--num-tokens", type=int, default=None, help="tokens in the batch (with --uniform or --num-reqs)")
     p.add_argument("--uniform", type=int, default=None, metavar="Q", help="every request has exactly Q tokens")
+    p.add_argument("--prefill-context-parallel-size", "-pcp", dest="pcp_size", type=int, default=1, metavar="P",
+                   help="with P > 1 also show how prefill context parallelism would split the batch per rank "
+                        "(inspection of the split only; PCP is not wired into the step yet)")
 
 
 def _register_capture(sub: argparse._SubParsersAction) -> None:
@@ -221,10 +224,20 @@ def _run_table(args: argparse.Namespace) -> int:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from graphrunner_tools.inspect.explain import BatchShape, explain_batch, explanation_dict, explanation_text
+    from graphrunner_tools.inspect.explain import (
+        BatchShape,
+        PCPSplit,
+        check_pcp_size,
+        explain_batch,
+        explanation_dict,
+        explanation_text,
+        pcp_query_lens,
+    )
     from graphrunner_tools.inspect.render import print_json
 
+    check_pcp_size(args.pcp_size)
     built = _built_table(args)
+    lens = None
     if args.query_lens is not None:
         if args.num_tokens is not None or args.uniform is not None:
             raise ValueError("give --query-lens, or --num-tokens with --uniform/--num-reqs, not both")
@@ -239,10 +252,12 @@ def _run_explain(args: argparse.Namespace) -> int:
             "describe the batch with --query-lens L1,L2,... or --num-tokens T (--uniform Q | --num-reqs R)"
         )
     exp = explain_batch(built.table, shape)
+    q = built.table.uniform_decode_query_len
+    pcp = PCPSplit.build(pcp_query_lens(shape, lens), q, args.pcp_size) if args.pcp_size > 1 else None
     if args.json:
-        print_json(explanation_dict(built, shape, exp))
+        print_json(explanation_dict(built, shape, exp, pcp))
     else:
-        print(explanation_text(built, shape, exp))
+        print(explanation_text(built, shape, exp, pcp))
     return 0
 
 

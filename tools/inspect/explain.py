@@ -2,7 +2,9 @@
 
 A batch is given either by its query lengths (classified as the runner classifies a
 step: uniform with q when every request has exactly q tokens) or by its sizes
-(`num_tokens` with `uniform` q, or with `num_reqs` for a mixed batch).
+(`num_tokens` with `uniform` q, or with `num_reqs` for a mixed batch). With a prefill
+context parallel size P > 1 it also shows how `PCPPartition` would split the batch across
+the P ranks (inspection only: PCP is not wired into the step yet).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from capture.dispatch import DispatchTable, Explanation
-from graphrunner_tools.inspect.render import descriptor_dict, pct
+from graphrunner.distributed.pcp import PCPPartition
+from graphrunner_tools.inspect.render import descriptor_dict, pct, text_table
 from graphrunner_tools.inspect.speculation import explain_lines, explain_summary
 from graphrunner_tools.inspect.table import BuiltTable, header_lines
 
@@ -58,8 +63,10 @@ def explain_batch(table: DispatchTable, shape: BatchShape) -> Explanation:
     return table.explain(shape.num_reqs, shape.num_tokens, shape.uniform)
 
 
-def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation) -> dict[str, Any]:
-    return {
+def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation,
+                     pcp: PCPSplit | None = None) -> dict[str, Any]:
+    """The explanation as JSON; a `pcp` key only with a PCP split of P > 1."""
+    out = {
         "kind": "inspect-explain",
         "mode": built.table.mode.name,
         "batch": {"num_reqs": shape.num_reqs, "num_tokens": shape.num_tokens, "uniform": shape.uniform},
@@ -74,9 +81,12 @@ def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation) -> 
         "waste": exp.waste,  # padding tokens / tokens the step runs
         "speculative": explain_summary(built.spec.speculation, exp),  # None without speculation
     }
+    if pcp is not None and pcp.pcp_size > 1:
+        out["pcp"] = pcp_dict(pcp)
+    return out
 
 
-def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation) -> str:
+def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation, pcp: PCPSplit | None = None) -> str:
     chosen = exp.chosen
     reqs_run = chosen.num_reqs if chosen.is_full else shape.num_reqs
     lines = [
@@ -89,4 +99,108 @@ def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation) -> 
         f"{pct(exp.waste)} of the step), {exp.padding_reqs} requests ({reqs_run} run for {shape.num_reqs} real)",
         *explain_lines(built.spec.speculation, exp),
     ]
+    if pcp is not None and pcp.pcp_size > 1:
+        lines += pcp_lines(pcp)
     return "\n".join(lines)
+
+
+# ---- prefill context parallelism: how the batch would be split across P ranks ----------
+PCP_NOTE = "inspection of the split only: PCP is not wired into the runner's step yet"
+
+
+def check_pcp_size(pcp_size: int) -> int:
+    """--prefill-context-parallel-size, checked before anything is built."""
+    if pcp_size < 1:
+        raise ValueError(f"--prefill-context-parallel-size={pcp_size} must be >= 1")
+    return pcp_size
+
+
+@dataclass(frozen=True)
+class PCPSplit:
+    """One batch's `PCPPartition` plus what explain assumed to build it.
+
+    A request of exactly `decode_query_len` tokens is a decode (held whole, duplicated on every
+    rank), as explain classifies a uniform batch; every other request is a prefill chunk, split
+    DualChunkSwap: rank r takes chunks r and 2P-1-r. No computed context: num_computed = 0.
+    """
+
+    query_lens: tuple[int, ...]
+    is_decode: tuple[bool, ...]
+    decode_query_len: int
+    partition: PCPPartition
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], decode_query_len: int, pcp_size: int) -> PCPSplit:
+        lens = tuple(int(n) for n in query_lens)
+        dec = tuple(n == decode_query_len for n in lens)
+        part = PCPPartition.build(np.array(lens, dtype=np.int64), np.zeros(len(lens), dtype=np.int64),
+                                  np.array(dec, dtype=bool), check_pcp_size(pcp_size), 0)
+        return cls(lens, dec, decode_query_len, part)
+
+    @property
+    def pcp_size(self) -> int:
+        return self.partition.pcp_size
+
+    def chunks_of(self, rank: int) -> tuple[int, int]:
+        """The chunk indices rank `rank` takes of every prefill: its head and its tail."""
+        return rank, 2 * self.pcp_size - 1 - rank
+
+
+def pcp_query_lens(shape: BatchShape, query_lens: Sequence[int] | None) -> tuple[int, ...]:
+    """Per-request lengths: given, or implied by a uniform batch; a mixed batch by sizes has none."""
+    if query_lens is not None:
+        return tuple(int(n) for n in query_lens)
+    if shape.uniform is None:
+        raise ValueError("--prefill-context-parallel-size needs per-request lengths: "
+                         "give --query-lens (or --uniform Q)")
+    return (shape.uniform,) * shape.num_reqs
+
+
+def pcp_dict(split: PCPSplit) -> dict[str, Any]:
+    part, size = split.partition, split.pcp_size
+    entries = [
+        {"entry": i, "kind": "decode" if d else "prefill", "query_len": q,
+         "chunk_len": None if d else int(part.chunk_lens[i]),
+         "padded_len": None if d else int(part.padded_lens[i]),
+         "chunks_by_rank": None if d else [list(split.chunks_of(r)) for r in range(size)],
+         "duplicated": d}
+        for i, (q, d) in enumerate(zip(split.query_lens, split.is_decode, strict=True))
+    ]
+    ranks = [
+        {"rank": r, "tokens": int(part.tokens_per_rank[r]), "real_tokens": int(part.real_tokens_per_rank[r]),
+         "padding": int(part.padding_per_rank[r]), "prefill_work": int(part.prefill_work_per_rank[r]),
+         "chunks": list(split.chunks_of(r))}
+        for r in range(size)
+    ]
+    return {"pcp_size": size, "note": PCP_NOTE, "decode_query_len": split.decode_query_len, "num_computed": 0,
+            "entries": entries, "ranks": ranks, "work_imbalance_bound": part.work_imbalance_bound}
+
+
+def pcp_lines(split: PCPSplit) -> list[str]:
+    part, size = split.partition, split.pcp_size
+    entry_rows = []
+    for i, (q, d) in enumerate(zip(split.query_lens, split.is_decode, strict=True)):
+        if d:
+            entry_rows.append([str(i), "decode", str(q), "-", "-", "whole, duplicated on every rank"])
+            continue
+        chunks = "  ".join(f"r{r}: {h},{t}" for r in range(size) for h, t in [split.chunks_of(r)])
+        entry_rows.append([str(i), "prefill", str(q), str(part.chunk_lens[i]), str(part.padded_lens[i]), chunks])
+    rank_rows = [
+        [str(r), str(part.tokens_per_rank[r]), str(part.real_tokens_per_rank[r]), str(part.padding_per_rank[r]),
+         str(part.prefill_work_per_rank[r]), "{},{}".format(*split.chunks_of(r))]
+        for r in range(size)
+    ]
+    return [
+        "",
+        f"prefill context parallel: P = {size} ({PCP_NOTE})",
+        f"a request of q = {split.decode_query_len} tokens is a decode, any other a prefill chunk "
+        "(rank r takes chunks r and 2P-1-r); num_computed = 0",
+        "",
+        text_table(["entry", "kind", "tokens", "chunk len", "padded len", "chunks per rank"], entry_rows,
+                   numeric=[True, False, True, True, True, False]),
+        "",
+        text_table(["rank", "tokens", "real", "padding", "prefill work", "chunks"], rank_rows,
+                   numeric=[True, True, True, True, True, False]),
+        f"tokens are local, padding included (equal on every rank); prefill work = sum of position + 1 over "
+        f"real prefill tokens, ranks differ by at most {part.work_imbalance_bound}",
+    ]
