@@ -4,6 +4,8 @@ Engines import `ModelRunner` and the protocol types; `LLM` is the reference engi
 offline API. Heavy modules load lazily so that `import graphrunner` stays cheap.
 """
 
+from importlib import metadata
+
 from graphrunner.protocol import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -11,6 +13,17 @@ from graphrunner.protocol import (
     SamplingParams,
     SchedulerOutput,
 )
+
+
+def _version() -> str:
+    """The installed distribution's version; pyproject.toml's when run from a bare checkout."""
+    try:
+        return metadata.version("graphrunner")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"  # keep in step with pyproject.toml [project] version
+
+
+__version__ = _version()
 
 __all__ = [
     "LLM",

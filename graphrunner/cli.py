@@ -8,6 +8,10 @@ Each subcommand lives in its own module, which exposes
 and is listed in `subcommands()` below. Modules are imported when the parser is built,
 so they must keep heavy imports (torch, the model stack) inside `run`.
 
+Global options come before the subcommand: `--version`, and `--log-level` (or the env
+variable GRAPHRUNNER_LOGGING_LEVEL; the option wins), which shows the `graphrunner` loggers'
+messages (load time, KV cache size, graph capture summary at `info`).
+
 The options several subcommands share (how a runner is built, the scheduler limits, the
 graph mode) come from `graphrunner.cli_args`, so that one option reads the same in
 `generate`, `bench` and `inspect`.
@@ -16,9 +20,17 @@ graph mode) come from `graphrunner.cli_args`, so that one option reads the same 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol
+
+from graphrunner import __version__
+
+LOG_LEVEL_ENV = "GRAPHRUNNER_LOGGING_LEVEL"
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 class Subcommand(Protocol):
@@ -47,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphrunner", description="An LLM model runner whose whole step runs from CUDA graphs."
     )
+    parser.add_argument("--version", action="version", version=f"graphrunner {__version__}")
+    parser.add_argument(
+        "--log-level", type=str.lower, choices=list(LOG_LEVELS), default=None,
+        help=f"level of the graphrunner loggers (default: ${LOG_LEVEL_ENV}, else Python's: warnings only)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for module in subcommands():
@@ -54,10 +71,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level: str) -> None:
+    """Set the level of the `graphrunner` logger hierarchy to `level` (a key of LOG_LEVELS).
+
+    Adds a stderr handler with a short format unless the `graphrunner` or the root logger
+    already has one (an application that configured logging keeps its own).
+    """
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    logger = logging.getLogger("graphrunner")
+    logger.setLevel(LOG_LEVELS[level])
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Neither the option nor the env variable: logging is left as it was (warnings and
+    # errors reach stderr through Python's last-resort handler).
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV, "").strip().lower()
+    if level:
+        if level not in LOG_LEVELS:
+            parser.error(f"{LOG_LEVEL_ENV}={level!r} is not one of {', '.join(LOG_LEVELS)}")
+        configure_logging(level)
     args.argv = argv  # a subcommand may re-launch itself (generate --tp/--pp/--dp)
     return int(args.func(args) or 0)
 

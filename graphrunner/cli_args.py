@@ -8,6 +8,7 @@ free of torch, so that building the parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +23,25 @@ _LIMIT_HELP = {
 }
 # The options add_runner_args adds, as the keyword arguments of a spec (runner_kwargs).
 _RUNNER_FIELDS = ("model", "dtype", "device", "block_size", "compile_backend", "load_format", "seed")
+# A help text that already says what happens by default ("default: ...", "unset = ...").
+_STATES_DEFAULT = re.compile(r"\bunset\b|\bdefault[: ]")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help once: not where the help already says
+    the default, and not for an unset (None) or off (False) default, which say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.default is False or _STATES_DEFAULT.search(text):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand's parser; `--help` shows `help` and every option's default."""
+    """A subcommand's parser; `--help` shows `help` and every option's default, once."""
     parser: argparse.ArgumentParser = sub.add_parser(
-        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        name, help=help, description=help, formatter_class=DefaultsHelpFormatter
     )
     return parser
 

@@ -1,4 +1,5 @@
-"""pyproject.toml lists every package folder, and installs tools/ as `graphrunner_tools`.
+"""pyproject.toml lists every package folder, installs tools/ as `graphrunner_tools`, and
+ships graphrunner's `py.typed` marker.
 
 setuptools' find cannot install tools/ under another name, so the packages are listed by
 hand; this test fails when a folder with an __init__.py is added without its entry.
@@ -34,3 +35,8 @@ def test_every_package_folder_is_listed():
             parts = init.parent.relative_to(folder).parts
             on_disk.add(".".join((top, *parts)))
     assert sorted(_setuptools_config()["packages"]) == sorted(on_disk)
+
+
+def test_py_typed_ships_in_the_package():
+    assert (ROOT / "graphrunner" / "py.typed").is_file()
+    assert "py.typed" in _setuptools_config().get("package-data", {}).get("graphrunner", [])

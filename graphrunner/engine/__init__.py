@@ -2,11 +2,35 @@
 
 It drives `graphrunner.ModelRunner` only through the runner's public API, as an outside
 engine would; it doubles as the runner's end-to-end test harness and example.
+
+The names load on first use, so that importing a submodule (`graphrunner.engine.cli`, which
+`graphrunner --help` builds) does not import torch.
 """
 
-from graphrunner.engine.block_allocator import BlockAllocator
-from graphrunner.engine.llm import LLM
-from graphrunner.engine.request import Request, RequestOutput, RequestStatus
-from graphrunner.engine.scheduler import Scheduler
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphrunner.engine.block_allocator import BlockAllocator
+    from graphrunner.engine.llm import LLM
+    from graphrunner.engine.request import Request, RequestOutput, RequestStatus
+    from graphrunner.engine.scheduler import Scheduler
 
 __all__ = ["LLM", "BlockAllocator", "Request", "RequestOutput", "RequestStatus", "Scheduler"]
+
+_HOME = {
+    "LLM": "graphrunner.engine.llm",
+    "BlockAllocator": "graphrunner.engine.block_allocator",
+    "Request": "graphrunner.engine.request",
+    "RequestOutput": "graphrunner.engine.request",
+    "RequestStatus": "graphrunner.engine.request",
+    "Scheduler": "graphrunner.engine.scheduler",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'graphrunner.engine' has no attribute {name!r}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphrunner.cli_args import (
     CUDAGRAPH_MODES,
+    DefaultsHelpFormatter,
     add_graph_args,
     add_limit_args,
     add_runner_args,
@@ -44,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate from random or text prompts and report throughput",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_runner_args(p, model="builtin:tiny-llama", compile_backend="inductor")
     p.add_argument("--num-prompts", type=int, default=8, help="random prompts to generate for (ignored with --prompt)")
@@ -208,6 +209,9 @@ def _print_summary(
     mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"model:            {args.model}")
+    weights = _random_weights_reason(args)
+    if weights:
+        print(f"weights:          random ({weights}; tokens are meaningless)")
     print(f"device:           {llm.device}")
     print(f"cudagraph mode:   {mode_name}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
@@ -230,6 +234,17 @@ def _print_summary(
     for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):
         shown = repr(tokenizer.decode(out.token_ids)) if tokenizer is not None else out.token_ids
         print(f"output {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {shown}")
+
+
+def _random_weights_reason(args: argparse.Namespace) -> str | None:
+    """Why the model's weights are random, or None when they come from a checkpoint."""
+    from graphrunner.models.registry import is_builtin
+
+    if is_builtin(args.model):
+        return f"{args.model} has no checkpoint"
+    if args.load_format == "dummy":
+        return "--load-format dummy"
+    return None
 
 
 def _random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

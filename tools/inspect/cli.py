@@ -63,7 +63,7 @@ def _table_args(p: argparse.ArgumentParser) -> None:
     """The inputs of a dispatch table (table, explain, simulate)."""
     from graphrunner_tools.inspect.table import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
-    # The table does not depend on the model: --model only labels the output.
+    # The table does not depend on the model: --model only labels the output (and must exist).
     add_model_args(p, model=None)
     add_limit_args(p, max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES}; unset = the runner's default")
@@ -191,9 +191,19 @@ def _speculation(args: argparse.Namespace):
     return spec
 
 
+def _check_model(model: str | None) -> None:
+    """The table does not depend on --model, but a name that `generate` would refuse is refused
+    here too: ValueError listing the builtins, FileNotFoundError naming a missing folder."""
+    if model is not None:
+        from graphrunner.models.loader import load_model_config
+
+        load_model_config(model)
+
+
 def _built_table(args: argparse.Namespace):
     from graphrunner_tools.inspect.table import TableSpec, build_table
 
+    _check_model(args.model)
     spec = _speculation(args)
     return build_table(
         TableSpec(
