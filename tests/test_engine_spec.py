@@ -421,33 +421,6 @@ def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
-_support: dict[str, str | None] = {}
-
-
-def _speculation_unsupported() -> str | None:
-    """Why the runner cannot generate with speculation yet (None: it can). Tried once per session."""
-    if "reason" not in _support:
-        from graphrunner.engine import LLM
-
-        _support["reason"] = None
-        try:
-            LLM(MODEL, speculative_config=ngram(2), **SMALL).generate([[1, 2, 1, 2]], GREEDY)
-        except (NotImplementedError, ValueError) as e:
-            text = str(e)
-            if "specul" not in text.lower() and "decode step takes exactly 1 token" not in text:
-                raise
-            _support["reason"] = f"the runner does not support speculative decoding yet: {text}"
-    return _support["reason"]
-
-
-@pytest.fixture
-def needs_speculation():
-    pytest.importorskip("graphrunner.runner")
-    reason = _speculation_unsupported()
-    if reason is not None:
-        pytest.skip(reason)
-
-
 def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = np.random.default_rng(seed)
     prompts = [[1, 2, 3] * 5, [7] * 9, [5, 6, 7, 8] * 5, rng.integers(0, 2048, 20).tolist(),
@@ -487,7 +460,6 @@ def _generate(llm, prompts, params) -> tuple[list[tuple[list[int], str | None]],
     return [(o.token_ids, o.finish_reason) for o in outs], sum(1 for n in steps if n)
 
 
-@pytest.mark.usefixtures("needs_speculation")
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_ngram_speculation_gives_the_tokens_of_plain_greedy(plain, k, async_scheduling):
@@ -509,7 +481,6 @@ def test_greedy_ngram_speculation_gives_the_tokens_of_plain_greedy(plain, k, asy
     assert not llm.scheduler.has_unfinished_requests() and llm._in_flight is None
 
 
-@pytest.mark.usefixtures("needs_speculation")
 def test_speculative_config_reaches_the_runner_as_dict_or_json():
     from graphrunner.engine import LLM
 
@@ -533,7 +504,6 @@ def test_bad_speculative_config_names_the_value(config, match):
         LLM(MODEL, speculative_config=config, **SMALL)
 
 
-@pytest.mark.usefixtures("needs_speculation")
 def test_cli_speculative_config(capsys):
     from graphrunner.cli import main
 

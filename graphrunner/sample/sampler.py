@@ -164,18 +164,22 @@ class Sampler:
         x = self._process(logits, rows, positions, features, None)
         if not features.any_random:
             return x
-        s = self.states
-        temperature = s.temperature[rows]  # [N]
-        is_greedy = temperature == 0.0
-        scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
-        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
-        if self.filter_impl == "bisect":
-            kept = apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
-                                 features.any_min_p)
-        else:
-            kept = _sort_filter(scaled, top_k, top_p, min_p, features)
+        is_greedy = self.states.temperature[rows] == 0.0  # [N]
+        kept = self._scaled_and_filtered(x, rows, features)  # [N, V]
         dropped = (kept == float("-inf")) & ~is_greedy[:, None]  # [N, V]
         return x.masked_fill(dropped, float("-inf"))
+
+    def _scaled_and_filtered(self, x: torch.Tensor, rows: torch.Tensor,
+                             features: SamplingFeatures) -> torch.Tensor:  # [R, V]
+        """x / T (T = 1 for greedy rows), then min-p / top-k / top-p at -inf (the filter impl)."""
+        s = self.states
+        temperature = s.temperature[rows]  # [R]
+        scaled = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]  # [R, V]
+        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
+        if self.filter_impl == "bisect":
+            return apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
+                                 features.any_min_p)
+        return _sort_filter(scaled, top_k, top_p, min_p, features)
 
     def _process(
         self,
@@ -220,13 +224,7 @@ class Sampler:
         is_greedy = temperature == 0.0
         if self._use_triton(x):
             return self._sample_random_triton(x, rows, positions, features, greedy, temperature)
-        scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
-        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
-        if self.filter_impl == "bisect":
-            scaled = apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
-                                   features.any_min_p)
-        else:
-            scaled = _sort_filter(scaled, top_k, top_p, min_p, features)
+        scaled = self._scaled_and_filtered(x, rows, features)  # [R, V]
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
         return torch.where(is_greedy, greedy, sampled)

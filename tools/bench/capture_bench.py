@@ -79,8 +79,10 @@ def build_loaded_runner(spec, device) -> tuple[ModelRunner, float]:
     """A runner for capture work, loaded and with its KV cache: (runner, load seconds).
 
     `spec` is any spec with the runner fields of `CaptureSpec` (the inspect tool's too);
-    `num_kv_blocks` is optional (default: one full-length request's worth).
+    `num_kv_blocks` is optional (default: one full-length request's worth), and so is
+    `speculative_config` (vLLM's dict or JSON text).
     """
+    from graphrunner.config import SpeculativeConfig
     from graphrunner.runner import ModelRunner
 
     num_blocks = getattr(spec, "num_kv_blocks", None) or -(-spec.max_model_len // spec.block_size)
@@ -98,6 +100,9 @@ def build_loaded_runner(spec, device) -> tuple[ModelRunner, float]:
         load_format=spec.load_format,
         seed=spec.seed,
     )
+    speculative = getattr(spec, "speculative_config", None)  # the inspect tool's spec may carry one
+    if speculative:
+        config = config.replace(speculative=SpeculativeConfig.from_dict(speculative))
     runner = ModelRunner(config, device)
     start = time.perf_counter()
     try:

@@ -122,31 +122,11 @@ def check_dot_device(device_type: str) -> None:
 
 
 def build_runner(spec: CaptureSpec, device: torch.device) -> tuple[ModelRunner, float]:
-    """`bench capture`'s runner (tools/bench/capture_bench.py: dummy weights, one full-length
-    request's KV blocks), speculating as `spec.speculative_config` says: (runner, load seconds)."""
-    import time
+    """`bench capture`'s runner (dummy weights, one full-length request's KV blocks),
+    speculating as `spec.speculative_config` says: (runner, load seconds)."""
+    from graphrunner_tools.bench.capture_bench import build_loaded_runner
 
-    from graphrunner.config import SpeculativeConfig
-    from graphrunner.runner import ModelRunner
-    from graphrunner_tools.bench.common import build_runner_config, default_compile_backend
-
-    num_blocks = -(-spec.max_model_len // spec.block_size)
-    config = build_runner_config(
-        spec.model, mode=CUDAGraphMode.parse(spec.mode), dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
-        block_size=spec.block_size, num_blocks=num_blocks, capture_sizes=spec.capture_sizes,
-        compile_backend=spec.compile_backend or default_compile_backend(device), load_format=spec.load_format,
-        seed=spec.seed,
-    ).replace(speculative=SpeculativeConfig.from_dict(spec.speculative_config))
-    runner = ModelRunner(config, device)
-    start = time.perf_counter()
-    try:
-        runner.load_model()
-        runner.initialize_kv_cache(num_blocks)
-    except BaseException:
-        runner.shutdown()
-        raise
-    return runner, time.perf_counter() - start
+    return build_loaded_runner(spec, device)
 
 
 def run_capture(spec: CaptureSpec) -> CaptureResult:
