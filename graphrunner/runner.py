@@ -32,6 +32,7 @@ from graphrunner.async_output import AsyncOutput, OutputRing
 from graphrunner.attention import get_attention_backend
 from graphrunner.config import RunnerConfig, resolve_dtype
 from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.runner_hooks import ParallelHooks
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.limits import StepLimits
@@ -118,8 +119,9 @@ class ModelRunner:
                                       device=self.device, spec=spec)
         self.state.on_row_freed.append(self.parallel.on_row_freed)
         self.attn_backend = get_attention_backend(self.device)
+        pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
-                             is_last_stage=self.parallel.is_last_stage, spec=spec)
+                             is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp)
         self.output_ring = OutputRing(self.device)  # pinned slots + copy stream of async outputs
         self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
                                    self.state.requests, self.buffers.spec)
@@ -193,7 +195,7 @@ class ModelRunner:
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
         # (num_reqs, num_tokens, uniform q | None, force_eager) -> descriptor, agreed across DP replicas
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, partial(self.parallel.dispatch, graphs),
-                                   reuse_plans=self.groups.dp_size == 1)
+                                   reuse_plans=self.groups.dp_size == 1, pcp=self.body.pcp)
 
     @torch.inference_mode()
     def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -287,11 +289,9 @@ class ModelRunner:
         """The step's sampled tokens.
 
         async_output=False: a `ModelRunnerOutput` (one blocking D2H copy).
-        async_output=True: an `AsyncOutput` at once; the tokens are copied D2H on the
-        output copy stream after the step, and `.get()` waits for that copy only and
-        returns the `ModelRunnerOutput`. At most `output_ring.num_slots` (3) outputs may
-        be unresolved at a time: resolve step N before sampling step N + 3.
-        Without a pending step (nothing was scheduled) the output is empty.
+        async_output=True: an `AsyncOutput` at once; `.get()` waits for the step's D2H copy
+        (on the output copy stream) and returns the `ModelRunnerOutput`. At most 3 outputs may
+        be unresolved at a time. Without a pending step the output is empty.
         """
         pending, self._pending = self._pending, None
         if pending is None:

@@ -202,6 +202,27 @@ def test_segments_are_contiguous_runs_of_real_tokens_then_padding(batch, pcp_siz
                 assert seqs[s] == 0
 
 
+@given(batches(), st.integers(2, 5))
+def test_attention_segments_place_every_real_row_at_its_position(batch, pcp_size):
+    """The kernel's convention: a run of L rows with seq_len S puts row i at position S - L + i and
+    lets it see keys 0..S-L+i. Real rows must land on their own position; padding rows see nothing."""
+    for p in all_ranks(batch, pcp_size):
+        entry, start_loc, seq_lens, whole = p.attention_segments()
+        assert start_loc[0] == 0 and start_loc[-1] == p.num_local_tokens and (np.diff(start_loc) > 0).all()
+        covered = np.zeros(p.num_local_tokens, dtype=int)
+        for a in range(len(entry)):
+            rows = np.arange(start_loc[a], start_loc[a + 1])
+            covered[rows] += 1
+            assert (p.local_entry[rows] == entry[a]).all()
+            if seq_lens[a] == 0:
+                assert not p.is_real[rows].any() and not whole[a]
+                continue
+            assert p.is_real[rows].all()
+            np.testing.assert_array_equal(p.positions[rows], seq_lens[a] - len(rows) + np.arange(len(rows)))
+            assert whole[a] == bool(p.local_is_decode[rows[0]])
+        assert (covered == 1).all()
+
+
 @given(batches())
 def test_pcp_size_one_is_the_identity_partition(batch):
     q, n, _ = batch

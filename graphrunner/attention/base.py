@@ -13,7 +13,7 @@ KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ class AttentionMetadata:
     num_tokens: int  # tokens of the batch (padded count under graphs)
     max_query_len: int  # host-side upper bound on any query length in the batch
     max_seq_len: int  # host-side upper bound on any seq_len in the batch
+    # Prefill context parallelism: k/v are all-gathered over the PCP group and written at
+    # `kv_gather.slot_mapping` (graphrunner.distributed.pcp_step.KVAllGather); None otherwise.
+    kv_gather: Any = None
 
 
 class AttentionBackend(Protocol):

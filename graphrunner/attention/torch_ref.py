@@ -125,7 +125,10 @@ class WriteThenAttendBackend:
     ) -> torch.Tensor:  # [T, H, D]; rows of padded tokens are 0
         """Write k/v at `metadata.slot_mapping`, then attend; returns `out` (allocated if None)."""
         check_attention_args(q, kv_cache, metadata, out, out_lse)
-        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
+        slots = metadata.slot_mapping[: metadata.num_tokens]
+        if metadata.kv_gather is not None:  # PCP: every rank writes every token of the group
+            k, v, slots = metadata.kv_gather.gather(k, v)
+        write_kv(k, v, kv_cache, slots)
         if out is None:
             out = torch.empty_like(q)
         return self.attend(q, kv_cache, metadata, scale, out, out_lse)

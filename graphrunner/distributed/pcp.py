@@ -55,6 +55,10 @@ Rules:
    is one, a prefill entry two (head, tail). A segment holds its real tokens first, then its
    padding; its real tokens have consecutive positions ending at `segment_seq_lens - 1` (the
    keys its last real query attends to); a segment with no real token has seq_len 0.
+10. Attention segments. A paged attention kernel places a request's last query row at position
+   `seq_len - 1`, so a segment's trailing padding would shift its real rows. `attention_segments`
+   therefore cuts each segment into its real run (with the segment's seq_len) and, where there
+   is padding, a run of padding rows with seq_len 0 (they see no key and read no block).
 
 Dtypes: lengths, local offsets and entry indices int32; global indices and positions int64.
 """
@@ -243,6 +247,23 @@ class PCPPartition:
         """[T_local] int64: global row to read per-token inputs from; padding reads its entry's first token."""
         first = self.global_query_start_loc[self.local_entry]
         return np.where(self.is_real, self.global_index, first)
+
+    def attention_segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rule 10 for this rank: (entry [A] int32, start_loc [A + 1] int32, seq_lens [A] int32,
+        whole [A] bool), A <= 2 S. `whole` marks a whole entry's run (a decode: its seq_len is the
+        entry's own, which the device knows best under speculative decoding)."""
+        start, real = self.segment_start_loc[:-1].astype(np.int64), self.segment_real_lens.astype(np.int64)
+        length = np.diff(self.segment_start_loc).astype(np.int64)
+        padded = length > real
+        # Interleave [real run, padding run] per segment; keep real runs that exist and padding that exists.
+        keep = np.stack([real > 0, padded], axis=1).reshape(-1)
+        starts = np.stack([start, start + real], axis=1).reshape(-1)[keep]
+        seqs = np.stack([self.segment_seq_lens.astype(np.int64), np.zeros_like(real)], axis=1).reshape(-1)[keep]
+        entry = np.repeat(self.segment_entry, 2)[keep]
+        per_entry = np.bincount(self.segment_entry, minlength=len(self.local_query_lens))
+        whole = np.repeat(per_entry[self.segment_entry] == 1, 2)[keep] & (seqs > 0)  # one segment: a whole entry
+        start_loc = np.append(starts, self.segment_start_loc[-1])
+        return entry.astype(np.int32), start_loc.astype(np.int32), seqs.astype(np.int32), whole
 
     # ---- the gathered layout (rules 5-7), identical on every rank ---------------------------
 

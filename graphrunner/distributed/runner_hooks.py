@@ -63,12 +63,7 @@ class ParallelHooks:
 
     def __init__(self, groups: ParallelGroups, *, max_num_reqs: int, num_rows: int, device: torch.device,
                  spec: SpeculativeStep | None = None) -> None:
-        if groups.pcp_size > 1 or groups.dcp_size > 1:
-            # The groups exist (graphrunner.distributed.groups); the step does not split work over them yet.
-            raise ValueError(
-                f"prefill_context_parallel_size={groups.pcp_size}, decode_context_parallel_size={groups.dcp_size}: "
-                "context parallelism is not wired into the step yet (issue #14); use 1 for both"
-            )
+        check_context_parallel(groups, spec)
         self.groups = groups
         self.device = device
         self.pp = groups.pp
@@ -243,10 +238,25 @@ class ParallelHooks:
                 batch.sampled.index_copy_(0, index, got.tokens.to(batch.sampled.dtype))
 
 
+def check_context_parallel(groups: ParallelGroups, spec: SpeculativeStep | None) -> None:
+    """Refuse the context-parallel combinations the step does not run (ValueError naming them)."""
+    pcp = groups.pcp_size
+    if groups.dcp_size > 1:
+        # The DCP groups and kernels exist (groups.py, kernels/dcp.py); the step does not shard KV over them yet.
+        raise ValueError(f"decode_context_parallel_size={groups.dcp_size}: decode context parallelism is not "
+                         "wired into the step yet; use 1")
+    if pcp > 1 and groups.pp_size > 1:
+        raise ValueError(f"prefill_context_parallel_size={pcp} with pipeline_parallel_size={groups.pp_size}: "
+                         "PCP runs with PP of 1 only")
+    if pcp > 1 and spec is not None and spec.drafter is not None:
+        raise ValueError(f"prefill_context_parallel_size={pcp} with a draft model: the drafter's catch-up prefill "
+                         "is not split over the PCP group; use method 'ngram' or PCP 1")
+
+
 def dp_split(items: list, dp_rank: int, dp_size: int) -> list[int]:
     """Indices of `items` DP rank `dp_rank` serves: round robin, so every replica gets
     the same count +-1 whatever the order."""
     return list(np.arange(dp_rank, len(items), dp_size))
 
 
-__all__ = ["CollectiveError", "ParallelHooks", "dp_split"]
+__all__ = ["CollectiveError", "ParallelHooks", "check_context_parallel", "dp_split"]

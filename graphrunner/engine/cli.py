@@ -74,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("-pcp", "--prefill-context-parallel-size", dest="pcp", type=int, default=1,
+                   help="prefill context-parallel ranks: each prefill's tokens split over them")
+    p.add_argument("-dcp", "--decode-context-parallel-size", dest="dcp", type=int, default=1,
+                   help="decode context-parallel ranks (inside TP): the KV cache sharded over them")
     p.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds before a collective with a dead or stalled rank raises")
     p.add_argument("--launch-timeout", type=float, default=None,
@@ -103,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     _check_device(args.device)
-    world = args.tp * args.pp * args.dp
-    if world < 1 or min(args.tp, args.pp, args.dp) < 1:
-        raise SystemExit(f"graphrunner generate: --tp={args.tp} --pp={args.pp} --dp={args.dp} must all be >= 1")
+    world = args.tp * args.pp * args.dp * args.pcp
+    if world < 1 or min(args.tp, args.pp, args.dp, args.pcp, args.dcp) < 1:
+        raise SystemExit(f"graphrunner generate: --tp={args.tp} --pp={args.pp} --dp={args.dp} -pcp={args.pcp} "
+                         f"-dcp={args.dcp} must all be >= 1")
     if world > 1 and "WORLD_SIZE" not in os.environ:
         from graphrunner.distributed.launch import launch
 
@@ -188,6 +193,8 @@ def _build_llm(args: argparse.Namespace) -> LLM:
             tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp,
             data_parallel_size=args.dp,
+            prefill_context_parallel_size=args.pcp,
+            decode_context_parallel_size=args.dcp,
             collective_timeout_s=args.collective_timeout,
             **speculative_kwargs(args, "graphrunner generate"),
         )
@@ -215,8 +222,10 @@ def _print_summary(
     print(f"device:           {llm.device}")
     print(f"cudagraph mode:   {mode_name}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")
-    if args.tp * args.pp * args.dp > 1:
+    if args.tp * args.pp * args.dp * args.pcp > 1:
         print(f"tensor parallel:  {args.tp}")
+        if args.pcp > 1:
+            print(f"prefill context parallel: {args.pcp}")
         print(f"pipeline stages:  {args.pp}")
         print(f"data parallel:    {args.dp}")
     print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")

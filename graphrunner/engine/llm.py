@@ -86,6 +86,9 @@ class LLM:
             layout; their product must equal WORLD_SIZE (run under torchrun or
             `graphrunner launch`). `device` then names the device type; each rank takes
             cuda:LOCAL_RANK.
+        prefill_context_parallel_size: PCP, vLLM's name: each prefill's tokens split over this
+            many ranks (DualChunkSwap; decodes run whole on each), K/V all-gathered per layer.
+        decode_context_parallel_size, cp_kv_cache_interleave_size: DCP (not wired yet: 1).
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -114,13 +117,19 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        cp_kv_cache_interleave_size: int = 1,
         collective_timeout_s: float = 60.0,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
         parallel = parallel_config(
-            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
         )
         speculative = resolve_speculative_config(speculative_config)
         self._init_distributed(parallel, device, dtype)

@@ -29,21 +29,25 @@ def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
 
 def parallel_config(
     tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
-    async_scheduling: bool,
+    async_scheduling: bool, **context_parallel: int,
 ) -> ParallelConfig:
-    """The `ParallelConfig` of `LLM`'s layout arguments; refuses async scheduling over several processes."""
+    """The `ParallelConfig` of `LLM`'s layout arguments (`context_parallel`: vLLM's
+    prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size);
+    refuses async scheduling over several processes."""
     parallel = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size,
         collective_timeout_s=collective_timeout_s,
+        **context_parallel,
     )
     if async_scheduling and parallel.world_size > 1:
         # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
         # protocol for placeholders; neither is built, so refuse instead of diverging.
         raise ValueError(
             f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
-            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size})"
+            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size}, "
+            f"pcp={parallel.prefill_context_parallel_size})"
         )
     return parallel
 

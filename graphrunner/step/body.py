@@ -43,8 +43,9 @@ class StepBody:
 
     def __init__(self, buffers: StepBuffers, limits: StepLimits, sampler: Sampler, attn_backend: Any,
                  prompt_logprobs: PromptLogprobs, is_last_stage: bool = True,
-                 spec: SpeculativeStep | None = None) -> None:
+                 spec: SpeculativeStep | None = None, pcp: Any = None) -> None:
         self.buffers = buffers
+        self.pcp = pcp  # prefill context parallelism (distributed.pcp_step), None without it
         self.spec = spec  # speculative decoding: verification and drafting inside the step
         self.limits = limits
         self.sampler = sampler
@@ -83,6 +84,8 @@ class StepBody:
                              batch.slot_mapping)
         if self.spec is None:
             compute_logits_indices(batch.query_start_loc, batch.logits_indices)
+        if batch.pcp is not None:  # a PCP split step: this rank's rows of the global batch
+            self.pcp.localize(batch)
 
     def forward(self, batch: InputBatch, piecewise: bool = False) -> Any:
         """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage)."""
@@ -96,9 +99,10 @@ class StepBody:
         args = self.model_args(batch)
         if not self.model.attention_op_enabled:
             return forward(*args)
+        metadata = batch.attn_metadata if batch.pcp is None else batch.pcp.metadata
         # The attention op reads this step's metadata and caches from the context, so
         # that they are not inputs of the compiled pieces.
-        with forward_context(batch.attn_metadata, self.buffers.kv_caches, self.attn_backend):
+        with forward_context(metadata, self.buffers.kv_caches, self.attn_backend):
             return forward(*args)
 
     def forward_and_sample(self, batch: InputBatch, piecewise: bool = False) -> None:
@@ -110,7 +114,7 @@ class StepBody:
             stage.hidden_out[:Tp].copy_(out[0])
             stage.residual_out[:Tp].copy_(out[1])
             return
-        hidden = out  # [T_pad, H]
+        hidden = out if batch.pcp is None else self.pcp.restore(batch, out)  # [T_pad, H] in global order
         if self.prompt_logprobs.active:
             starts = self.buffers.requests.num_computed_np[batch.idx_mapping_np]  # host mirror, not yet advanced
             self.prompt_logprobs.collect(hidden, batch.req_ids, batch.query_lens_np, starts)
@@ -138,6 +142,9 @@ class StepBody:
         """The model's forward arguments (plus the received stage inputs off the first stage)."""
         Tp = batch.num_tokens_padded
         args: tuple = (batch.input_ids, batch.positions, self.buffers.kv_caches, batch.attn_metadata)
+        if batch.pcp is not None:  # a PCP split step runs this rank's rows
+            p = batch.pcp
+            Tp, args = p.num_local_padded, (p.input_ids, p.positions, self.buffers.kv_caches, p.metadata)
         stage = self.buffers.stage
         if stage.hidden_in is not None and stage.residual_in is not None:
             args += (stage.hidden_in[:Tp], stage.residual_in[:Tp])

@@ -14,6 +14,7 @@ last copy (already complete in practice: it is two uploads old).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,6 +113,8 @@ class InputBatch:
     logits_indices: torch.Tensor  # [R_pad] int64
     sampled: torch.Tensor  # [R_pad] int32
     attn_metadata: AttentionMetadata
+    # Prefill context parallelism: this rank's side of a split step (pcp_step.PCPBatch), else None.
+    pcp: Any = None
 
     @classmethod
     def from_buffers(

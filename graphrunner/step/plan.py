@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
+from capture.modes import CUDAGraphMode
 from graphrunner.async_output import OutputLayout
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import SchedulerOutput
@@ -72,8 +74,9 @@ class StepPlanner:
     """Order, dispatch and upload of each step; the steady-decode plan cache."""
 
     def __init__(self, state: StateStore, inputs: InputBuffers, graphs: StepGraphs, limits: StepLimits,
-                 dispatch: Dispatch, reuse_plans: bool) -> None:
+                 dispatch: Dispatch, reuse_plans: bool, pcp: Any = None) -> None:
         self.state = state
+        self.pcp = pcp  # prefill context parallelism (distributed.pcp_step), None without it
         self.inputs = inputs
         self.graphs = graphs
         self.limits = limits
@@ -133,16 +136,22 @@ class StepPlanner:
         eager = needs_eager(req_ids)
         if eager:
             uniform = None  # and no decode plan
-        desc = self.dispatch(num_reqs, num_tokens, uniform, eager)
+        requests = self.state.requests
+        # PCP: a step with a prefill runs T_local tokens per rank; dispatch by those.
+        part = self.pcp.partition(query_lens, requests.num_computed_np[idx_mapping]) if self.pcp else None
+        desc = self.dispatch(num_reqs, num_tokens if part is None else part.num_local_tokens, uniform, eager)
+        if part is not None and desc.is_full:  # split steps: PIECEWISE or eager (pcp_step docstring)
+            desc = BatchExecutionDescriptor(CUDAGraphMode.NONE, part.num_local_tokens, num_reqs)
         # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (docs/architecture.md §4).
         num_reqs_padded = desc.num_reqs if desc.is_full and desc.num_reqs is not None else num_reqs
-        requests = self.state.requests
         self.inputs.upload(idx_mapping, query_lens, num_reqs_padded, requests.scratch_row)
         max_seq_len = int((requests.num_computed_np[idx_mapping] + query_lens).max())
         batch = InputBatch.from_buffers(
-            self.inputs, req_ids, idx_mapping, query_lens, num_reqs_padded, desc.num_tokens,
-            self.state.sampling.features(idx_mapping), max_seq_len,
+            self.inputs, req_ids, idx_mapping, query_lens, num_reqs_padded,
+            desc.num_tokens if part is None else num_tokens, self.state.sampling.features(idx_mapping), max_seq_len,
         )
+        if part is not None:
+            self.pcp.bind(batch, part, desc.num_tokens)
         self.plan = self._new_plan(req_ids, idx_mapping, query_lens, desc, batch) if uniform is not None else None
         return batch, desc
 
