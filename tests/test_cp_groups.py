@@ -91,13 +91,3 @@ def test_a_gloo_world_builds_the_context_parallel_groups():
         pcp = next(g for g in layout["pcp"] if rank in g)
         assert info["pcp"] == pcp and info["sum"] == float(sum(pcp)) and info["pcp_rank"] == pcp.index(rank)
         assert info["dcp"] == next(g for g in layout["dcp"] if rank in g) == info["tp"]
-
-
-def test_the_runner_refuses_context_parallelism_until_the_step_splits_work():
-    from graphrunner.distributed.groups import ParallelGroup, ParallelGroups
-    from graphrunner.distributed.runner_hooks import ParallelHooks
-
-    groups = ParallelGroups.single()
-    groups.pcp = ParallelGroup("pcp", [0, 1], 0)
-    with pytest.raises(ValueError, match="prefill_context_parallel_size=2.*not wired into the step yet"):
-        ParallelHooks(groups, max_num_reqs=4, num_rows=5, device=groups.device)

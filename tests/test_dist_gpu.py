@@ -33,9 +33,10 @@ def _gpus() -> int:
 def _run(tmp_path, tp: int, pp: int, dp: int, mode: str = "FULL_AND_PIECEWISE") -> dict:
     from graphrunner.distributed.launch import launch
 
-    out = tmp_path / f"tp{tp}_pp{pp}_dp{dp}_{mode}.json"
+    out = tmp_path / f"tp{tp}_pp{pp}_dp{dp}_{mode.replace(':', '_')}.json"
     cmd = [sys.executable, "-m", "tests.test_dist_gpu", "--worker", str(tp), str(pp), str(dp), mode, str(out)]
-    status = launch(cmd, tp * pp * dp, timeout=WORKER_TIMEOUT_S)
+    pcp = int(mode.split(PCP_SUFFIX)[1]) if PCP_SUFFIX in mode else 1
+    status = launch(cmd, tp * pp * dp * pcp, timeout=WORKER_TIMEOUT_S)
     assert status == 0, f"tp={tp} pp={pp} dp={dp}: launcher exit status {status} (124 = timeout/hang)"
     return json.loads(out.read_text())
 
@@ -80,19 +81,35 @@ def test_speculative_decoding_under_parallelism_matches_one_gpu(reference, tmp_p
     assert info["captured"] and info["tokens"] == reference
 
 
-SPEC_SUFFIX = ":ngram3"  # a mode argument ending in it turns n-gram speculation (k = 3) on
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE:ngram3"], ids=["plain", "ngram3"])
+def test_prefill_context_parallel_matches_one_gpu(reference, tmp_path, mode: str) -> None:
+    """PCP2: prefills split DualChunkSwap over two GPUs (K/V all-gathered over NCCL in the
+    attention op between PIECEWISE pieces), decodes in FULL graphs on both; one GPU's tokens."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    info = _run(tmp_path, 1, 1, 1, mode + PCP_SUFFIX + "2")
+    assert info["captured"] and info["split_steps"] > 0 and info["tokens"] == reference
+
+
+SPEC_SUFFIX = ":ngram3"  # a mode argument with it turns n-gram speculation (k = 3) on
+PCP_SUFFIX = ":pcp"  # a mode argument ending in it and a size runs prefill context parallelism
 
 
 def _worker(tp: int, pp: int, dp: int, mode: str, out_path: str) -> None:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
-    spec = None
+    spec, pcp = None, 1
+    if PCP_SUFFIX in mode:
+        mode, size = mode.split(PCP_SUFFIX)
+        pcp = int(size)
     if mode.endswith(SPEC_SUFFIX):
         mode, spec = mode.removesuffix(SPEC_SUFFIX), {"method": "ngram", "num_speculative_tokens": 3}
     llm = LLM(
         "builtin:tiny-llama", dtype="float32", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        data_parallel_size=dp, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_kv_blocks=128,
+        data_parallel_size=dp, prefill_context_parallel_size=pcp,
+        max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_kv_blocks=128,
         enforce_eager=False, cudagraph_mode=mode, collective_timeout_s=120.0, seed=5, speculative_config=spec,
     )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
@@ -101,6 +118,7 @@ def _worker(tp: int, pp: int, dp: int, mode: str, out_path: str) -> None:
         "tokens": [o.token_ids for o in outs],
         "captured": bool(llm.runner.graphs.captured),
         "mode": llm.runner.graphs.mode.name,
+        "split_steps": llm.runner.body.pcp.num_split_steps if llm.runner.body.pcp is not None else 0,
     }
     rank = llm.groups.rank
     llm.shutdown()  # graphs and pool, then the process groups: must not hang

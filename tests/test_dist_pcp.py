@@ -85,3 +85,31 @@ def test_pcp3_matches_one_process(case) -> None:
     for rank, info in enumerate(infos):
         assert info["split_steps"] > 0
         assert info["tokens"] == reference["tokens"], f"rank {rank}"
+
+
+def test_pcp2_with_ngram_speculation_matches_one_process(case) -> None:
+    """Verification entries (1 + k tokens) run whole on both ranks inside split steps."""
+    extra, reference = case
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}
+    infos = run_world(2, _generate, 2, {**extra, **spec}, timeout_s=180)
+    for rank, info in enumerate(infos):
+        assert info["split_steps"] > 0
+        assert info["tokens"] == reference["tokens"], f"rank {rank}"
+
+
+def test_pcp_refuses_what_it_does_not_run() -> None:
+    from graphrunner.distributed.groups import ParallelGroup, ParallelGroups
+    from graphrunner.distributed.runner_hooks import check_context_parallel
+
+    def groups(pp: int = 1, dcp: int = 1) -> ParallelGroups:
+        g = ParallelGroups.single()
+        g.pcp = ParallelGroup("pcp", [0, 1], 0)
+        g.pp = ParallelGroup("pp", list(range(pp)), 0)
+        g.dcp = ParallelGroup("dcp", list(range(dcp)), 0)
+        return g
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        check_context_parallel(groups(pp=2), None)
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        check_context_parallel(groups(dcp=2), None)
+    check_context_parallel(groups(), None)  # PCP alone is served
