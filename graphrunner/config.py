@@ -171,8 +171,8 @@ class ParallelConfig:
     prefill's tokens across that many more ranks; `decode_context_parallel_size` (DCP) shards
     the KV cache along the sequence across ranks of a TP group (it adds no ranks), interleaved
     in units of `cp_kv_cache_interleave_size` tokens. DCP must divide the TP size; a model
-    check (`check_decode_context_parallel`) adds that the ranks of a DCP group must hold the
-    same KV heads. collective_timeout_s bounds every collective of the process groups: a
+    check (`check_decode_context_parallel`) adds that the T / D groups must divide the KV
+    heads. collective_timeout_s bounds every collective of the process groups: a
     killed or stalled rank makes the others raise after at most this long instead of hanging.
     """
 
@@ -204,20 +204,24 @@ class ParallelConfig:
         return (self.tensor_parallel_size * self.prefill_context_parallel_size * self.pipeline_parallel_size
                 * self.data_parallel_size)
 
-    def check_decode_context_parallel(self, num_key_value_heads: int) -> None:
-        """DCP's model rule: the ranks of a DCP group hold the same KV heads (each keeps a
-        shard of their sequence), so DCP must divide the TP ranks that share a KV head,
-        tensor_parallel_size // num_key_value_heads."""
-        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+    def check_decode_context_parallel(self, num_key_value_heads: int, block_size: int | None = None) -> None:
+        """DCP's model rule. A DCP group is D consecutive TP ranks that compute and hold the same
+        KV heads (the K/V projection is sharded over the T / D groups, not over all T ranks), each
+        rank keeping every D-th run of `cp_kv_cache_interleave_size` tokens; so T / D must divide
+        num_key_value_heads. The interleave must divide the block size, so that one block of each
+        rank serves `block_size * D` consecutive positions."""
+        tp, dcp, interleave = self.tensor_parallel_size, self.decode_context_parallel_size, \
+            self.cp_kv_cache_interleave_size
         if dcp == 1:
             return
-        share = tp // num_key_value_heads if tp >= num_key_value_heads else 0
-        if share == 0 or share % dcp:
+        groups = tp // dcp
+        if num_key_value_heads % groups:
             raise ValueError(
-                f"decode_context_parallel_size={dcp} needs DCP groups of TP ranks that hold the same KV heads: "
-                f"with tensor_parallel_size={tp} and num_key_value_heads={num_key_value_heads}, "
-                f"{max(share, 1)} rank(s) share each KV head, which {dcp} must divide"
+                f"decode_context_parallel_size={dcp} with tensor_parallel_size={tp} shards the KV heads over "
+                f"{groups} DCP group(s), which must divide num_key_value_heads={num_key_value_heads}"
             )
+        if block_size is not None and block_size % interleave:
+            raise ValueError(f"cp_kv_cache_interleave_size={interleave} must divide block_size={block_size}")
 
 
 @dataclass(frozen=True)
@@ -353,9 +357,25 @@ class RunnerConfig:
                 f"max_position_embeddings={limit}"
             )
 
+    def kv_heads_per_rank(self) -> int:
+        """KV heads one rank computes and caches: num_key_value_heads over the K/V shards (the TP
+        ranks; under DCP the TP / DCP groups). ValueError naming the sizes when they do not divide."""
+        p, heads = self.parallel, self.model.num_key_value_heads
+        p.check_decode_context_parallel(heads, self.cache.block_size)
+        shards = p.tensor_parallel_size // p.decode_context_parallel_size
+        if heads % shards:
+            raise ValueError(f"num_key_value_heads={heads} is not divisible by tensor_parallel_size={shards}")
+        return heads // shards
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions of a request one KV block serves: block_size, times D under DCP (each of
+        the D ranks keeps its share of those positions in a block of its own)."""
+        return self.cache.block_size * self.parallel.decode_context_parallel_size
+
     @property
     def max_num_blocks_per_req(self) -> int:
-        return -(-self.scheduler.max_model_len // self.cache.block_size)
+        return -(-self.scheduler.max_model_len // self.tokens_per_block)
 
     def replace(self, **changes: Any) -> RunnerConfig:
         return dataclasses.replace(self, **changes)

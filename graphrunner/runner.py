@@ -31,6 +31,7 @@ from capture.report import CaptureReport
 from graphrunner.async_output import AsyncOutput, OutputRing
 from graphrunner.attention import get_attention_backend
 from graphrunner.config import RunnerConfig, resolve_dtype
+from graphrunner.distributed.dcp_attention import wrap_for_dcp
 from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.runner_hooks import ParallelHooks
@@ -80,11 +81,7 @@ class ModelRunner:
                     "(graphrunner.distributed.init_distributed)"
                 )
             groups = ParallelGroups.single(config.parallel, device)
-        if config.model.num_key_value_heads % groups.tp_size:
-            raise ValueError(
-                f"num_key_value_heads={config.model.num_key_value_heads} is not divisible by "
-                f"tensor_parallel_size={groups.tp_size}"
-            )
+        self.num_kv_heads_local = config.kv_heads_per_rank()  # ValueError naming the sizes if they do not divide
         self.groups = groups
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -97,9 +94,9 @@ class ModelRunner:
             max_model_len=sched.max_model_len, block_size=config.cache.block_size,
             max_num_blocks_per_req=config.max_num_blocks_per_req, vocab_size=config.model.vocab_size,
             uniform_decode_query_len=1 + config.speculative.num_speculative_tokens,
+            tokens_per_block=config.tokens_per_block,
         )
         self.eos_token_ids: tuple[int, ...] = tuple(config.model.eos_token_id)
-        self.num_kv_heads_local = config.model.num_key_value_heads // groups.tp_size
 
         L = self.limits
         self.state = StateStore(L.max_num_reqs, L.max_model_len, L.vocab_size, self.eos_token_ids, config.seed,
@@ -118,10 +115,11 @@ class ModelRunner:
         self.parallel = ParallelHooks(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
                                       device=self.device, spec=spec)
         self.state.on_row_freed.append(self.parallel.on_row_freed)
-        self.attn_backend = get_attention_backend(self.device)
+        self.attn_backend = wrap_for_dcp(get_attention_backend(self.device), groups)  # DCP: KV sharded in the group
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
-                             is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp)
+                             is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp,
+                             dcp=getattr(self.attn_backend, "layout", None))
         self.output_ring = OutputRing(self.device)  # pinned slots + copy stream of async outputs
         self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
                                    self.state.requests, self.buffers.spec)

@@ -63,10 +63,12 @@ def test_configuration_rules_name_the_value():
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=1.5 must be an int >= 1"):
         ParallelConfig(cp_kv_cache_interleave_size=1.5)  # type: ignore[arg-type]
     ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2).check_decode_context_parallel(2)
-    with pytest.raises(ValueError, match="1 rank\\(s\\) share each KV head, which 2 must divide"):
-        ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2).check_decode_context_parallel(4)
-    with pytest.raises(ValueError, match="num_key_value_heads=8"):
-        ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4).check_decode_context_parallel(8)
+    ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).check_decode_context_parallel(8, 16)
+    with pytest.raises(ValueError, match="over 2 DCP group\\(s\\), which must divide num_key_value_heads=3"):
+        ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2).check_decode_context_parallel(3)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=32 must divide block_size=16"):
+        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                       cp_kv_cache_interleave_size=32).check_decode_context_parallel(8, 16)
 
 
 def _groups_of(rank: int, world: int) -> dict:

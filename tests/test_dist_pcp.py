@@ -110,6 +110,6 @@ def test_pcp_refuses_what_it_does_not_run() -> None:
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         check_context_parallel(groups(pp=2), None)
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2: use one kind"):
         check_context_parallel(groups(dcp=2), None)
     check_context_parallel(groups(), None)  # PCP alone is served

@@ -66,6 +66,7 @@ def paged_attention_torch(
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place
     out_lse: torch.Tensor | None = None,  # [T, H] fp32, written in place if given
+    dcp: tuple[int, int, int] | None = None,  # (size, rank, interleave): the cache holds this rank's share
 ) -> torch.Tensor:
     """Attend every real query token to its request's cached keys (causal), in fp32.
 
@@ -87,23 +88,34 @@ def paged_attention_torch(
         query_len = q1 - q0
         if query_len <= 0:
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = metadata.block_table[b, :num_blocks].long()
-        # k, v: [seq_len, Hkv, D] -> [H, seq_len, D] (query head h reads kv head h // group)
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        key_pos = _key_positions(seq_len, dcp, q.device)  # [n_keys]: global position of each cached key
+        n_keys = len(key_pos)
+        blocks = metadata.block_table[b, : -(-n_keys // block_size)].long()
+        # k, v: [n_keys, Hkv, D] -> [H, n_keys, D] (query head h reads kv head h // group)
+        k = kv_cache[0, blocks].flatten(0, 1)[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = kv_cache[1, blocks].flatten(0, 1)[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
         qr = q[q0:q1].float().transpose(0, 1)  # [H, query_len, D]
-        scores = torch.matmul(qr, k.transpose(1, 2)) * scale  # [H, query_len, seq_len]
+        scores = torch.matmul(qr, k.transpose(1, 2)) * scale  # [H, query_len, n_keys]
         pos = torch.arange(query_len, device=q.device).view(-1, 1) + (seq_len - query_len)
-        visible = torch.arange(seq_len, device=q.device).view(1, -1) <= pos  # [query_len, seq_len]
+        visible = key_pos.view(1, -1) <= pos  # [query_len, n_keys]
         masked = scores.masked_fill(~visible, float("-inf"))
         probs = masked.softmax(dim=-1)
-        if seq_len < query_len:  # the first rows see no key: softmax gave NaN, the output is 0
+        if seq_len < query_len or dcp is not None:  # rows that see no key: softmax gave NaN, the output is 0
             probs = probs.nan_to_num(0.0)
         out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
         if out_lse is not None:
             out_lse[q0:q1] = torch.logsumexp(masked, dim=-1).transpose(0, 1)  # -inf where no key is visible
     return out
+
+
+def _key_positions(seq_len: int, dcp: tuple[int, int, int] | None, device: torch.device) -> torch.Tensor:
+    """Global positions of the cached keys of a sequence of `seq_len` tokens, in cache order:
+    all of them, or under DCP this rank's interleaved share (graphrunner.kernels.dcp)."""
+    positions = torch.arange(seq_len, device=device)
+    if dcp is None:
+        return positions
+    size, rank, interleave = dcp
+    return positions[(positions // interleave) % size == rank]
 
 
 class WriteThenAttendBackend:
@@ -133,7 +145,7 @@ class WriteThenAttendBackend:
             out = torch.empty_like(q)
         return self.attend(q, kv_cache, metadata, scale, out, out_lse)
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -142,5 +154,5 @@ class TorchReferenceBackend(WriteThenAttendBackend):
 
     name = "torch"
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
-        return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse)
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
+        return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse, dcp)

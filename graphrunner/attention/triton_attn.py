@@ -90,6 +90,9 @@ if HAS_TRITON:
         num_tokens,
         block_size,
         qk_scale,  # softmax scale * log2(e)
+        dcp_size,  # decode context parallelism (IS_DCP): the cache holds this rank's share of each sequence
+        dcp_rank,
+        dcp_interleave,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -114,6 +117,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         COMPUTE_FP32: tl.constexpr,
         STORE_LSE: tl.constexpr,
+        IS_DCP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -130,6 +134,10 @@ if HAS_TRITON:
         tile_end = tl.minimum(tok0 + BLOCK_Q, q_end)
         # Keys visible to the tile's last token (<= 0 for an empty tile or padding).
         kv_hi = tl.maximum(seq_len - q_end + tile_end, 0)
+        if IS_DCP:  # global positions -> this rank's local key count (graphrunner.kernels.dcp layout)
+            span = dcp_interleave * dcp_size
+            kv_hi = (kv_hi // span) * dcp_interleave + tl.minimum(
+                tl.maximum(kv_hi % span - dcp_rank * dcp_interleave, 0), dcp_interleave)
         if NUM_SPLITS > 1:
             chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
             kv_lo = split * chunk
@@ -177,7 +185,12 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * qk_scale  # s: [BLOCK_M, BLOCK_N], log2 domain
-            visible = (n[None, :] < row_lim[:, None]) & n_ok[None, :]
+            if IS_DCP:  # local key n sits at global position gpos
+                gpos = (n // dcp_interleave) * (dcp_interleave * dcp_size) + dcp_rank * dcp_interleave \
+                    + n % dcp_interleave
+                visible = (gpos[None, :] < row_lim[:, None]) & n_ok[None, :]
+            else:
+                visible = (n[None, :] < row_lim[:, None]) & n_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -307,6 +320,7 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dcp: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
 
@@ -316,7 +330,9 @@ def paged_attention_triton(
     log-sum-exp of the scaled scores over the keys it saw (-inf for none: padded tokens,
     rows before a request's first key). The keyword arguments override
     `attention_launch_plan` (tests, tuning); they must stay fixed for a captured graph.
-    Works on CPU tensors under TRITON_INTERPRET=1.
+    `dcp` = (size, rank, interleave): the cache holds only this DCP rank's tokens (local
+    positions, graphrunner.kernels.dcp); `seq_lens` stay global and each key is masked by
+    its global position. Works on CPU tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
@@ -362,6 +378,7 @@ def paged_attention_triton(
         num_tokens,
         block_size,
         scale * _LOG2E,
+        *(dcp if dcp is not None else (1, 0, 1)),
         *q.stride(),
         *out.stride(),
         *lse_strides,
@@ -377,6 +394,7 @@ def paged_attention_triton(
         NUM_SPLITS=splits,
         COMPUTE_FP32=compute_fp32,
         STORE_LSE=store_lse,
+        IS_DCP=dcp is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -409,8 +427,8 @@ class TritonPagedAttentionBackend(WriteThenAttendBackend):
         if not HAS_TRITON:
             raise RuntimeError("TritonPagedAttentionBackend needs triton, which failed to import")
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None) -> torch.Tensor:
-        return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse)
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
+        return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse, dcp=dcp)
 
 
 __all__ = ["TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]

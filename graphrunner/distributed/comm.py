@@ -69,17 +69,26 @@ class TPComm:
     `group_name` is the torch name of the TP device group ("" for a group of one).
     """
 
-    def __init__(self, size: int = 1, rank: int = 0, group_name: str = "") -> None:
+    def __init__(self, size: int = 1, rank: int = 0, group_name: str = "", dcp_size: int = 1) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"tp rank={rank} must be in [0, size={size})")
         if size > 1 and not group_name:
             raise ValueError(f"TPComm with size={size} needs the TP device group's name")
+        if size % dcp_size:
+            raise ValueError(f"decode_context_parallel_size={dcp_size} must divide the TP size {size}")
         self.size, self.rank, self.group_name = size, rank, group_name
+        # DCP: the K/V heads are sharded over size // dcp_size groups of dcp_size ranks each.
+        self.dcp_size = dcp_size
+
+    @property
+    def kv_shards(self) -> tuple[int, int]:
+        """(number of K/V head shards, this rank's shard): one per DCP group."""
+        return self.size // self.dcp_size, self.rank // self.dcp_size
 
     @classmethod
     def from_groups(cls, groups) -> TPComm:
         """From a `ParallelGroups` (its TP group)."""
-        return cls(groups.tp_size, groups.tp_rank, groups.tp.device_group_name)
+        return cls(groups.tp_size, groups.tp_rank, groups.tp.device_group_name, groups.dcp_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -94,7 +103,7 @@ class TPComm:
         return g.permute(1, 0, 2).reshape(x.shape[0], self.size * x.shape[1])
 
     def __repr__(self) -> str:
-        return f"TPComm(size={self.size}, rank={self.rank}, group={self.group_name!r})"
+        return f"TPComm(size={self.size}, rank={self.rank}, group={self.group_name!r}, dcp_size={self.dcp_size})"
 
 
 __all__ = ["TPComm", "tp_all_gather", "tp_all_reduce"]

@@ -240,11 +240,13 @@ class ParallelHooks:
 
 def check_context_parallel(groups: ParallelGroups, spec: SpeculativeStep | None) -> None:
     """Refuse the context-parallel combinations the step does not run (ValueError naming them)."""
-    pcp = groups.pcp_size
-    if groups.dcp_size > 1:
-        # The DCP groups and kernels exist (groups.py, kernels/dcp.py); the step does not shard KV over them yet.
-        raise ValueError(f"decode_context_parallel_size={groups.dcp_size}: decode context parallelism is not "
-                         "wired into the step yet; use 1")
+    pcp, dcp = groups.pcp_size, groups.dcp_size
+    if pcp > 1 and dcp > 1:
+        raise ValueError(f"prefill_context_parallel_size={pcp} with decode_context_parallel_size={dcp}: "
+                         "use one kind of context parallelism at a time")
+    if dcp > 1 and spec is not None and spec.drafter is not None:
+        raise ValueError(f"decode_context_parallel_size={dcp} with a draft model: the drafter's KV is not "
+                         "sharded; use method 'ngram' or DCP 1")
     if pcp > 1 and groups.pp_size > 1:
         raise ValueError(f"prefill_context_parallel_size={pcp} with pipeline_parallel_size={groups.pp_size}: "
                          "PCP runs with PP of 1 only")

@@ -211,7 +211,7 @@ class LLM:
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             max_model_len=self.runner.max_model_len,
-            block_size=self.config.cache.block_size,
+            block_size=self.config.tokens_per_block,  # under DCP a block serves block_size x D positions
             num_blocks=self.runner.num_kv_blocks,
             enable_chunked_prefill=True,
             vocab_size=self.runner.vocab_size,

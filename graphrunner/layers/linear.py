@@ -102,7 +102,12 @@ class ColumnLinear(_LinearBase):
 
 
 class QKVLinear(ColumnLinear):
-    """Fused q|k|v projection: output [T, (H + 2 * Hkv) * D] on one rank, heads split across ranks."""
+    """Fused q|k|v projection: output [T, (H + 2 * Hkv) * D] on one rank, heads split across ranks.
+
+    q heads are split over the `tp_size` ranks. k/v heads are split over `kv_tp_size` shards
+    (default: the TP ranks); decode context parallelism passes T / D, so that the D ranks of a
+    DCP group compute and hold the same KV heads (`kv_tp_rank` = tp_rank // D).
+    """
 
     def __init__(
         self,
@@ -116,21 +121,34 @@ class QKVLinear(ColumnLinear):
         device=None,
         tp_size: int = 1,
         tp_rank: int = 0,
+        kv_tp_size: int | None = None,
+        kv_tp_rank: int | None = None,
     ) -> None:
-        # KV heads are split, not replicated: tp_size must divide num_kv_heads.
+        self.kv_tp_size = tp_size if kv_tp_size is None else kv_tp_size
+        self.kv_tp_rank = tp_rank if kv_tp_rank is None else kv_tp_rank
+        # KV heads are split, not replicated: kv_tp_size must divide num_kv_heads.
         self.num_heads = _split(num_heads, tp_size, "num_heads")
-        self.num_kv_heads = _split(num_kv_heads, tp_size, "num_kv_heads")
+        self.num_kv_heads = _split(num_kv_heads, self.kv_tp_size, "num_kv_heads")
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim  # per rank
-        out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank)
+        self.in_features, self.out_features = hidden_size, (num_heads + 2 * num_kv_heads) * head_dim
+        _LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype,
+                             device=device, tp_size=tp_size, tp_rank=tp_rank)
 
     def _shard_layout(self, shard_id) -> tuple[int, int, int]:
-        q, kv, t = self.q_size, self.kv_size, self.tp_size
-        layout = {"q": (q * t, 0, q), "k": (kv * t, q, kv), "v": (kv * t, q + kv, kv)}
+        q, kv = self.q_size, self.kv_size
+        layout = {"q": (q * self.tp_size, 0, q), "k": (kv * self.kv_tp_size, q, kv),
+                  "v": (kv * self.kv_tp_size, q + kv, kv)}
         if shard_id not in layout:
             raise ValueError(f"QKVLinear shard must be one of {sorted(layout)}, got {shard_id!r}")
         return layout[shard_id]
+
+    @torch.no_grad()
+    def load_shard(self, param: str, tensor: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of the full HF q/k/v `tensor` into the slice of `shard_id`."""
+        _, offset, size = self._shard_layout(shard_id)
+        rank = self.tp_rank if shard_id == "q" else self.kv_tp_rank
+        self._param(param).narrow(0, offset, size).copy_(tensor.narrow(0, rank * size, size))
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q+2kv] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] (views of `qkv`)."""

@@ -72,6 +72,8 @@ class Attention(nn.Module):
             device=device,
             tp_size=tp.size,
             tp_rank=tp.rank,
+            kv_tp_size=tp.kv_shards[0],
+            kv_tp_rank=tp.kv_shards[1],
         )
         # Heads of this TP rank.
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d

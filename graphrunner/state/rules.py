@@ -40,7 +40,7 @@ class Rule:
 def token_limit(held: Any, limits: StepLimits) -> Any:
     """The most tokens a request holding `held` blocks may reach: the bound that the
     `max_model_len` and `blocks_held` rules together put on `computed + n`."""
-    return np.minimum(np.asarray(held, dtype=np.int64) * limits.block_size, limits.max_model_len)
+    return np.minimum(np.asarray(held, dtype=np.int64) * limits.tokens_per_block, limits.max_model_len)
 
 
 AT_LEAST_ONE_TOKEN = Rule(
@@ -60,9 +60,9 @@ DECODE_LENGTH = Rule(
     f"request {rid!r}: a decode step takes 1 token plus at most num_speculative_tokens="
     f"{L.uniform_decode_query_len - 1} draft slots, got {r.n}")
 BLOCKS_HELD = Rule(
-    "blocks_held", lambda r, L: r.computed + r.n > np.asarray(r.held, dtype=np.int64) * L.block_size,
+    "blocks_held", lambda r, L: r.computed + r.n > np.asarray(r.held, dtype=np.int64) * L.tokens_per_block,
     lambda rid, r, L: f"request {rid!r}: {r.computed + r.n} tokens need "
-                      f"{-(-(r.computed + r.n) // L.block_size)} blocks, it holds {r.held}")
+                      f"{-(-(r.computed + r.n) // L.tokens_per_block)} blocks, it holds {r.held}")
 
 # Checked in this order for each scheduled request: the reference raises the first.
 SCHEDULED_RULES: tuple[Rule, ...] = (AT_LEAST_ONE_TOKEN, MAX_MODEL_LEN, CHUNK_WITHIN_KNOWN, DECODE_LENGTH, BLOCKS_HELD)

@@ -18,6 +18,7 @@ import numpy as np
 
 from graphrunner.attention.op import forward_context
 from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.kernels.dcp import dcp_slot_mapping
 from graphrunner.kernels.input_prep import (
     compute_logits_indices,
     post_update,
@@ -43,8 +44,10 @@ class StepBody:
 
     def __init__(self, buffers: StepBuffers, limits: StepLimits, sampler: Sampler, attn_backend: Any,
                  prompt_logprobs: PromptLogprobs, is_last_stage: bool = True,
-                 spec: SpeculativeStep | None = None, pcp: Any = None) -> None:
+                 spec: SpeculativeStep | None = None, pcp: Any = None,
+                 dcp: tuple[int, int, int] | None = None) -> None:
         self.buffers = buffers
+        self.dcp = dcp  # decode context parallelism: (size, rank, interleave) of this rank's KV share
         self.pcp = pcp  # prefill context parallelism (distributed.pcp_step), None without it
         self.spec = spec  # speculative decoding: verification and drafting inside the step
         self.limits = limits
@@ -80,8 +83,12 @@ class StepBody:
         prepare_input_ids(batch.idx_mapping, batch.query_start_loc, batch.positions, s.all_token_ids,
                           s.prefill_len, s.last_sampled, batch.input_ids)
         self.block_tables.gather(batch.idx_mapping, batch.block_table)
-        compute_slot_mapping(batch.block_table, batch.query_start_loc, batch.positions, self.limits.block_size,
-                             batch.slot_mapping)
+        if self.dcp is None:
+            compute_slot_mapping(batch.block_table, batch.query_start_loc, batch.positions, self.limits.block_size,
+                                 batch.slot_mapping)
+        else:  # this rank writes only its share (-1 elsewhere)
+            dcp_slot_mapping(batch.block_table, batch.query_start_loc, batch.positions, self.limits.block_size,
+                             self.dcp[2], self.dcp[0], self.dcp[1], batch.slot_mapping)
         if self.spec is None:
             compute_logits_indices(batch.query_start_loc, batch.logits_indices)
         if batch.pcp is not None:  # a PCP split step: this rank's rows of the global batch
@@ -205,7 +212,8 @@ class StepBody:
         assert bool((slots[T:Tp] == -1).all()), \
             f"padded slots not -1 (a padded row would write KV): {slots[T:Tp].tolist()}"
         limit = self.block_tables.num_kv_blocks * self.limits.block_size
-        assert bool(((slots[:T] >= 0) & (slots[:T] < limit)).all()), f"real slots outside [0, {limit})"
+        low = -1 if self.dcp is not None else 0  # DCP: tokens another rank owns get -1
+        assert bool(((slots[:T] >= low) & (slots[:T] < limit)).all()), f"real slots outside [{low}, {limit})"
 
 
 StepFunction = Callable[[], None]

@@ -121,7 +121,8 @@ def markdown(results: list[dict]) -> str:
         for t in r["ttft"]:
             ref = base.get(t["prompt_len"])
             ratio = f"{ref / t['median_ms']:.2f}x" if ref else "-"
-            lines.append(f"| {r['config']} | {t['prompt_len']} | {t['median_ms']:.1f} | {ratio} | {t['first_tokens']} |")
+            lines.append(f"| {r['config']} | {t['prompt_len']} | {t['median_ms']:.1f} | {ratio} "
+                         f"| {t['first_tokens']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,64 @@
+"""Decode context parallelism end to end on CPU (gloo): tokens equal one process, capacity doubles.
+
+`LLM(tensor_parallel_size=2, decode_context_parallel_size=2)` on two forked gloo processes
+(builtin:tiny-llama, dummy weights): the two ranks of the DCP group compute the same K/V
+heads and each caches every other run of `cp_kv_cache_interleave_size` tokens; attention
+all-gathers the query heads, attends over the local share and merges the partial results
+exactly. The reference is one process with twice the KV blocks: under DCP2 each block
+serves 2 x block_size positions of a request, so half the blocks hold the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_world
+from tests.test_dist_pcp import MAX_TOKENS, PROMPTS
+
+LLM_ARGS = dict(
+    device="cpu", max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128, seed=3, collective_timeout_s=30.0,
+)
+GRAPH_ARGS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 40])
+
+
+def _generate(rank: int, world: int, tp: int, dcp: int, extra: dict) -> dict:
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM("builtin:tiny-llama", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+              **{**LLM_ARGS, **extra})
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    info = {
+        "tokens": [o.token_ids for o in outs],
+        "capacity_tokens": llm.scheduler.num_blocks * llm.config.tokens_per_block,
+        "preemptions": llm.scheduler.num_preemptions,
+        "kv_heads": llm.runner.num_kv_heads_local,
+    }
+    llm.shutdown()
+    return info
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    (info,) = run_world(1, _generate, 1, 1, {"num_kv_blocks": 16}, timeout_s=90)
+    return info
+
+
+@pytest.mark.parametrize("interleave", [1, 2], ids=["interleave1", "interleave2"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_dcp2_matches_one_process_with_half_the_blocks(reference, interleave: int, graphs: bool) -> None:
+    extra = {"num_kv_blocks": 8, "cp_kv_cache_interleave_size": interleave, **(GRAPH_ARGS if graphs else {})}
+    infos = run_world(2, _generate, 2, 2, extra, timeout_s=180)
+    for rank, info in enumerate(infos):
+        assert info["capacity_tokens"] == reference["capacity_tokens"]  # 8 blocks x 32 positions = 16 x 16
+        assert info["kv_heads"] == reference["kv_heads"]  # both ranks hold every KV head (one K/V shard)
+        assert info["tokens"] == reference["tokens"], f"rank {rank}"  # (coarser blocks may preempt differently)
+
+
+def test_dcp2_with_ngram_speculation_matches_one_process(reference) -> None:
+    """Verification queries (1 + k rows) mask each rank's keys by global position."""
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}
+    infos = run_world(2, _generate, 2, 2, {"num_kv_blocks": 8, **spec}, timeout_s=180)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == reference["tokens"], f"rank {rank}"
