@@ -3,6 +3,8 @@ the configuration rules, and the groups of a real gloo world."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,6 +68,18 @@ def test_configuration_rules_name_the_value():
     ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).check_decode_context_parallel(8, 16)
     with pytest.raises(ValueError, match="over 2 DCP group\\(s\\), which must divide num_key_value_heads=3"):
         ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2).check_decode_context_parallel(3)
+    from graphrunner.config import RunnerConfig
+    from graphrunner.models.registry import get_builtin
+
+    def heads(tp: int, dcp: int) -> int:
+        model = dataclasses.replace(get_builtin("builtin:tiny-llama"), num_attention_heads=32,
+                                    num_key_value_heads=8)
+        parallel = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+        return RunnerConfig(model=model, parallel=parallel).kv_heads_per_rank()
+
+    assert heads(2, 1) == 4 and heads(2, 2) == 8 and heads(16, 2) == 1  # DCP lets TP pass the KV heads
+    with pytest.raises(ValueError, match="num_key_value_heads=8 is not divisible by tensor_parallel_size=16"):
+        heads(16, 1)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=32 must divide block_size=16"):
         ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
                        cp_kv_cache_interleave_size=32).check_decode_context_parallel(8, 16)

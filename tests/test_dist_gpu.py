@@ -92,7 +92,20 @@ def test_prefill_context_parallel_matches_one_gpu(reference, tmp_path, mode: str
     assert info["captured"] and info["split_steps"] > 0 and info["tokens"] == reference
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE:ngram3"], ids=["plain", "ngram3"])
+def test_decode_context_parallel_matches_one_gpu(reference, tmp_path, mode: str) -> None:
+    """TP2 x DCP2: both GPUs hold every KV head and half of each sequence; the query all-gather,
+    the sharded attention and the LSE merge run in FULL decode graphs (NCCL captured) and
+    between PIECEWISE pieces; one GPU's tokens."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    info = _run(tmp_path, 2, 1, 1, mode + DCP_SUFFIX + "2")
+    assert info["captured"] and info["tokens"] == reference
+
+
 SPEC_SUFFIX = ":ngram3"  # a mode argument with it turns n-gram speculation (k = 3) on
+DCP_SUFFIX = ":dcp"  # a mode argument ending in it and a size runs decode context parallelism (inside TP)
 PCP_SUFFIX = ":pcp"  # a mode argument ending in it and a size runs prefill context parallelism
 
 
@@ -100,15 +113,18 @@ def _worker(tp: int, pp: int, dp: int, mode: str, out_path: str) -> None:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
-    spec, pcp = None, 1
+    spec, pcp, dcp = None, 1, 1
     if PCP_SUFFIX in mode:
         mode, size = mode.split(PCP_SUFFIX)
         pcp = int(size)
+    if DCP_SUFFIX in mode:
+        mode, size = mode.split(DCP_SUFFIX)
+        dcp = int(size)
     if mode.endswith(SPEC_SUFFIX):
         mode, spec = mode.removesuffix(SPEC_SUFFIX), {"method": "ngram", "num_speculative_tokens": 3}
     llm = LLM(
         "builtin:tiny-llama", dtype="float32", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        data_parallel_size=dp, prefill_context_parallel_size=pcp,
+        data_parallel_size=dp, prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp,
         max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_kv_blocks=128,
         enforce_eager=False, cudagraph_mode=mode, collective_timeout_s=120.0, seed=5, speculative_config=spec,
     )

@@ -24,8 +24,7 @@ def _rank_rows(text: str) -> list[list[str]]:
 
 def test_text_table_of_the_hand_worked_example():
     text = run_text(*BASE, "-pcp", "2")
-    assert "inspection of the split only" in text
-    assert "not wired into the runner's step yet" in text
+    assert "the runner's split" in text and "K/V all-gathered per layer" in text
     assert _rank_rows(text) == [["0", "6", "4", "2", "3", "0,3"], ["1", "6", "5", "1", "12", "1,2"]]
     entries = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
     prefill = next(e for e in entries if e[1] == "prefill")
@@ -40,7 +39,7 @@ def test_text_table_of_the_hand_worked_example():
 def test_json_carries_the_split_under_pcp():
     out = run_json(*BASE, "--prefill-context-parallel-size", "2")
     pcp = out["pcp"]
-    assert pcp["pcp_size"] == 2 and "not wired" in pcp["note"]
+    assert pcp["pcp_size"] == 2 and "the runner's split" in pcp["note"]
     assert [(r["rank"], r["tokens"], r["real_tokens"], r["padding"], r["prefill_work"], r["chunks"])
             for r in pcp["ranks"]] == [(0, 6, 4, 2, 3, [0, 3]), (1, 6, 5, 1, 12, [1, 2])]
     first, *decodes = pcp["entries"]

@@ -88,7 +88,8 @@ class LLM:
             cuda:LOCAL_RANK.
         prefill_context_parallel_size: PCP, vLLM's name: each prefill's tokens split over this
             many ranks (DualChunkSwap; decodes run whole on each), K/V all-gathered per layer.
-        decode_context_parallel_size, cp_kv_cache_interleave_size: DCP (not wired yet: 1).
+        decode_context_parallel_size, cp_kv_cache_interleave_size: DCP, inside TP: the D ranks of
+            a group hold the same KV heads and each caches every D-th run of that many tokens.
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}

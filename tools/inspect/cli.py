@@ -88,8 +88,8 @@ def _register_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-tokens", type=int, default=None, help="tokens in the batch (with --uniform or --num-reqs)")
     p.add_argument("--uniform", type=int, default=None, metavar="Q", help="every request has exactly Q tokens")
     p.add_argument("--prefill-context-parallel-size", "-pcp", dest="pcp_size", type=int, default=1, metavar="P",
-                   help="with P > 1 also show how prefill context parallelism would split the batch per rank "
-                        "(inspection of the split only; PCP is not wired into the step yet)")
+                   help="with P > 1 also show how prefill context parallelism splits the batch per rank "
+                        "(tokens, padding, work, chunks)")
 
 
 def _register_capture(sub: argparse._SubParsersAction) -> None:

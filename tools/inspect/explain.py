@@ -4,7 +4,7 @@ A batch is given either by its query lengths (classified as the runner classifie
 step: uniform with q when every request has exactly q tokens) or by its sizes
 (`num_tokens` with `uniform` q, or with `num_reqs` for a mixed batch). With a prefill
 context parallel size P > 1 it also shows how `PCPPartition` would split the batch across
-the P ranks (inspection only: PCP is not wired into the step yet).
+the P ranks, as the runner splits it.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation, pcp
 
 
 # ---- prefill context parallelism: how the batch would be split across P ranks ----------
-PCP_NOTE = "inspection of the split only: PCP is not wired into the runner's step yet"
+PCP_NOTE = ("the runner's split: each rank runs its tokens (the step is dispatched by them), K/V all-gathered "
+            "per layer; a step of decodes only runs whole on every rank")
 
 
 def check_pcp_size(pcp_size: int) -> int:
@@ -119,8 +120,8 @@ def check_pcp_size(pcp_size: int) -> int:
 class PCPSplit:
     """One batch's `PCPPartition` plus what explain assumed to build it.
 
-    A request of exactly `decode_query_len` tokens is a decode (held whole, duplicated on every
-    rank), as explain classifies a uniform batch; every other request is a prefill chunk, split
+    A request of at most `decode_query_len` tokens is a decode (held whole, duplicated on every
+    rank), as the runner classifies it; every other request is a prefill chunk, split
     DualChunkSwap: rank r takes chunks r and 2P-1-r. No computed context: num_computed = 0.
     """
 
@@ -132,7 +133,7 @@ class PCPSplit:
     @classmethod
     def build(cls, query_lens: Sequence[int], decode_query_len: int, pcp_size: int) -> PCPSplit:
         lens = tuple(int(n) for n in query_lens)
-        dec = tuple(n == decode_query_len for n in lens)
+        dec = tuple(n <= decode_query_len for n in lens)
         part = PCPPartition.build(np.array(lens, dtype=np.int64), np.zeros(len(lens), dtype=np.int64),
                                   np.array(dec, dtype=bool), check_pcp_size(pcp_size), 0)
         return cls(lens, dec, decode_query_len, part)
@@ -193,7 +194,7 @@ def pcp_lines(split: PCPSplit) -> list[str]:
     return [
         "",
         f"prefill context parallel: P = {size} ({PCP_NOTE})",
-        f"a request of q = {split.decode_query_len} tokens is a decode, any other a prefill chunk "
+        f"a request of q <= {split.decode_query_len} tokens is a decode, any other a prefill chunk "
         "(rank r takes chunks r and 2P-1-r); num_computed = 0",
         "",
         text_table(["entry", "kind", "tokens", "chunk len", "padded len", "chunks per rank"], entry_rows,
