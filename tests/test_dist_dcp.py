@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_utils import run_world
-from tests.test_dist_pcp import MAX_TOKENS, PROMPTS
+from tests.test_dist_pcp import MAX_TOKENS, PROMPTS, _close
 
 LLM_ARGS = dict(
     device="cpu", max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128, seed=3, collective_timeout_s=30.0,
@@ -21,16 +21,36 @@ LLM_ARGS = dict(
 GRAPH_ARGS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 40])
 
 
-def _generate(rank: int, world: int, tp: int, dcp: int, extra: dict) -> dict:
+SIX_HEADS = "builtin:tiny-llama-6h"  # 6 query / 3 KV heads: TP3 x DCP3 (tiny-llama's 4 heads do not split in 3)
+
+
+def _register_six_heads() -> None:
+    """Add SIX_HEADS to the built-ins of this (forked) process."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from graphrunner.models import registry
+
+    tiny = registry.BUILTIN_MODELS["builtin:tiny-llama"]
+    six = dataclasses.replace(tiny, name=SIX_HEADS, hidden_size=192, intermediate_size=384, num_attention_heads=6,
+                              num_key_value_heads=3)
+    registry.BUILTIN_MODELS = MappingProxyType({**registry.BUILTIN_MODELS, SIX_HEADS: six})
+
+
+def _generate(rank: int, world: int, tp: int, dcp: int, extra: dict, model: str = "builtin:tiny-llama") -> dict:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
-    llm = LLM("builtin:tiny-llama", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-              **{**LLM_ARGS, **extra})
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    if model == SIX_HEADS:
+        _register_six_heads()
+    llm = LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **{**LLM_ARGS, **extra})
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, prompt_logprobs=1 if i == 3 else None)
+              for i, n in enumerate(MAX_TOKENS)]
     outs = llm.generate(PROMPTS, params)
     info = {
         "tokens": [o.token_ids for o in outs],
+        "prompt_logprobs": [[None if e is None else sorted(e.items()) for e in (o.prompt_logprobs or [])]
+                            for o in outs],
         "capacity_tokens": llm.scheduler.num_blocks * llm.config.tokens_per_block,
         "preemptions": llm.scheduler.num_preemptions,
         "kv_heads": llm.runner.num_kv_heads_local,
@@ -54,6 +74,18 @@ def test_dcp2_matches_one_process_with_half_the_blocks(reference, interleave: in
         assert info["capacity_tokens"] == reference["capacity_tokens"]  # 8 blocks x 32 positions = 16 x 16
         assert info["kv_heads"] == reference["kv_heads"]  # both ranks hold every KV head (one K/V shard)
         assert info["tokens"] == reference["tokens"], f"rank {rank}"  # (coarser blocks may preempt differently)
+        for i, (a, b) in enumerate(zip(info["prompt_logprobs"], reference["prompt_logprobs"], strict=True)):
+            assert _close(a, b), f"rank {rank}: prompt logprobs of prompt {i} differ"
+
+
+def test_dcp3_matches_one_process() -> None:
+    """Three ranks: TP3 x DCP3 over a 6-head model (each rank caches every third position)."""
+    (reference,) = run_world(1, _generate, 1, 1, {"num_kv_blocks": 24}, SIX_HEADS, timeout_s=90)
+    infos = run_world(3, _generate, 3, 3, {"num_kv_blocks": 8, "cp_kv_cache_interleave_size": 2}, SIX_HEADS,
+                      timeout_s=180)
+    for rank, info in enumerate(infos):
+        assert info["capacity_tokens"] == reference["capacity_tokens"] == 384
+        assert info["tokens"] == reference["tokens"], f"rank {rank}"
 
 
 def test_dcp2_with_ngram_speculation_matches_one_process(reference) -> None:
