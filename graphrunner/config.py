@@ -183,8 +183,14 @@ class ParallelConfig:
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
+    # DP replicas of a dense model share no collective: they run independently (False). True keeps
+    # them in lockstep (one CPU all-reduce per step agreeing on the descriptor, dummy steps on idle
+    # replicas), what a model with collectives across the DP group (expert parallelism) needs.
+    data_parallel_lockstep: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel_lockstep, bool):
+            raise ValueError(f"data_parallel_lockstep={self.data_parallel_lockstep!r} must be a bool")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                      "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size"):
             value = getattr(self, name)

@@ -193,7 +193,7 @@ class ModelRunner:
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
         # (num_reqs, num_tokens, uniform q | None, force_eager) -> descriptor, agreed across DP replicas
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, partial(self.parallel.dispatch, graphs),
-                                   reuse_plans=self.groups.dp_size == 1, pcp=self.body.pcp)
+                                   reuse_plans=not self.groups.dp_lockstep, pcp=self.body.pcp)
 
     @torch.inference_mode()
     def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:

@@ -94,3 +94,10 @@ def test_dcp2_with_ngram_speculation_matches_one_process(reference) -> None:
     infos = run_world(2, _generate, 2, 2, {"num_kv_blocks": 8, **spec}, timeout_s=180)
     for rank, info in enumerate(infos):
         assert info["tokens"] == reference["tokens"], f"rank {rank}"
+
+
+def test_dcp2_with_async_scheduling_matches_one_process(reference) -> None:
+    """Async scheduling under TP2 x DCP2: every rank reads its next input token on the device."""
+    infos = run_world(2, _generate, 2, 2, {"num_kv_blocks": 8, "async_scheduling": True}, timeout_s=180)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == reference["tokens"], f"rank {rank}"

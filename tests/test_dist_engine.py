@@ -125,16 +125,33 @@ def test_single_process_needs_no_process_group(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "tp,pp,dp",
-    [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
-    ids=["tp2", "pp2", "dp2"],
+    "tp,pp,dp,lockstep",
+    [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (1, 1, 2, True)],
+    ids=["tp2", "pp2", "dp2", "dp2-lockstep"],
 )
-def test_two_ranks_match_one_process_eager(reference, tp: int, pp: int, dp: int) -> None:
-    infos = run_world(2, _generate, tp, pp, dp, {}, timeout_s=90)
+def test_two_ranks_match_one_process_eager(reference, tp: int, pp: int, dp: int, lockstep: bool) -> None:
+    infos = run_world(2, _generate, tp, pp, dp, {"data_parallel_lockstep": lockstep}, timeout_s=90)
     for rank, info in enumerate(infos):
         assert info["tokens"] == reference, f"rank {rank} (tp={tp} pp={pp} dp={dp})"
-    if dp == 2:  # the replica that finished first kept stepping with dummy steps
-        assert sum(i["dummy_steps"] for i in infos) > 0
+    # Lockstep: the replica that finished first kept stepping with dummy steps; independent: never.
+    assert (sum(i["dummy_steps"] for i in infos) > 0) == (dp == 2 and lockstep)
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])
+def test_async_scheduling_with_tp_and_independent_dp_matches_one_process(reference, tp: int, dp: int) -> None:
+    infos = run_world(2, _generate, tp, 1, dp, {"async_scheduling": True}, timeout_s=90)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == reference, f"rank {rank} (tp={tp} dp={dp}, async)"
+
+
+def test_async_scheduling_refuses_what_it_does_not_run() -> None:
+    from graphrunner.engine.options import parallel_config
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        parallel_config(1, 2, 1, 60.0, True)
+    with pytest.raises(ValueError, match="data_parallel_lockstep=True"):
+        parallel_config(1, 1, 2, 60.0, True, data_parallel_lockstep=True)
+    assert parallel_config(2, 1, 2, 60.0, True, decode_context_parallel_size=2).world_size == 4
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])

@@ -219,6 +219,11 @@ class ParallelGroups:
         return self.dcp.rank_in_group
 
     @property
+    def dp_lockstep(self) -> bool:
+        """DP replicas step together (config.data_parallel_lockstep); else each runs on its own."""
+        return self.dp_size > 1 and self.config.data_parallel_lockstep
+
+    @property
     def is_driver(self) -> bool:
         """TP rank 0 and PP rank 0 of its DP replica: the rank that prints for the replica."""
         return self.tp_rank == 0 and self.pp_rank == 0

@@ -26,8 +26,10 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
   loop is synchronous (one step in flight): step T+1's inputs need step T's tokens. The
   handler's generation counters are still kept (bumped on every freed row), so a deeper
   pipeline (async scheduling) only has to raise the depth.
-* DP: `DPCoordinator` (one CPU all-reduce of every replica's report) gives the agreed
-  descriptor; an idle replica runs a dummy step of it (`idle_step`).
+* DP: replicas of a dense model share no collective, so by default each runs on its own
+  (no per-step exchange, no padding to another replica, no dummy steps). With
+  `data_parallel_lockstep=True` the `DPCoordinator` (one CPU all-reduce of every replica's
+  report) gives the agreed descriptor and an idle replica runs a dummy step of it (`idle_step`).
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ class ParallelHooks:
     # ---- per step: descriptor -------------------------------------------------------
     def dispatch(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None,
                  force_eager: bool = False) -> BatchExecutionDescriptor:
-        """The step's descriptor: local dispatch, then DP agreement (dp_size > 1)."""
-        if self.groups.dp_size == 1:
+        """The step's descriptor: local dispatch, then DP agreement (lockstep DP only)."""
+        if not self.groups.dp_lockstep:
             return graphs.dispatch(num_reqs, num_tokens, uniform, force_eager)
         plan = self._coordinate(graphs, num_reqs, num_tokens, uniform, force_eager)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
@@ -162,9 +164,9 @@ class ParallelHooks:
         return decision.for_rank(self.groups.dp_rank)
 
     def idle_step(self, graphs: StepGraphs, body: StepBody) -> None:
-        """A DP rank with nothing scheduled: join the coordination and run a dummy step of
-        the agreed size, so that every collective inside the step (TP, PP) matches."""
-        if self.groups.dp_size == 1:
+        """A lockstep DP rank with nothing scheduled: join the coordination and run a dummy
+        step of the agreed size, so that every collective inside the step (TP, PP) matches."""
+        if not self.groups.dp_lockstep:
             return
         plan = self._coordinate(graphs, 0, 0, None)
         if plan.skip:

@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--data-parallel-lockstep", action="store_true",
+                   help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
+                        "default: each replica runs on its own")
     p.add_argument("-pcp", "--prefill-context-parallel-size", dest="pcp", type=int, default=1,
                    help="prefill context-parallel ranks: each prefill's tokens split over them")
     p.add_argument("-dcp", "--decode-context-parallel-size", dest="dcp", type=int, default=1,
@@ -195,6 +198,7 @@ def _build_llm(args: argparse.Namespace) -> LLM:
             data_parallel_size=args.dp,
             prefill_context_parallel_size=args.pcp,
             decode_context_parallel_size=args.dcp,
+            data_parallel_lockstep=args.data_parallel_lockstep,
             collective_timeout_s=args.collective_timeout,
             **speculative_kwargs(args, "graphrunner generate"),
         )

@@ -18,9 +18,9 @@ Parallel runs (tensor_parallel_size / pipeline_parallel_size / data_parallel_siz
 are SPMD: every rank, started by torchrun or `graphrunner launch`, constructs the same
 `LLM` and calls the same `generate`. The ranks of one DP replica run identical
 schedulers over identical requests (deterministic), so they agree on every step
-without talking; DP replicas each take a round-robin share of the prompts, step
-together (idle replicas run dummy steps) and gather the outputs, so `generate`
-returns the full, identical result list on every rank.
+without talking; DP replicas each take a round-robin share of the prompts, run on their own
+(with `data_parallel_lockstep=True`: step together, idle replicas running dummy steps)
+and gather the outputs, so `generate` returns the full, identical result list on every rank.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ class LLM:
             many ranks (DualChunkSwap; decodes run whole on each), K/V all-gathered per layer.
         decode_context_parallel_size, cp_kv_cache_interleave_size: DCP, inside TP: the D ranks of
             a group hold the same KV heads and each caches every D-th run of that many tokens.
+        data_parallel_lockstep: False (default): DP replicas run independently (a dense model
+            shares nothing across them); True: they step together, agreeing on each step's
+            descriptor (one CPU all-reduce) with dummy steps on idle replicas.
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -121,6 +124,7 @@ class LLM:
         prefill_context_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
         cp_kv_cache_interleave_size: int = 1,
+        data_parallel_lockstep: bool = False,
         collective_timeout_s: float = 60.0,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         **kwargs: Any,
@@ -131,6 +135,7 @@ class LLM:
             prefill_context_parallel_size=prefill_context_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+            data_parallel_lockstep=data_parallel_lockstep,
         )
         speculative = resolve_speculative_config(speculative_config)
         self._init_distributed(parallel, device, dtype)
@@ -335,10 +340,10 @@ class LLM:
         self.scheduler.abort_after_failure()
 
     def _any_unfinished(self) -> bool:
-        """Whether any DP replica still has work (one tiny CPU all-reduce under DP)."""
+        """Whether this replica (lockstep DP: any replica) still has work (one tiny CPU all-reduce)."""
         local = self.scheduler.has_unfinished_requests()
         group = self.groups.dp.cpu_group
-        if group is None:
+        if group is None or not self.groups.dp_lockstep:
             return local
         import torch.distributed as dist
 
@@ -350,7 +355,8 @@ class LLM:
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         import torch.distributed as dist
         gathered: list[Any] = [None] * self.groups.dp_size
-        dist.all_gather_object(gathered, results, group=self.groups.dp.cpu_group)
+        with self.runner.parallel.exchange("DP gather of the outputs (all-gather over the replicas)"):
+            dist.all_gather_object(gathered, results, group=self.groups.dp.cpu_group)
         merged: dict[str, RequestOutput] = {}
         for part in gathered:
             merged.update(part)
@@ -376,13 +382,13 @@ class LLM:
 
         With async scheduling, the requests whose end became known in it: the output
         resolved in a step is the previous step's. Under DP an idle replica still runs the
-        step (a dummy one): call it only while `_any_unfinished()` says some replica has
-        work, as `generate` does.
+        step (a dummy one) under lockstep DP: call it only while `_any_unfinished()` says
+        some replica has work, as `generate` does.
         """
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
-            if self.groups.dp_size > 1:
+            if self.groups.dp_lockstep:
                 # An empty plan (it still carries the ids of requests finished last step).
                 self.runner.execute_model(self.scheduler.schedule())
                 self.runner.sample_tokens()

@@ -41,15 +41,24 @@ def parallel_config(
         collective_timeout_s=collective_timeout_s,
         **context_parallel,
     )
-    if async_scheduling and parallel.world_size > 1:
-        # PP would need a receive FIFO as deep as the run-ahead and DP an idle-step
-        # protocol for placeholders; neither is built, so refuse instead of diverging.
-        raise ValueError(
-            f"async_scheduling=True needs a single process; got world size {parallel.world_size} "
-            f"(tp={tensor_parallel_size}, pp={pipeline_parallel_size}, dp={data_parallel_size}, "
-            f"pcp={parallel.prefill_context_parallel_size})"
-        )
+    if async_scheduling:
+        check_async_layout(parallel)
     return parallel
+
+
+def check_async_layout(parallel: ParallelConfig) -> None:
+    """Async scheduling runs where every rank of a replica samples the same tokens on its own:
+    TP, DCP, independent DP. PP would need a receive FIFO as deep as the run-ahead, lockstep
+    DP an idle-step protocol for placeholders, PCP exact host counts of decoding rows."""
+    blockers = [f"{name}={value}" for name, value, bad in (
+        ("pipeline_parallel_size", parallel.pipeline_parallel_size, parallel.pipeline_parallel_size > 1),
+        ("prefill_context_parallel_size", parallel.prefill_context_parallel_size,
+         parallel.prefill_context_parallel_size > 1),
+        ("data_parallel_lockstep", True, parallel.data_parallel_lockstep and parallel.data_parallel_size > 1),
+    ) if bad]
+    if blockers:
+        raise ValueError(f"async_scheduling=True does not run with {', '.join(blockers)} yet; it runs with "
+                         "tensor_parallel_size, decode_context_parallel_size and independent data parallelism")
 
 
 def resolve_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig:

@@ -12,7 +12,8 @@ NCCL), every rank running the engine (SPMD), with FULL graphs for the decode ste
   per stage, the time spent waiting for the previous stage's hidden states (recv) and,
   on the first stage, for the last stage's sampled tokens (synchronised before/after,
   so this pass's step time is a little higher than the plain one).
-* dp2 waste: two DP replicas, a skewed workload (replica 0 gets requests with many
+* dp2 / dp2lock: two DP replicas, independent (the default) or in lockstep, a skewed
+  workload (replica 0 gets requests with many
   more tokens to generate); per step the DP decision's executed tokens (padded, plus
   the idle replica's dummy steps) over real tokens.
 
@@ -122,8 +123,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     kind = args.worker
-    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}[kind]
-    model = args.dp_model if kind == "dp2" else args.model
+    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2), "dp2lock": (1, 1, 2)}[kind]
+    model = args.dp_model if kind.startswith("dp2") else args.model
     start = time.perf_counter()
     llm = _llm(args, tp, pp, dp, model)
     result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
@@ -142,14 +143,16 @@ def worker(args) -> None:
             every: list = [None] * llm.groups.world_size
             dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
             result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
-    if kind == "dp2":
+    if kind.startswith("dp2"):
         from graphrunner.protocol import SamplingParams
 
-        real = run = steps = 0
+        real = run = steps = executed = 0
         per_step = []
 
-        def record(_s, _desc, decision):
-            nonlocal real, run, steps
+        def record(_s, desc, decision):
+            nonlocal real, run, steps, executed
+            if desc is not None:
+                executed += desc.num_tokens  # this replica's padded tokens (dummy steps included)
             if decision is not None and not decision.skip:
                 real += decision.total_real_tokens
                 run += decision.total_run_tokens
@@ -161,13 +164,22 @@ def worker(args) -> None:
         # Round-robin split: even prompts -> replica 0 (long generations), odd -> replica 1 (short).
         params = [SamplingParams(max_tokens=args.decode_steps if i % 2 == 0 else max(2, args.decode_steps // 8),
                                  temperature=0.0, ignore_eos=True) for i in range(n)]
+        real_tokens = sum(PROMPT_LEN + p.max_tokens - 1 for p in params)  # prompt + decodes of every request
         orig = _timed_steps(llm, record)
+        start = time.perf_counter()
         llm.generate(prompts, params)
+        wall = time.perf_counter() - start
         llm.step = orig
+        every: list = [None] * llm.groups.world_size
+        dist.all_gather_object(every, {"executed": executed, "wall_s": wall,
+                                       "dummy_steps": llm.runner.parallel.num_dummy_steps},
+                               group=llm.groups.world_cpu_group)
+        # Lockstep: the agreed decisions count both replicas' run tokens (dummy steps included).
+        total = run if kind == "dp2lock" else sum(e["executed"] for e in every)
         result["dp_waste"] = {
-            "steps": steps, "real_tokens": real, "executed_tokens": run,
-            "padded_over_real": run / real if real else None,
-            "dummy_steps_this_rank": llm.runner.parallel.num_dummy_steps,
+            "lockstep": kind == "dp2lock", "steps": steps, "real_tokens": real_tokens,
+            "executed_tokens": total, "padded_over_real": total / real_tokens,
+            "generate_wall_s": max(e["wall_s"] for e in every), "ranks": every,
             "first_steps": per_step[:4], "last_steps": per_step[-4:],
         }
     rank = llm.groups.rank
@@ -246,8 +258,9 @@ def _markdown(results: list[dict]) -> str:
             lines.append(f"\nPP bubble bs={b['bs']}: instrumented step {b['instrumented_step_ms']:.3f} ms; {waits}")
         if "dp_waste" in r:
             w = r["dp_waste"]
-            lines.append(f"\nDP2 skewed: executed/real tokens = {w['padded_over_real']:.2f} over {w['steps']} steps "
-                         f"({w['executed_tokens']} / {w['real_tokens']})")
+            mode = "lockstep" if w.get("lockstep") else "independent"
+            lines.append(f"\nDP2 skewed ({mode}): executed/real tokens = {w['padded_over_real']:.2f} "
+                         f"({w['executed_tokens']} / {w['real_tokens']}), generate {w['generate_wall_s']:.3f} s")
     return "\n".join(lines) + "\n"
 
 
