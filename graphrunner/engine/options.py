@@ -29,7 +29,7 @@ def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
 
 def parallel_config(
     tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
-    async_scheduling: bool, **context_parallel: int,
+    async_scheduling: bool, **context_parallel: Any,
 ) -> ParallelConfig:
     """The `ParallelConfig` of `LLM`'s layout arguments (`context_parallel`: vLLM's
     prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size);
