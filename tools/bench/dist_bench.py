@@ -34,7 +34,7 @@ from pathlib import Path
 PROMPT_LEN = 32
 
 
-def _llm(args, tp: int, pp: int, dp: int, model: str):
+def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False):
     from graphrunner.engine.llm import LLM
 
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")} | {1})
@@ -44,6 +44,7 @@ def _llm(args, tp: int, pp: int, dp: int, model: str):
         max_model_len=PROMPT_LEN + args.decode_steps + 64, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
         compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
+        data_parallel_lockstep=lockstep,
     )
 
 
@@ -119,6 +120,50 @@ def _instrument_bubble(llm) -> dict:
     return waits
 
 
+def _dp_waste(llm, args, *, lockstep: bool) -> dict:
+    """The skewed two-replica workload: executed over real tokens, generate wall time, per rank."""
+    import torch.distributed as dist
+
+    from graphrunner.protocol import SamplingParams
+
+    real = run = steps = executed = 0
+    per_step = []
+
+    def record(_s, desc, decision):
+        nonlocal real, run, steps, executed
+        if desc is not None:
+            executed += desc.num_tokens  # this replica's padded tokens (dummy steps included)
+        if decision is not None and not decision.skip:
+            real += decision.total_real_tokens
+            run += decision.total_run_tokens
+            steps += 1
+            per_step.append([list(decision.real_tokens), list(decision.run_tokens)])
+
+    n = 16
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(n)]
+    # Round-robin split: even prompts -> replica 0 (long generations), odd -> replica 1 (short).
+    params = [SamplingParams(max_tokens=args.decode_steps if i % 2 == 0 else max(2, args.decode_steps // 8),
+                             temperature=0.0, ignore_eos=True) for i in range(n)]
+    real_tokens = sum(PROMPT_LEN + p.max_tokens - 1 for p in params)  # prompt + decodes of every request
+    orig = _timed_steps(llm, record)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    llm.step = orig
+    every: list = [None] * llm.groups.world_size
+    dist.all_gather_object(every, {"executed": executed, "wall_s": wall,
+                                   "dummy_steps": llm.runner.parallel.num_dummy_steps},
+                           group=llm.groups.world_cpu_group)
+    # Lockstep: the agreed decisions count both replicas' run tokens (dummy steps included).
+    total = run if lockstep else sum(e["executed"] for e in every)
+    return {
+        "lockstep": lockstep, "steps": steps, "real_tokens": real_tokens,
+        "executed_tokens": total, "padded_over_real": total / real_tokens,
+        "generate_wall_s": max(e["wall_s"] for e in every), "ranks": every,
+        "first_steps": per_step[:4], "last_steps": per_step[-4:],
+    }
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
@@ -126,7 +171,7 @@ def worker(args) -> None:
     tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2), "dp2lock": (1, 1, 2)}[kind]
     model = args.dp_model if kind.startswith("dp2") else args.model
     start = time.perf_counter()
-    llm = _llm(args, tp, pp, dp, model)
+    llm = _llm(args, tp, pp, dp, model, lockstep=kind == "dp2lock")
     result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
                     "startup_s": time.perf_counter() - start}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -144,44 +189,7 @@ def worker(args) -> None:
             dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
             result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
     if kind.startswith("dp2"):
-        from graphrunner.protocol import SamplingParams
-
-        real = run = steps = executed = 0
-        per_step = []
-
-        def record(_s, desc, decision):
-            nonlocal real, run, steps, executed
-            if desc is not None:
-                executed += desc.num_tokens  # this replica's padded tokens (dummy steps included)
-            if decision is not None and not decision.skip:
-                real += decision.total_real_tokens
-                run += decision.total_run_tokens
-                steps += 1
-                per_step.append([list(decision.real_tokens), list(decision.run_tokens)])
-
-        n = 16
-        prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(n)]
-        # Round-robin split: even prompts -> replica 0 (long generations), odd -> replica 1 (short).
-        params = [SamplingParams(max_tokens=args.decode_steps if i % 2 == 0 else max(2, args.decode_steps // 8),
-                                 temperature=0.0, ignore_eos=True) for i in range(n)]
-        real_tokens = sum(PROMPT_LEN + p.max_tokens - 1 for p in params)  # prompt + decodes of every request
-        orig = _timed_steps(llm, record)
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        llm.step = orig
-        every: list = [None] * llm.groups.world_size
-        dist.all_gather_object(every, {"executed": executed, "wall_s": wall,
-                                       "dummy_steps": llm.runner.parallel.num_dummy_steps},
-                               group=llm.groups.world_cpu_group)
-        # Lockstep: the agreed decisions count both replicas' run tokens (dummy steps included).
-        total = run if kind == "dp2lock" else sum(e["executed"] for e in every)
-        result["dp_waste"] = {
-            "lockstep": kind == "dp2lock", "steps": steps, "real_tokens": real_tokens,
-            "executed_tokens": total, "padded_over_real": total / real_tokens,
-            "generate_wall_s": max(e["wall_s"] for e in every), "ranks": every,
-            "first_steps": per_step[:4], "last_steps": per_step[-4:],
-        }
+        result["dp_waste"] = _dp_waste(llm, args, lockstep=kind == "dp2lock")
     rank = llm.groups.rank
     llm.shutdown()
     if rank == 0:

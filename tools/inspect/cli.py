@@ -147,6 +147,16 @@ def _register_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plot", metavar="PNG", default=None, help="plot mode shares and tokens per step (needs matplotlib)"
     )
+    p.add_argument("--pipeline-parallel-size", "-pp", dest="pp_size", type=int, default=1, metavar="P",
+                   help="with P > 1 also model a P-stage pipeline running the trace's steps: a step's work "
+                        "(its padded tokens + --step-overhead-tokens) splits evenly over the P stages; shows "
+                        "the bubble fraction (1 - busy / (P * makespan)) of the synchronous schedule (one batch "
+                        "in flight: (P-1)/P) and of the pipelined one (up to P batches in flight: stage s+1 runs "
+                        "batch t-1 while stage s runs batch t, and batch t enters stage 0 once batch t-P has left "
+                        "the last stage), and the speed-up. Pipelining needs "
+                        "consecutive steps to use disjoint requests; the trace's steps are taken as-is")
+    p.add_argument("--step-overhead-tokens", type=int, default=0, metavar="N",
+                   help="fixed work of every step, in tokens, added to its padded tokens (with -pp P > 1)")
 
 
 # ---- running ------------------------------------------------------------------------
@@ -315,10 +325,12 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    from graphrunner_tools.inspect.pipeline import check_pipeline_args, pipeline_text, simulate_pipeline
     from graphrunner_tools.inspect.render import print_json
     from graphrunner_tools.inspect.simulate import read_trace, require_plot, shape_of_record, simulate, simulation_text
     from graphrunner_tools.inspect.table import header_lines
 
+    check_pipeline_args(args.pp_size, args.step_overhead_tokens)
     if args.plot:
         require_plot()  # fail before the work, not after
     built = _built_table(args)
@@ -349,10 +361,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         source = f"workload {args.workload} ({args.num_requests} requests, seed {args.seed})"
         shapes = [shape_of_record(r, q, f"{source}, step {i}") for i, r in enumerate(records)]
     result = simulate(built.table, shapes, source)
+    pipe = (simulate_pipeline([s.run_tokens for s in result.steps], args.pp_size, args.step_overhead_tokens)
+            if args.pp_size > 1 else None)
     if args.json:
-        print_json(result.to_dict(args.top))
+        print_json(result.to_dict(args.top) | ({"pipeline": pipe.to_dict()} if pipe else {}))
     else:
-        print(simulation_text(result, header_lines(built), args.top))
+        print(simulation_text(result, header_lines(built), args.top) + (f"\n\n{pipeline_text(pipe)}" if pipe else ""))
     if args.plot:
         from graphrunner_tools.inspect.simulate import plot_simulation
 

@@ -9,6 +9,13 @@ recorded under one configuration can be replayed against another.
 Reported: the hit rate of each runtime mode (FULL / PIECEWISE / NONE) as a fraction of
 steps and of real tokens — each set sums to 1 — and the padding waste, padded tokens
 divided by real tokens.
+
+With `--pipeline-parallel-size P` > 1 the padded steps also run through a P-stage pipeline
+model (graphrunner_tools.inspect.pipeline): a step's work, its padded tokens plus a fixed
+`--step-overhead-tokens`, splits evenly over the stages; the bubble fraction (1 - busy time
+/ (P * makespan)) is reported for the synchronous schedule (one batch in flight: (P-1)/P)
+and the pipelined one (up to P batches in flight), with the speed-up between them. The
+trace's steps are taken as-is, as if consecutive steps held disjoint requests.
 """
 
 from __future__ import annotations
