@@ -273,7 +273,8 @@ class ModelRunner:
         except RuntimeError as e:  # free while nothing raises; under TP/PP/DP it names this rank
             self.parallel.raise_step_failure(e)
         produces, all_produce, verify = planner.advance(batch, plan)
-        self.parallel.after_forward(batch, produces, self.body.post_update)  # PP: send on, exchange tokens
+        positions = state.requests.num_computed_np[batch.idx_mapping_np] if self.parallel.defers_tokens else None
+        self.parallel.after_forward(batch, produces, self.body.post_update, positions)  # PP: send on, tokens
         done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step
         self._pending = PendingStep(batch, desc, produces, all_produce, done, current, verify)
         self._last_descriptor = desc
@@ -295,6 +296,8 @@ class ModelRunner:
         if pending is None:
             empty = ModelRunnerOutput.empty()
             return AsyncOutput.ready(empty) if async_output else empty
+        if self.parallel.defers_tokens:  # pipelined PP, a non-last stage: the last stage's tokens, when taken
+            return self.parallel.deferred_output(pending, self.outputs.build, self.state.requests, async_output)
         return self.outputs.collect(pending, async_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -338,11 +341,10 @@ class ModelRunner:
             raise RuntimeError("call load_model() first")
 
     def _require_kv_cache(self) -> StepGraphs:
-        graphs = self.graphs
-        if graphs is None:  # graphs exist once the model and the KV cache do
+        if self.graphs is None:  # graphs exist once the model and the KV cache do
             self._require_model()
             raise RuntimeError("call initialize_kv_cache(num_blocks) first")
-        return graphs
+        return self.graphs
 
 
 __all__ = ["ModelRunner"]

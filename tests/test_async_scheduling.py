@@ -47,7 +47,7 @@ def _result(llm: LLM, prompts, params):
 
 
 def _assert_idle(llm: LLM) -> None:
-    assert not llm.scheduler.has_unfinished_requests() and llm._in_flight is None
+    assert not llm.scheduler.has_unfinished_requests() and not llm._in_flight
     assert llm.scheduler.block_allocator.num_free == llm.scheduler.num_blocks
     assert llm.runner.output_ring.num_unresolved == 0
     assert all(r.num_output_placeholders == 0 for r in llm.scheduler.requests.values())

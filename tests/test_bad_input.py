@@ -238,7 +238,7 @@ def test_failed_step_aborts_the_call_and_the_next_call_works(request, monkeypatc
         _fail_on_call(m, llm.runner, where, n)
         with pytest.raises(RuntimeError, match=f"injected failure in {where}"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
-    assert llm._in_flight is None
+    assert not llm._in_flight
     assert_healthy(llm, fresh_tokens)
     assert_healthy(llm, fresh_tokens)  # and again: nothing stale is replayed
 

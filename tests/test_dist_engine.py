@@ -147,10 +147,13 @@ def test_async_scheduling_with_tp_and_independent_dp_matches_one_process(referen
 def test_async_scheduling_refuses_what_it_does_not_run() -> None:
     from graphrunner.engine.options import parallel_config
 
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
-        parallel_config(1, 2, 1, 60.0, True)
-    with pytest.raises(ValueError, match="data_parallel_lockstep=True"):
+    with pytest.raises(ValueError, match="prefill_context_parallel_size=2"):
+        parallel_config(1, 1, 1, 60.0, True, prefill_context_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling=True does not run with data_parallel_lockstep=True"):
         parallel_config(1, 1, 2, 60.0, True, data_parallel_lockstep=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 .pipelined through the async loop. does not run "
+                                         "with data_parallel_lockstep=True"):
+        parallel_config(1, 2, 2, 60.0, False, data_parallel_lockstep=True)
     assert parallel_config(2, 1, 2, 60.0, True, decode_context_parallel_size=2).world_size == 4
 
 

@@ -478,7 +478,7 @@ def test_greedy_ngram_speculation_gives_the_tokens_of_plain_greedy(plain, k, asy
              for p, (toks, _) in zip(params, expected, strict=True)]
     assert _generate(llm, prompts, stops)[0] == plain(("stop", k), prompts, stops)[0]
     assert llm.scheduler.block_allocator.num_free == llm.scheduler.num_blocks
-    assert not llm.scheduler.has_unfinished_requests() and llm._in_flight is None
+    assert not llm.scheduler.has_unfinished_requests() and not llm._in_flight
 
 
 def test_speculative_config_reaches_the_runner_as_dict_or_json():

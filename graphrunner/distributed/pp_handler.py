@@ -34,7 +34,7 @@ last stage, nothing is sent, nothing is ever queued.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -43,58 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from graphrunner.distributed.row_generations import RowGenerations
+
 __all__ = ["PPHandler", "ReceivedTokens", "RowGenerations"]
-
-
-class RowGenerations:
-    """Per-row generation counters on the host: bump a row each time it changes hands.
-
-    Call `bump(row)` when a row is freed (a request finished or was preempted); calling
-    it again when the row is allocated is harmless (the counter only has to *change*
-    between a snapshot and its check). int64, so it never wraps.
-    """
-
-    def __init__(self, num_rows: int) -> None:
-        if not isinstance(num_rows, int) or num_rows < 1:
-            raise ValueError(f"num_rows={num_rows!r} must be an int >= 1")
-        self._gen = np.zeros(num_rows, dtype=np.int64)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self._gen)
-
-    @property
-    def values(self) -> np.ndarray:
-        """Read-only view of the counters: [num_rows] int64."""
-        view = self._gen.view()
-        view.flags.writeable = False
-        return view
-
-    def bump(self, rows: int | Sequence[int] | np.ndarray) -> None:
-        """Mark `rows` as having changed hands (a row repeated in `rows` is bumped once per mention)."""
-        rows = self._check(rows)
-        np.add.at(self._gen, rows, 1)
-
-    # Readable call sites in the runner: both just bump.
-    on_free = bump
-    on_alloc = bump
-
-    def snapshot(self, rows: np.ndarray) -> np.ndarray:
-        """The counters of `rows` now (a copy): [n] int64."""
-        return self._gen[self._check(rows)].copy()
-
-    def unchanged(self, rows: np.ndarray, snapshot: np.ndarray) -> np.ndarray:
-        """[n] bool: which of `rows` still have the counter they had at `snapshot`."""
-        return self._gen[self._check(rows)] == snapshot
-
-    def _check(self, rows: int | Sequence[int] | np.ndarray) -> np.ndarray:
-        arr = np.atleast_1d(np.asarray(rows, dtype=np.int64))
-        if arr.ndim != 1:
-            raise ValueError(f"rows must be an int or a 1-D sequence, got shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.num_rows):
-            bad = arr[(arr < 0) | (arr >= self.num_rows)][0]
-            raise ValueError(f"row {int(bad)} is outside [0, num_rows={self.num_rows})")
-        return arr
 
 
 @dataclass(frozen=True)
@@ -387,6 +338,23 @@ class PPHandler:
             if got is not None:
                 out.append(got)
         return out
+
+    def take_oldest(self) -> tuple[ReceivedTokens | None, torch.Tensor]:
+        """The oldest queued receive, whatever its age: a runner that resolves its steps in
+        order (pipelined PP) takes each step's tokens when the engine asks for that step.
+
+        Returns (its live rows as `consume` gives them, or None when every row changed hands,
+        and [R] (or [R, W]) int32: every real row's token, a copy, for the step's output).
+        """
+        if not self._queue:
+            raise RuntimeError("take_oldest(): no PP receive is queued (every stage must post_sample each step)")
+        p = self._queue.popleft()
+        got = self._finish(p)
+        assert self._ring is not None
+        R, W = len(p.rows), self.width
+        wire = self._ring.buffers[p.slot]
+        every = wire[: R * W].view(R, W).clone() if W > 1 else wire[:R].clone()
+        return got, every
 
     def drain(self) -> list[ReceivedTokens]:
         """Everything still pending, whatever its age (shutdown, or the engine needs tokens now).

@@ -18,14 +18,16 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
   buffers; a non-last stage's step body copies its (hidden, residual) into persistent
   output buffers, which are then sent to the next stage (outside graphs).
 * PP, after the forward: the last stage broadcasts the step's sampled tokens through
-  the `PPHandler` (sibling PP communicator, async work / side stream); the other
-  stages consume them in the same step (handler depth 0), write them into their
-  `sampled` buffer and run `post_update` then (eagerly, outside graphs), so every
-  stage's request state (last_sampled, all_token_ids, num_computed) stays identical
-  and `sample_tokens` returns the same tokens on every rank. Depth 0 because the engine
-  loop is synchronous (one step in flight): step T+1's inputs need step T's tokens. The
-  handler's generation counters are still kept (bumped on every freed row), so a deeper
-  pipeline (async scheduling) only has to raise the depth.
+  the `PPHandler` (sibling PP communicator, async work / side stream). Pipelined (the
+  default without speculation): a non-last stage queues the receive and runs
+  `post_update` at once (counts advance; the rows that sampled get placeholder tokens),
+  and the tokens are applied when the engine takes the step's output (`take_tokens`,
+  in step order, rows that changed hands since skipped by the generation counters).
+  The engine keeps up to P batches of disjoint requests in flight, so a request's
+  placeholder is overwritten before it runs again, and stage 0 runs batch T + 1 while
+  the last stage runs batch T. With speculative decoding (a [rows, 2k + 4] outcome per
+  step) the non-last stages consume the broadcast in the same step (depth 0), write it
+  into their buffers and run `post_update` then.
 * DP: replicas of a dense model share no collective, so by default each runs on its own
   (no per-step exchange, no padding to another replica, no dummy steps). With
   `data_parallel_lockstep=True` the `DPCoordinator` (one CPU all-reduce of every replica's
@@ -76,11 +78,14 @@ class ParallelHooks:
         self.last_dp_decision: Any = None
         self.num_dummy_steps = 0  # idle-DP-rank dummy steps run so far
         self.pp_handler: Any = None
+        # Pipelined PP (no speculation): a non-last stage applies a step's tokens when its output
+        # is taken, not in the step, so it can run the next batches meanwhile (module docstring).
+        self.defers_tokens = groups.pp_size > 1 and spec is None and not self.is_last_stage
         if groups.pp_size > 1:
             from graphrunner.distributed.pp_handler import PPHandler
 
             self.pp_handler = PPHandler(
-                groups.pp_broadcast_group, max_num_reqs, device, depth=0,
+                groups.pp_broadcast_group, max_num_reqs, device, depth=groups.pp_size if spec is None else 0,
                 num_rows=num_rows, timeout_s=groups.config.collective_timeout_s,
                 width=spec.pp_width if spec is not None else 1,
             )
@@ -199,11 +204,12 @@ class ParallelHooks:
             dist.recv(stage.residual_in[:num_tokens_padded], src=src, group=group)
 
     def after_forward(self, batch: InputBatch, produces: np.ndarray | None,
-                      post_update: Callable[[InputBatch], None]) -> None:
+                      post_update: Callable[[InputBatch], None], positions: np.ndarray | None = None) -> None:
         """Send the stage output on; exchange the sampled tokens; finish non-last stages' state.
 
         produces: [R] bool, which requests sample a token this step; None for a dummy
         step (scratch rows only: no token exchange, every stage skips it alike).
+        positions: [R] where each entry's token goes in its history (deferred stages).
         """
         if self.groups.pp_size == 1:
             return
@@ -216,9 +222,48 @@ class ParallelHooks:
                 dist.send(stage.residual_out[:Tp], dst=dst, group=group)
         if produces is not None:
             with self.exchange("PP broadcast of the sampled tokens from the last stage"):
-                self._exchange_sampled(batch, produces)
+                if self.defers_tokens:  # queue the receive; the tokens are applied by `take_tokens`
+                    self.pp_handler.post_sample(batch.idx_mapping_np[: batch.num_reqs], batch.num_reqs_padded,
+                                                produces=produces, positions=positions)
+                else:
+                    self._exchange_sampled(batch, produces)
         if not self.is_last_stage:
+            # Deferred: the counts advance now; the rows that sampled get placeholder tokens, which
+            # `take_tokens` overwrites before the scheduler can run those requests again.
             post_update(batch)
+
+    def deferred_output(self, pending: Any, build: Callable[[Any, dict], Any], requests: Any,
+                        async_output: bool) -> Any:
+        """A non-last stage's output of a pipelined step: its tokens are taken from the last
+        stage's broadcast when the output is resolved (at once, or on `AsyncOutput.get()`)."""
+        from graphrunner.async_output import AsyncOutput
+
+        def resolve(_host: dict | None = None) -> Any:
+            every = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids,
+                                     requests.all_token_ids.shape[1])
+            if every is None:  # nothing sampled (prefill chunks only)
+                every = torch.zeros(pending.batch.num_reqs, dtype=torch.int32)
+            return build(pending, {"sampled": every})
+
+        return AsyncOutput(None, -1, {}, resolve, None) if async_output else resolve()
+
+    def take_tokens(self, produces: np.ndarray, last_sampled: torch.Tensor, all_token_ids: torch.Tensor,
+                    max_model_len: int) -> torch.Tensor | None:
+        """A deferred (non-last stage) step's tokens, in step order: applied to the request rows
+        that still hold their request; returns [R] int32 every entry's token (None: nothing sampled)."""
+        if not produces.any():
+            return None
+        with self.exchange("PP broadcast of the sampled tokens from the last stage (receive)"):
+            got, every = self.pp_handler.take_oldest()
+        if got is not None:
+            got.write_into(last_sampled)
+            keep = got.positions < max_model_len  # a request at max_model_len has no slot for its token
+            if keep.any():
+                rows = torch.from_numpy(got.rows[keep]).to(all_token_ids.device)
+                cols = torch.from_numpy(got.positions[keep]).to(all_token_ids.device)
+                all_token_ids.index_put_((rows, cols), got.tokens[torch.from_numpy(keep).to(got.tokens.device)]
+                                         .to(all_token_ids.dtype))
+        return every
 
     def _exchange_sampled(self, batch: InputBatch, produces: np.ndarray) -> None:
         """Last stage -> every stage, through the PPHandler; `positions` carry batch indices back."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -146,10 +147,17 @@ class LLM:
             compilation_kwargs=kwargs, speculative=speculative,
         )
         self._init_runner()
-        self.scheduler = self._make_scheduler(async_scheduling)
-        self.async_scheduling = async_scheduling
-        # Async scheduling: the launched step whose output is not applied yet.
-        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        # Pipelined PP (no speculation): up to P batches of disjoint requests in flight, through
+        # the async loop; each non-last stage takes a step's tokens when its output is resolved.
+        pipelined = parallel.pipeline_parallel_size > 1 and not speculative.num_speculative_tokens
+        if async_scheduling and parallel.pipeline_parallel_size > 1 and not pipelined:
+            raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
+                             "stages exchange a speculative step's outcome within the step; use one of them")
+        self.scheduler = self._make_scheduler(async_scheduling, pipelined)
+        self.async_scheduling = async_scheduling or pipelined
+        self._keep_in_flight = max(1, parallel.pipeline_parallel_size - 1) if pipelined else 1
+        # Async scheduling: the launched steps whose outputs are not applied yet, oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
 
@@ -210,7 +218,7 @@ class LLM:
         if not self.config.compilation.enforce_eager:
             self.runner.capture_model()
 
-    def _make_scheduler(self, async_scheduling: bool) -> Scheduler:
+    def _make_scheduler(self, async_scheduling: bool, pipelined: bool = False) -> Scheduler:
         """The `Scheduler` over the runner's KV cache, under the configured batch limits."""
         limits, spec = self.config.scheduler, self.config.speculative
         return Scheduler(
@@ -223,6 +231,7 @@ class LLM:
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
+            disjoint_in_flight=pipelined,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
             # A draft model writes KV for its k drafts past each decode: blocks for them too.
@@ -327,10 +336,10 @@ class LLM:
         Best effort: an error while draining is suppressed, the step's error is what the
         caller sees.
         """
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
+        in_flight, self._in_flight = self._in_flight, deque()
+        for _, pending in in_flight:
             try:
-                in_flight[1].get()  # releases its output slot; the tokens are discarded
+                pending.get()  # releases its output slot; the tokens are discarded
             except Exception:
                 pass
         try:
@@ -413,7 +422,7 @@ class LLM:
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
-            if not scheduled and self._in_flight is None:
+            if not scheduled and not self._in_flight:
                 raise RuntimeError(
                     f"scheduler planned no tokens with {self.scheduler.num_unfinished_requests} unfinished requests "
                     f"and no step in flight (free KV blocks: {self.scheduler.block_allocator.num_free}/"
@@ -427,21 +436,28 @@ class LLM:
                 if self.record_batches is not None:
                     self._record_batch(scheduler_output)
                 launched = (scheduler_output, self.runner.sample_tokens(async_output=True))
-        try:
-            finished = self._resolve_in_flight()
-        except BaseException:
-            self._in_flight = launched  # for `_abort_after_failure` to drain
-            raise
-        self._in_flight = launched
+        if launched is not None:
+            self._in_flight.append(launched)
+        # Resolve the oldest steps beyond the depth (all but the newest P - 1 under pipelined PP),
+        # or the oldest one when nothing could be launched (every request waits on a token).
+        keep = self._keep_in_flight if launched is not None else len(self._in_flight) - 1
+        finished: list[RequestOutput] = []
+        while len(self._in_flight) > max(keep, 0):
+            finished += self._resolve_oldest()
         return finished
 
     def _resolve_in_flight(self) -> list[RequestOutput]:
-        """Wait for the in-flight step's output copy and apply it (async scheduling)."""
-        if self._in_flight is None:
-            return []
-        scheduler_output, pending = self._in_flight
-        self._in_flight = None
+        """Wait for every in-flight step's output and apply them in order (async scheduling)."""
+        finished: list[RequestOutput] = []
+        while self._in_flight:
+            finished += self._resolve_oldest()
+        return finished
+
+    def _resolve_oldest(self) -> list[RequestOutput]:
+        """Wait for the oldest in-flight step's output (its copy, or a PP stage's broadcast) and apply it."""
+        scheduler_output, pending = self._in_flight[0]
         runner_output: ModelRunnerOutput = pending.get()
+        self._in_flight.popleft()  # after get(): a failed one stays for `_abort_after_failure` to drain
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _record_batch(self, scheduler_output: SchedulerOutput) -> None:

@@ -41,24 +41,26 @@ def parallel_config(
         collective_timeout_s=collective_timeout_s,
         **context_parallel,
     )
-    if async_scheduling:
-        check_async_layout(parallel)
+    if async_scheduling or parallel.pipeline_parallel_size > 1:
+        check_async_layout(parallel, async_scheduling)
     return parallel
 
 
-def check_async_layout(parallel: ParallelConfig) -> None:
-    """Async scheduling runs where every rank of a replica samples the same tokens on its own:
-    TP, DCP, independent DP. PP would need a receive FIFO as deep as the run-ahead, lockstep
-    DP an idle-step protocol for placeholders, PCP exact host counts of decoding rows."""
+def check_async_layout(parallel: ParallelConfig, async_scheduling: bool) -> None:
+    """The async loop (async scheduling, and pipelined PP, which runs through it) needs every
+    rank of a replica to know its step's tokens on its own (TP, DCP, independent DP, PP through
+    the broadcast FIFO); lockstep DP would need an idle-step protocol for placeholders, PCP exact
+    host counts of decoding rows."""
     blockers = [f"{name}={value}" for name, value, bad in (
-        ("pipeline_parallel_size", parallel.pipeline_parallel_size, parallel.pipeline_parallel_size > 1),
         ("prefill_context_parallel_size", parallel.prefill_context_parallel_size,
-         parallel.prefill_context_parallel_size > 1),
+         parallel.prefill_context_parallel_size > 1 and async_scheduling),
         ("data_parallel_lockstep", True, parallel.data_parallel_lockstep and parallel.data_parallel_size > 1),
     ) if bad]
     if blockers:
-        raise ValueError(f"async_scheduling=True does not run with {', '.join(blockers)} yet; it runs with "
-                         "tensor_parallel_size, decode_context_parallel_size and independent data parallelism")
+        what = "async_scheduling=True" if async_scheduling else \
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} (pipelined through the async loop)"
+        raise ValueError(f"{what} does not run with {', '.join(blockers)} yet; it runs with tensor, pipeline and "
+                         "decode context parallelism and independent data parallelism")
 
 
 def resolve_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig:

@@ -89,8 +89,9 @@ class Scheduler:
         vocab_size: when given, prompt token ids are checked against `[0, vocab_size)`.
         eos_token_ids: tokens that end a request unless its `ignore_eos` is set.
         async_scheduling: schedule with placeholders for tokens still in flight (module
-            docstring); outputs must then be applied in schedule order, one per
-            non-empty plan.
+            docstring); outputs must then be applied in schedule order, one per non-empty
+            plan. disjoint_in_flight (pipelined PP): never schedule a request with a token in
+            flight, so the plans in flight hold disjoint sets of sampling requests.
         num_speculative_tokens: k draft slots behind every decode (0: no speculation);
             the runner's `uniform_decode_query_len` - 1. num_lookahead_tokens: slots past a
             decode's tokens it also gets blocks for (k for a draft model's KV, else 0).
@@ -108,17 +109,14 @@ class Scheduler:
         vocab_size: int | None = None,
         eos_token_ids: Iterable[int] = (),
         async_scheduling: bool = False,
+        disjoint_in_flight: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
     ) -> None:
         if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("block_size", block_size),
-        ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len), ("block_size", block_size)):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be positive")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -142,12 +140,12 @@ class Scheduler:
         # Finished since the last schedule(); the runner drops them on the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # running total, for stats and tests
-        self.async_scheduling = async_scheduling
+        self.async_scheduling, self.disjoint_in_flight = async_scheduling or disjoint_in_flight, disjoint_in_flight
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         # Slots a request may hold blocks for past its tokens: k per decode counted as computed
         # (sync: the one planned; async: the unresolved one too), and the lookahead.
-        self._spec_lookahead = num_speculative_tokens * (2 if async_scheduling else 1) + num_lookahead_tokens
+        self._spec_lookahead = num_speculative_tokens * (2 if self.async_scheduling else 1) + num_lookahead_tokens
         # Async: the launched plans whose outputs are not applied yet, in schedule order.
         self._in_flight: deque[_Launched] = deque()
 
@@ -338,13 +336,13 @@ class Scheduler:
         return budget
 
     def _finishes_in_flight(self, req: Request) -> bool:
-        """Async: the request's in-flight tokens already end it by length; nothing more to schedule."""
+        """Async: nothing to schedule while the request's in-flight tokens end it by length (or,
+        disjoint_in_flight, while any of its tokens is in flight)."""
         if not req.num_output_placeholders:
             return False
-        return (
+        return self.disjoint_in_flight or (
             req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens
-            or req.num_tokens_with_placeholders >= self.max_model_len
-        )
+            or req.num_tokens_with_placeholders >= self.max_model_len)
 
     def _advance_in_flight(self, so: SchedulerOutput) -> None:
         """Async: count the plan's tokens as computed (drafts included: the output takes the
