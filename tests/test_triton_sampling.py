@@ -325,3 +325,26 @@ def test_gpu_sampler_auto_uses_triton_and_matches_torch():
     # A top-p boundary moved by fp32 rounding (see _top_p_mass_gap) changes a token only
     # when that boundary token is drawn: rare, so allow a few rows.
     assert (got == want).float().mean() >= 0.9
+
+
+# --------------------------------------------------------------------------- row flags (pivot_select's fallback)
+
+
+def test_flags_restrict_both_kernels_to_flagged_rows():
+    rows, vocab = 4, 200
+    x, temperature, keys = _batch(21, rows, vocab)
+    top_k, top_p, min_p = _filters(21, rows, vocab)
+    flags = torch.tensor([2, 0, 1, 2], dtype=torch.int32)
+    want = torch.empty(rows)
+    sampling_threshold_torch(x, temperature, top_k, top_p, min_p, True, True, True, want)
+    got = torch.full((rows,), 123.0)
+    sampling_threshold_triton(x, temperature, top_k, top_p, min_p, True, True, True, got, block=64, flags=flags,
+                              min_flag=2)
+    assert got[[0, 3]].tolist() == want[[0, 3]].tolist() and got[[1, 2]].tolist() == [123.0, 123.0]
+    # The Gumbel pass: flagged rows draw exactly as without flags; the others get an in-range id.
+    tokens = torch.empty(rows, dtype=torch.int64)
+    gumbel_argmax_torch(x, temperature, keys, want, tokens)
+    drawn = torch.full((rows,), -1, dtype=torch.int64)
+    gumbel_argmax_triton(x, temperature, keys, want, drawn, block=64, flags=flags, min_flag=1)
+    assert drawn[[0, 2, 3]].tolist() == tokens[[0, 2, 3]].tolist()
+    assert 0 <= int(drawn[1]) < vocab

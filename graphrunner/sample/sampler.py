@@ -24,6 +24,7 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
 from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
 from graphrunner.sample.logprobs import compute_logprobs
+from graphrunner.sample.pivot_select import pivot_sample_triton
 from graphrunner.sample.processors import (
     apply_allowed,
     apply_logit_bias,
@@ -37,7 +38,9 @@ from graphrunner.state.sampling import SamplingStates
 
 __all__ = ["Sampler", "apply_top_k_top_p"]
 
-FILTER_IMPLS = ("bisect", "sort")
+# "bisect-serial": the previous Triton threshold kernel (one program per row, 32-step
+# bisections over V), kept as a benchmark baseline; on the torch path it is "bisect".
+FILTER_IMPLS = ("bisect", "sort", "bisect-serial")
 # "auto": the fused Triton kernels (triton_sampling.py) for CUDA logits when triton
 # imports, else torch. "triton" forces them (on CPU only under TRITON_INTERPRET=1: tests).
 KERNEL_IMPLS = ("auto", "torch", "triton")
@@ -75,9 +78,12 @@ class Sampler:
 
     Args:
         states: the per-row settings (and, for penalties, `states.all_token_ids`).
-        filter_impl: "sort" (default: one segmented sort gives top-k and top-p; the
-            fastest on an H200 at 1, 64 and 256 rows, see docs/bench/sampler_h200.md) or
-            "bisect" (sort-free per-row thresholds: less graph-pool memory, slower).
+        filter_impl: "bisect" (default: sort-free per-row thresholds; on CUDA the
+            pivot_select kernels, three reads of the logits, 9x faster than "sort" at 256
+            rows on an H100 with 1/60 of its graph pool, see docs/bench/sampler_pivot_h100.md),
+            "sort" (one segmented sort gives top-k and top-p: the previous default, kept as
+            a baseline) or "bisect-serial" (the previous Triton threshold kernel, one
+            program per row; on the torch path the same as "bisect").
         kernel_impl: how the random rows are sampled: "auto" (default; the fused Triton
             kernels on CUDA when triton imports, else torch), "torch" or "triton".
 
@@ -93,7 +99,7 @@ class Sampler:
     or +-inf, their token ids and rank in range.
     """
 
-    def __init__(self, states: SamplingStates, filter_impl: str = "sort", kernel_impl: str = "auto"):
+    def __init__(self, states: SamplingStates, filter_impl: str = "bisect", kernel_impl: str = "auto"):
         if filter_impl not in FILTER_IMPLS:
             raise ValueError(f"filter_impl={filter_impl!r} not in {FILTER_IMPLS}")
         if kernel_impl not in KERNEL_IMPLS:
@@ -135,11 +141,10 @@ class Sampler:
 
         rows = idx_mapping.long()  # [R]
         x = self._process(logits, rows, positions, features, all_token_ids)
-        greedy = x.argmax(dim=-1)  # [R]
         if features.any_random:
-            out.copy_(self._sample_random(x, rows, positions, features, greedy))
+            out.copy_(self._sample_random(x, rows, positions, features))
         else:
-            out.copy_(greedy)
+            out.copy_(x.argmax(dim=-1))
         if want_logprobs:
             assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
             compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
@@ -176,7 +181,7 @@ class Sampler:
         temperature = s.temperature[rows]  # [R]
         scaled = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]  # [R, V]
         top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
-        if self.filter_impl == "bisect":
+        if self.filter_impl != "sort":
             return apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
                                  features.any_min_p)
         return _sort_filter(scaled, top_k, top_p, min_p, features)
@@ -217,13 +222,13 @@ class Sampler:
         rows: torch.Tensor,  # [R] int64
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
-        greedy: torch.Tensor,  # [R]
     ) -> torch.Tensor:  # [R] int64
         s = self.states
         temperature = s.temperature[rows]  # [R]
         is_greedy = temperature == 0.0
         if self._use_triton(x):
-            return self._sample_random_triton(x, rows, positions, features, greedy, temperature)
+            return self._sample_random_triton(x, rows, positions, features, temperature)
+        greedy = x.argmax(dim=-1)  # [R]
         scaled = self._scaled_and_filtered(x, rows, features)  # [R, V]
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
@@ -235,16 +240,26 @@ class Sampler:
         rows: torch.Tensor,  # [R] int64
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
-        greedy: torch.Tensor,  # [R]
         temperature: torch.Tensor,  # [R] float32
     ) -> torch.Tensor:  # [R] int64
-        """`_sample_random` as one threshold kernel + one fused Gumbel-max pass (same tokens)."""
+        """`_sample_random` with the Triton kernels (same tokens): pivot_select for "bisect"
+        (greedy rows included), else a threshold (or the sort) and one fused Gumbel-max pass."""
         s = self.states
         num_rows = x.shape[0]
         x = x.contiguous().float()  # no-op for the sampler's fp32 logits
         temperature = temperature.float().contiguous()
         threshold = torch.empty(num_rows, dtype=torch.float32, device=x.device)  # [R]
+        keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
+        sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
         if self.filter_impl == "bisect":
+            # Threshold and draw in three reads of x (pivot_select.py); greedy rows get argmax(x).
+            pivot_sample_triton(
+                x, temperature, keys, s.top_k[rows], s.top_p[rows], s.min_p[rows],
+                features.any_top_k, features.any_top_p, features.any_min_p, sampled, threshold,
+            )
+            return sampled
+        greedy = x.argmax(dim=-1)  # [R]
+        if self.filter_impl == "bisect-serial":
             sampling_threshold_triton(
                 x, temperature, s.top_k[rows], s.top_p[rows], s.min_p[rows],
                 features.any_top_k, features.any_top_p, features.any_min_p, threshold,
@@ -257,7 +272,5 @@ class Sampler:
             x = _sort_filter(scaled, s.top_k[rows], s.top_p[rows], s.min_p[rows], features).contiguous()
             temperature = torch.where(is_greedy, 0.0, 1.0)  # greedy rows stay greedy (taken from `greedy`)
             threshold.fill_(float("-inf"))
-        keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
-        sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
         gumbel_argmax_triton(x, temperature, keys, threshold, sampled)
         return torch.where(temperature == 0.0, greedy, sampled)

@@ -1,5 +1,10 @@
 """Fused Triton kernels for the random-sampling tail: per-row filter threshold, then Gumbel-max.
 
+The Sampler's default path is now pivot_select.py (rows split over many programs, 6-10x
+faster at 256 rows); these kernels are its exact fallback for the rows it cannot serve
+(`flags`), the Sampler's "bisect-serial" baseline, and the home of the shared Triton
+helpers (hash, order keys, IEEE-rounded scaling).
+
 The torch path of `Sampler._sample_random` makes many full [R, V] passes (int64 hash
 noise, 32-step bisections per filter, divides, masked fills). Here the same result
 comes from two row-parallel kernels, one program per row, each looping over V:
@@ -128,10 +133,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
     def _gumbel_argmax_kernel(
-        x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, val_ptr, idx_ptr, vocab_size, chunk, BLOCK: tl.constexpr
+        x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, val_ptr, idx_ptr, flag_ptr, vocab_size, chunk,
+        BLOCK: tl.constexpr, MIN_FLAG: tl.constexpr,
     ):
         # Program (row, split) scans tokens [split * chunk, (split + 1) * chunk) of its row
-        # and writes that span's best value and first index to val/idx[row, split].
+        # and writes that span's best value and first index to val/idx[row, split]. With
+        # MIN_FLAG > 0 only rows whose flag >= MIN_FLAG scan (the others write -inf, lo).
         row = tl.program_id(0)
         split = tl.program_id(1)
         num_splits = tl.num_programs(1)
@@ -145,6 +152,8 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, vocab_size)
+        if MIN_FLAG > 0:
+            hi = tl.where(tl.load(flag_ptr + row) >= MIN_FLAG, hi, lo)
         # Per-lane running max; strict > keeps the first index of a tie within a lane.
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = lo + offs
@@ -176,13 +185,20 @@ if HAS_TRITON:
         top_p_ptr,
         log_min_p_ptr,
         out_ptr,
+        flag_ptr,
         vocab_size,
         USE_TOP_K: tl.constexpr,
         USE_TOP_P: tl.constexpr,
         USE_MIN_P: tl.constexpr,
         BLOCK: tl.constexpr,
+        MIN_FLAG: tl.constexpr,
     ):
         row = tl.program_id(0)
+        # With MIN_FLAG > 0 only rows whose flag >= MIN_FLAG loop over V (pivot_select's fallback).
+        active = tl.full([], 1, tl.int1)
+        if MIN_FLAG > 0:
+            active = tl.load(flag_ptr + row) >= MIN_FLAG
+        n = tl.where(active, vocab_size, 0)
         temp = tl.load(temp_ptr + row)
         t = tl.where(temp == 0.0, 1.0, temp)
         base = x_ptr + row.to(tl.int64) * x_stride
@@ -193,7 +209,7 @@ if HAS_TRITON:
         thr_min_p = tl.full([], neg_inf, tl.float32)
         if USE_MIN_P:
             peak = tl.full([BLOCK], neg_inf, tl.float32)
-            for start in range(0, vocab_size, BLOCK):
+            for start in range(0, n, BLOCK):
                 peak = tl.maximum(peak, _scaled(base, start + offs, vocab_size, t))
             thr_min_p = tl.max(peak, 0) + tl.load(log_min_p_ptr + row)
 
@@ -207,7 +223,7 @@ if HAS_TRITON:
             for i in range(32):
                 cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
                 count = tl.zeros([BLOCK], tl.int32)
-                for start in range(0, vocab_size, BLOCK):
+                for start in range(0, n, BLOCK):
                     v = start + offs
                     s = _scaled(base, v, vocab_size, t)
                     s = tl.where(s < thr_min_p, neg_inf, s)
@@ -220,7 +236,7 @@ if HAS_TRITON:
         if USE_TOP_P:
             top_p = tl.load(top_p_ptr + row)
             peak = tl.full([BLOCK], neg_inf, tl.float32)
-            for start in range(0, vocab_size, BLOCK):
+            for start in range(0, n, BLOCK):
                 s = _scaled(base, start + offs, vocab_size, t)
                 s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
                 peak = tl.maximum(peak, s)
@@ -228,7 +244,7 @@ if HAS_TRITON:
             # An all -inf row (never a real row) must not turn NaN; +inf is not finite either.
             p_max = tl.where((p_max > neg_inf) & (p_max < float("inf")), p_max, 0.0)
             mass = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab_size, BLOCK):
+            for start in range(0, n, BLOCK):
                 s = _scaled(base, start + offs, vocab_size, t)
                 s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
                 mass += tl.exp(s - p_max)
@@ -237,14 +253,14 @@ if HAS_TRITON:
             for i in range(32):
                 cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
                 mass = tl.zeros([BLOCK], tl.float32)
-                for start in range(0, vocab_size, BLOCK):
+                for start in range(0, n, BLOCK):
                     s = _scaled(base, start + offs, vocab_size, t)
                     s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
                     mass += tl.where(_ordered_key(s) >= cand, tl.exp(s - p_max), 0.0)
                 lo = tl.where(tl.sum(mass, 0) >= need, cand, lo)
             thr_top_p = tl.where(top_p < 1.0, _key_to_float(lo), neg_inf)
 
-        tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_min_p, thr_top_k), thr_top_p))
+        tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_min_p, thr_top_k), thr_top_p), mask=active)
 
 
 def _require_triton() -> None:
@@ -285,6 +301,8 @@ def gumbel_argmax_triton(
     *,
     block: int | None = None,
     splits: int | None = None,
+    flags: torch.Tensor | None = None,
+    min_flag: int = 1,
 ) -> None:
     """Triton implementation of `gumbel_argmax` (one pass over x).
 
@@ -293,6 +311,8 @@ def gumbel_argmax_triton(
     over [R, splits] combines; it picks the lowest split on ties, so the result is still
     the row's first maximal index. `block` (a power of two) overrides the chunk size, so
     CPU tests can exercise the loop. Shapes depend only on R and V: graph-safe.
+    With `flags` ([R] int32), only rows whose flag >= min_flag are sampled; `out` gets
+    a meaningless in-range id for the others (pivot_select's fallback).
     """
     _require_triton()
     num_rows, vocab_size = _check_logits(x)
@@ -309,8 +329,8 @@ def gumbel_argmax_triton(
     part_val = torch.empty(num_rows, splits, dtype=torch.float32, device=x.device)  # [R, S]
     part_idx = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)  # [R, S]
     _gumbel_argmax_kernel[(num_rows, splits)](
-        x, x.stride(0), temperature, keys, threshold, part_val, part_idx, vocab_size, chunk,
-        BLOCK=blk, num_warps=_NUM_WARPS,
+        x, x.stride(0), temperature, keys, threshold, part_val, part_idx, out if flags is None else flags,
+        vocab_size, chunk, BLOCK=blk, MIN_FLAG=0 if flags is None else min_flag, num_warps=_NUM_WARPS,
     )
     best_split = part_val.argmax(dim=1, keepdim=True)  # [R, 1]: first split holding the max
     out.copy_(part_idx.gather(1, best_split).squeeze(1))
@@ -340,21 +360,28 @@ def sampling_threshold_triton(
     out: torch.Tensor,
     *,
     block: int | None = None,
+    flags: torch.Tensor | None = None,
+    min_flag: int = 2,
 ) -> None:
-    """Triton implementation of `sampling_threshold` (R programs; up to ~67 passes per row)."""
+    """Triton implementation of `sampling_threshold` (R programs; up to ~67 passes per row).
+
+    With `flags` ([R] int32), only rows whose flag >= min_flag get a threshold; the
+    others keep what `out` holds (pivot_select's exact fallback).
+    """
     _require_triton()
     num_rows, vocab_size = _check_logits(x)
     _check_rows(num_rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, out=out)
     check_tensor("out", out, (num_rows,), (torch.float32,))
     if not (use_top_k or use_top_p or use_min_p):
-        out.fill_(float("-inf"))  # a Python scalar: no host-to-device copy while capturing
+        if flags is None:  # (with flags, the rows it would write already hold -inf)
+            out.fill_(float("-inf"))  # a Python scalar: no host-to-device copy while capturing
         return
     # log in torch, so that min-p's threshold is bit-identical to filters.min_p_threshold.
     log_min_p = torch.log(min_p)  # [R]
     _threshold_kernel[(num_rows,)](
-        x, x.stride(0), temperature, top_k, top_p, log_min_p, out, vocab_size,
+        x, x.stride(0), temperature, top_k, top_p, log_min_p, out, out if flags is None else flags, vocab_size,
         USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, USE_MIN_P=use_min_p,
-        BLOCK=_block(vocab_size, block), num_warps=_NUM_WARPS,
+        BLOCK=_block(vocab_size, block), MIN_FLAG=0 if flags is None else min_flag, num_warps=_NUM_WARPS,
     )
 
 

@@ -1,6 +1,6 @@
 """Which kernels the all-features sampler spends its GPU time in (torch.profiler).
 
-    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--filter sort] [--vocab 151936]
+    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--filter bisect] [--vocab 151936]
 
 A diagnostic beside `graphrunner bench sampler`: one eager call per iteration of the same
 batch the benchmark builds, CUDA kernel time per op, largest first.
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--filter", default="sort", help="bisect or sort, optionally /torch or /triton")
+    ap.add_argument("--filter", default="bisect", help="bisect, sort or bisect-serial, optionally /torch or /triton")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25, help="table rows to print")
     args = ap.parse_args(argv)

@@ -16,6 +16,11 @@ Variants (per batch size):
 
 Times are per sampler call: CUDA events on a GPU, perf_counter on a CPU (where only
 eager runs). Must run on CPU with small sizes (the tests do).
+
+Every row also carries the logits-read limit, `rows x V x 4 bytes / copy bandwidth`,
+with the copy bandwidth (bytes read + written per second by a device-to-device copy of
+a buffer larger than the caches) measured in the same run, and the ratio of the time
+to it: a sampler that reads the fp32 logits once and nothing else would reach 1.
 """
 
 from __future__ import annotations
@@ -103,6 +108,18 @@ def _time(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
     return samples
 
 
+COPY_BYTES = 1 << 30  # 1 GiB: far beyond the H100/H200 L2, so the copy streams from memory
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, iters: int = 20) -> float:
+    """Bytes per second (read + written) of a device-to-device copy of `nbytes`, median of `iters`."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1.0)
+    samples = _time(lambda: dst.copy_(src), device, iters, warmup=3)
+    return 2 * nbytes / statistics.median(samples)
+
+
 def bench_sampler(
     device: torch.device | str,
     num_reqs: Sequence[int] = (1, 64, 256),
@@ -113,23 +130,33 @@ def bench_sampler(
     variants: Sequence[str] = VARIANTS,
     filter_impls: Sequence[str] = ("bisect", "sort"),
     graphs: bool = True,
+    copy_bytes: int | None = None,
 ) -> list[dict]:
     """Time the sampler per (batch size, variant, filter impl, mode). Returns one dict per row.
 
     mode "graph" (CUDA only, with graphs=True) replays a torch.cuda.CUDAGraph of the call;
-    "eager" calls it directly. Rows carry median/mean/min microseconds and, for graphs,
+    "eager" calls it directly. Rows carry median/mean/min microseconds, the logits-read
+    limit (`limit_us`, from `copy_bandwidth` measured once here over `copy_bytes`,
+    default 1 GiB on CUDA and 64 MiB on a CPU), `ratio` = median / limit and, for graphs,
     the graph pool memory.
     """
     device = torch.device(device)
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"variant {v!r} not in {VARIANTS}")
+    if copy_bytes is None:
+        copy_bytes = COPY_BYTES if device.type == "cuda" else 64 << 20
+    bandwidth = copy_bandwidth(device, copy_bytes)
     rows: list[dict] = []
     for n in num_reqs:
         for variant in variants:
             # The filter implementation only matters when top-k/top-p run.
             for impl in filter_impls if variant != "greedy" else filter_impls[:1]:
-                rows += _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs)
+                for row in _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs):
+                    row["copy_gbps"] = bandwidth / 1e9
+                    row["limit_us"] = n * vocab * 4 / bandwidth * 1e6
+                    row["ratio"] = row["median_us"] / row["limit_us"]
+                    rows.append(row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
@@ -177,12 +204,16 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| reqs | variant | filter | mode | median µs | min µs | graph pool MiB |",
-             "|---:|---|---|---|---:|---:|---:|"]
+    """The rows as a markdown table; the logits-read limit and the ratio beside each time."""
+    lines = ["| reqs | variant | filter | mode | median µs | min µs | read limit µs | × limit | graph pool MiB |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         pool = "" if r["graph_pool_mib"] is None else f"{r['graph_pool_mib']:.0f}"
         lines.append(f"| {r['num_reqs']} | {r['variant']} | {r['filter']} | {r['mode']} | {r['median_us']:.1f} "
-                     f"| {r['min_us']:.1f} | {pool} |")
+                     f"| {r['min_us']:.1f} | {r['limit_us']:.1f} | {r['ratio']:.1f} | {pool} |")
+    if rows:
+        lines.append(f"\nread limit = reqs × vocab × 4 bytes at the copy bandwidth measured in this run "
+                     f"({rows[0]['copy_gbps']:.0f} GB/s, read + write)")
     return "\n".join(lines)
 
 
@@ -194,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--filters", nargs="+", default=["bisect", "sort"], choices=["bisect", "sort"])
+    ap.add_argument("--filters", nargs="+", default=["bisect", "sort"],
+                    help="bisect, sort or bisect-serial, each optionally with /torch or /triton")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--json", help="write the rows to this JSON file")
     args = ap.parse_args(argv)

@@ -1,0 +1,227 @@
+"""pivot_select (the sort-free sampler kernels) against an independent sort reference.
+
+The reference sorts each row and applies min-p, then top-k, then top-p with the one tie
+rule the kernels share: every token tied with the last kept value is kept (so the
+kept set is always `s >= threshold`). Top-p masses are float64 there and float32 /
+fixed point in the kernels, so an example whose top_p lies within 1e-5 of a prefix
+mass is rejected (`assume`): there the boundary is a matter of rounding.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py), with a
+small candidate capacity so that both the fast path and the exact fallback run.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.sample import rng
+from graphrunner.sample.pivot_select import pivot_sample_triton
+from graphrunner.sample.triton_sampling import gumbel_argmax_torch
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
+
+NEG_INF = float("-inf")
+TOP_P_MARGIN = 1e-5
+
+
+def sort_reference(x, temperature, top_k, top_p, min_p, flags=(True, True, True)):
+    """Kept mask [R, V] by sorting (float64 masses) and whether top-p is unambiguous per row.
+
+    x / T as the sampler scales it (T = 0 counts as 1); min-p: s >= max(s) + log(min_p);
+    top-k: s >= the k-th largest (k <= 0 or >= V: off); top-p: s >= the value at which
+    the descending prefix mass first reaches top_p (top_p >= 1: off).
+    """
+    use_top_k, use_top_p, use_min_p = flags
+    s = x.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    rows, vocab = s.shape
+    kept = torch.ones_like(s, dtype=torch.bool)
+    clear = []
+    for r in range(rows):
+        row = s[r]
+        keep = torch.ones(vocab, dtype=torch.bool)
+        if use_min_p and min_p[r] > 0:
+            keep &= row >= row.max() + torch.log(min_p[r])
+        if use_top_k and 0 < int(top_k[r]) < vocab:
+            masked = torch.where(keep, row, NEG_INF)
+            keep &= row >= masked.sort(descending=True).values[int(top_k[r]) - 1]
+        ok = True
+        if use_top_p and top_p[r] < 1.0:
+            masked = torch.where(keep, row, NEG_INF).double()
+            values = masked.sort(descending=True).values
+            probs = torch.softmax(values, 0)
+            mass = probs.cumsum(0)
+            # Prefix masses at the end of each run of equal values: where a boundary can fall.
+            ends = torch.cat([values[1:] != values[:-1], torch.tensor([True])])
+            ok = bool(((mass[ends] - float(top_p[r])).abs() > TOP_P_MARGIN).all())
+            reached = torch.nonzero(mass >= float(top_p[r])).flatten()
+            keep &= row >= values[int(reached[0]) if len(reached) else 0].float()
+        kept[r] = keep
+        clear.append(ok)
+    return kept, clear
+
+
+def _run(x, temperature, keys, top_k, top_p, min_p, flags=(True, True, True), **kw):
+    rows = x.shape[0]
+    out = torch.full((rows,), -1, dtype=torch.int64, device=x.device)
+    thr = torch.empty(rows, device=x.device)
+    path = pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, *flags, out, thr, **kw)
+    return out, thr, path
+
+
+@st.composite
+def batches(draw, max_rows=4, vocabs=(8, 64, 300)):
+    """Logits with ties and -inf, temperatures from tiny to huge, every filter edge value."""
+    rows = draw(st.integers(1, max_rows))
+    vocab = draw(st.sampled_from(vocabs))
+    seed = draw(st.integers(0, 2**31))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.01, 1.0, 4.0, 40.0]))
+    if draw(st.booleans()):
+        x = torch.round(x)  # many exact ties
+    if draw(st.booleans()):
+        x[torch.rand(rows, vocab, generator=g) < draw(st.sampled_from([0.1, 0.5, 0.9]))] = NEG_INF
+        x[:, draw(st.integers(0, vocab - 1))] = 0.0  # every row keeps a finite logit
+    temperature = torch.tensor([draw(st.sampled_from([0.0, 1e-3, 0.1, 0.7, 1.0, 2.5, 1e4])) for _ in range(rows)])
+    top_k = torch.tensor([draw(st.sampled_from([0, 1, 2, 5, vocab // 2, vocab - 1, vocab, vocab + 3]))
+                          for _ in range(rows)], dtype=torch.int32)
+    top_p = torch.tensor([draw(st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.1, 1e-6])) for _ in range(rows)])
+    min_p = torch.tensor([draw(st.sampled_from([0.0, 0.0, 1e-4, 0.05, 0.5, 1.0])) for _ in range(rows)])
+    keys = rng.row_keys(torch.randint(0, 2**62, (rows,), generator=g), torch.arange(rows))
+    flags = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    return x, temperature, keys, top_k, top_p, min_p, flags
+
+
+def _check_against_reference(batch, **kw):
+    x, temperature, keys, top_k, top_p, min_p, flags = batch
+    want, clear = sort_reference(x, temperature, top_k, top_p, min_p, flags)
+    assume(all(clear))
+    tokens, thr, _ = _run(x, temperature, keys, top_k, top_p, min_p, flags, **kw)
+    s = x.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    got = s >= thr[:, None]
+    assert torch.equal(got, want), (thr, flags)
+    # The token is the Gumbel-max draw over exactly that kept set (rng.py's noise); greedy
+    # rows (T = 0) take torch.argmax(x), unfiltered.
+    ref_tokens = torch.empty_like(tokens)
+    gumbel_argmax_torch(x, temperature, keys, thr, ref_tokens)
+    assert torch.equal(tokens, ref_tokens)
+
+
+@given(batch=batches(), capacity=st.sampled_from([16, 64, 1024]), block=st.sampled_from([None, 64]))
+@settings(deadline=None)
+def test_kept_set_equals_the_sort_reference(batch, capacity, block):
+    _check_against_reference(batch, capacity=capacity, block=block)
+
+
+def test_the_fallback_and_the_fast_path_both_run():
+    # 300 tokens, k = 200: more candidates than a capacity of 16 (fallback), fine with 1024.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, generator=g)
+    args = (torch.ones(2), rng.row_keys(torch.arange(2), torch.arange(2)), torch.tensor([200, 3], dtype=torch.int32),
+            torch.ones(2), torch.zeros(2))
+    want, _ = sort_reference(x, *[args[0], *args[2:]])
+    for capacity, path in ((16, [2, 0]), (1024, [0, 0])):
+        _, thr, flags = _run(x, *args, capacity=capacity, block=64)
+        assert flags.tolist() == path
+        assert torch.equal(x >= thr[:, None], want)
+
+
+def test_all_minus_inf_row_draws_token_zero_and_spares_the_others():
+    # Documented outcome: a row of only -inf goes to the fallback and draws token 0.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=g) * 2
+    args = (torch.full((3,), 0.8), rng.row_keys(torch.arange(3), torch.arange(3)),
+            torch.tensor([5, 0, 10], dtype=torch.int32), torch.tensor([0.9, 0.8, 1.0]), torch.tensor([0.0, 0.1, 0.05]))
+    clean, clean_thr, _ = _run(x, *args, block=64)
+    x[1] = NEG_INF
+    got, thr, flags = _run(x, *args, block=64)
+    assert got[1] == 0 and flags[1] == 2
+    assert torch.equal(got[[0, 2]], clean[[0, 2]]) and torch.equal(thr[[0, 2]], clean_thr[[0, 2]])
+
+
+@given(kind=st.sampled_from(["nan", "inf", "-inf", "nan-row", "inf-row"]), bad=st.integers(0, 2),
+       seed=st.integers(0, 2**31))
+@settings(deadline=None)
+def test_non_finite_logits_stay_in_their_row(kind, bad, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 64, generator=g) * 3
+    args = (torch.tensor([0.7, 1.0, 1.3]), rng.row_keys(torch.randint(0, 2**40, (3,), generator=g), torch.arange(3)),
+            torch.tensor([4, 0, 20], dtype=torch.int32), torch.tensor([0.9, 0.6, 1.0]), torch.tensor([0.0, 0.05, 0.1]))
+    clean, clean_thr, _ = _run(x, *args, capacity=32, block=64)
+    poison = {"nan": math.nan, "inf": math.inf, "-inf": NEG_INF, "nan-row": math.nan, "inf-row": math.inf}[kind]
+    if kind.endswith("-row"):
+        x[bad] = poison
+    else:
+        x[bad, torch.randint(0, 64, (5,), generator=g)] = poison
+    got, thr, _ = _run(x, *args, capacity=32, block=64)
+    others = [r for r in range(3) if r != bad]
+    assert torch.equal(got[others], clean[others]) and torch.equal(thr[others], clean_thr[others])
+    assert 0 <= int(got[bad]) < 64
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@given(batch=batches(max_rows=16, vocabs=(1000, 32000)))
+@settings(deadline=None)
+def test_gpu_kept_set_equals_the_sort_reference(batch):
+    cuda = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in batch)
+    x, temperature, keys, top_k, top_p, min_p, flags = cuda
+    want, clear = sort_reference(*(t.cpu() for t in (x, temperature, top_k, top_p, min_p)), flags)
+    assume(all(clear))
+    tokens, thr, _ = _run(*cuda[:6], flags)
+    s = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    assert torch.equal((s >= thr[:, None]).cpu(), want)
+    ref = torch.empty_like(tokens)
+    gumbel_argmax_torch(x, temperature, keys, thr, ref)
+    assert torch.equal(tokens, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k():
+    rows, vocab = 64, 151936
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, vocab, generator=g) * 3).cuda()
+    temperature = (torch.rand(rows, generator=g) + 0.3).cuda()
+    keys = rng.row_keys(torch.arange(rows), torch.arange(rows)).cuda()
+    top_k = torch.randint(1, 3000, (rows,), generator=g).to(torch.int32).cuda()
+    top_p, min_p = torch.ones(rows).cuda(), (torch.rand(rows, generator=g) * 0.2).cuda()
+    out = torch.empty(rows, dtype=torch.int64, device="cuda")
+    thr = torch.empty(rows, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr)
+    results = []
+    for _ in range(3):
+        graph.replay()
+        results.append((out.clone(), thr.clone()))
+    assert all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results)
+    want, _ = sort_reference(x.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu())
+    s = x / temperature[:, None]
+    assert torch.equal((s >= thr[:, None]).cpu(), want)
+
+
+def test_greedy_rows_get_torch_argmax_even_with_non_finite_logits():
+    # T = 0: the unfiltered torch.argmax of x (first NaN, else first maximum; 0 for all -inf).
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g)
+    x[1, [7, 40]] = math.nan
+    x[2, [3, 50]] = math.inf
+    x[3] = NEG_INF
+    x[4, [10, 30]] = x[4].max() + 1.0  # a tie: the first id
+    args = (torch.zeros(5), rng.row_keys(torch.arange(5), torch.arange(5)), torch.full((5,), 3, dtype=torch.int32),
+            torch.full((5,), 0.5), torch.full((5,), 0.1))
+    got, _, _ = _run(x, *args, capacity=32, block=64)
+    assert got.tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 7, 3, 0, 10]
