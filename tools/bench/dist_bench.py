@@ -12,6 +12,8 @@ NCCL), every rank running the engine (SPMD), with FULL graphs for the decode ste
   per stage, the time spent waiting for the previous stage's hidden states (recv) and,
   on the first stage, for the last stage's sampled tokens (synchronised before/after,
   so this pass's step time is a little higher than the plain one).
+* --throughput: output tokens/s of `generate` for tp1 / tp2 / pp2 / pp2sync (PP2 with every
+  step resolved at once, i.e. not pipelined: the before of pipelining, in the same call).
 * dp2 / dp2lock: two DP replicas, independent (the default) or in lockstep, a skewed
   workload (replica 0 gets requests with many
   more tokens to generate); per step the DP decision's executed tokens (padded, plus
@@ -37,7 +39,8 @@ PROMPT_LEN = 32
 def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False):
     from graphrunner.engine.llm import LLM
 
-    sizes = sorted({int(b) for b in args.batch_sizes.split(",")} | {1})
+    wanted = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = sorted(set(wanted) | {max(1, b // 2) for b in wanted} | {1})  # pipelined PP: P batches per set
     return LLM(
         model, dtype="bfloat16", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
         data_parallel_size=dp, max_num_seqs=max(sizes), max_num_batched_tokens=max(512, max(sizes) * PROMPT_LEN),
@@ -164,20 +167,41 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
     }
 
 
+def _throughput_pass(llm, n: int, out_len: int) -> dict:
+    """`n` requests of PROMPT_LEN random tokens and `out_len` greedy outputs each: output tokens/s
+    of one `generate` (under pipelined PP the engine keeps P batches of disjoint requests in flight)."""
+    import numpy as np
+
+    from graphrunner.protocol import SamplingParams
+
+    prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, PROMPT_LEN)).tolist()
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up: every batch shape once
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    return {"requests": n, "output_len": out_len, "wall_s": wall, "output_tokens_per_s": n * out_len / wall}
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
     kind = args.worker
-    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2), "dp2lock": (1, 1, 2)}[kind]
+    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2sync": (1, 2, 1), "dp2": (1, 1, 2),
+                  "dp2lock": (1, 1, 2)}[kind]
     model = args.dp_model if kind.startswith("dp2") else args.model
     start = time.perf_counter()
     llm = _llm(args, tp, pp, dp, model, lockstep=kind == "dp2lock")
     result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
                     "startup_s": time.perf_counter() - start}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if kind in ("tp1", "tp2", "pp2"):
+    if kind == "pp2sync":  # the same PP2 engine resolving every step at once: no batch overlaps another
+        llm._keep_in_flight = 0
+    if args.throughput and kind in ("tp1", "tp2", "pp2", "pp2sync"):
+        result["throughput"] = [_throughput_pass(llm, n, args.decode_steps) for n in batch_sizes]
+    elif kind in ("tp1", "tp2", "pp2"):
         result["decode"] = [_decode_pass(llm, bs, args.decode_steps) for bs in batch_sizes]
-    if kind == "pp2":
+    if kind == "pp2" and not args.throughput:
         waits = _instrument_bubble(llm)
         result["bubble"] = []
         for bs in batch_sizes:
@@ -206,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--configs", default="tp1,tp2,pp2,dp2")
+    p.add_argument("--throughput", action="store_true",
+                   help="tp1/tp2/pp2: output tokens/s of generate over --batch-sizes requests (not step times)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per world before it is killed")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -233,7 +259,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "graphrunner_tools.bench.dist_bench", "--worker", kind, "--result", str(path),
                *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                      ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
-                      "timeout")), [])]
+                      "timeout")), [])] + (["--throughput"] if args.throughput else [])
         t = time.perf_counter()
         status = launch(cmd, nproc, timeout=args.timeout)
         entry = json.loads(path.read_text()) if status == 0 and path.is_file() else {"config": kind}
@@ -247,6 +273,10 @@ def main(argv=None) -> int:
 
 def _markdown(results: list[dict]) -> str:
     lines = ["| config | bs | decode step median ms | p90 ms |", "|---|---|---|---|"]
+    for r in results:
+        for t in r.get("throughput", []):
+            lines.append(f"| {r['config']} | {t['requests']} requests x {t['output_len']} out | "
+                         f"{t['output_tokens_per_s']:.0f} output tok/s | {t['wall_s']:.3f} s |")
     for r in results:
         for d in r.get("decode", []):
             lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']:.3f} | {d['p90_ms']:.3f} |")
