@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from graphrunner.structured_outputs import StructuredOutputsParams
+
 # A request's seed lives in an int64 row (SamplingStates.seed) and the counter-based
 # RNG (sample/rng.py) hashes both 32-bit halves of it, so every int64 is a valid,
 # distinct seed; larger ints would not fit the row.
@@ -131,6 +133,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    stop: tuple[str, ...] = ()  # strings that end the request (the engine matches decoded text; needs a tokenizer)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         self.validate()
@@ -184,6 +188,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             bias = FrozenLogitBias(self.logit_bias)
             set_(self, "logit_bias", bias if bias else None)
+        stop_strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop_strings):
+            raise ValueError(f"stop={_show(self.stop)} must be a string or a list of non-empty strings")
+        set_(self, "stop", stop_strings)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={_show(self.structured_outputs)} must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:
