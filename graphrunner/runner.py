@@ -41,16 +41,16 @@ from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutp
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
 from graphrunner.spec_decode.step import make_speculative_step
-from graphrunner.state.requests import RequestState
-from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
 from graphrunner.state.validation import validate_scheduler_output
 from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import LogprobBuffers, StepBuffers
 from graphrunner.step.graphs import StepGraphs
-from graphrunner.step.inputs import InputBuffers
+from graphrunner.step.inputs import InputBatch, InputBuffers
 from graphrunner.step.output import PendingStep, StepOutputs
-from graphrunner.step.plan import StepPlanner
+from graphrunner.step.plan import DecodePlan, StepPlanner
+from graphrunner.step.readouts import RunnerReadouts
+from graphrunner.structured_outputs import GrammarOutput
 
 logger = logging.getLogger("graphrunner.runner")
 
@@ -65,7 +65,7 @@ def _inference_mode() -> Any:
     return guard(True) if guard is not None else torch.inference_mode()
 
 
-class ModelRunner:
+class ModelRunner(RunnerReadouts):
     """Runs steps of one model on one device over persistent, max-size buffers.
 
     `groups` places this runner in a TP x PP x DP world (`init_distributed`); None for a
@@ -127,6 +127,7 @@ class ModelRunner:
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self._pending: PendingStep | None = None
+        self._deferred: tuple[InputBatch, BatchExecutionDescriptor, DecodePlan | None] | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
 
     # ---- set-up -----------------------------------------------------------------
@@ -232,7 +233,7 @@ class ModelRunner:
         next input token of every request is read on the device from `last_sampled`).
         """
         self._require_kv_cache()
-        if self._pending is not None:
+        if self._pending is not None or self._deferred is not None:
             raise RuntimeError(
                 "execute_model() called twice without sample_tokens() in between; call sample_tokens() to "
                 "collect the pending step (the runner keeps it and stays usable)"
@@ -264,6 +265,15 @@ class ModelRunner:
             self.parallel.idle_step(graphs, self.body)  # DP: an idle replica joins the step's collectives
             return
         batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
+        if state.sampling.grammar_np[batch.idx_mapping_np].any():  # structured outputs: the masks come with
+            self._deferred = (batch, desc, plan)  # sample_tokens(grammar_output), then the step runs
+            return
+        self._launch(batch, desc, plan)
+
+    def _launch(self, batch: InputBatch, desc: BatchExecutionDescriptor, plan: DecodePlan | None) -> None:
+        """Run a prepared step and leave it pending (from execute_model; a deferred one from sample_tokens)."""
+        planner, graphs, state, prompt_lp = self.planner, self.graphs, self.state, self.prompt_logprobs
+        assert planner is not None and graphs is not None
         self.body.current_batch = batch
         self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
         self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
@@ -279,19 +289,24 @@ class ModelRunner:
         self._pending = PendingStep(batch, desc, produces, all_produce, done, current, verify)
         self._last_descriptor = desc
 
-    @property
-    def last_descriptor(self) -> BatchExecutionDescriptor | None:
-        """The descriptor the last executed step ran with (None before the first step)."""
-        return self._last_descriptor
-
-    def sample_tokens(self, async_output: bool = False) -> ModelRunnerOutput | AsyncOutput:
+    def sample_tokens(self, async_output: bool = False,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncOutput:
         """The step's sampled tokens.
+
+        grammar_output: the step's grammar masks (structured outputs, vLLM's shape). A step with
+        structured-output requests runs here, after its masks are uploaded (a request the output
+        does not list samples unconstrained); other steps ran in execute_model and ignore it.
 
         async_output=False: a `ModelRunnerOutput` (one blocking D2H copy).
         async_output=True: an `AsyncOutput` at once; `.get()` waits for the step's D2H copy
         (on the output copy stream) and returns the `ModelRunnerOutput`. At most 3 outputs may
         be unresolved at a time. Without a pending step the output is empty.
         """
+        if self._deferred is not None:
+            (batch, desc, plan), self._deferred = self._deferred, None
+            self.state.sampling.write_grammar(batch.idx_mapping_np, batch.req_ids, grammar_output)
+            with _inference_mode():
+                self._launch(batch, desc, plan)
         pending, self._pending = self._pending, None
         if pending is None:
             empty = ModelRunnerOutput.empty()
@@ -305,35 +320,6 @@ class ModelRunner:
         may place them in `scheduled_spec_decode_tokens`, or -1 placeholders read on the device."""
         drafts, self.outputs.drafts = self.outputs.drafts, None
         return drafts
-
-    # ---- what engines and tools read --------------------------------------------------
-    @property
-    def input_buffers(self) -> InputBuffers:
-        return self.buffers.inputs
-
-    @property
-    def req_states(self) -> RequestState:
-        return self.state.requests
-
-    @property
-    def sampling_states(self) -> SamplingStates:
-        return self.state.sampling
-
-    @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.limits.max_model_len
-
-    @property
-    def uniform_decode_query_len(self) -> int:
-        return self.limits.uniform_decode_query_len
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.state.block_tables.num_kv_blocks if self.state.block_tables is not None else 0
 
     # ---- helpers ----------------------------------------------------------------
     def _require_model(self) -> None:

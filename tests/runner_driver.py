@@ -63,7 +63,8 @@ class Driver:
         self.reqs[req_id] = _Req(list(prompt), params or SamplingParams(temperature=0.0), blocks)
         self._new.append(req_id)
 
-    def step(self, chunk: int | None = None) -> dict[str, list[int]]:
+    def step(self, chunk: int | None = None, grammar=None) -> dict[str, list[int]]:
+        """One step; `grammar(so)` (optional) gives the step's GrammarOutput for sample_tokens."""
         so = SchedulerOutput()
         for rid in self._new:
             r = self.reqs[rid]
@@ -84,7 +85,7 @@ class Driver:
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         self._new = []
         self.runner.execute_model(so)
-        out = self.runner.sample_tokens()
+        out = self.runner.sample_tokens(grammar_output=grammar(so) if grammar is not None else None)
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             r = self.reqs[rid]
             n = so.num_scheduled_tokens[rid]

@@ -202,8 +202,11 @@ class Sampler:
             prompt_len = s.prompt_len[rows].long()  # [R]
             num_output = (seq_len - prompt_len).clamp(min=0)  # [R] tokens generated before this one
         if features.any_logit_bias:
-            if s.allowed_mask is not None:  # without it, validate() rejects allowed_token_ids
-                x = apply_allowed(x, s.allowed_mask[rows], s.use_allowed[rows])
+            if s.allowed_mask is not None and s.grammar_mask is not None:  # else validate() rejects both
+                # allowed ids AND the step's grammar mask, one [R, V] pass (an unused mask is all ones)
+                allowed = torch.where(s.use_allowed[rows, None], s.allowed_mask[rows], -1)  # [R, W] int32
+                grammar = torch.where(s.use_grammar[rows, None], s.grammar_mask[rows], -1)  # [R, W] int32
+                x = apply_allowed(x, allowed & grammar, s.use_allowed[rows] | s.use_grammar[rows])
             x = apply_logit_bias(x, s.bias_ids[rows], s.bias_values[rows])
         if features.any_min_tokens:
             x = apply_min_tokens(x, s.stop_ids[rows], s.min_tokens[rows], num_output)

@@ -36,6 +36,7 @@ from graphrunner.state.features import (
     round_logprobs,
 )
 from graphrunner.state.staging import StagedWrites
+from graphrunner.structured_outputs import GrammarOutput
 
 DEFAULT_MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 DEFAULT_MAX_STOP_IDS = 16  # stop_token_ids + EOS ids masked by min_tokens
@@ -89,11 +90,12 @@ class SamplingStates:
         self.max_logprobs = max_logprobs
         self._allocate_rows(num_rows, device)
         self._allocate_mirrors(num_rows)
+        self.grammar_refusal: str | None = None  # why structured outputs are refused here (None: served)
         # Per-row scalar settings, staged by name at admission.
         self._scalars = {
             name: getattr(self, name)
             for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
-                         "presence_penalty", "prompt_len", "min_tokens", "use_allowed")
+                         "presence_penalty", "prompt_len", "min_tokens", "use_allowed", "use_grammar")
         }
 
     def _allocate_rows(self, num_rows: int, device: torch.device) -> None:
@@ -116,12 +118,15 @@ class SamplingStates:
         self.prompt_len = full(0, i32)  # [rows]
         self.min_tokens = full(0, i32)  # [rows], 0 = off
         self.use_allowed = full(False, torch.bool)  # [rows]
+        self.use_grammar = full(False, torch.bool)  # [rows]: structured outputs (the step's grammar mask row)
         self.bias_ids = torch.zeros(num_rows, self.max_logit_bias, dtype=torch.int64, device=device)  # [rows, B]
         self.bias_values = torch.zeros(num_rows, self.max_logit_bias, dtype=f32, device=device)  # [rows, B]
         self.stop_ids = torch.zeros(num_rows, self.max_stop_ids, dtype=torch.int64, device=device)  # [rows, S]
         words = -(-self.vocab_size // 32) if self.vocab_size is not None else 0
         # [rows, ceil(V/32)]: bit (v % 32) of word v // 32 set = token v allowed.
         self.allowed_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
+        # [rows, ceil(V/32)]: the step's grammar mask of each structured-output row (`write_grammar`).
+        self.grammar_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
 
     def _allocate_mirrors(self, num_rows: int) -> None:
         """Host mirrors of what decides a batch's code paths (`features`)."""
@@ -130,7 +135,8 @@ class SamplingStates:
         self.top_p_np = np.ones(num_rows, dtype=np.float64)
         self.min_p_np = np.zeros(num_rows, dtype=np.float64)
         self.penalties_np = np.zeros(num_rows, dtype=bool)
-        self.bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias or allowed_token_ids
+        self.bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias, allowed_token_ids or a grammar
+        self.grammar_np = np.zeros(num_rows, dtype=bool)  # structured outputs
         self.min_tokens_np = np.zeros(num_rows, dtype=bool)
         self.logprobs_np = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)
 
@@ -153,9 +159,13 @@ class SamplingStates:
                 )
         if params.allowed_token_ids is not None:
             check_ids("allowed_token_ids", params.allowed_token_ids)
+        if params.structured_outputs is not None and self.grammar_refusal:
+            raise ValueError(self.grammar_refusal)
+        if params.allowed_token_ids is not None or params.structured_outputs is not None:
             if self.allowed_mask is None:
                 raise ValueError(
-                    "allowed_token_ids need SamplingStates(vocab_size=...); this runner was built without it"
+                    "allowed_token_ids and structured_outputs need SamplingStates(vocab_size=...); this runner was "
+                    "built without it"
                 )
             if self.vocab_size != vocab_size:
                 raise ValueError(f"vocab_size={vocab_size} differs from SamplingStates.vocab_size={self.vocab_size}")
@@ -206,20 +216,22 @@ class SamplingStates:
         stop = self._min_tokens_ids(params, eos_ids) if params.min_tokens > 0 else []
         min_tokens = params.min_tokens if stop else 0  # nothing to mask: min_tokens is moot
         use_allowed = params.allowed_token_ids is not None
+        use_grammar = params.structured_outputs is not None
 
         self.random_np[row] = random
+        self.grammar_np[row] = use_grammar
         self.top_k_np[row] = top_k
         self.top_p_np[row] = params.top_p
         self.min_p_np[row] = params.min_p
         self.penalties_np[row] = params.uses_penalties
-        self.bias_np[row] = bool(params.logit_bias) or use_allowed
+        self.bias_np[row] = bool(params.logit_bias) or use_allowed or use_grammar
         self.min_tokens_np[row] = min_tokens > 0
         self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         scalars = dict(
             temperature=params.temperature, top_k=top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
             repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, prompt_len=prompt_len or 0, min_tokens=min_tokens,
-            use_allowed=use_allowed,
+            use_allowed=use_allowed, use_grammar=use_grammar,
         )
         for name, value in scalars.items():
             self.staging.stage(self._scalars[name], row, value)
@@ -245,6 +257,27 @@ class SamplingStates:
             bits[list(params.allowed_token_ids)] = True
             words = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
             staging.stage_row(self.allowed_mask, row, words)
+
+    def write_grammar(self, rows: np.ndarray, req_ids: list[str], grammar: GrammarOutput | None) -> None:
+        """Before a step that has structured-output rows samples: each such row's mask from
+        `grammar` (by request id; a row it does not list allows every token). Runs on the current
+        stream, outside graphs. rows: [R] the batch's state rows, req_ids: its request ids."""
+        assert self.grammar_mask is not None  # validate() refuses structured outputs without the bitmask
+        words = self.grammar_mask.shape[1]
+        mine = np.flatnonzero(self.grammar_np[rows])
+        host = np.full((len(mine), words), -1, dtype=np.int32)  # all bits set: every token allowed
+        if grammar is not None:
+            given = {rid: i for i, rid in enumerate(grammar.structured_output_request_ids)}
+            mask = grammar.grammar_bitmask
+            if mask.shape[1] > words:
+                raise ValueError(f"grammar_bitmask has {mask.shape[1]} words per row; the vocabulary needs {words}")
+            for j, entry in enumerate(mine.tolist()):
+                i = given.get(req_ids[entry])
+                if i is not None:  # words past the grammar's vocabulary (padding ids) stay forbidden
+                    host[j] = 0
+                    host[j, : mask.shape[1]] = mask[i]
+        index = torch.from_numpy(rows[mine].astype(np.int64)).to(self.device)
+        self.grammar_mask.index_copy_(0, index, torch.from_numpy(host).to(self.device))
 
     def apply_staged_writes(self) -> None:
         """Commit the staging (all of it: with the runner's shared staging, every holder's)."""

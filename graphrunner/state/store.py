@@ -40,6 +40,9 @@ class StateStore:
             self.requests.num_rows, device, base_seed=base_seed, vocab_size=vocab_size,
             all_token_ids=self.requests.all_token_ids, staging=self.staging,
         )
+        if num_speculative_tokens:  # a grammar mask per verified position is not built: one per row only
+            self.sampling.grammar_refusal = (f"structured_outputs with speculative decoding (num_speculative_tokens="
+                                             f"{num_speculative_tokens}) is not supported yet")
         self.block_tables: BlockTables | None = None
         self.on_row_freed: list[RowFreed] = []  # told of every row a removal frees (PP generations)
         self.on_removed: list[Callable[[str], None]] = []

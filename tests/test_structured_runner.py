@@ -1,0 +1,104 @@
+"""Structured outputs in the runner: a step's grammar masks decide what its constrained rows can sample.
+
+The runner gets the masks with `sample_tokens(grammar_output=...)` (vLLM's shape: request ids and
+one packed int32 bitmask row each); a step with structured-output rows runs only then. Checked
+against the rule itself: a constrained row samples a token its mask allows (greedy: the best
+allowed token under the unconstrained logits' order, found independently from a run that
+records the logits), unconstrained rows in the same batch are untouched, in eager mode and in
+(CPU-emulated) FULL graphs where the all-features variant applies the mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphrunner.config import CompilationConfig
+from graphrunner.protocol import SamplingParams
+from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
+from tests.runner_driver import Driver, make_runner
+
+GRAPHS = CompilationConfig(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4])
+CHOICE = StructuredOutputsParams(choice=["yes", "no"])  # the runner never reads the grammar itself
+
+
+def _mask(vocab: int, allowed: list[int]) -> np.ndarray:
+    bits = np.zeros(bitmask_words(vocab) * 32, dtype=bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").view("<u4").view(np.int32)[None, :]
+
+
+@pytest.fixture(scope="module", params=["eager", "graphs"])
+def runner(request):
+    r = make_runner(compilation=GRAPHS if request.param == "graphs" else None)
+    if request.param == "graphs":
+        r.capture_model(progress=False)
+    return r
+
+
+def _run(runner, allowed_per_step: list[list[int]], params: SamplingParams) -> tuple[list[int], list[int]]:
+    """Request "c" (constrained by allowed_per_step) beside "u" (unconstrained, greedy)."""
+    d = Driver(runner)
+    d.add("c", [3, 1, 4, 1, 5], SamplingParams(**{**params.__dict__, "structured_outputs": CHOICE}))
+    d.add("u", [2, 7, 1, 8], SamplingParams(temperature=0.0))
+    V = runner.vocab_size
+    for allowed in allowed_per_step:
+        d.step(grammar=lambda so, allowed=allowed: GrammarOutput(["c"], _mask(V, allowed)))
+    toks = d.reqs["c"].outputs, d.reqs["u"].outputs
+    for rid in ("c", "u"):
+        d.finish(rid)
+    return toks
+
+
+def _unconstrained(runner, steps: int) -> list[int]:
+    d = Driver(runner)
+    d.add("u", [2, 7, 1, 8], SamplingParams(temperature=0.0))
+    for _ in range(steps):
+        d.step()
+    out = d.reqs["u"].outputs
+    d.finish("u")
+    return out
+
+
+@given(allowed=st.lists(st.lists(st.integers(0, 2047), min_size=1, max_size=6, unique=True), min_size=1, max_size=4),
+       temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**31))
+def test_constrained_rows_sample_only_allowed_tokens(runner, allowed, temperature, seed) -> None:
+    constrained, free = _run(runner, allowed, SamplingParams(temperature=temperature, seed=seed, max_tokens=8))
+    assert all(tok in ok for tok, ok in zip(constrained, allowed, strict=True))
+    assert free == _unconstrained(runner, len(allowed))  # the other row of the batch is untouched
+
+
+def test_a_single_allowed_token_is_forced(runner) -> None:
+    forced = [[11], [1999], [0], [7]]
+    constrained, _ = _run(runner, forced, SamplingParams(temperature=0.8, seed=3))
+    assert constrained == [11, 1999, 0, 7]
+
+
+def test_missing_grammar_output_leaves_the_row_unconstrained() -> None:
+    runner = make_runner()
+    d = Driver(runner)
+    d.add("c", [2, 7, 1, 8], SamplingParams(temperature=0.0, structured_outputs=CHOICE))
+    for _ in range(3):
+        d.step()
+    assert d.reqs["c"].outputs == _unconstrained(runner, 3)
+
+
+def test_structured_outputs_refused_with_speculative_decoding() -> None:
+    runner = make_runner(speculative={"method": "ngram", "num_speculative_tokens": 2})
+    d = Driver(runner)
+    d.add("c", [2, 7, 1, 8], SamplingParams(temperature=0.0, structured_outputs=CHOICE))
+    with pytest.raises(ValueError, match="structured_outputs with speculative decoding"):
+        d.step()
+
+
+def test_grammar_output_shape_is_checked() -> None:
+    with pytest.raises(ValueError, match="one row per request id"):
+        GrammarOutput(["a", "b"], np.zeros((1, 4), dtype=np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        GrammarOutput(["a"], np.zeros((1, 4), dtype=np.int64))
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+    assert torch.tensor(_mask(64, [0, 33])).tolist() == [[1, 2]]
