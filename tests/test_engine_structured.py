@@ -1,0 +1,129 @@
+"""The engine's grammar matchers (graphrunner.engine.structured): masks per step, advance, completion.
+
+A tiny backend over token ids (a choice among token sequences) checks `StructuredOutputs` itself
+without a grammar library; the xgrammar backend is checked over a small offline tokenizer when
+xgrammar is installed (the optional extra `graphrunner[structured]`).
+"""
+
+from __future__ import annotations
+
+import string
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphrunner.engine.structured import StructuredOutputs, XGrammarBackend
+from graphrunner.protocol import SchedulerOutput
+from graphrunner.structured_outputs import StructuredOutputsParams, bitmask_words
+
+VOCAB = 64
+
+
+def _allowed(row: np.ndarray, vocab: int = VOCAB) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]).tolist())
+
+
+class _SequenceChoice:
+    """Matcher: the output is one of `choices` (token-id tuples)."""
+
+    def __init__(self, choices: list[tuple[int, ...]]) -> None:
+        self.choices, self.prefix = choices, ()
+
+    def _live(self) -> list[tuple[int, ...]]:
+        return [c for c in self.choices if c[: len(self.prefix)] == self.prefix]
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        bits = np.zeros(len(out) * 32, dtype=bool)
+        for c in self._live():
+            if len(c) > len(self.prefix):
+                bits[c[len(self.prefix)]] = True
+        out[:] = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
+
+    def accept_token(self, token: int) -> bool:
+        if not any(len(c) > len(self.prefix) and c[len(self.prefix)] == token for c in self._live()):
+            return False
+        self.prefix += (token,)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.prefix in self.choices
+
+
+class _Backend:
+    def compile(self, params: StructuredOutputsParams) -> _SequenceChoice:
+        assert params.choice is not None
+        return _SequenceChoice([tuple(int(t) for t in c.split()) for c in params.choice])
+
+
+def _so(*req_ids: str) -> SchedulerOutput:
+    so = SchedulerOutput()
+    so.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    return so
+
+
+@given(choices=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4, unique=True), min_size=1,
+                        max_size=4, unique_by=tuple), pick=st.integers(0, 3))
+def test_masks_follow_the_matcher_until_the_grammar_completes(choices, pick) -> None:
+    so_ = StructuredOutputs(_Backend(), VOCAB)
+    params = StructuredOutputsParams(choice=[" ".join(map(str, c)) for c in choices])
+    so_.add("r", params)
+    target = choices[pick % len(choices)]
+    for i, token in enumerate(target):
+        out = so_.grammar_output(_so("r", "free"))
+        assert out is not None and out.structured_output_request_ids == ["r"]  # "free" has no grammar
+        assert out.grammar_bitmask.shape == (1, bitmask_words(VOCAB))
+        assert token in _allowed(out.grammar_bitmask[0])
+        done = so_.accept("r", [token])
+        complete = tuple(target[: i + 1]) in {tuple(c) for c in choices}
+        assert done == complete
+        if done:
+            break
+    assert so_.grammar_output(_so("free")) is None
+
+
+def test_a_disallowed_token_ends_the_request_and_errors_name_it() -> None:
+    so_ = StructuredOutputs(_Backend(), VOCAB)
+    so_.add("r", StructuredOutputsParams(choice=["1 2"]))
+    assert so_.accept("r", [5]) is True  # not allowed: the request must end
+    with pytest.raises(ValueError, match="request 'x': structured_outputs need a tokenizer"):
+        StructuredOutputs(None, VOCAB).add("x", StructuredOutputsParams(regex="a+"))
+    StructuredOutputs(None, VOCAB).add("y", None)  # unconstrained requests need nothing
+
+
+def _tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for piece in [*string.ascii_lowercase, *string.digits, *' {}":,[]', "yes", "no", "true", "false"]:
+        vocab[piece] = len(vocab)
+    model = tokenizers.models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=100)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def test_xgrammar_backend_masks_choice_regex_json_and_ebnf() -> None:
+    pytest.importorskip("xgrammar")
+    tok = _tokenizer()
+    so_ = StructuredOutputs(XGrammarBackend(tok, VOCAB), VOCAB)
+    ids = tok.convert_tokens_to_ids
+    so_.add("choice", StructuredOutputsParams(choice=["yes", "no"]))
+    so_.add("regex", StructuredOutputsParams(regex="[0-9]+"))
+    so_.add("json", StructuredOutputsParams(json={"type": "boolean"}))
+    so_.add("ebnf", StructuredOutputsParams(grammar='root ::= "a" "b"*'))
+    out = so_.grammar_output(_so("choice", "regex", "json", "ebnf"))
+    assert out is not None
+    masks = dict(zip(out.structured_output_request_ids, out.grammar_bitmask, strict=True))
+    assert {ids("yes"), ids("no")} <= _allowed(masks["choice"]) and ids("7") not in _allowed(masks["choice"])
+    assert ids("7") in _allowed(masks["regex"]) and ids("a") not in _allowed(masks["regex"])
+    assert ids("true") in _allowed(masks["json"]) and ids("7") not in _allowed(masks["json"])
+    assert _allowed(masks["ebnf"]) == {ids("a")}
+    assert so_.accept("choice", [ids("no")]) is False  # the choice is complete: only EOS may follow
+    after = so_.grammar_output(_so("choice"))
+    assert after is not None and _allowed(after.grammar_bitmask[0]) == {tok.eos_token_id}
+    assert so_.accept("choice", [tok.eos_token_id]) is True  # terminated
+    assert so_.accept("ebnf", [ids("a"), ids("b")]) is False  # "b"* may go on
+    with pytest.raises(ValueError, match="request 'bad': structured_outputs regex does not compile"):
+        so_.add("bad", StructuredOutputsParams(regex="(unclosed"))
