@@ -135,35 +135,18 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(0)  # never hang in interpreter teardown after a clean shutdown
 
-    import torch
+    from graphrunner_tools.bench.worlds import all_ok, run_worlds
 
-    from graphrunner.distributed.launch import launch
-
+    worker_args = ["--model", args.model, "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
+                   "--timeout", str(args.timeout), "--decode-context", str(args.decode_context),
+                   "--decode-steps", str(args.decode_steps)]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for kind in args.configs.split(","):
-        tp, pcp, _ = CONFIGS[kind]
-        nproc = tp * pcp
-        if nproc > torch.cuda.device_count():
-            results.append({"config": kind, "skipped": f"needs {nproc} GPUs"})
-            continue
-        path = out / f"cp_bench_{kind}.json"
-        path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "graphrunner_tools.bench.cp_bench", "--worker", kind, "--result", str(path),
-               "--model", args.model, "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
-               "--timeout", str(args.timeout), "--decode-context", str(args.decode_context),
-               "--decode-steps", str(args.decode_steps)]
-        t = time.perf_counter()
-        status = launch(cmd, nproc, timeout=args.timeout)
-        entry = json.loads(path.read_text()) if status == 0 and path.is_file() else {"config": kind}
-        entry.update(status=status, wall_s=round(time.perf_counter() - t, 1))
-        results.append(entry)
-        (out / "cp_bench.json").write_text(json.dumps(results, indent=1))
+    results = run_worlds("graphrunner_tools.bench.cp_bench", args.configs.split(","),
+                         lambda kind: CONFIGS[kind][0] * CONFIGS[kind][1], worker_args, out, "cp_bench", args.timeout)
     text = markdown(results)
     (out / "cp_bench.md").write_text(text)
     print(text)
-    return 0 if all(r.get("status", 0) == 0 for r in results) else 1
+    return all_ok(results)
 
 
 def markdown(results: list[dict]) -> str:

@@ -241,34 +241,17 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(0)  # never hang in interpreter teardown after a clean shutdown
 
-    import torch
+    from graphrunner_tools.bench.worlds import all_ok, run_worlds
 
-    from graphrunner.distributed.launch import launch
-
+    worker_args = [*sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
+                         ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
+                          "timeout")), []), *(["--throughput"] if args.throughput else [])]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpus = torch.cuda.device_count()
-    results = []
-    for kind in args.configs.split(","):
-        nproc = 1 if kind == "tp1" else 2
-        if nproc > gpus:
-            results.append({"config": kind, "skipped": f"needs {nproc} GPUs, found {gpus}"})
-            continue
-        path = out / f"dist_bench_{kind}.json"
-        path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "graphrunner_tools.bench.dist_bench", "--worker", kind, "--result", str(path),
-               *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
-                     ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
-                      "timeout")), [])] + (["--throughput"] if args.throughput else [])
-        t = time.perf_counter()
-        status = launch(cmd, nproc, timeout=args.timeout)
-        entry = json.loads(path.read_text()) if status == 0 and path.is_file() else {"config": kind}
-        entry.update(status=status, wall_s=round(time.perf_counter() - t, 1))
-        results.append(entry)
-        (out / "dist_bench.json").write_text(json.dumps(results, indent=1))
+    results = run_worlds("graphrunner_tools.bench.dist_bench", args.configs.split(","),
+                         lambda kind: 1 if kind == "tp1" else 2, worker_args, out, "dist_bench", args.timeout)
     (out / "dist_bench.md").write_text(_markdown(results))
     print(_markdown(results))
-    return 0 if all(r.get("status", 0) == 0 for r in results) else 1
+    return all_ok(results)
 
 
 def _markdown(results: list[dict]) -> str:

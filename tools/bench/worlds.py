@@ -1,0 +1,50 @@
+"""Multi-GPU benchmark worlds: each configuration runs as its own `graphrunner launch` world.
+
+A benchmark module runs itself as the worker (`--worker KIND --result PATH`): every rank builds the
+engine, rank 0 writes its JSON result. `run_worlds` launches one world per configuration (skipping
+those that need more GPUs than there are), collects the results with each world's exit status and
+wall time, and rewrites OUT/STEM.json after every world, so a killed run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def run_worlds(module: str, kinds: Sequence[str], nproc_of: Callable[[str], int], worker_args: Sequence[str],
+               out: Path, stem: str, timeout: float) -> list[dict]:
+    """Launch `python -m module --worker KIND --result PATH *worker_args` on nproc_of(KIND) ranks, per KIND."""
+    import torch
+
+    from graphrunner.distributed.launch import launch
+
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    results: list[dict] = []
+    for kind in kinds:
+        nproc = nproc_of(kind)
+        if nproc > gpus:
+            results.append({"config": kind, "skipped": f"needs {nproc} GPUs, found {gpus}"})
+            continue
+        path = out / f"{stem}_{kind}.json"
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", module, "--worker", kind, "--result", str(path), *worker_args]
+        start = time.perf_counter()
+        status = launch(cmd, nproc, timeout=timeout)
+        entry = json.loads(path.read_text()) if status == 0 and path.is_file() else {"config": kind}
+        entry.update(status=status, wall_s=round(time.perf_counter() - start, 1))
+        results.append(entry)
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def all_ok(results: Sequence[dict]) -> int:
+    """The process exit code: 0 when every world exited cleanly."""
+    return 0 if all(r.get("status", 0) == 0 for r in results) else 1
+
+
+__all__ = ["all_ok", "run_worlds"]
