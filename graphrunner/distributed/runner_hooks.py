@@ -78,6 +78,7 @@ class ParallelHooks:
         self.last_dp_decision: Any = None
         self.num_dummy_steps = 0  # idle-DP-rank dummy steps run so far
         self.pp_handler: Any = None
+        self._sends: list[Any] = []  # the last step's hidden-state sends (dist.Work), waited at the next
         # Pipelined PP (no speculation): a non-last stage applies a step's tokens when its output
         # is taken, not in the step, so it can run the next batches meanwhile (module docstring).
         self.defers_tokens = groups.pp_size > 1 and spec is None and not self.is_last_stage
@@ -120,8 +121,16 @@ class ParallelHooks:
         if self.pp_handler is not None:
             self.pp_handler.generations.bump(row)
 
+    def _finish_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        if sends:
+            with self.exchange(f"PP send of the previous step's hidden states to rank {self.pp.next_rank}"):
+                for work in sends:
+                    work.wait()
+
     def close(self) -> None:
-        """Finish in-flight broadcasts (before the groups are destroyed)."""
+        """Finish in-flight sends and broadcasts (before the groups are destroyed)."""
+        self._finish_sends()
         if self.pp_handler is not None:
             self.pp_handler.close()
             self.pp_handler = None
@@ -194,7 +203,9 @@ class ParallelHooks:
 
     # ---- per step: PP -----------------------------------------------------------------
     def before_forward(self, num_tokens_padded: int) -> None:
-        """Non-first stages: receive the previous stage's output for this step."""
+        """Non-first stages: receive the previous stage's output for this step. Non-last stages
+        first finish the previous step's sends (this step rewrites their buffers)."""
+        self._finish_sends()
         stage = self.stage
         if stage.hidden_in is None or stage.residual_in is None:
             return
@@ -218,8 +229,10 @@ class ParallelHooks:
         if stage.hidden_out is not None and stage.residual_out is not None:
             dst, group = self.pp.next_rank, self.pp.device_group
             with self.exchange(f"PP send of the step's hidden states to rank {dst}"):
-                dist.send(stage.hidden_out[:Tp], dst=dst, group=group)
-                dist.send(stage.residual_out[:Tp], dst=dst, group=group)
+                # Non-blocking: waited for when the buffers are next rewritten (`before_forward`),
+                # so the host goes on to the next batch while the hidden states travel.
+                self._sends = [dist.isend(stage.hidden_out[:Tp], dst=dst, group=group),
+                               dist.isend(stage.residual_out[:Tp], dst=dst, group=group)]
         if produces is not None:
             with self.exchange("PP broadcast of the sampled tokens from the last stage"):
                 if self.defers_tokens:  # queue the receive; the tokens are applied by `take_tokens`
