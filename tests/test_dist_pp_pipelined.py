@@ -6,8 +6,9 @@ applies them when the engine resolves step T (`ParallelHooks.take_tokens`). Each
 several randomized workloads (request churn: prompts of many lengths, different max_tokens,
 so requests finish and rows change hands mid-flight; chunked prefill under a small token
 budget; a small KV cache that preempts), with and without async scheduling, and compares
-every rank's greedy tokens with one process. It also checks that the pipeline really ran
-ahead: some step was launched while an earlier one was still unresolved.
+every rank's tokens (greedy and seeded random requests) with one process. It also checks
+that the pipeline really ran ahead: some step was launched while an earlier one was still
+unresolved.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ LLM_ARGS = dict(device="cpu", max_num_seqs=6, max_num_batched_tokens=24, max_mod
 GRAPH_ARGS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24])
 
 
-def _workloads(seed: int, count: int = 3) -> list[tuple[list[list[int]], list[int]]]:
+def _workloads(seed: int, count: int = 3) -> list[tuple[list[list[int]], list[int], list[int]]]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         n = int(rng.integers(3, 9))
         prompts = [rng.integers(1, 2000, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
-        out.append((prompts, rng.integers(1, 12, size=n).tolist()))
+        out.append((prompts, rng.integers(1, 12, size=n).tolist(), rng.integers(0, 2, size=n).tolist()))
     return out
 
 
@@ -47,8 +48,10 @@ def _generate(rank: int, world: int, pp: int, extra: dict, seed: int) -> dict:
 
     llm._resolve_oldest = counting_resolve  # type: ignore[method-assign]
     tokens = []
-    for prompts, max_tokens in _workloads(seed):
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    for prompts, max_tokens, seeded in _workloads(seed):
+        # Greedy and seeded random requests: a seeded draw depends on the request only, not the batch.
+        params = [SamplingParams(max_tokens=m, temperature=0.9 if r else 0.0, top_p=0.9, seed=17 + i,
+                                 ignore_eos=True) for i, (m, r) in enumerate(zip(max_tokens, seeded, strict=True))]
         tokens.append([o.token_ids for o in llm.generate(prompts, params)])
     info = {"tokens": tokens, "most_in_flight": most_in_flight, "preemptions": llm.scheduler.num_preemptions,
             "pipelined": llm.runner.parallel.defers_tokens}

@@ -127,3 +127,53 @@ def test_xgrammar_backend_masks_choice_regex_json_and_ebnf() -> None:
     assert so_.accept("ebnf", [ids("a"), ids("b")]) is False  # "b"* may go on
     with pytest.raises(ValueError, match="request 'bad': structured_outputs regex does not compile"):
         so_.add("bad", StructuredOutputsParams(regex="(unclosed"))
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    pytest.importorskip("xgrammar")
+    from tests.test_engine_text import make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("structured_model"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_llm_output_follows_choice_regex_and_json(text_folder, async_scheduling: bool) -> None:
+    """Random weights: only the masks make the outputs valid. The request ends when its grammar is
+    complete (EOS, the one token the mask then allows); an unconstrained request runs beside them."""
+    import json
+
+    from graphrunner.engine import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM(str(text_folder), device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=128, block_size=8, num_kv_blocks=96, async_scheduling=async_scheduling)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(
+            choice=["hello world", "the graph runner"])),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=5, structured_outputs=StructuredOutputsParams(
+            regex="(the|fox) (quick|lazy) dog")),
+        SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    ]
+    outs = llm.generate(["hello", "the", "café", "hello world"], params)
+    llm.shutdown()
+    assert outs[0].text in ("hello world", "the graph runner") and outs[0].finish_reason == "stop"
+    assert outs[1].text in ("the quick dog", "the lazy dog", "fox quick dog", "fox lazy dog")
+    assert isinstance(json.loads(outs[2].text)["ok"], bool)
+    assert len(outs[3].token_ids) == 6  # unconstrained, untouched
+
+
+def test_structured_outputs_without_a_tokenizer_are_refused() -> None:
+    from graphrunner.engine import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM("builtin:tiny-llama", device="cpu", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="request '0': structured_outputs need a tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+    llm.shutdown()

@@ -3,6 +3,8 @@
     llm = LLM("builtin:tiny-llama")
     outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
     outputs[0].token_ids
+    for delta in llm.generate_stream(["Hello"], SamplingParams(stop=["."])):  # text: a folder with a tokenizer
+        print(delta.text, end="")                 # new tokens as they are sampled; llm.abort_request(id)
 
 It drives a `ModelRunner` only through the runner's public API, the way an outside
 engine would: build a `RunnerConfig`, load, size and allocate the KV cache, then loop
@@ -25,40 +27,26 @@ and gather the outputs, so `generate` returns the full, identical result list on
 
 from __future__ import annotations
 
-import json
-import numbers
 import os
 from collections import deque
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
-from graphrunner.config import (
-    CacheConfig,
-    CompilationConfig,
-    LoadConfig,
-    ParallelConfig,
-    RunnerConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    resolve_device,
-    resolve_dtype,
-)
-from graphrunner.engine.options import (
-    check_compilation_kwargs,
-    parallel_config,
-    per_prompt_params,
-    resolve_speculative_config,
-)
+from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from graphrunner.engine.batch_trace import append_record
+from graphrunner.engine.data_parallel import any_replica, gather_replicas
+from graphrunner.engine.detokenizer import load_text_tokenizer
+from graphrunner.engine.options import check_compilation_kwargs, parallel_config, resolve_speculative_config
+from graphrunner.engine.outputs import OutputProcessor
+from graphrunner.engine.prompts import PlannedRequests, plan_requests
 from graphrunner.engine.request import RequestOutput
+from graphrunner.engine.runner_config import build_runner_config
 from graphrunner.engine.scheduler import Scheduler
+from graphrunner.engine.structured import make_structured_outputs
+from graphrunner.engine.workers import WorkerLLM, wants_workers
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
-
-# The default context when the caller gives none: long enough for demos, small enough
-# that a model with a huge max_position_embeddings does not size huge runner buffers.
-DEFAULT_MAX_MODEL_LEN = 2048
 
 
 class LLM:
@@ -99,8 +87,19 @@ class LLM:
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
             (`SpeculativeConfig`; a dict, its JSON text, or None: off). Every decode then
             verifies k drafts the runner proposed; greedy tokens are those without it.
+        skip_tokenizer_init: do not load the model folder's tokenizer (vLLM's name): token ids
+            in and out only. Otherwise a folder with tokenizer files takes text prompts, fills
+            `RequestOutput.text` and honours `SamplingParams.stop` (transformers.AutoTokenizer).
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A plain process asking for several ranks gets a `WorkerLLM` that starts and drives them."""
+        world = 1
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size"):
+            world *= int(kwargs.get(name, 1))
+        return WorkerLLM(world, cls, args, kwargs) if wants_workers(world) else super().__new__(cls)
 
     def __init__(
         self,
@@ -128,9 +127,11 @@ class LLM:
         data_parallel_lockstep: bool = False,
         collective_timeout_s: float = 60.0,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+        skip_tokenizer_init: bool = False,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
+        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(model)  # before the model: fails fast
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size,
@@ -140,12 +141,11 @@ class LLM:
         )
         speculative = resolve_speculative_config(speculative_config)
         self._init_distributed(parallel, device, dtype)
-        self.config = self._build_config(
-            model, parallel, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size, seed=seed, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, enforce_eager=enforce_eager,
-            compilation_kwargs=kwargs, speculative=speculative,
-        )
+        self.config = build_runner_config(
+            model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
+            seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative)
         self._init_runner()
         # Pipelined PP (no speculation): up to P batches of disjoint requests in flight, through
         # the async loop; each non-last stage takes a step's tokens when its output is resolved.
@@ -154,10 +154,11 @@ class LLM:
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
                              "stages exchange a speculative step's outcome within the step; use one of them")
         self.scheduler = self._make_scheduler(async_scheduling, pipelined)
+        self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
+        self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers
         self.async_scheduling = async_scheduling or pipelined
         self._keep_in_flight = max(1, parallel.pipeline_parallel_size - 1) if pipelined else 1
-        # Async scheduling: the launched steps whose outputs are not applied yet, oldest first.
-        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()  # launched, not applied yet; oldest first
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
 
@@ -170,41 +171,6 @@ class LLM:
         self.groups = init_distributed(parallel, self.device)
         self.device = self.groups.device
         self.dtype = resolve_dtype(dtype, self.device)
-
-    def _build_config(
-        self, model: str, parallel: ParallelConfig, *, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-        max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
-        gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
-        speculative: SpeculativeConfig,
-    ) -> RunnerConfig:
-        """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
-        from graphrunner.models.loader import is_builtin, load_model_config
-
-        model_config = load_model_config(model)
-        if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if load_format == "auto" and is_builtin(model):
-            load_format = "dummy"  # builtins have no checkpoint
-        if enforce_eager is None:
-            enforce_eager = self.device.type != "cuda"
-        return RunnerConfig(
-            model=model_config,
-            load=LoadConfig(model=model, load_format=load_format, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size, num_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=True,
-            ),
-            parallel=parallel,
-            compilation=CompilationConfig(enforce_eager=enforce_eager, **compilation_kwargs),
-            speculative=speculative,
-            dtype=dtype,
-            seed=seed,
-        )
 
     def _init_runner(self) -> None:
         """Build the `ModelRunner`, load the weights, allocate the KV cache, then capture graphs unless eager."""
@@ -247,6 +213,10 @@ class LLM:
         (vocabulary, slot counts).
         """
         self.scheduler.check_request(req_id, prompt, params)
+        self._structured.check(req_id, params.structured_outputs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {req_id!r}: stop={list(params.stop)} needs a tokenizer to match decoded text, "
+                             f"and model {self.config.load.model!r} has none (use stop_token_ids)")
         try:
             params.validate()
             self.runner.sampling_states.validate(params, self.vocab_size, self.runner.eos_token_ids,
@@ -268,41 +238,18 @@ class LLM:
 
     def generate(
         self,
-        prompt_token_ids: Sequence[Sequence[int]],
+        prompts: str | Sequence[Sequence[int] | str],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order.
 
+        A prompt is a list of token ids, or a text when the model has a tokenizer.
         `sampling_params` is one setting for all prompts, one per prompt, or None for the
         defaults. A bad prompt raises ValueError before any step runs and leaves no trace.
         """
-        if isinstance(prompt_token_ids, (str, bytes)) or (
-            len(prompt_token_ids) and isinstance(prompt_token_ids[0], (numbers.Integral, str))
-        ):
-            raise TypeError("prompt_token_ids must be a list of token-id lists, one per prompt")
-        params = per_prompt_params(sampling_params, len(prompt_token_ids))
-        dp_size, dp_rank = self.groups.dp_size, self.groups.dp_rank
-        # Request ids are global prompt numbers, identical whatever the DP layout.
-        base = self._next_req_id
-        all_ids = [str(base + i) for i in range(len(prompt_token_ids))]
-        mine = list(range(dp_rank, len(prompt_token_ids), dp_size))
-        # Every prompt is checked (on every rank, so DP ranks fail alike) before any is
-        # queued: a bad request raises here and never becomes live.
-        for i, req_id in enumerate(all_ids):
-            self._check_request(req_id, prompt_token_ids[i], params[i])
-        self._next_req_id += len(prompt_token_ids)
-        req_ids: list[str] = []
-        try:
-            for i in mine:
-                self.scheduler.add_request(all_ids[i], prompt_token_ids[i], params[i])
-                req_ids.append(all_ids[i])
-        except BaseException:
-            for req_id in req_ids:
-                self.scheduler.abort_request(req_id)
-            raise
-
+        all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False)
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(req_ids)) if use_tqdm else None
         try:
@@ -321,9 +268,92 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        if dp_size > 1:
+        if self.groups.dp_size > 1:
             results = self._gather_results(results)
         return [results[req_id] for req_id in all_ids]
+
+    def generate_stream(
+        self,
+        prompts: str | Sequence[Sequence[int] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generate for every prompt, yielding each request's news as its tokens are sampled.
+
+        Each yielded `RequestOutput` is a delta: the request's new `token_ids` (and `text`,
+        and `logprobs`) since its previous one; the last one per request has its
+        `finish_reason`. `out.req_id` names the request (the prompt's global number, as a
+        string). `abort_request(req_id)` inside the loop ends that request: its last delta
+        comes next, with finish_reason "abort". Leaving the loop early aborts the rest.
+        Bad prompts raise here, before the first iteration; the requests are queued when
+        it starts. Under DP each replica yields its own share of the prompts.
+        """
+        return self._stream(self._plan_requests(prompts, sampling_params))
+
+    def _stream(self, planned: PlannedRequests) -> Iterator[RequestOutput]:
+        req_ids = self._queue_requests(planned, stream=True)
+        live = set(req_ids)
+        try:
+            while True:
+                deltas = self._outputs.process([])[1] if self._outputs.has_pending else []
+                if not deltas:
+                    if not self._any_unfinished():
+                        break
+                    deltas = self._step_outputs()[1]
+                for out in deltas:
+                    if out.req_id in live:
+                        if out.finished:
+                            live.discard(out.req_id)
+                        yield out
+            self._resolve_in_flight()
+        except GeneratorExit:  # the caller left the loop: nothing of this call stays live
+            for req_id in live:
+                self.scheduler.abort_request(req_id)
+            self._outputs.forget(set(req_ids))
+            raise
+        except BaseException:
+            self._abort_after_failure()
+            raise
+
+    def abort_request(self, req_id: str | Iterable[str]) -> None:
+        """End live requests (vLLM's name); unknown or finished ids are ignored. The runner frees
+        their rows with the next step; an aborted request's output ("abort", with the tokens it
+        had) comes from the next `step()` (or the stream), its tokens still in flight are dropped."""
+        for one in [req_id] if isinstance(req_id, str) else list(req_id):
+            out = self.scheduler.abort_request(one)
+            if out is not None:
+                self._outputs.add_finished(out)
+
+    def _add_requests(
+        self, prompts: str | Sequence[Sequence[int] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, stream: bool,
+    ) -> tuple[list[str], list[str]]:
+        """Check and queue a call's prompts: (every request id, those of this DP replica)."""
+        planned = self._plan_requests(prompts, sampling_params)
+        return planned.all_ids, self._queue_requests(planned, stream)
+
+    def _plan_requests(
+        self, prompts: str | Sequence[Sequence[int] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> PlannedRequests:
+        """A call's requests, every one checked (on every rank, so DP ranks fail alike) before any is queued."""
+        planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request)
+        self._next_req_id += len(planned.all_ids)
+        return planned
+
+    def _queue_requests(self, planned: PlannedRequests, stream: bool) -> list[str]:
+        """Queue this DP replica's share of checked requests; returns their ids."""
+        req_ids: list[str] = []
+        try:
+            for i in range(self.groups.dp_rank, len(planned.all_ids), self.groups.dp_size):
+                req = self.scheduler.add_request(planned.all_ids[i], planned.prompts[i], planned.params[i])
+                self._structured.add(req.req_id, planned.params[i].structured_outputs)
+                self._outputs.add_request(req.req_id, req.prompt_token_ids, planned.params[i], stream)
+                req_ids.append(req.req_id)
+        except BaseException:
+            for req_id in req_ids:
+                self.scheduler.abort_request(req_id)
+            raise
+        return req_ids
 
     def _abort_after_failure(self) -> None:
         """Recover from a step that raised: abort the live requests (those of the failed
@@ -347,29 +377,14 @@ class LLM:
         except Exception:
             pass
         self.scheduler.abort_after_failure()
+        self._outputs.clear()
 
     def _any_unfinished(self) -> bool:
         """Whether this replica (lockstep DP: any replica) still has work (one tiny CPU all-reduce)."""
-        local = self.scheduler.has_unfinished_requests()
-        group = self.groups.dp.cpu_group
-        if group is None or not self.groups.dp_lockstep:
-            return local
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(local)], dtype=torch.int64)
-        with self.runner.parallel.exchange("DP check for unfinished requests (all-reduce over the replicas)"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return any_replica(self.scheduler.has_unfinished_requests(), self.groups, self.runner.parallel)
 
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
-        import torch.distributed as dist
-        gathered: list[Any] = [None] * self.groups.dp_size
-        with self.runner.parallel.exchange("DP gather of the outputs (all-gather over the replicas)"):
-            dist.all_gather_object(gathered, results, group=self.groups.dp.cpu_group)
-        merged: dict[str, RequestOutput] = {}
-        for part in gathered:
-            merged.update(part)
-        return merged
+        return gather_replicas(results, self.groups, self.runner.parallel)
 
     def shutdown(self) -> None:
         """Release graphs, pool and cache, then the process groups (in that order). Idempotent."""
@@ -387,15 +402,23 @@ class LLM:
         self.shutdown()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it (none when idle).
+        """Run one engine step; returns the requests that finished in it (none when idle),
+        and those aborted since the last step.
 
         With async scheduling, the requests whose end became known in it: the output
         resolved in a step is the previous step's. Under DP an idle replica still runs the
         step (a dummy one) under lockstep DP: call it only while `_any_unfinished()` says
         some replica has work, as `generate` does.
         """
-        if self.async_scheduling:
-            return self._step_async()
+        return self._step_outputs()[0]
+
+    def _step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """One step: (the finished requests' outputs, the stream deltas); see `OutputProcessor`."""
+        finished = self._step_async() if self.async_scheduling else self._step_sync()
+        return self._outputs.process(finished)
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedule, execute and sample one step, and apply its output."""
         if not self.scheduler.has_unfinished_requests():
             if self.groups.dp_lockstep:
                 # An empty plan (it still carries the ids of requests finished last step).
@@ -412,13 +435,14 @@ class LLM:
             )
         self.runner.execute_model(scheduler_output)
         if self.record_batches is not None:
-            self._record_batch(scheduler_output)
-        runner_output = cast(ModelRunnerOutput, self.runner.sample_tokens())
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            append_record(self.record_batches, scheduler_output, self.runner)
+        runner_output = cast(ModelRunnerOutput, self._structured.sample(self.runner, scheduler_output))
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return finished + self._structured.after_output(runner_output, self.scheduler)
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch the next step, then apply the previous one's output (one step late)."""
-        launched = None
+        launched, early = None, []
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
@@ -434,14 +458,16 @@ class LLM:
                 self.runner.execute_model(scheduler_output)
             if scheduled:
                 if self.record_batches is not None:
-                    self._record_batch(scheduler_output)
-                launched = (scheduler_output, self.runner.sample_tokens(async_output=True))
+                    append_record(self.record_batches, scheduler_output, self.runner)
+                if self._structured.constrains(scheduler_output):  # its masks need every earlier token
+                    early = self._resolve_in_flight()
+                launched = (scheduler_output, self._structured.sample(self.runner, scheduler_output, True))
         if launched is not None:
             self._in_flight.append(launched)
         # Resolve the oldest steps beyond the depth (all but the newest P - 1 under pipelined PP),
         # or the oldest one when nothing could be launched (every request waits on a token).
         keep = self._keep_in_flight if launched is not None else len(self._in_flight) - 1
-        finished: list[RequestOutput] = []
+        finished: list[RequestOutput] = early
         while len(self._in_flight) > max(keep, 0):
             finished += self._resolve_oldest()
         return finished
@@ -458,33 +484,9 @@ class LLM:
         scheduler_output, pending = self._in_flight[0]
         runner_output: ModelRunnerOutput = pending.get()
         self._in_flight.popleft()  # after get(): a failed one stays for `_abort_after_failure` to drain
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return finished + self._structured.after_output(runner_output, self.scheduler)
 
-    def _record_batch(self, scheduler_output: SchedulerOutput) -> None:
-        # Host-side only, after the step was launched: nothing here touches the device.
-        record = batch_record(
-            scheduler_output, self.runner.uniform_decode_query_len, self.runner.last_descriptor
-        )
-        with Path(self.record_batches).open("a") as f:  # type: ignore[arg-type]
-            f.write(json.dumps(record) + "\n")
-
-
-def batch_record(scheduler_output: SchedulerOutput, uniform_decode_query_len: int, descriptor: object) -> dict:
-    """One line of a batch trace: the step's shape as the runner classifies it.
-
-    {"num_reqs", "num_tokens", "query_lens": [...] (scheduler order), "uniform": q when
-    every request has exactly q tokens else None, "descriptor": str(descriptor)}.
-    """
-    query_lens = [int(n) for n in scheduler_output.num_scheduled_tokens.values()]
-    q = uniform_decode_query_len
-    uniform = q if query_lens and all(n == q for n in query_lens) else None
-    return {
-        "num_reqs": len(query_lens),
-        "num_tokens": sum(query_lens),
-        "query_lens": query_lens,
-        "uniform": uniform,
-        "descriptor": None if descriptor is None else str(descriptor),
-    }
 
 
 def _progress_bar(total: int):

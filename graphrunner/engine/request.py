@@ -144,7 +144,12 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """A finished request, shaped like vLLM's: `.token_ids` are the generated tokens only."""
+    """A finished request, shaped like vLLM's: `.token_ids` are the generated tokens only.
+
+    In a stream (`LLM.generate_stream`) each output is a delta: `token_ids`, `text` and
+    `logprobs` hold what is new since that request's previous output, and the last one
+    has the finish reason (and the prompt logprobs).
+    """
 
     req_id: str
     prompt_token_ids: list[int]
@@ -155,6 +160,9 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     # SamplingParams.prompt_logprobs=k: None for the first prompt token, then one dict per token.
     prompt_logprobs: list[dict | None] | None = None
+    # The detokenized output (special tokens skipped, cut before a stop string); None when
+    # the model has no tokenizer.
+    text: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -174,11 +174,10 @@ class Scheduler:
             raise ValueError(
                 f"request {req_id!r}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
             )
-        if req_id in self.requests or req_id in self._finished_req_ids:
-            raise ValueError(
-                f"duplicate req_id {req_id!r}: a request with this id is still live "
-                "(or finished this step and not yet reported to the runner)"
-            )
+        if req_id in self.requests or req_id in self._finished_req_ids or any(
+                req_id in launched.plan.num_scheduled_tokens for launched in self._in_flight):
+            raise ValueError(f"duplicate req_id {req_id!r}: a request with this id is still live (or finished "
+                             "but not yet reported to the runner, or in a step still in flight)")
         check_token_ids(f"request {req_id!r} prompt", prompt_token_ids)
         prompt = [int(t) for t in prompt_token_ids]
         self._validate_prompt(req_id, prompt, sampling_params)
@@ -212,16 +211,19 @@ class Scheduler:
 
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
+        return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> RequestOutput | None:
+        """End a live request from outside a step (abort, stop string); None for an unknown id. Its
+        blocks are freed at once (steps run in order), its in-flight tokens dropped when their
+        outputs are applied (async), and the next plan's `finished_req_ids` frees its runner row."""
         req = self.requests.get(req_id)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-            # Only a request the runner holds needs to be announced as finished.
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        if req.status == RequestStatus.RUNNING:  # only a request the runner holds is announced
             self._finished_req_ids.add(req_id)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return req.to_output()
 
     def abort_after_failure(self) -> list[RequestOutput]:
@@ -235,10 +237,7 @@ class Scheduler:
         """
         outputs = []
         for req in list(self.requests.values()):
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
             req.num_output_placeholders = 0
             self._finished_req_ids.add(req.req_id)
             self._finish(req, RequestStatus.FINISHED_ABORTED)

@@ -20,10 +20,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from graphrunner.protocol import SchedulerOutput
+from graphrunner.engine.request import RequestOutput, RequestStatus
+from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend"]
+__all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend", "make_structured_outputs"]
 
 
 class GrammarMatcher(Protocol):
@@ -60,14 +61,14 @@ class XGrammarBackend:
         c = self.compiler
         kind = params.kind
         if kind == "json":
-            grammar = c.compile_json_schema(params.json)
+            grammar = c.compile_json_schema(str(params.json))  # normalized to text by the params
         elif kind == "regex":
-            grammar = c.compile_regex(params.regex)
+            grammar = c.compile_regex(str(params.regex))
         elif kind == "choice":
             assert params.choice is not None
             grammar = c.compile_regex("|".join(f"({re.escape(choice)})" for choice in params.choice))
         else:
-            grammar = c.compile_grammar(params.grammar)
+            grammar = c.compile_grammar(str(params.grammar))
         return _XGrammarMatcher(self._xgr, self._xgr.GrammarMatcher(grammar), self.vocab_size)
 
 
@@ -137,3 +138,42 @@ class StructuredOutputs:
             if not matcher.accept_token(token):
                 return True
         return matcher.is_terminated()
+
+    # ---- the engine's seams ---------------------------------------------------------------
+    def constrains(self, so: SchedulerOutput) -> bool:
+        """Whether the step schedules a constrained request (its mask needs every earlier token)."""
+        return bool(self.matchers) and any(rid in self.matchers for rid in so.num_scheduled_tokens)
+
+    def sample(self, runner: Any, so: SchedulerOutput, async_output: bool = False) -> Any:
+        """`runner.sample_tokens` with the step's masks (None when it has no constrained request)."""
+        grammar = self.grammar_output(so) if self.matchers else None
+        if grammar is None:  # the plain call: engines and wrappers that know no grammar see no change
+            return runner.sample_tokens(async_output=async_output)
+        return runner.sample_tokens(async_output=async_output, grammar_output=grammar)
+
+    def after_output(self, runner_output: ModelRunnerOutput, scheduler: Any) -> list[RequestOutput]:
+        """Advance the matchers by the step's tokens; end (finish_reason "stop") the requests whose
+        grammar is complete or broken and still live; forget the matchers of finished requests."""
+        if not self.matchers:
+            return []
+        ended = []
+        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            if tokens and rid in self.matchers and self.accept(rid, tokens):
+                out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                if out is not None:  # (EOS already ended it inside the step's output)
+                    ended.append(out)
+        for rid in [r for r in self.matchers if r not in scheduler.requests]:
+            self.remove(rid)
+        return ended
+
+
+def make_structured_outputs(tokenizer: Any, vocab_size: int) -> StructuredOutputs:
+    """The engine's matchers: through xgrammar over `tokenizer` when both exist; else none can
+    compile, and a request asking for structured outputs is refused with the reason."""
+    backend = None
+    if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+        try:
+            backend = XGrammarBackend(tokenizer, vocab_size)
+        except ImportError:
+            backend = None
+    return StructuredOutputs(backend, vocab_size)

@@ -27,14 +27,13 @@ class WorkerError(RuntimeError):
     """A worker rank raised; the message carries its traceback."""
 
 
-def _worker_main(rank: int, world: int, port: int, conn: Any, args: tuple, kwargs: dict) -> None:
-    """One rank: build the LLM, then run the driver's calls until "shutdown"."""
+def _worker_main(rank: int, world: int, port: int, conn: Any, llm_cls: type, args: tuple, kwargs: dict) -> None:
+    """One rank: build the LLM (`llm_cls`, pickled by reference), then run the driver's calls until "shutdown"."""
     from graphrunner.distributed.launch import rank_env
-    from graphrunner.engine.llm import LLM
 
     os.environ.update(rank_env(rank, world, port, base={}))
     try:
-        llm = LLM(*args, **kwargs)
+        llm = llm_cls(*args, **kwargs)
     except BaseException:
         conn.send(("error", rank, traceback.format_exc()))
         conn.close()
@@ -60,7 +59,7 @@ class WorkerLLM:
     """Drives the spawned ranks of one `LLM` (module docstring). Use like `LLM`: `generate`,
     `shutdown`, `with ...:`; attributes that live in the ranks (runner, scheduler) are not here."""
 
-    def __init__(self, world_size: int, args: tuple, kwargs: dict) -> None:
+    def __init__(self, world_size: int, llm_cls: type, args: tuple, kwargs: dict) -> None:
         import torch.multiprocessing as mp
 
         from graphrunner.distributed.launch import free_port
@@ -71,7 +70,8 @@ class WorkerLLM:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, args, kwargs), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, llm_cls, args, kwargs),
+                               daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)

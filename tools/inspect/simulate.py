@@ -1,7 +1,7 @@
 """`inspect simulate`: run the dispatch table over a batch trace and measure the outcome.
 
 A trace is one JSON object per step — what `graphrunner generate --record-batches FILE`
-writes (graphrunner.engine.llm.batch_record) or what `workloads.synthesize` produces:
+writes (graphrunner.engine.batch_trace.batch_record) or what `workloads.synthesize` produces:
 {"num_reqs", "num_tokens", "query_lens": [...], "uniform": q | null, ...}. Steps are
 re-classified from their query lengths with the simulated table's q, so a trace
 recorded under one configuration can be replayed against another.

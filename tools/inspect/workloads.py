@@ -111,7 +111,7 @@ def synthesize(
     import numpy as np
 
     # The engine package imports the model stack (torch); only synthesis needs it.
-    from graphrunner.engine.llm import batch_record
+    from graphrunner.engine.batch_trace import batch_record
     from graphrunner.engine.scheduler import Scheduler
 
     wl = _workload(name, num_requests, max_model_len)

@@ -1,0 +1,63 @@
+"""In-process parallel workers: `LLM(tensor_parallel_size=2)` from a plain process starts its ranks itself.
+
+The caller is this pytest process (no WORLD_SIZE in its environment, so `LLM` returns a
+`WorkerLLM`); the ranks are spawned, run SPMD over gloo, and rank 0's outputs come back. They
+must equal a single-process run; an error in a rank must surface here with the rank's
+traceback; shutdown (and a failed start) must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from graphrunner.engine.workers import WorkerError, WorkerLLM
+
+ARGS = dict(device="cpu", num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96, seed=3,
+            collective_timeout_s=30.0)
+PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(4)] + [[7] * 20]
+
+
+@pytest.fixture(autouse=True)
+def _plain_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _params():
+    from graphrunner.protocol import SamplingParams
+
+    return SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def test_llm_with_tp2_starts_its_workers_and_matches_one_process() -> None:
+    from graphrunner.engine.llm import LLM
+
+    with LLM("builtin:tiny-llama", **ARGS) as single:
+        reference = [o.token_ids for o in single.generate(PROMPTS, _params())]
+    llm = LLM("builtin:tiny-llama", tensor_parallel_size=2, **ARGS)
+    assert isinstance(llm, WorkerLLM) and llm.world_size == 2
+    procs = llm.processes
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == reference
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], _params())] == reference[:2]  # calls repeat
+        with pytest.raises(WorkerError, match=r"rank 0 raised during generate\(\):(.|\n)*ValueError"):
+            llm.generate([[1, 2, 10**9]], _params())  # a bad token id: every rank refuses it
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], _params())] == reference[:1]  # still serving
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        llm.generate(PROMPTS, _params())
+
+
+def test_a_rank_that_fails_to_start_surfaces_its_traceback_and_leaves_nothing() -> None:
+    with pytest.raises(WorkerError, match="rank 0 raised during start(.|\n)*unknown builtin model"):
+        from graphrunner.engine.llm import LLM
+
+        WorkerLLM(2, LLM, ("builtin:no-such-model",), dict(tensor_parallel_size=2, **ARGS))
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")]
+    assert "WORLD_SIZE" not in os.environ
