@@ -102,3 +102,17 @@ def test_grammar_output_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a+", choice=["a"])
     assert torch.tensor(_mask(64, [0, 33])).tolist() == [[1, 2]]
+
+
+@pytest.mark.gpu
+def test_grammar_masks_in_full_cuda_graphs() -> None:
+    """On a GPU the all-features FULL graph applies the uploaded masks (real graph replays)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runner = make_runner(device="cuda", compilation=CompilationConfig(cudagraph_capture_sizes=[1, 2, 4]))
+    runner.capture_model(progress=False)
+    forced = [[11], [1999], [0], [7], [42]]
+    constrained, free = _run(runner, forced, SamplingParams(temperature=0.8, seed=3))
+    assert constrained == [11, 1999, 0, 7, 42]
+    assert runner.last_descriptor is not None and runner.last_descriptor.is_full  # decode steps replayed graphs
+    assert free == _unconstrained(runner, len(forced))
