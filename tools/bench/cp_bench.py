@@ -111,10 +111,9 @@ def worker(args) -> None:
                 firsts.append(out[0].token_ids[0])
         result["ttft"].append({"prompt_len": L, "median_ms": 1e3 * statistics.median(times),
                                "runs_ms": [1e3 * x for x in times], "first_tokens": firsts})
-    rank = llm.groups.rank
-    llm.shutdown()
-    if rank == 0:
-        Path(args.result).write_text(json.dumps(result, indent=1))
+    from graphrunner_tools.bench.worlds import write_result
+
+    write_result(llm, result, args.result)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,6 @@ and the next one runs. Results: OUT_DIR/dist_bench.json and OUT_DIR/dist_bench.m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -214,10 +213,9 @@ def worker(args) -> None:
             result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
     if kind.startswith("dp2"):
         result["dp_waste"] = _dp_waste(llm, args, lockstep=kind == "dp2lock")
-    rank = llm.groups.rank
-    llm.shutdown()
-    if rank == 0:
-        Path(args.result).write_text(json.dumps(result, indent=1))
+    from graphrunner_tools.bench.worlds import write_result
+
+    write_result(llm, result, args.result)
 
 
 def main(argv=None) -> int:

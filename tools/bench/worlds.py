@@ -42,9 +42,17 @@ def run_worlds(module: str, kinds: Sequence[str], nproc_of: Callable[[str], int]
     return results
 
 
+def write_result(llm: object, result: dict, path: str) -> None:
+    """End a worker: shut its engine down (graphs, cache, groups), then rank 0 writes `result`."""
+    rank = llm.groups.rank  # type: ignore[attr-defined]
+    llm.shutdown()  # type: ignore[attr-defined]
+    if rank == 0:
+        Path(path).write_text(json.dumps(result, indent=1))
+
+
 def all_ok(results: Sequence[dict]) -> int:
     """The process exit code: 0 when every world exited cleanly."""
     return 0 if all(r.get("status", 0) == 0 for r in results) else 1
 
 
-__all__ = ["all_ok", "run_worlds"]
+__all__ = ["all_ok", "run_worlds", "write_result"]
