@@ -158,7 +158,8 @@ def test_abort_mid_prefill_waiting_and_preempted_through_step(engine, scenario):
     (max_num_seqs=2), and preempted (a 10-block cache); the others keep their tokens and every
     block returns to the pool."""
     kw, prompts, expected = SCENARIOS[scenario]
-    llm = make_llm(engine == "async", **kw)
+    # The reference run below would leave the prompts cached: a re-run must prefill them for real.
+    llm = make_llm(engine == "async", enable_prefix_caching=False, **kw)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     reference = [o.token_ids for o in llm.generate(prompts, params)]
     base = llm._next_req_id
@@ -258,7 +259,8 @@ def test_readme_streaming_example_runs(capsys):
 def _pp_stream_with_abort(rank: int, world: int) -> dict:
     """Every stage runs the same stream and aborts the same request at the same delta (SPMD)."""
     llm = LLM("builtin:tiny-llama", pipeline_parallel_size=world, device="cpu", max_num_seqs=6,
-              max_num_batched_tokens=24, max_model_len=64, seed=3, collective_timeout_s=30.0)
+              max_num_batched_tokens=24, max_model_len=64, seed=3, collective_timeout_s=30.0,
+              enable_prefix_caching=False)  # the reference run must not leave the prompts cached
     reference = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     victim = str(llm._next_req_id + 1)
     in_flight: list[bool] = []

@@ -475,7 +475,7 @@ def test_abort_frees_blocks_and_tells_the_runner():
 
 def test_a_request_that_can_never_fit_fails_instead_of_spinning(monkeypatch):
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16, block_size=2, num_blocks=1)
-    monkeypatch.setattr(sched, "_max_computed_tokens", lambda prompt_len, max_tokens: 1)  # break the add-time bound
+    monkeypatch.setattr(sched, "max_computed_tokens", lambda prompt_len, max_tokens: 1)  # break the add-time bound
     runner = FakeRunner(2, 16)
     with pytest.raises(RuntimeError, match="'x' needs 1 more KV blocks with the whole cache"):
         run_engine(sched, runner, [("x", [1], SamplingParams(max_tokens=10, ignore_eos=True))])

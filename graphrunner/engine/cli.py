@@ -74,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of identical prompt prefixes (vLLM's default: on)")
     p.add_argument("--data-parallel-lockstep", action="store_true",
                    help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
                         "default: each replica runs on its own")
@@ -199,6 +201,7 @@ def _build_llm(args: argparse.Namespace) -> LLM:
             prefill_context_parallel_size=args.pcp,
             decode_context_parallel_size=args.dcp,
             data_parallel_lockstep=args.data_parallel_lockstep,
+            enable_prefix_caching=args.enable_prefix_caching,
             collective_timeout_s=args.collective_timeout,
             **speculative_kwargs(args, "graphrunner generate"),
         )
@@ -238,6 +241,9 @@ def _print_summary(
     print(f"prompt tokens:    {sum(len(p) for p in prompts)}")
     print(f"generated tokens: {num_generated}")
     print(f"preemptions:      {llm.scheduler.num_preemptions}")
+    hit_rate = getattr(llm.scheduler.block_allocator, "hit_rate", None)
+    if hit_rate is not None:
+        print(f"prefix cache:     {hit_rate:.1%} of prompt tokens hit")
     print(f"scheduling:       {'async' if args.async_scheduling else 'sync'}")
     spec = llm.config.speculative
     if spec.num_speculative_tokens:

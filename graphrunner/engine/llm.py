@@ -90,6 +90,7 @@ class LLM:
         skip_tokenizer_init: do not load the model folder's tokenizer (vLLM's name): token ids
             in and out only. Otherwise a folder with tokenizer files takes text prompts, fills
             `RequestOutput.text` and honours `SamplingParams.stop` (transformers.AutoTokenizer).
+        enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes (vLLM's default).
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
     """
 
@@ -128,17 +129,16 @@ class LLM:
         collective_timeout_s: float = 60.0,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
+        enable_prefix_caching: bool = True,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
         self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(model)  # before the model: fails fast
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
-            prefill_context_parallel_size=prefill_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
             decode_context_parallel_size=decode_context_parallel_size,
-            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-            data_parallel_lockstep=data_parallel_lockstep,
-        )
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
         self._init_distributed(parallel, device, dtype)
         self.config = build_runner_config(
@@ -153,7 +153,7 @@ class LLM:
         if async_scheduling and parallel.pipeline_parallel_size > 1 and not pipelined:
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
                              "stages exchange a speculative step's outcome within the step; use one of them")
-        self.scheduler = self._make_scheduler(async_scheduling, pipelined)
+        self.scheduler = self._make_scheduler(async_scheduling, pipelined, enable_prefix_caching)
         self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
         self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers
         self.async_scheduling = async_scheduling or pipelined
@@ -184,7 +184,8 @@ class LLM:
         if not self.config.compilation.enforce_eager:
             self.runner.capture_model()
 
-    def _make_scheduler(self, async_scheduling: bool, pipelined: bool = False) -> Scheduler:
+    def _make_scheduler(self, async_scheduling: bool, pipelined: bool = False,
+                        prefix_caching: bool = False) -> Scheduler:
         """The `Scheduler` over the runner's KV cache, under the configured batch limits."""
         limits, spec = self.config.scheduler, self.config.speculative
         return Scheduler(
@@ -197,7 +198,7 @@ class LLM:
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
-            disjoint_in_flight=pipelined,
+            disjoint_in_flight=pipelined, enable_prefix_caching=prefix_caching,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
             # A draft model writes KV for its k drafts past each decode: blocks for them too.

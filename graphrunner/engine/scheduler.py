@@ -49,7 +49,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
+from graphrunner.engine.prefix_cache import PrefixCachingAllocator
 from graphrunner.engine.request import Request, RequestOutput, RequestStatus
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
@@ -110,6 +112,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         async_scheduling: bool = False,
         disjoint_in_flight: bool = False,
+        enable_prefix_caching: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
     ) -> None:
@@ -132,7 +135,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_allocator = BlockAllocator(num_blocks)
+        self.block_allocator = PrefixCachingAllocator(num_blocks, block_size) if enable_prefix_caching else \
+            BlockAllocator(num_blocks)
+        self.cached_blocks: dict[str, int] = {}  # prefix caching: full blocks keyed so far, per running request
 
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: deque[Request] = deque()
@@ -145,7 +150,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         # Slots a request may hold blocks for past its tokens: k per decode counted as computed
         # (sync: the one planned; async: the unresolved one too), and the lookahead.
-        self._spec_lookahead = num_speculative_tokens * (2 if self.async_scheduling else 1) + num_lookahead_tokens
+        self.spec_lookahead = num_speculative_tokens * (2 if self.async_scheduling else 1) + num_lookahead_tokens
         # Async: the launched plans whose outputs are not applied yet, in schedule order.
         self._in_flight: deque[_Launched] = deque()
 
@@ -180,34 +185,14 @@ class Scheduler:
                              "but not yet reported to the runner, or in a step still in flight)")
         check_token_ids(f"request {req_id!r} prompt", prompt_token_ids)
         prompt = [int(t) for t in prompt_token_ids]
-        self._validate_prompt(req_id, prompt, sampling_params)
+        validate_prompt(self, req_id, prompt, sampling_params)
         return prompt
 
-    def _validate_prompt(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError(f"request {req_id!r}: the prompt is empty")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={self.max_model_len}"
-            )
-        bad = None if self.vocab_size is None else next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {req_id!r}: token id {bad} is out of range for vocab_size={self.vocab_size}")
-        # A request must fit in the cache on its own, or preemption could never make room for it.
-        needed = _cdiv(self._max_computed_tokens(len(prompt), params.max_tokens), self.block_size)
-        if needed > self.num_blocks:
-            lookahead = f" + {self._spec_lookahead} draft slots" if self.num_speculative_tokens else ""
-            raise ValueError(
-                f"request {req_id!r}: needs up to {needed} KV blocks (prompt {len(prompt)} + max_tokens "
-                f"{params.max_tokens}{lookahead}, block_size {self.block_size}) but the cache has "
-                f"num_blocks={self.num_blocks}"
-            )
-
-    def _max_computed_tokens(self, prompt_len: int, max_tokens: int) -> int:
+    def max_computed_tokens(self, prompt_len: int, max_tokens: int) -> int:
         """Most token slots a request ever holds blocks for: the last sampled token is never
         computed, draft slots are (up to max_model_len)."""
         cap = self.max_model_len - (0 if self.num_speculative_tokens else 1)
-        return min(prompt_len + max_tokens - 1 + self._spec_lookahead, max(prompt_len, cap))
+        return min(prompt_len + max_tokens - 1 + self.spec_lookahead, max(prompt_len, cap))
 
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
@@ -287,7 +272,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = 0 if self._finishes_in_flight(req) else self._num_new_tokens(req, budget)
+            num_new = 0 if self._finishes_in_flight(req) else self.num_new_tokens(req, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -311,12 +296,11 @@ class Scheduler:
             remaining = req.num_tokens  # waiting requests have nothing computed
             if not self.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = self._num_new_tokens(req, budget)
-            needed = _cdiv(num_new, self.block_size)
-            if not self.block_allocator.can_allocate(needed):
+            admitted = admit_blocks(self, req, budget)  # (with prefix caching: its cached prefix first)
+            if admitted is None:
                 break  # FCFS: do not let later, smaller requests jump the queue
             self.waiting.popleft()
-            req.block_ids = self.block_allocator.allocate(needed)
+            num_new, req.block_ids = admitted
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = req.num_tokens
             self.running.append(req)
@@ -357,7 +341,7 @@ class Scheduler:
                 produces.add(req_id)
         self._in_flight.append(_Launched(so, frozenset(produces), frozenset(decodes)))
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
+    def num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` this step, capped by the budget and by max_model_len
         (KV beyond it has no room in the runner's tables): a prefill chunk's uncomputed
         tokens, or a decode's last sampled token and its k draft slots (known or not)."""
@@ -394,6 +378,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_allocator.free(req.block_ids)
+        self.cached_blocks.pop(req.req_id, None)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -412,6 +397,7 @@ class Scheduler:
         a partial prefill chunk, none for a chunk that reached the end of its tokens, or
         more than a chunk can emit: 1, or 1 + its draft slots for a decode).
         """
+        cache_filled_blocks(self, scheduler_output)  # prefix caching: the blocks the last applied step filled
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
         finished: list[RequestOutput] = []
@@ -493,5 +479,6 @@ class Scheduler:
         req.status = status
         if req.block_ids:
             self.block_allocator.free(req.block_ids)
+            self.cached_blocks.pop(req.req_id, None)
             req.block_ids = []
         del self.requests[req.req_id]

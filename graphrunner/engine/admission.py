@@ -1,0 +1,85 @@
+"""Admission checks and KV blocks of the reference scheduler, kept out of scheduler.py.
+
+`validate_prompt`: what a prompt must satisfy to be queued. `admit_blocks`: the blocks of a
+waiting request being admitted, its cached prefix first under prefix caching (the runner then
+prefills only the rest). `cache_filled_blocks`: after a step, key the blocks its requests filled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphrunner.engine.prefix_cache import PrefixCachingAllocator
+from graphrunner.engine.request import Request
+from graphrunner.protocol import SamplingParams, SchedulerOutput
+
+Scheduler = Any  # graphrunner.engine.scheduler.Scheduler, which imports this module
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def validate_prompt(sched: Scheduler, req_id: str, prompt: list[int], params: SamplingParams) -> None:
+    """ValueError naming the request when the prompt is empty, too long, outside the vocabulary, or
+    cannot fit the KV cache on its own (then preemption could never make room for it)."""
+    if not prompt:
+        raise ValueError(f"request {req_id!r}: the prompt is empty")
+    if len(prompt) > sched.max_model_len:
+        raise ValueError(f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={sched.max_model_len}")
+    vocab = sched.vocab_size
+    bad = None if vocab is None else next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"request {req_id!r}: token id {bad} is out of range for vocab_size={vocab}")
+    needed = _cdiv(sched.max_computed_tokens(len(prompt), params.max_tokens), sched.block_size)
+    if needed > sched.num_blocks:
+        lookahead = f" + {sched.spec_lookahead} draft slots" if sched.num_speculative_tokens else ""
+        raise ValueError(
+            f"request {req_id!r}: needs up to {needed} KV blocks (prompt {len(prompt)} + max_tokens "
+            f"{params.max_tokens}{lookahead}, block_size {sched.block_size}) but the cache has "
+            f"num_blocks={sched.num_blocks}"
+        )
+
+
+def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list[int]] | None:
+    """(tokens to schedule, block ids) for waiting `req`, or None when they do not fit (nothing
+    changed). With prefix caching its longest cached prefix of full blocks comes first and counts
+    as computed; at least its last token is always computed (the step samples after it).
+    Requests asking for prompt logprobs are not served from the cache (every position is needed)."""
+    alloc, bs = sched.block_allocator, sched.block_size
+    hit: list[int] = []
+    if isinstance(alloc, PrefixCachingAllocator) and req.sampling_params.prompt_logprobs is None:
+        hit = alloc.lookup(req.all_token_ids, (req.num_tokens - 1) // bs)
+    req.num_computed_tokens = len(hit) * bs
+    req.num_prefill_tokens = req.num_tokens  # (re)admitted: every known token is prefill, hit or not
+    num_new = sched.num_new_tokens(req, budget)
+    needed = _cdiv(req.num_computed_tokens + num_new, bs) - len(hit)
+    reclaimed = sum(not alloc.is_allocated(b) for b in hit)  # hit blocks sitting in the free queue
+    if not alloc.can_allocate(needed + reclaimed):
+        req.num_computed_tokens = 0
+        return None
+    if hit:
+        assert isinstance(alloc, PrefixCachingAllocator)
+        alloc.touch(hit)
+    return num_new, hit + alloc.allocate(needed)
+
+
+def cache_filled_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
+    """Prefix caching, after a step's output is applied: key every full block of the step's
+    requests whose tokens are all known (placeholders are not)."""
+    alloc = sched.block_allocator
+    if not isinstance(alloc, PrefixCachingAllocator):
+        return
+    bs = alloc.block_size
+    for req_id in so.num_scheduled_tokens:
+        req = sched.requests.get(req_id)
+        if req is None or not req.block_ids:
+            continue
+        # The last known token's KV is computed by the step after it was sampled (maybe still in flight).
+        full = min(req.num_computed_tokens, req.num_tokens - 1, len(req.block_ids) * bs) // bs
+        if full > sched.cached_blocks.get(req_id, 0):
+            alloc.register(req.all_token_ids, req.block_ids, full)
+            sched.cached_blocks[req_id] = full
+
+
+__all__ = ["admit_blocks", "cache_filled_blocks", "validate_prompt"]
