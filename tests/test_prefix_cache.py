@@ -82,3 +82,15 @@ def test_engine_tokens_equal_without_the_cache_while_prefixes_hit(extra) -> None
     assert cached == plain
     assert isinstance(pool, PrefixCachingAllocator) and pool.num_hit_tokens >= 5 * 24  # most prompts skip 24+
     assert pool.num_free == pool.num_blocks  # every reference given back
+
+
+def test_reset_forgets_every_prefix() -> None:
+    pool = PrefixCachingAllocator(8, BS)
+    tokens = list(range(9))
+    blocks = pool.allocate(3)
+    pool.register(tokens, blocks, 2)
+    assert pool.lookup(tokens, 2) == blocks[:2]
+    pool.reset()
+    assert pool.lookup(tokens, 2) == [] and pool.num_hit_tokens == 0
+    pool.free(blocks)
+    assert pool.num_free == 8

@@ -126,6 +126,13 @@ class PrefixCachingAllocator(BlockAllocator):
                 self._key_ids[key], self._next_key_id = self._next_key_id, self._next_key_id + 1
             parent = self._key_ids[key]
 
+    def reset(self) -> None:
+        """Drop every key (a later lookup hits nothing) and the hit counters."""
+        self._key_of.clear()
+        self._block_of.clear()
+        self._key_ids.clear()
+        self.num_queries = self.num_hit_tokens = self.num_query_tokens = 0
+
     @property
     def hit_rate(self) -> float:
         """Prompt tokens served from the cache over prompt tokens asked about."""

@@ -194,6 +194,12 @@ class Scheduler:
         cap = self.max_model_len - (0 if self.num_speculative_tokens else 1)
         return min(prompt_len + max_tokens - 1 + self.spec_lookahead, max(prompt_len, cap))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's name): blocks in use keep their content, none is hit again."""
+        if isinstance(self.block_allocator, PrefixCachingAllocator):
+            self.block_allocator.reset()
+            self.cached_blocks.clear()
+
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
         return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)

@@ -46,6 +46,7 @@ def _decode_worker(args, tp: int, dcp: int) -> dict:
     C = args.decode_context
     llm = LLM(
         args.model, dtype="bfloat16", device="cuda", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+        enable_prefix_caching=False,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=C + args.decode_steps + 64,
         gpu_memory_utilization=0.9, enforce_eager=False, cudagraph_capture_sizes=[1, 2, 4, 8],
         collective_timeout_s=args.timeout, seed=0,
@@ -91,6 +92,7 @@ def worker(args) -> None:
     start = time.perf_counter()
     llm = LLM(
         args.model, dtype="bfloat16", device="cuda", prefill_context_parallel_size=pcp, max_num_seqs=8,
+        enable_prefix_caching=False,  # the repeats must prefill, not hit the first run's blocks
         max_num_batched_tokens=longest, max_model_len=longest + 64, block_size=16,
         num_kv_blocks=(longest + 64) // 16 + 64, enforce_eager=False, cudagraph_capture_sizes=[1, 2, 4, 8],
         collective_timeout_s=args.timeout, seed=0,

@@ -46,7 +46,7 @@ def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False):
         max_model_len=PROMPT_LEN + args.decode_steps + 64, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
         compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
-        data_parallel_lockstep=lockstep,
+        data_parallel_lockstep=lockstep, enable_prefix_caching=False,  # warm-up and timed runs share prompts
     )
 
 

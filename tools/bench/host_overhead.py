@@ -174,7 +174,7 @@ def _build_llm(spec: HostSpec, device: torch.device) -> LLM:
     blocks_per_req = -(-spec.tokens_per_request // spec.block_size)
     compile_backend = spec.compile_backend or ("inductor" if device.type == "cuda" else "eager")
     return LLM(
-        spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch,
+        spec.model, dtype=spec.dtype, device=device, max_num_seqs=spec.max_batch, enable_prefix_caching=False,
         # Prefill every engine-loop request in a step or two (eagerly: FULL graphs
         # cover decodes only), so all of them decode together before any finishes.
         max_num_batched_tokens=min(max(spec.max_batch, spec.context, spec.max_batch * spec.context), 16384),

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ho.HostSpec(model=args.model, batch_sizes=sizes, steps=args.steps, warmup=10, device=args.device)
     device = resolve_device(spec.device)
     bpr = -(-spec.tokens_per_request // spec.block_size)
-    llm = LLM(spec.model, device=device, max_num_seqs=spec.max_batch, max_num_batched_tokens=max(spec.max_batch, 128),
+    llm = LLM(spec.model, device=device, enable_prefix_caching=False,
+              max_num_seqs=spec.max_batch, max_num_batched_tokens=max(spec.max_batch, 128),
               max_model_len=bpr * spec.block_size, block_size=spec.block_size, num_kv_blocks=1 + spec.max_batch * bpr,
               enforce_eager=False, cudagraph_mode="FULL", cudagraph_capture_sizes=sizes,
               compile_backend="inductor" if device.type == "cuda" else "eager")

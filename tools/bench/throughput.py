@@ -178,6 +178,7 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
     eager = mode is CUDAGraphMode.NONE
     return LLM(
         spec.model,
+        enable_prefix_caching=False,  # the timed pass repeats the warm-up's prompts
         dtype=spec.dtype,
         device=device,
         max_num_seqs=spec.max_num_seqs,
