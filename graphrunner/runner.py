@@ -265,7 +265,8 @@ class ModelRunner(RunnerReadouts):
             self.parallel.idle_step(graphs, self.body)  # DP: an idle replica joins the step's collectives
             return
         batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
-        if state.sampling.grammar_np[batch.idx_mapping_np].any():  # structured outputs: the masks come with
+        # Structured outputs (a grammar row implies the logit-bias feature: a cheap gate first): the masks come with
+        if batch.sampling_features.any_logit_bias and state.sampling.grammar_np[batch.idx_mapping_np].any():
             self._deferred = (batch, desc, plan)  # sample_tokens(grammar_output), then the step runs
             return
         self._launch(batch, desc, plan)

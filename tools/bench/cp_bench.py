@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker, run_worlds, write_result
 
 # name -> (tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size)
 CONFIGS = {"pcp1": (1, 1, 1), "pcp2": (1, 2, 1), "tp1": (1, 1, 1), "tp2": (2, 1, 1), "tp2dcp2": (2, 1, 2)}
@@ -113,8 +114,6 @@ def worker(args) -> None:
                 firsts.append(out[0].token_ids[0])
         result["ttft"].append({"prompt_len": L, "median_ms": 1e3 * statistics.median(times),
                                "runs_ms": [1e3 * x for x in times], "first_tokens": firsts})
-    from graphrunner_tools.bench.worlds import write_result
-
     write_result(llm, result, args.result)
 
 
@@ -127,16 +126,10 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="pcp1,pcp2")
     p.add_argument("--decode-context", type=int, default=0, help="DCP run: decode at this context (0: TTFT run)")
     p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world before it is killed")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_world_args(p)
     args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        sys.stdout.flush()
-        os._exit(0)  # never hang in interpreter teardown after a clean shutdown
-
-    from graphrunner_tools.bench.worlds import all_ok, run_worlds
+    if run_as_worker(args, worker):
+        return 0
 
     worker_args = ["--model", args.model, "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                    "--timeout", str(args.timeout), "--decode-context", str(args.decode_context),

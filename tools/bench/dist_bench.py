@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker, run_worlds, write_result
+
 PROMPT_LEN = 32
 
 
@@ -213,8 +215,6 @@ def worker(args) -> None:
             result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
     if kind.startswith("dp2"):
         result["dp_waste"] = _dp_waste(llm, args, lockstep=kind == "dp2lock")
-    from graphrunner_tools.bench.worlds import write_result
-
     write_result(llm, result, args.result)
 
 
@@ -230,16 +230,10 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="tp1,tp2,pp2,dp2")
     p.add_argument("--throughput", action="store_true",
                    help="tp1/tp2/pp2: output tokens/s of generate over --batch-sizes requests (not step times)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world before it is killed")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_world_args(p)
     args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        sys.stdout.flush()
-        os._exit(0)  # never hang in interpreter teardown after a clean shutdown
-
-    from graphrunner_tools.bench.worlds import all_ok, run_worlds
+    if run_as_worker(args, worker):
+        return 0
 
     worker_args = [*sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                          ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",

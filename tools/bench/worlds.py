@@ -8,11 +8,30 @@ wall time, and rewrites OUT/STEM.json after every world, so a killed run keeps w
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """The options every world benchmark has: the per-world timeout and the hidden worker role."""
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per world before it is killed")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+
+
+def run_as_worker(args: argparse.Namespace, worker: Callable[[argparse.Namespace], None]) -> bool:
+    """In a worker rank (`--worker KIND`): run `worker(args)` and exit at once (never hang in
+    interpreter teardown after a clean shutdown). Returns False in the driver."""
+    if not args.worker:
+        return False
+    worker(args)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def run_worlds(module: str, kinds: Sequence[str], nproc_of: Callable[[str], int], worker_args: Sequence[str],
@@ -55,4 +74,4 @@ def all_ok(results: Sequence[dict]) -> int:
     return 0 if all(r.get("status", 0) == 0 for r in results) else 1
 
 
-__all__ = ["all_ok", "run_worlds", "write_result"]
+__all__ = ["add_world_args", "all_ok", "run_as_worker", "run_worlds", "write_result"]
