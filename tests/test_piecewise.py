@@ -224,9 +224,11 @@ def test_opcheck(cpu_harness):
     caches = make_caches(h.config, torch.float32, "cpu", 1)
     T, H, Hkv, D = step.num_padded, h.config.num_attention_heads, h.config.num_key_value_heads, h.config.head_dim
     q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    positions, cos_sin = torch.arange(T, dtype=torch.int64), torch.randn(64, D)
     with forward_context(md, caches, h.backend):
         torch.library.opcheck(
-            unified_attention, (q, k, v, torch.empty(T, H, D), 1, 0.125), test_utils=("test_schema", "test_faketensor")
+            unified_attention, (q, k, v, positions, cos_sin, torch.empty(T, H, D), 1, 0.125),
+            test_utils=("test_schema", "test_faketensor"),
         )
 
 

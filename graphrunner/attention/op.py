@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
+from graphrunner.attention.rope_kv import rope_then_attend
 
 OP_NAME = "graphrunner::unified_attention"
 
@@ -81,23 +82,30 @@ def current_forward_context() -> ForwardContext:
 
 @torch.library.custom_op(OP_NAME, mutates_args=("out",))
 def unified_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    q: torch.Tensor,  # [T, H, D], not yet rotated; any strides
+    k: torch.Tensor,  # [T, Hkv, D], not yet rotated; any strides
+    v: torch.Tensor,  # [T, Hkv, D], any strides
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] float32: the rotary table
     out: torch.Tensor,  # [T, H, D], written in place
     layer_index: int,
     scale: float,
 ) -> None:
-    """Write layer `layer_index`'s k/v into its cache and attend, into `out` (eager)."""
+    """Rotate q/k, write layer `layer_index`'s k/v into its cache and attend, into `out` (eager).
+
+    The rotary embedding lives inside the op so that it fuses with the KV write
+    (`graphrunner.attention.rope_kv`): one kernel instead of five per layer.
+    """
     ctx = current_forward_context()
     if not 0 <= layer_index < len(ctx.kv_caches):
         raise IndexError(f"layer_index={layer_index} is out of range for {len(ctx.kv_caches)} kv caches")
     # The KV cache is mutated too, but it is not an argument: compiled code never sees it.
-    ctx.backend.forward(q, k, v, ctx.kv_caches[layer_index], ctx.metadata, scale, out=out)
+    rope_then_attend(ctx.backend, q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_index], ctx.metadata,
+                     scale, out=out)
 
 
 @unified_attention.register_fake
-def _unified_attention_fake(q, k, v, out, layer_index, scale) -> None:
+def _unified_attention_fake(q, k, v, positions, cos_sin_cache, out, layer_index, scale) -> None:
     # Nothing to describe: the op returns nothing and `out` keeps its shape and strides.
     return None
 

@@ -123,6 +123,9 @@ class WriteThenAttendBackend:
     cache at `metadata.slot_mapping`, then attend (subclasses supply `attend`)."""
 
     name = "base"
+    # The write is `write_kv` at the slot mapping and nothing else, so the fused rotary +
+    # KV-write kernel (graphrunner.attention.rope_kv) may do it in the backend's place.
+    writes_kv_plainly = True
 
     def forward(
         self,

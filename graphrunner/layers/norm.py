@@ -2,12 +2,24 @@
 
 The statistics are computed in fp32 and the normalized activations cast back before
 the weight multiply, exactly as Hugging Face Llama/Qwen do, so bf16 outputs match.
+
+On CUDA the pre-norm block boundary (`add_norm`: residual add, then RMSNorm) is one
+Triton kernel behind the opaque custom op `graphrunner::fused_add_rms_norm`. Left to
+inductor, that boundary compiled to three graph nodes per norm: a copy of the residual
+into the preceding GEMM's output (inductor turns `mm + residual` into an addmm that
+accumulates in place), a reduction kernel and a pointwise kernel (issue #17). The op
+keeps the GEMM plain and does the add, the statistics and the scaling in one program
+per token.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from graphrunner.kernels import HAS_TRITON, use_triton
+
+FUSED_ADD_RMS_NORM = "graphrunner::fused_add_rms_norm"
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +38,9 @@ class RMSNorm(nn.Module):
 
         The sum stays in the activation dtype (as HF), and it is the next residual.
         """
-        residual = x + residual  # [..., hidden]
-        return rms_norm(residual, self.weight, self.eps), residual
+        if use_triton(x) and x.dim() == 2:
+            return torch.ops.graphrunner.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return add_rms_norm_torch(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -38,3 +51,73 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual), both like x
+    """Torch reference of the fused op: the sum in x's dtype, then `rms_norm` of it."""
+    residual = x + residual  # [..., hidden]
+    return rms_norm(residual, weight, eps), residual
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps, stride_x, stride_r,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        ok = i < hidden
+        ty = out_ptr.dtype.element_ty
+        s = (tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)).to(ty)
+        tl.store(res_out_ptr + row * hidden + i, s, mask=ok)
+        sf = s.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
+        # As HF: normalize in fp32, round to the activation dtype, then multiply by the weight.
+        y = (sf * inv).to(ty).to(tl.float32) * tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + i, y.to(ty), mask=ok)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,  # [T, hidden], unit stride along hidden
+    residual: torch.Tensor,  # [T, hidden], unit stride along hidden
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, contiguous
+    """One program per token: the residual sum, its fp32 statistics and the scaled output."""
+    if not HAS_TRITON:
+        raise RuntimeError("add_rms_norm_triton needs triton, which failed to import; use add_rms_norm_torch")
+    if x.dim() != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} "
+                         "must be [T, hidden], [T, hidden] and [hidden]")
+    if x.stride(1) != 1 or residual.stride(1) != 1:
+        raise ValueError(f"x and residual need unit stride along hidden, got {x.stride()} and {residual.stride()}")
+    num_tokens, hidden = x.shape
+    out, res_out = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        x, memory_format=torch.contiguous_format)
+    if num_tokens:
+        block = triton.next_power_of_2(hidden)
+        _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
+                                            residual.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out, res_out
+
+
+@torch.library.custom_op(FUSED_ADD_RMS_NORM, mutates_args=())
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) in one kernel (CUDA), or the torch reference."""
+    if use_triton(x):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    normed, res = add_rms_norm_torch(x, residual, weight, eps)
+    return normed.contiguous(), res.contiguous()
+
+
+@fused_add_rms_norm.register_fake
+def _fused_add_rms_norm_fake(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        x, memory_format=torch.contiguous_format)

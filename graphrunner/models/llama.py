@@ -31,6 +31,7 @@ from torch import nn
 
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
 from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
+from graphrunner.attention.rope_kv import rope_then_attend
 from graphrunner.config import ModelConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
@@ -102,34 +103,36 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hkv, D]; None in op mode
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # q: [T, H, D]; k, v: [T, Hkv, D]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # q: [T, H, D]; k, v: [T, Hkv, D] (views)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
-        # The split leaves v a strided view of qkv; backends get contiguous inputs.
-        out = self.attend(q, k, v.contiguous(), kv_cache, metadata)  # [T, H, D]
+        out = self.attend(positions, q, k, v, kv_cache, metadata)  # [T, H, D]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
     def attend(
         self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, H, D], not yet rotated
+        k: torch.Tensor,  # [T, Hkv, D], not yet rotated
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
-        """The single call into the attention backend: the torch.compile split point.
+        """Rotary embedding, KV write and attention: the torch.compile split point.
 
-        In op mode `kv_cache` and `metadata` are ignored (the op reads them from the
-        forward context) and the output is allocated here, so that under PIECEWISE graphs
-        it belongs to the preceding compiled piece and has a stable address.
+        The rotation happens here, with the KV write, so that one fused kernel does both
+        (`graphrunner.attention.rope_kv`). In op mode `kv_cache` and `metadata` are ignored
+        (the op reads them from the forward context) and the output is allocated here, so
+        that under PIECEWISE graphs it belongs to the preceding compiled piece and has a
+        stable address.
         """
+        cos_sin = self._rotary[0].cos_sin_cache  # [max_positions, D] float32
         if self.attention_op_mode:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous for the reshape
-            torch.ops.graphrunner.unified_attention(q, k, v, out, self.layer_index, self.scale)
+            torch.ops.graphrunner.unified_attention(q, k, v, positions, cos_sin, out, self.layer_index, self.scale)
             return out
         assert kv_cache is not None, "outside op mode every layer gets its KV cache"
-        return self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return rope_then_attend(self.attn_backend, q, k, v, positions, cos_sin, kv_cache, metadata, self.scale)
 
 
 class MLP(nn.Module):
