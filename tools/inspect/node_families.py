@@ -48,20 +48,22 @@ class FamilyRule:
 # First match wins: a rule sits above every rule whose pattern would also match its kernels.
 FAMILY_RULES: tuple[FamilyRule, ...] = (
     FamilyRule("nccl", r"nccl", "NCCL collectives; first, since ncclDevKernel_AllReduce_* also says Reduce"),
-    FamilyRule(ATTENTION, r"^_(paged_attn|merge_splits|merge_states|write_kv)_kernel$|flash|fmha",
-               "graphrunner/attention: paged attention, its split-KV merge, the LSE merge, the KV-cache write"),
+    FamilyRule(ATTENTION, r"^_(paged_attn|merge_splits|merge_states|write_kv|rope_write_kv)_kernel$|flash|fmha",
+               "graphrunner/attention: paged attention, its split-KV merge, the LSE merge, the KV-cache write "
+               "(alone, or fused with the rotary embedding)"),
     FamilyRule("sampling", r"^_(gumbel_argmax|threshold)_kernel$", "graphrunner/sample/triton_sampling.py"),
     FamilyRule("step inputs",
                r"^_(positions_seq_lens|input_ids|logits_indices|post_update|gather|slot_mapping|dcp_slot_mapping"
                r"|dcp_local_seq_lens|prepare_verify)_kernel$",
                "graphrunner/kernels and the verify preparation: the step's own input bookkeeping"),
-    FamilyRule("triton fused", r"^triton_(?!tem_)",
-               "inductor's fused kernels (triton_poi_, triton_red_, triton_per_): norms, rotary, SiLU*mul, adds"),
+    FamilyRule("triton fused", r"^triton_(?!tem_)|^_add_rms_norm_kernel$",
+               "inductor's fused kernels (triton_poi_, triton_red_, triton_per_): norms, rotary, SiLU*mul, adds; "
+               "graphrunner's residual add + RMSNorm (graphrunner/layers/norm.py)"),
     FamilyRule("reduce", r"reduce",
                "torch reductions (reduce_kernel) and cuBLAS split-K reduces (splitKreduce_kernel)"),
-    FamilyRule("gemm/gemv", r"gemm|gemv|cutlass|xmma|cublas|nvjet|^triton_tem_",
+    FamilyRule("gemm/gemv", r"gemm|gemv|cutlass|xmma|cublas|nvjet|^triton_tem_|^_small_m_linear_kernel$",
                "cuBLAS / cuBLASLt / cutlass GEMMs and GEMVs (sm90_xmma_*, nvjet_*, gemv2T_kernel_val, "
-               "cutlass::Kernel2) and inductor's GEMM templates (triton_tem_)"),
+               "cutlass::Kernel2), inductor's GEMM templates (triton_tem_) and graphrunner's small-M linear"),
     FamilyRule("elementwise/copy", r"elementwise|copy|index|fill",
                "torch pointwise kernels and copies (vectorized_elementwise_kernel, elementwise_kernel, "
                "CatArrayBatchedCopy, index_select)"),
