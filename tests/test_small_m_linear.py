@@ -20,11 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.small_m_linear import MAX_SMALL_M, small_m_linear_plan, small_m_linear_ref
+from graphrunner_tools.bench.small_m_linear import MAX_SMALL_M, small_m_linear_plan, small_m_linear_ref
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 if HAS_TRITON:
-    from graphrunner.kernels.small_m_linear import small_m_linear
+    from graphrunner_tools.bench.small_m_linear import small_m_linear
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

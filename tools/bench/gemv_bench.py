@@ -127,7 +127,7 @@ class Case:
         return F.linear(x, w, self.bias)
 
     def triton(self, i: int, **tiles) -> torch.Tensor:
-        from graphrunner.kernels.small_m_linear import small_m_linear
+        from graphrunner_tools.bench.small_m_linear import small_m_linear
 
         w = self.weights[i % len(self.weights)]
         return small_m_linear(self.x, w, self.bias, silu_mul=self.proj.silu_mul, **tiles)
@@ -142,7 +142,7 @@ class Case:
 
 
 def _plan_label(m: int, proj: Proj) -> str:
-    from graphrunner.kernels.small_m_linear import small_m_linear_plan
+    from graphrunner_tools.bench.small_m_linear import small_m_linear_plan
 
     p = small_m_linear_plan(m, proj.n, proj.k, torch.device("cuda"))
     return _tiles_label(p.use_dot, p.block_n, p.block_k, p.num_warps)

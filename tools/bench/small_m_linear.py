@@ -1,5 +1,10 @@
 """One-launch `y = act(x) @ W^T (+ bias)` for decode batch sizes (M <= 16 rows), in Triton.
 
+A measured alternative, not used by the model: `gemv_bench` (docs/bench/README.md) found
+cuBLAS faster on every decode projection but the smallest (qwen2.5-0.5b q|k|v and o, by
+about 0.5 µs of 4), and the SwiGLU-prologue down projection slower than cuBLAS's three
+kernels. It stays here, with its tests, as the candidate the benchmark compares.
+
 Why (issue #17, item 5): at M = 1..16 cuBLAS picks split-K GEMMs followed by a separate
 `splitKreduce` kernel, and SwiGLU's `silu(gate) * up` is one more elementwise kernel
 before the down projection. Each projection of a decode step is a pure weight read (the

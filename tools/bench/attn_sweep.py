@@ -1,0 +1,106 @@
+"""Decode attention launch-parameter sweep: the Triton paged attention kernel alone.
+
+For decode batches (one query token per request, `--context` cached tokens each) of a
+model's head shape, times `paged_attention_triton` with its default launch plan and with
+every (block_n, num_warps, num_stages, num_kv_splits) of a small grid, each as a CUDA graph
+of `--calls` back-to-back launches (what a FULL graph sees), and prints the KV-read floor
+(K and V bytes at the measured copy bandwidth). Used to tune `attention_launch_plan`.
+
+    python -m graphrunner_tools.bench.attn_sweep --heads 14,2,64 --batch-sizes 1,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+
+import torch
+
+from graphrunner.attention.base import AttentionMetadata
+from graphrunner.attention.triton_attn import attention_launch_plan, paged_attention_triton
+
+
+def decode_batch(bs: int, context: int, heads: int, kv_heads: int, dim: int, block_size: int = 16):
+    """q, a random paged cache, metadata: request b owns blocks [b * n, (b + 1) * n)."""
+    seq = context + 1
+    n = -(-seq // block_size)
+    dev = "cuda"
+    q = torch.randn(bs, heads, dim, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(2, bs * n, block_size, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    md = AttentionMetadata(
+        query_start_loc=torch.arange(bs + 1, device=dev, dtype=torch.int32),
+        seq_lens=torch.full((bs,), seq, device=dev, dtype=torch.int32),
+        block_table=torch.arange(bs * n, device=dev, dtype=torch.int32).view(bs, n),
+        slot_mapping=torch.full((bs,), -1, device=dev, dtype=torch.int64),
+        num_reqs=bs, num_tokens=bs, max_query_len=1, max_seq_len=seq,
+    )
+    return q, cache, md, torch.empty_like(q)
+
+
+def time_graph(fn, calls: int, replays: int = 10) -> float:
+    """Median µs per call of `fn` captured `calls` times in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 2 / (us * 1e-6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", default="14,2,64", help="num_heads,num_kv_heads,head_dim")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attn_sweep needs a CUDA device")
+    heads, kv_heads, dim = (int(x) for x in args.heads.split(","))
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; heads {heads}/{kv_heads}x{dim}, "
+          f"context {args.context}")
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        q, cache, md, out = decode_batch(bs, args.context, heads, kv_heads, dim)
+        floor = 2 * bs * (args.context + 1) * kv_heads * dim * 2 / bw * 1e6
+        plan = attention_launch_plan(bs, bs, heads, kv_heads, dim, q.device)
+        call = functools.partial(paged_attention_triton, q, cache, md, 0.125, out)
+        default = time_graph(call, args.calls)
+        results = []
+        for block_n, warps, stages, splits in itertools.product((64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4)):
+            kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_kv_splits=splits)
+            try:
+                us = time_graph(functools.partial(call, **kw), args.calls)
+            except Exception as e:  # a config that does not compile (shared memory) is skipped
+                print(f"  skip {kw}: {type(e).__name__}")
+                continue
+            results.append((us, kw))
+        results.sort(key=lambda r: r[0])
+        print(f"bs={bs}: floor {floor:.1f} us; default plan {plan['block_n']}/{plan['num_warps']}/"
+              f"{plan['num_stages']}/splits {plan['num_kv_splits']}: {default:.1f} us ({100 * floor / default:.0f}%)")
+        for us, kw in results[:5]:
+            print(f"   {us:8.1f} us ({100 * floor / us:.0f}%)  {kw}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
