@@ -294,9 +294,10 @@ class ModelRunner(RunnerReadouts):
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncOutput:
         """The step's sampled tokens.
 
-        grammar_output: the step's grammar masks (structured outputs, vLLM's shape). A step with
-        structured-output requests runs here, after its masks are uploaded (a request the output
-        does not list samples unconstrained); other steps ran in execute_model and ignore it.
+        grammar_output: the step's grammar masks (structured outputs, vLLM's shape: with speculation
+        1 + its drafts rows per request). A step with structured-output requests runs here, after its
+        masks are uploaded (a request the output does not list samples unconstrained); other steps ran
+        in execute_model and ignore it. A bad layout raises ValueError and the step stays deferred.
 
         async_output=False: a `ModelRunnerOutput` (one blocking D2H copy).
         async_output=True: an `AsyncOutput` at once; `.get()` waits for the step's D2H copy
@@ -304,8 +305,9 @@ class ModelRunner(RunnerReadouts):
         be unresolved at a time. Without a pending step the output is empty.
         """
         if self._deferred is not None:
-            (batch, desc, plan), self._deferred = self._deferred, None
-            self.state.sampling.write_grammar(batch.idx_mapping_np, batch.req_ids, grammar_output)
+            batch, desc, plan = self._deferred
+            self.state.write_grammar(batch.idx_mapping_np, batch.req_ids, batch.query_lens_np, grammar_output)
+            self._deferred = None
             with _inference_mode():
                 self._launch(batch, desc, plan)
         pending, self._pending = self._pending, None

@@ -3,9 +3,12 @@
 `StructuredOutputsParams` is what a request asks for (`SamplingParams.structured_outputs`): exactly
 one of a JSON schema, a regular expression, a list of choices or an EBNF grammar. The engine
 compiles it (graphrunner.engine.structured, through xgrammar) and, every step, hands the runner a
-`GrammarOutput`: the ids of the step's requests that follow a grammar and one packed bitmask row
-per id, `[num_ids, ceil(vocab / 32)]` int32, bit `v % 32` of word `v // 32` set where token v is
-allowed. The runner applies it to the logits before sampling, inside every graph variant.
+`GrammarOutput`: the ids of the step's requests that follow a grammar and their packed bitmask rows,
+`[num_rows, ceil(vocab / 32)]` int32, bit `v % 32` of word `v // 32` set where token v is allowed.
+Without speculative decoding that is one row per id. With it (vLLM's layout) a request takes
+`1 + len(scheduled_spec_decode_tokens[req_id])` consecutive rows, in the order of the ids: row j is
+the mask of the token sampled after its drafts 0..j-1 (the grammar state once they are accepted).
+The runner applies them to the logits before sampling, inside every graph variant.
 """
 
 from __future__ import annotations
@@ -61,17 +64,19 @@ class StructuredOutputsParams:
 
 @dataclass
 class GrammarOutput:
-    """One step's grammar masks (vLLM's `GrammarOutput`): row i of `grammar_bitmask` belongs to
-    `structured_output_request_ids[i]`; requests of the step not listed are unconstrained."""
+    """One step's grammar masks (vLLM's `GrammarOutput`): the rows of `grammar_bitmask` belong to
+    `structured_output_request_ids` in order, 1 + (the request's scheduled drafts) rows each (one
+    without speculation; the runner checks the count); requests of the step not listed are
+    unconstrained."""
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: np.ndarray  # [len(ids), ceil(V / 32)] int32
+    grammar_bitmask: np.ndarray  # [sum over ids of (1 + drafts), ceil(V / 32)] int32
 
     def __post_init__(self) -> None:
         mask = np.asarray(self.grammar_bitmask)
-        if mask.ndim != 2 or mask.shape[0] != len(self.structured_output_request_ids):
-            raise ValueError(f"grammar_bitmask has shape {mask.shape}; expected "
-                             f"[{len(self.structured_output_request_ids)}, words] (one row per request id)")
+        if mask.ndim != 2 or mask.shape[0] < len(self.structured_output_request_ids):
+            raise ValueError(f"grammar_bitmask has shape {mask.shape}; expected [>= "
+                             f"{len(self.structured_output_request_ids)}, words] (at least one row per request id)")
         if mask.dtype != np.int32:
             raise ValueError(f"grammar_bitmask has dtype {mask.dtype}; expected int32 (packed bits)")
         self.grammar_bitmask = mask

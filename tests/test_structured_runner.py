@@ -5,7 +5,8 @@ one packed int32 bitmask row each); a step with structured-output rows runs only
 against the rule itself: a constrained row samples a token its mask allows (greedy: the best
 allowed token under the unconstrained logits' order, found independently from a run that
 records the logits), unconstrained rows in the same batch are untouched, in eager mode and in
-(CPU-emulated) FULL graphs where the all-features variant applies the mask.
+(CPU-emulated) FULL graphs where the all-features variant applies the mask. With speculative
+decoding each verified slot has its own mask (tests/test_structured_spec_runner.py).
 """
 
 from __future__ import annotations
@@ -86,12 +87,24 @@ def test_missing_grammar_output_leaves_the_row_unconstrained() -> None:
     assert d.reqs["c"].outputs == _unconstrained(runner, 3)
 
 
-def test_structured_outputs_refused_with_speculative_decoding() -> None:
+def test_speculative_decodes_take_a_mask_per_draft_slot() -> None:
+    """With speculation a decode takes 1 + its draft slots mask rows (placeholders count; per-slot
+    masks: tests/test_structured_spec_runner.py): a token forced in every slot is all it emits,
+    however many drafts it accepts; a wrong row count is refused, naming both counts."""
     runner = make_runner(speculative={"method": "ngram", "num_speculative_tokens": 2})
     d = Driver(runner)
     d.add("c", [2, 7, 1, 8], SamplingParams(temperature=0.0, structured_outputs=CHOICE))
-    with pytest.raises(ValueError, match="structured_outputs with speculative decoding"):
-        d.step()
+    V = runner.vocab_size
+
+    def forced(so):
+        rows = so.num_scheduled_tokens["c"] if so.scheduled_cached_reqs.req_ids else 1  # a decode: 1 + 2 slots
+        return GrammarOutput(["c"], np.repeat(_mask(V, [11]), rows, axis=0))
+
+    for _ in range(4):
+        d.step(grammar=forced)
+    assert d.reqs["c"].outputs == [11] * len(d.reqs["c"].outputs) and len(d.reqs["c"].outputs) > 4
+    with pytest.raises(ValueError, match="grammar_bitmask has 1 rows; expected 3"):
+        d.step(grammar=lambda so: GrammarOutput(["c"], _mask(V, [11])))
 
 
 def test_grammar_output_shape_is_checked() -> None:

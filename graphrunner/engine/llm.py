@@ -434,6 +434,7 @@ class LLM:
                 f"scheduler planned no tokens with {self.scheduler.num_unfinished_requests} unfinished requests "
                 f"(free KV blocks: {self.scheduler.block_allocator.num_free}/{self.scheduler.num_blocks})"
             )
+        self._structured.place_drafts(self.runner, scheduler_output, self.scheduler)  # speculation: grammar drafts
         self.runner.execute_model(scheduler_output)
         if self.record_batches is not None:
             append_record(self.record_batches, scheduler_output, self.runner)
@@ -442,10 +443,11 @@ class LLM:
         return finished + self._structured.after_output(runner_output, self.scheduler)
 
     def _step_async(self) -> list[RequestOutput]:
-        """Launch the next step, then apply the previous one's output (one step late)."""
-        launched, early = None, []
+        """Launch the next step, then apply the previous one's output (one step late; before it: grammar drafts)."""
+        launched, early = None, self._resolve_in_flight() if self._structured.wants_drafts(self.scheduler) else []
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
+            self._structured.place_drafts(self.runner, scheduler_output, self.scheduler)
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
             if not scheduled and not self._in_flight:
                 raise RuntimeError(
@@ -461,7 +463,7 @@ class LLM:
                 if self.record_batches is not None:
                     append_record(self.record_batches, scheduler_output, self.runner)
                 if self._structured.constrains(scheduler_output):  # its masks need every earlier token
-                    early = self._resolve_in_flight()
+                    early += self._resolve_in_flight()
                 launched = (scheduler_output, self._structured.sample(self.runner, scheduler_output, True))
         if launched is not None:
             self._in_flight.append(launched)

@@ -31,9 +31,9 @@ token). The reference engine resolves step N before it schedules step N + 2, so 
 wait never happens there.
 Speculative decoding (`num_speculative_tokens=k > 0`): every decode is scheduled as
 q = 1 + k tokens, the last sampled token and k draft slots (capped by the budget and
-max_model_len), so steady decode batches stay uniform (FULL graphs). The plan never
-names the drafts: the runner proposed them and reads them on the device (no
-`scheduled_spec_decode_tokens` entry: q - 1 placeholders). A verifying step emits 1..q
+max_model_len), so steady decode batches stay uniform (FULL graphs). The plan names no
+drafts (the runner reads its own on the device: q - 1 placeholders) unless the engine gives
+a decode real ids (`schedule_drafts`: structured outputs). A verifying step emits 1..q
 tokens (accepted drafts and one more), appended one by one: a stop token, max_tokens or
 max_model_len inside the run ends the request there. KV is valid for the emitted tokens
 only: sync, num_computed_tokens advances by their number, not q; async, the plan
@@ -346,6 +346,15 @@ class Scheduler:
                 req.num_output_placeholders += 1
                 produces.add(req_id)
         self._in_flight.append(_Launched(so, frozenset(produces), frozenset(decodes)))
+
+    def schedule_drafts(self, so: SchedulerOutput, req_id: str, draft_ids: list[int]) -> None:
+        """Give a planned decode of `so` real drafts, a prefix of its draft slots (the rest are dropped)."""
+        cut = so.num_scheduled_tokens[req_id] - 1 - len(draft_ids)
+        so.num_scheduled_tokens[req_id] -= cut
+        so.total_num_scheduled_tokens -= cut
+        so.scheduled_spec_decode_tokens[req_id] = list(draft_ids)
+        if self.async_scheduling:  # `_advance_in_flight` counted every planned slot as computed
+            self.requests[req_id].num_computed_tokens -= cut
 
     def num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` this step, capped by the budget and by max_model_len

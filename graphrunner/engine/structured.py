@@ -7,19 +7,31 @@ applies them inside the step, graphrunner/structured_outputs.py); after the step
 `accept(req_id, tokens)` advances the matcher by the tokens the request emitted, and says when
 the grammar is complete (the request then ends, finish_reason "stop").
 
+With speculative decoding (vLLM's way) a constrained decode verifies REAL drafts: before the step
+runs, `place_drafts` takes the runner's proposals (`take_draft_token_ids`), cuts each constrained
+request's before the first token its grammar refuses or completes with (vLLM's `validate_tokens`:
+accept one by one, then roll back) and schedules them as ids (`Scheduler.schedule_drafts`); other
+requests keep the runner's placeholders. Its `GrammarOutput` then has 1 + d rows for a request with d drafts: row j
+is the mask after accepting drafts 0..j-1 (accepted for the masks, then rolled back); the matcher
+advances by the emitted tokens only. With async scheduling every step in flight is resolved first
+(the drafts and the grammar state both need it).
+
 The matchers come from a `GrammarBackend`. `XGrammarBackend` compiles JSON schemas, regular
 expressions, choices and EBNF grammars with xgrammar over the model's tokenizer (the optional
-extra `pip install graphrunner[structured]`); any object with the same two methods serves
-(the tests use a tiny one over token ids).
+extra `pip install graphrunner[structured]`); any backend whose matchers have the protocol's
+methods serves (the tests use tiny ones over token ids).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from graphrunner.config import MAX_SPECULATIVE_TOKENS
 from graphrunner.engine.request import RequestOutput, RequestStatus
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
@@ -38,6 +50,9 @@ class GrammarMatcher(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar is complete: nothing more may follow."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculation: drafts accepted to build masks)."""
 
 
 class GrammarBackend(Protocol):
@@ -69,7 +84,15 @@ class XGrammarBackend:
             grammar = c.compile_regex("|".join(f"({re.escape(choice)})" for choice in params.choice))
         else:
             grammar = c.compile_grammar(str(params.grammar))
-        return _XGrammarMatcher(self._xgr, self._xgr.GrammarMatcher(grammar), self.vocab_size)
+        return _XGrammarMatcher(self._xgr, self._xgr.GrammarMatcher(grammar, **_rollback_kwargs(self._xgr)),
+                                self.vocab_size)
+
+
+def _rollback_kwargs(xgr: Any) -> dict[str, Any]:
+    """Speculation rolls back up to k tokens. xgrammar >= 0.1.2x rolls back without limit by default
+    (max_rollback_tokens=-1, deprecated); older versions default to 0 and need a bound >= k."""
+    default = inspect.signature(xgr.GrammarMatcher).parameters["max_rollback_tokens"].default
+    return {} if default == -1 else {"max_rollback_tokens": MAX_SPECULATIVE_TOKENS}
 
 
 class _XGrammarMatcher:
@@ -89,6 +112,45 @@ class _XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+
+def _valid_prefix(matcher: GrammarMatcher, drafts: Sequence[int]) -> list[int]:
+    """The drafts before the first one the grammar refuses (vLLM's validate_tokens) or the one that
+    completes it (nothing may follow that token, but a step emits one after its accepted drafts);
+    `matcher` is left as it was."""
+    accepted = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    keep = accepted - 1 if accepted and matcher.is_terminated() else accepted
+    if accepted:
+        matcher.rollback(accepted)
+    return list(drafts[:keep])
+
+
+def _fill_rows(matcher: GrammarMatcher, drafts: Sequence[int], out: np.ndarray) -> None:
+    """out: [1 + len(drafts), words]; row j = the mask after drafts 0..j-1, `matcher` left as it was.
+    A row past a refused draft allows every token: it is never sampled, as the row before it
+    refuses that draft. So does a row past a terminated grammar (vLLM's rule; `_valid_prefix`
+    never drafts the grammar's last token)."""
+    accepted, live = 0, True
+    for j, row in enumerate(out):
+        live = live and not matcher.is_terminated()
+        if live:
+            matcher.fill_bitmask(row)
+        else:
+            row[:] = -1
+        if j < len(drafts) and live:
+            if drafts[j] < 0:
+                raise ValueError(f"draft {j} is a placeholder (-1): a grammar needs the draft ids (place_drafts)")
+            live = matcher.accept_token(drafts[j])
+            accepted += live
+    if accepted:
+        matcher.rollback(accepted)
+
 
 class StructuredOutputs:
     """The engine's matchers: one per live constrained request."""
@@ -97,6 +159,7 @@ class StructuredOutputs:
         self.backend = backend
         self.words = bitmask_words(vocab_size)
         self.matchers: dict[str, GrammarMatcher] = {}
+        self.drafts: dict[str, list[int]] = {}  # speculation: each constrained request's last proposals
 
     def check(self, req_id: str, params: StructuredOutputsParams | None) -> None:
         """ValueError naming the request when it asks for a grammar this engine cannot compile."""
@@ -117,15 +180,20 @@ class StructuredOutputs:
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.drafts.pop(req_id, None)
 
     def grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
-        """The masks of the step's constrained requests (None when it has none)."""
+        """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
+        1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first)."""
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
         if not ids:
             return None
-        mask = np.zeros((len(ids), self.words), dtype=np.int32)
-        for i, rid in enumerate(ids):
-            self.matchers[rid].fill_bitmask(mask[i])
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in ids]
+        mask = np.zeros((len(ids) + sum(map(len, drafts)), self.words), dtype=np.int32)
+        start = 0
+        for rid, tokens in zip(ids, drafts, strict=True):
+            _fill_rows(self.matchers[rid], tokens, mask[start : start + 1 + len(tokens)])
+            start += 1 + len(tokens)
         return GrammarOutput(ids, mask)
 
     def accept(self, req_id: str, tokens: list[int]) -> bool:
@@ -140,6 +208,31 @@ class StructuredOutputs:
         return matcher.is_terminated()
 
     # ---- the engine's seams ---------------------------------------------------------------
+    def wants_drafts(self, scheduler: Any) -> bool:
+        """Speculation with a live grammar: steps need the runner's drafts as ids (and, with async
+        scheduling, every step in flight resolved before the next is planned)."""
+        return bool(self.matchers) and scheduler.num_speculative_tokens > 0
+
+    def place_drafts(self, runner: Any, so: SchedulerOutput, scheduler: Any) -> None:
+        """Before `execute_model(so)`, speculation: each constrained decode verifies the runner's
+        drafts as real ids, cut at the first one its grammar refuses; the other requests keep
+        their placeholders (their drafts never leave the device)."""
+        if not self.wants_drafts(scheduler):
+            return
+        taken = runner.take_draft_token_ids()  # the last step's proposals (every step's is taken here)
+        if taken is not None:
+            self.drafts.update((rid, list(ids)) for rid, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True)
+                               if rid in self.matchers)
+        cached = so.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))  # before the step
+        for rid, num_tokens in list(so.num_scheduled_tokens.items()):
+            req = scheduler.requests.get(rid)
+            if rid not in self.matchers or req is None or num_tokens < 2:
+                continue
+            if 0 < req.num_prefill_tokens <= computed.get(rid, -1):  # a decode (not a prefill chunk)
+                drafts = _valid_prefix(self.matchers[rid], self.drafts.get(rid, [])[: num_tokens - 1])
+                scheduler.schedule_drafts(so, rid, drafts)
+
     def constrains(self, so: SchedulerOutput) -> bool:
         """Whether the step schedules a constrained request (its mask needs every earlier token)."""
         return bool(self.matchers) and any(rid in self.matchers for rid in so.num_scheduled_tokens)
@@ -169,7 +262,8 @@ class StructuredOutputs:
 
 def make_structured_outputs(tokenizer: Any, vocab_size: int) -> StructuredOutputs:
     """The engine's matchers: through xgrammar over `tokenizer` when both exist; else none can
-    compile, and a request asking for structured outputs is refused with the reason."""
+    compile, and a request asking for structured outputs is refused with the reason. Under
+    speculative decoding the matchers also roll back (`GrammarMatcher.rollback`)."""
     backend = None
     if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
         try:

@@ -156,6 +156,7 @@ class Sampler:
         idx_mapping: torch.Tensor,  # [N] int32: sampled position -> state row
         positions: torch.Tensor,  # [N] int: position of the token each row samples
         features: SamplingFeatures,
+        slots: torch.Tensor | None = None,  # [N] int64: each row's sampled slot (its grammar mask); None: 0
     ) -> torch.Tensor:  # [N, V] float32
         """The target distribution of speculative verification (spec_decode.rejection).
 
@@ -163,10 +164,11 @@ class Sampler:
         top-k or top-p drop a token of a random row, the filters computed on the
         temperature-scaled logits exactly as `__call__` does: `result / T` is then what
         the plain sampler draws from, bit for bit. Rows of one request at consecutive
-        positions see the history up to their own position (penalties, min_tokens).
+        positions see the history up to their own position (penalties, min_tokens) and
+        their own slot's grammar mask (`SamplingStates.grammar_mask[row, slot]`).
         """
         rows = idx_mapping.long()  # [N]
-        x = self._process(logits, rows, positions, features, None)
+        x = self._process(logits, rows, positions, features, None, slots)
         if not features.any_random:
             return x
         is_greedy = self.states.temperature[rows] == 0.0  # [N]
@@ -193,6 +195,7 @@ class Sampler:
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
         all_token_ids: torch.Tensor | None,
+        slots: torch.Tensor | None = None,  # [R] int64 sampled slot of each row (grammar mask); None: slot 0
     ) -> torch.Tensor:  # [R, V] float32
         """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off)."""
         s = self.states
@@ -205,7 +208,8 @@ class Sampler:
             if s.allowed_mask is not None and s.grammar_mask is not None:  # else validate() rejects both
                 # allowed ids AND the step's grammar mask, one [R, V] pass (an unused mask is all ones)
                 allowed = torch.where(s.use_allowed[rows, None], s.allowed_mask[rows], -1)  # [R, W] int32
-                grammar = torch.where(s.use_grammar[rows, None], s.grammar_mask[rows], -1)  # [R, W] int32
+                masks = s.grammar_mask[rows, 0] if slots is None else s.grammar_mask[rows, slots]  # [R, W] int32
+                grammar = torch.where(s.use_grammar[rows, None], masks, -1)  # [R, W] int32
                 x = apply_allowed(x, allowed & grammar, s.use_allowed[rows] | s.use_grammar[rows])
             x = apply_logit_bias(x, s.bias_ids[rows], s.bias_values[rows])
         if features.any_min_tokens:

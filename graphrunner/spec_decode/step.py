@@ -175,13 +175,16 @@ class SpeculativeStep:
         """Target logits at k + 1 positions per entry, rejection sampling, logprobs.
 
         Leaves each entry's last emitted token in `batch.sampled` and its rejected slots in
-        `num_rejected`, which is what post-update consumes."""
+        `num_rejected`, which is what post-update consumes. Slot j of an entry applies the row's
+        grammar mask j (structured outputs: the grammar after its drafts 0..j-1)."""
         b, R, S = self.buffers, batch.num_reqs_padded, self.slots
         features = batch.sampling_features
         logits = compute_logits(hidden[b.logits_indices[:R].view(-1)])  # [R * S, V] float32
         slot = torch.arange(S, device=logits.device)  # [S]
         positions = (b.sample_positions[:R, None] + slot).view(-1)  # [R * S]
-        target = self.sampler.target_logits(logits, batch.idx_mapping.repeat_interleave(S), positions, features)
+        slots = slot.repeat(R)  # [R * S]: slot j reads the grammar mask after drafts 0..j-1
+        target = self.sampler.target_logits(logits, batch.idx_mapping.repeat_interleave(S), positions, features,
+                                            slots)
         rows = batch.idx_mapping.long()  # [R]
         states = self.sampler.states
         draft_ids = self.requests.draft_token_ids

@@ -19,6 +19,9 @@ Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
 - min_tokens stop ids: slots `[rows, max_stop_ids]` (stop_token_ids + EOS). Unused
   slots repeat the first real id, so every slot of a row masks a real id (duplicates
   are harmless, see `processors.apply_min_tokens`).
+- grammar masks (structured outputs): `[rows, S, ceil(V / 32)]` int32, rewritten before each
+  step that has constrained rows (`write_grammar`), one mask per sampled slot: S = 1 + k
+  with speculative decoding (slot j samples after the entry's drafts 0..j-1), else 1.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class SamplingStates:
             (RequestState.all_token_ids) the penalties read; without it requests with
             penalties are rejected by `validate`. The Sampler reads it from here.
         max_logit_bias / max_stop_ids / max_logprobs: per-request limits (slot counts).
+        grammar_slots: sampled positions per batch entry, each with its own grammar mask
+            (1 + num_speculative_tokens; 1 without speculation).
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class SamplingStates:
         max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         staging: StagedWrites | None = None,
+        grammar_slots: int = 1,
     ):
         device = torch.device(device)
         if all_token_ids is not None and (all_token_ids.dim() != 2 or all_token_ids.shape[0] != num_rows):
@@ -88,9 +94,9 @@ class SamplingStates:
         self.max_logit_bias = max_logit_bias
         self.max_stop_ids = max_stop_ids
         self.max_logprobs = max_logprobs
+        self.grammar_slots = grammar_slots
         self._allocate_rows(num_rows, device)
         self._allocate_mirrors(num_rows)
-        self.grammar_refusal: str | None = None  # why structured outputs are refused here (None: served)
         # Per-row scalar settings, staged by name at admission.
         self._scalars = {
             name: getattr(self, name)
@@ -125,8 +131,10 @@ class SamplingStates:
         words = -(-self.vocab_size // 32) if self.vocab_size is not None else 0
         # [rows, ceil(V/32)]: bit (v % 32) of word v // 32 set = token v allowed.
         self.allowed_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
-        # [rows, ceil(V/32)]: the step's grammar mask of each structured-output row (`write_grammar`).
-        self.grammar_mask = torch.zeros(num_rows, words, dtype=i32, device=device) if words else None
+        # [rows, S, ceil(V/32)]: the step's grammar mask of each structured-output row, per sampled slot
+        # (`write_grammar`).
+        self.grammar_mask = (torch.zeros(num_rows, self.grammar_slots, words, dtype=i32, device=device)
+                             if words else None)
 
     def _allocate_mirrors(self, num_rows: int) -> None:
         """Host mirrors of what decides a batch's code paths (`features`)."""
@@ -159,8 +167,6 @@ class SamplingStates:
                 )
         if params.allowed_token_ids is not None:
             check_ids("allowed_token_ids", params.allowed_token_ids)
-        if params.structured_outputs is not None and self.grammar_refusal:
-            raise ValueError(self.grammar_refusal)
         if params.allowed_token_ids is not None or params.structured_outputs is not None:
             if self.allowed_mask is None:
                 raise ValueError(
@@ -258,24 +264,29 @@ class SamplingStates:
             words = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
             staging.stage_row(self.allowed_mask, row, words)
 
-    def write_grammar(self, rows: np.ndarray, req_ids: list[str], grammar: GrammarOutput | None) -> None:
-        """Before a step that has structured-output rows samples: each such row's mask from
-        `grammar` (by request id; a row it does not list allows every token). Runs on the current
-        stream, outside graphs. rows: [R] the batch's state rows, req_ids: its request ids."""
+    def write_grammar(self, rows: np.ndarray, req_ids: list[str], grammar: GrammarOutput | None,
+                      num_drafts: np.ndarray | None = None) -> None:
+        """Before a step that has structured-output rows samples: each such row's masks from `grammar`.
+
+        rows: [R] the batch's state rows, req_ids: its request ids, num_drafts: [R] the draft slots
+        each entry verifies (None: none). vLLM's layout: a listed request takes 1 + its drafts
+        consecutive bitmask rows, row j for slot j (an id not in the step takes one row, unused).
+        Slots past them, and rows of requests `grammar` does not list, allow every token. Runs on
+        the current stream, outside graphs. ValueError, with nothing written, on a bad layout."""
         assert self.grammar_mask is not None  # validate() refuses structured outputs without the bitmask
-        words = self.grammar_mask.shape[1]
+        slots, words = self.grammar_mask.shape[1:]
         mine = np.flatnonzero(self.grammar_np[rows])
-        host = np.full((len(mine), words), -1, dtype=np.int32)  # all bits set: every token allowed
+        host = np.full((len(mine), slots, words), -1, dtype=np.int32)  # all bits set: every token allowed
         if grammar is not None:
-            given = {rid: i for i, rid in enumerate(grammar.structured_output_request_ids)}
+            width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
+            starts = _grammar_starts(grammar, req_ids, width, words)
             mask = grammar.grammar_bitmask
-            if mask.shape[1] > words:
-                raise ValueError(f"grammar_bitmask has {mask.shape[1]} words per row; the vocabulary needs {words}")
             for j, entry in enumerate(mine.tolist()):
-                i = given.get(req_ids[entry])
-                if i is not None:  # words past the grammar's vocabulary (padding ids) stay forbidden
-                    host[j] = 0
-                    host[j, : mask.shape[1]] = mask[i]
+                start = starts.get(req_ids[entry])
+                if start is not None:  # words past the grammar's vocabulary (padding ids) stay forbidden
+                    n = int(width[entry])
+                    host[j, :n] = 0
+                    host[j, :n, : mask.shape[1]] = mask[start : start + n]
         index = torch.from_numpy(rows[mine].astype(np.int64)).to(self.device)
         self.grammar_mask.index_copy_(0, index, torch.from_numpy(host).to(self.device))
 
@@ -304,3 +315,24 @@ class SamplingStates:
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""
         return self.logprobs_np[np.asarray(rows, dtype=np.int64)]
+
+
+def _grammar_starts(grammar: GrammarOutput, req_ids: list[str], width: np.ndarray, words: int) -> dict[str, int]:
+    """The first bitmask row of each listed request (`width`: [R] rows per batch entry); ValueError
+    naming the expected and given row counts, a repeated id or too wide a row."""
+    mask = grammar.grammar_bitmask
+    if mask.shape[1] > words:
+        raise ValueError(f"grammar_bitmask has {mask.shape[1]} words per row; the vocabulary needs {words}")
+    entry_of = {rid: i for i, rid in enumerate(req_ids)}
+    starts: dict[str, int] = {}
+    offset = 0
+    for rid in grammar.structured_output_request_ids:
+        if rid in starts:
+            raise ValueError(f"grammar_output lists request {rid!r} twice")
+        starts[rid] = offset
+        entry = entry_of.get(rid)
+        offset += int(width[entry]) if entry is not None else 1
+    if offset != mask.shape[0]:
+        raise ValueError(f"grammar_bitmask has {mask.shape[0]} rows; expected {offset}: 1 + the scheduled draft "
+                         f"slots of each of its {len(starts)} request ids, in their order")
+    return starts

@@ -21,6 +21,7 @@ from graphrunner.state.requests import RequestState
 from graphrunner.state.rules import token_limit
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.staging import StagedWrites
+from graphrunner.structured_outputs import GrammarOutput
 
 RowFreed = Callable[[int], None]
 
@@ -39,10 +40,8 @@ class StateStore:
         self.sampling = SamplingStates(
             self.requests.num_rows, device, base_seed=base_seed, vocab_size=vocab_size,
             all_token_ids=self.requests.all_token_ids, staging=self.staging,
+            grammar_slots=1 + num_speculative_tokens,  # a grammar mask per verified position
         )
-        if num_speculative_tokens:  # a grammar mask per verified position is not built: one per row only
-            self.sampling.grammar_refusal = (f"structured_outputs with speculative decoding (num_speculative_tokens="
-                                             f"{num_speculative_tokens}) is not supported yet")
         self.block_tables: BlockTables | None = None
         self.on_row_freed: list[RowFreed] = []  # told of every row a removal frees (PP generations)
         self.on_removed: list[Callable[[str], None]] = []
@@ -98,6 +97,15 @@ class StateStore:
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if new_block_ids:
                 tables.append_block_ids(index[req_id], new_block_ids, overwrite=False)
+
+    def write_grammar(self, rows: np.ndarray, req_ids: list[str], query_lens: np.ndarray,
+                      grammar: GrammarOutput | None) -> None:
+        """The step's grammar masks (`SamplingStates.write_grammar`), before its host mirrors advance:
+        a decoding entry scheduled q > 1 tokens verifies q - 1 draft slots and takes q bitmask rows.
+        rows, query_lens: [R] the batch's state rows and scheduled tokens."""
+        r = self.requests
+        verifying = (query_lens > 1) & (r.num_computed_np[rows] >= r.prefill_len_np[rows])  # [R]
+        self.sampling.write_grammar(rows, req_ids, grammar, np.where(verifying, query_lens - 1, 0))
 
     def commit(self) -> None:
         """Push every staged write to the device (once per step, before it runs)."""
