@@ -20,6 +20,7 @@ import torch
 
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.triton_attn import attention_launch_plan, paged_attention_triton
+from graphrunner_tools.bench.gemv_bench import graph_time_us
 
 
 def decode_batch(bs: int, context: int, heads: int, kv_heads: int, dim: int, block_size: int = 16):
@@ -41,21 +42,7 @@ def decode_batch(bs: int, context: int, heads: int, kv_heads: int, dim: int, blo
 
 def time_graph(fn, calls: int, replays: int = 10) -> float:
     """Median µs per call of `fn` captured `calls` times in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_time_us(lambda _: fn(), calls, replays)
 
 
 def copy_bandwidth() -> float:
