@@ -12,6 +12,8 @@ tests=(
   "tests/test_triton_sampling.py::test_gpu_kernels_match_torch_and_capture_in_cuda_graph"
   "tests/test_spec_ngram.py::test_gpu_triton_matches_torch_large"
   "tests/test_attention.py::test_gpu_cuda_graph_capture_and_replay"
+  "tests/test_fused_layer_kernels.py::test_rope_write_kv_native_bf16"
+  "tests/test_fused_layer_kernels.py::test_add_rms_norm_native_bf16"
 )
 san() { timeout "$limit" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 "$@"; }
 san python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile ci "${tests[@]}" \
