@@ -1,0 +1,193 @@
+"""Reference-engine workloads of issue #18: prefix caching on vs off, constrained vs free decoding.
+
+    python -m graphrunner_tools.bench.engine_bench prefix [--num-requests 256 --prefix-len 2048
+        --suffix-len 128 --max-tokens 128]
+    python -m graphrunner_tools.bench.engine_bench structured [--num-requests 64 --prompt-len 128
+        --max-tokens 256]
+
+`prefix`: every request is one shared prefix plus its own suffix. The engine runs the
+workload with `enable_prefix_caching` off and on (one LLM each, a warm-up first, the cache
+reset after it). It reports the time to finish, the tokens the runner executed, the hit rate,
+and whether the greedy outputs agree.
+
+`structured`: the same prompts free and constrained. With xgrammar and a model folder
+that has a tokenizer, the constraint is a JSON schema. Otherwise it is a token-id grammar
+over the whole vocabulary (`ModuloGrammar`): half of the ids are allowed after each token.
+That measures the runner's side (the mask upload, the all-features sampling variant, the
+synchronization a constrained step needs) without xgrammar's own mask time. The bench
+reports output tokens/s of each and their ratio (issue #18's target: >= 0.9 at 64 requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from graphrunner.engine.llm import LLM
+from graphrunner.engine.structured import StructuredOutputs, make_structured_outputs
+from graphrunner.protocol import SamplingParams
+from graphrunner.structured_outputs import StructuredOutputsParams
+
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                "tags": {"type": "array", "items": {"type": "string"}}},
+               "required": ["name", "age", "tags"]}
+
+
+class ModuloGrammar:
+    """A grammar over token ids: after token t, the ids with (id + t) even; never complete."""
+
+    def __init__(self, vocab_size: int) -> None:
+        bits = np.arange(((vocab_size + 31) // 32) * 32) % 2 == 0
+        bits[vocab_size:] = False
+        self.even = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
+        self.odd = np.packbits(~bits & (np.arange(bits.size) < vocab_size), bitorder="little").view("<u4").view(
+            np.int32)
+
+    def compile(self, params: StructuredOutputsParams) -> ModuloMatcher:
+        return ModuloMatcher(self)
+
+
+class ModuloMatcher:
+    def __init__(self, grammar: ModuloGrammar) -> None:
+        self.grammar, self.history = grammar, [0]
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        out[:] = self.grammar.even if self.history[-1] % 2 == 0 else self.grammar.odd
+
+    def accept_token(self, token: int) -> bool:
+        if (token + self.history[-1]) % 2:
+            return False
+        self.history.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.history[-num_tokens:]
+
+
+@dataclass
+class RunResult:
+    label: str
+    seconds: float
+    tokens_executed: int
+    output_tokens: int
+    hit_rate: float | None = None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def timed_generate(llm: LLM, label: str, prompts, params) -> tuple[RunResult, list[list[int]]]:
+    """Generate with the runner's executed tokens counted; (result, output token ids)."""
+    executed = [0]
+    execute = llm.runner.execute_model
+
+    def counting(so):
+        executed[0] += so.total_num_scheduled_tokens
+        return execute(so)
+
+    llm.runner.execute_model = counting
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    llm.runner.execute_model = execute
+    hit = getattr(llm.scheduler.block_allocator, "hit_rate", None)
+    tokens = [list(o.token_ids) for o in outs]
+    return RunResult(label, seconds, executed[0], sum(map(len, tokens)), hit), tokens
+
+
+def build(args, **kw) -> LLM:
+    return LLM(args.model, device=args.device, max_num_seqs=args.num_requests, seed=args.seed,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               async_scheduling=args.async_scheduling, **kw)
+
+
+def run_prefix(args) -> list[RunResult]:
+    rng = np.random.default_rng(args.seed)
+    prefix = rng.integers(0, 1000, args.prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, 1000, args.suffix_len).tolist() for _ in range(args.num_requests)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    results, outputs = [], []
+    for caching in (False, True):
+        llm = build(args, enable_prefix_caching=caching)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (compiles, graphs)
+        if caching:
+            llm.scheduler.reset_prefix_cache()  # the timed run starts cold: only its own prefix hits
+        result, tokens = timed_generate(llm, f"prefix caching {'on' if caching else 'off'}", prompts, params)
+        results.append(result)
+        outputs.append(tokens)
+        llm.shutdown()
+    print(f"greedy outputs equal with and without caching: {outputs[0] == outputs[1]}")
+    return results
+
+
+def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOutputsParams, str]:
+    """xgrammar over the model's tokenizer when both exist, else the token-id grammar."""
+    made = make_structured_outputs(llm.tokenizer, llm.runner.vocab_size)
+    if made.backend is not None:
+        return made, StructuredOutputsParams(json=json.dumps(JSON_SCHEMA)), "xgrammar JSON schema"
+    return (StructuredOutputs(ModuloGrammar(llm.runner.vocab_size), llm.runner.vocab_size),
+            StructuredOutputsParams(regex="modulo"), "token-id grammar (no xgrammar or no tokenizer)")
+
+
+def run_structured(args) -> list[RunResult]:
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, 1000, (args.num_requests, args.prompt_len)).tolist()
+    llm = build(args, enable_prefix_caching=False)
+    llm._structured, grammar, kind = structured_outputs(llm, args)  # the engine's matchers (a bench seam)
+    print(f"constraint: {kind}")
+    free = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1)
+    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1,
+                                 structured_outputs=grammar)
+    llm.generate(prompts[:2], [free, constrained])  # warm-up: both sampling variants' graphs
+    results = [timed_generate(llm, "unconstrained", prompts, free)[0],
+               timed_generate(llm, "constrained", prompts, constrained)[0]]
+    llm.shutdown()
+    print(f"constrained / unconstrained output tokens/s: "
+          f"{results[1].output_tokens_per_s / results[0].output_tokens_per_s:.3f}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="engine_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("workload", choices=["prefix", "structured"])
+    p.add_argument("--model", default="builtin:qwen2.5-0.5b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--num-requests", type=int, default=None, help="default: 256 (prefix), 64 (structured)")
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=None, help="default: 128 (prefix), 256 (structured)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    args = p.parse_args(argv)
+    prefix = args.workload == "prefix"
+    args.num_requests = args.num_requests or (256 if prefix else 64)
+    args.max_tokens = args.max_tokens or (128 if prefix else 256)
+    results = run_prefix(args) if prefix else run_structured(args)
+    print("| run | seconds | tokens executed | output tokens | output tok/s | prefix hit rate |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        hit = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+        print(f"| {r.label} | {r.seconds:.2f} | {r.tokens_executed} | {r.output_tokens} | "
+              f"{r.output_tokens_per_s:.0f} | {hit} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
