@@ -1,0 +1,72 @@
+"""Four-rank layouts on CPU (gloo), issue #19's matrix as far as CPUs go: greedy tokens equal one process.
+
+The same layouts run on `nvidia-h200-x4` when that kind is lent (tests/test_dist_gpu.py); here each
+is a gloo world of 4 forked processes with builtin:tiny-llama dummy weights (the sharded loader gives
+each rank its share of the single-process weights), compared with a one-process run of the same
+prompts. TP2 x PP2 (synchronous) is in tests/test_dist_engine.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_world
+from tests.test_dist_engine import LLM_ARGS, MAX_TOKENS, PROMPTS
+
+EIGHT_HEADS = "builtin:tiny-llama-8h"  # 8 query / 4 KV heads: TP4 (tiny-llama's 2 KV heads do not split in 4)
+
+
+def _register_eight_heads() -> None:
+    """Add EIGHT_HEADS to the built-ins of this (forked) process."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from graphrunner.models import registry
+
+    tiny = registry.BUILTIN_MODELS["builtin:tiny-llama"]
+    eight = dataclasses.replace(tiny, name=EIGHT_HEADS, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=8, num_key_value_heads=4)
+    registry.BUILTIN_MODELS = MappingProxyType({**registry.BUILTIN_MODELS, EIGHT_HEADS: eight})
+
+
+def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    if model == EIGHT_HEADS:
+        _register_eight_heads()
+    llm = LLM(model, **LLM_ARGS, **layout)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    info = {"tokens": [o.token_ids for o in outs], "dummy_steps": llm.runner.parallel.num_dummy_steps}
+    llm.shutdown()
+    return info
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[list[int]]]:
+    return {model: run_world(1, _generate, model, {}, timeout_s=60)[0]["tokens"]
+            for model in ("builtin:tiny-llama", EIGHT_HEADS)}
+
+
+LAYOUTS = {
+    "tp2pp2-async": ("builtin:tiny-llama", dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                async_scheduling=True)),
+    "dp2tp2": ("builtin:tiny-llama", dict(tensor_parallel_size=2, data_parallel_size=2)),
+    "dp2tp2-lockstep": ("builtin:tiny-llama", dict(tensor_parallel_size=2, data_parallel_size=2,
+                                                   data_parallel_lockstep=True)),
+    "pcp2tp2": ("builtin:tiny-llama", dict(tensor_parallel_size=2, prefill_context_parallel_size=2)),
+    "tp4dcp2": ("builtin:tiny-llama", dict(tensor_parallel_size=4, decode_context_parallel_size=2)),
+    "tp4": (EIGHT_HEADS, dict(tensor_parallel_size=4)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_four_ranks_match_one_process(references, name: str) -> None:
+    model, layout = LAYOUTS[name]
+    infos = run_world(4, _generate, model, layout, timeout_s=150)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == references[model], f"rank {rank} ({name})"
+    # Lockstep DP: the replica whose requests end first keeps stepping with dummies; independent: never.
+    assert (sum(i["dummy_steps"] for i in infos) > 0) == layout.get("data_parallel_lockstep", False)
