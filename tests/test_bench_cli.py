@@ -155,6 +155,14 @@ def test_capture_mode_none_is_rejected():
 
 
 # ---- throughput ---------------------------------------------------------------------
+def test_kernels_refuses_a_cpu_by_name(capsys):
+    """`bench kernels` reads kernel times from CUPTI: on a CPU it exits naming the need, before building."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="bench kernels needs a CUDA device"):
+        main(["bench", "kernels", "--model", "builtin:tiny-llama"])
+
+
 def test_throughput_counts_every_output_token(tmp_path, capsys):
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--model", MODEL, "--device", "cpu", "--num-prompts", "3", "--input-len", "6",

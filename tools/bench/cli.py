@@ -1,4 +1,4 @@
-"""`graphrunner bench {latency,capture,throughput,host,sampler,soak,spec}`: argument parsing and output.
+"""`graphrunner bench {latency,kernels,capture,throughput,host,sampler,soak,spec}`: argument parsing and output.
 
 Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
 `--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
@@ -39,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         run=run,
     )
     _register_latency(sub)
+    _register_kernels(sub)
     _register_capture(sub)
     _register_throughput(sub)
     _register_host(sub)
@@ -73,6 +74,28 @@ def _register_latency(sub: argparse._SubParsersAction) -> None:
     _copy_mib_arg(p)
     p.add_argument("--no-random-kv", action="store_true", help="leave the KV cache zero-filled (not recommended)")
     p.add_argument("--png", metavar="PATH", default=None, help="plot ms/step and %% of roofline (needs matplotlib)")
+
+
+def _register_kernels(sub: argparse._SubParsersAction) -> None:
+    add_kernels_args(add_subcommand(sub, "kernels", "GPU time per kernel and kernel family of a decode step "
+                                                    "(torch.profiler over graph replays)"))
+
+
+def add_kernels_args(p: argparse.ArgumentParser) -> None:
+    """The options of `bench kernels` (graphrunner_tools.bench.kernel_times)."""
+    p.add_argument("--model", default="builtin:qwen2.5-0.5b", help="builtin:NAME or a checkpoint folder")
+    p.add_argument("--batch-sizes", default="1,256", help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
+    p.add_argument("--modes", default="FULL", help="comma-separated cudagraph modes")
+    p.add_argument("--steps", type=int, default=10, help="profiled decode steps per batch size")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per batch size")
+    p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables here")
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from graphrunner_tools.bench.kernel_times import run_args
+
+    return run_args(args)
 
 
 def _copy_mib_arg(p: argparse.ArgumentParser) -> None:
@@ -290,8 +313,9 @@ def _run_sampler(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; returns the exit status."""
-    handlers = {"latency": _run_latency, "capture": _run_capture, "throughput": _run_throughput, "host": _run_host,
-                "sampler": _run_sampler, "soak": _run_soak, "spec": _run_spec}
+    handlers = {"latency": _run_latency, "kernels": _run_kernels, "capture": _run_capture,
+                "throughput": _run_throughput, "host": _run_host, "sampler": _run_sampler, "soak": _run_soak,
+                "spec": _run_spec}
     return handlers[args.bench_command](args)
 
 

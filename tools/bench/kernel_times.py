@@ -7,8 +7,8 @@ random KV cache), runs `--steps` decode steps per batch size under `torch.profil
 step. Families are `inspect capture`'s (graphrunner_tools.inspect.node_families), so the two
 reports line up: gemm/gemv, attention, triton fused, reduce, ...
 
-    python -m graphrunner_tools.bench.kernel_times --model builtin:qwen2.5-0.5b \
-        --batch-sizes 1,256 --context 1024 --modes FULL --markdown out.md
+    graphrunner bench kernels --model builtin:qwen2.5-0.5b --batch-sizes 1,256 --context 1024 \
+        --modes FULL --markdown out.md
 
 Kernel time is the sum of kernel durations; the gap to the step's wall time is launch,
 drain and host time that no kernel accounts for.
@@ -105,16 +105,8 @@ def run(spec: latency.LatencySpec, top: int, log=print) -> list[KernelTimes]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="builtin:qwen2.5-0.5b")
-    p.add_argument("--batch-sizes", default="1,256", help="comma-separated decode batch sizes")
-    p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
-    p.add_argument("--modes", default="FULL", help="comma-separated cudagraph modes")
-    p.add_argument("--steps", type=int, default=10, help="profiled decode steps per batch size")
-    p.add_argument("--top", type=int, default=15, help="kernels listed per batch size")
-    p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables here")
-    args = p.parse_args(argv)
+def run_args(args: argparse.Namespace) -> int:
+    """Profile what `args` asks for, print the tables, write the markdown file if asked."""
     spec = latency.LatencySpec(model=args.model, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                                context=args.context, modes=tuple(args.modes.split(",")), steps=args.steps,
                                warmup=2)
@@ -125,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"device: {torch.cuda.get_device_name()}\n\n")
             f.writelines(r.markdown(args.top) + "\n" for r in results)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphrunner_tools.bench.cli import add_kernels_args
+
+    p = argparse.ArgumentParser(prog="bench kernels", description=__doc__.split("\n\n")[0])
+    add_kernels_args(p)
+    return run_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":
