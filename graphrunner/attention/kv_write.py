@@ -66,7 +66,7 @@ if HAS_TRITON:
         tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
 
 
-def _check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Host-side shape checks (metadata only, safe during capture)."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, num_kv_heads, head_dim]")
@@ -91,7 +91,7 @@ def write_kv_torch(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
     """Torch reference of `write_kv`: graph-safe, see the module docstring for how -1 is skipped."""
-    _check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_args(k, v, kv_cache, slot_mapping)
     if k.shape[0] == 0:
         return
     block_size = kv_cache.shape[2]
@@ -122,7 +122,7 @@ def write_kv_triton(
     """Triton implementation of `write_kv` (also runs on CPU tensors under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
         raise RuntimeError("write_kv_triton needs triton, which failed to import; use write_kv_torch")
-    _check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_args(k, v, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.kv_write import _check_kv_args, write_kv_torch
+from graphrunner.attention.kv_write import check_kv_args, write_kv_torch
 from graphrunner.kernels import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -134,7 +134,7 @@ def rope_write_kv_triton(
     if not HAS_TRITON:
         raise RuntimeError("rope_write_kv_triton needs triton, which failed to import; use rope_write_kv_torch")
     _check_rope_args(q, k, positions, cos_sin)
-    _check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_args(k, v, kv_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     q_rot = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
