@@ -21,6 +21,7 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.triton_attn import attention_launch_plan, paged_attention_triton
 from graphrunner_tools.bench.gemv_bench import graph_time_us
+from graphrunner_tools.bench.roofline import measure_copy_bandwidth
 
 
 def decode_batch(bs: int, context: int, heads: int, kv_heads: int, dim: int, block_size: int = 16):
@@ -45,14 +46,6 @@ def time_graph(fn, calls: int, replays: int = 10) -> float:
     return graph_time_us(lambda _: fn(), calls, replays)
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), 5)
-    return 2 * src.numel() * 2 / (us * 1e-6)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", default="14,2,64", help="num_heads,num_kv_heads,head_dim")
@@ -63,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("attn_sweep needs a CUDA device")
     heads, kv_heads, dim = (int(x) for x in args.heads.split(","))
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30).bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; heads {heads}/{kv_heads}x{dim}, "
           f"context {args.context}")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
