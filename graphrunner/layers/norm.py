@@ -97,8 +97,7 @@ def add_rms_norm_triton(
     if x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual need unit stride along hidden, got {x.stride()} and {residual.stride()}")
     num_tokens, hidden = x.shape
-    out, res_out = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
-        x, memory_format=torch.contiguous_format)
+    out, res_out = _two_like(x)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
@@ -119,5 +118,10 @@ def fused_add_rms_norm(
 
 @fused_add_rms_norm.register_fake
 def _fused_add_rms_norm_fake(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
-        x, memory_format=torch.contiguous_format)
+    return _two_like(x)
+
+
+def _two_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's two outputs: contiguous, x's shape, dtype and device."""
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device))
