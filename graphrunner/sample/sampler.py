@@ -22,6 +22,7 @@ import torch
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
+from graphrunner.sample.argmax import argmax_rows
 from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
 from graphrunner.sample.logprobs import compute_logprobs
 from graphrunner.sample.pivot_select import pivot_sample_triton
@@ -144,7 +145,7 @@ class Sampler:
         if features.any_random:
             out.copy_(self._sample_random(x, rows, positions, features))
         else:
-            out.copy_(x.argmax(dim=-1))
+            argmax_rows(x, out=out)  # torch.argmax's indices; split over many programs per row on CUDA
         if want_logprobs:
             assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
             compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
@@ -235,7 +236,7 @@ class Sampler:
         is_greedy = temperature == 0.0
         if self._use_triton(x):
             return self._sample_random_triton(x, rows, positions, features, temperature)
-        greedy = x.argmax(dim=-1)  # [R]
+        greedy = argmax_rows(x)  # [R] int64
         scaled = self._scaled_and_filtered(x, rows, features)  # [R, V]
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
