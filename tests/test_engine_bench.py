@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
+from graphrunner.models.registry import get_builtin
 from graphrunner_tools.bench import engine_bench
 
 SMALL = ["--model", "builtin:tiny-llama", "--device", "cpu", "--num-requests", "6", "--max-model-len", "256"]
@@ -26,9 +28,8 @@ def test_prefix_caching_executes_fewer_tokens_and_keeps_the_outputs(tmp_path, ca
     assert (off["tokens_executed"] - on["tokens_executed"]) % 16 == 0
 
 
-def test_structured_workload_follows_its_grammar(tmp_path):
-    """Without xgrammar's tokenizer the constraint is the token-id grammar; every constrained
-    output token obeys it (the parity rule), and both runs emit every requested token."""
+def _recorded_structured_run(tmp_path, *extra: str) -> tuple[list[dict], list[list[int]]]:
+    """engine_bench structured on the tiny model: (its results, the constrained run's outputs)."""
     import graphrunner.engine.llm as llm_module
 
     seen: list[list[int]] = []
@@ -42,12 +43,35 @@ def test_structured_workload_follows_its_grammar(tmp_path):
     llm_module.LLM.generate = recording
     try:
         out = tmp_path / "structured.json"
-        engine_bench.main(["structured", *SMALL, "--prompt-len", "8", "--max-tokens", "6", "--json", str(out)])
+        engine_bench.main(["structured", *SMALL, "--prompt-len", "8", *extra, "--json", str(out)])
     finally:
         llm_module.LLM.generate = generate
-    free, constrained = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())["results"], seen[-6:]  # the last generate call is the constrained run
+
+
+def test_structured_workload_follows_its_grammar(tmp_path):
+    """The token-id grammar: every constrained output token obeys it (the parity rule), and both
+    runs emit every requested token."""
+    (free, constrained), outputs = _recorded_structured_run(tmp_path, "--max-tokens", "6", "--grammar", "token-id")
     assert free["output_tokens"] == constrained["output_tokens"] == 6 * 6
-    constrained_outputs = seen[-6:]  # the last generate call is the constrained run
-    for tokens in constrained_outputs:
+    for tokens in outputs:
         prev = np.array([0] + tokens[:-1])
         assert ((np.array(tokens) + prev) % 2 == 0).all(), tokens
+
+
+def test_structured_json_workload_is_accepted_by_the_schema_matcher(tmp_path):
+    """xgrammar JSON over the synthetic tokenizer: a fresh matcher of the same schema accepts every
+    constrained output token in order, and an output shorter than max_tokens completed the JSON."""
+    pytest.importorskip("xgrammar")
+    from graphrunner.engine.structured import XGrammarBackend
+    from graphrunner.structured_outputs import StructuredOutputsParams
+
+    (free, constrained), outputs = _recorded_structured_run(tmp_path, "--max-tokens", "24", "--grammar", "json")
+    assert free["output_tokens"] == 6 * 24 and 0 < constrained["output_tokens"] <= 6 * 24
+    vocab = get_builtin("builtin:tiny-llama").vocab_size
+    backend = XGrammarBackend(engine_bench.synthetic_tokenizer(vocab), vocab)
+    for tokens in outputs:
+        matcher = backend.compile(StructuredOutputsParams(json=json.dumps(engine_bench.JSON_SCHEMA)))
+        assert all(matcher.accept_token(t) for t in tokens), tokens
+        assert len(tokens) == 24 or matcher.is_terminated(), tokens
+

@@ -10,8 +10,11 @@ workload with `enable_prefix_caching` off and on (one LLM each, a warm-up first,
 reset after it). It reports the time to finish, the tokens the runner executed, the hit rate,
 and whether the greedy outputs agree.
 
-`structured`: the same prompts free and constrained. With xgrammar and a model folder
-that has a tokenizer, the constraint is a JSON schema. Otherwise it is a token-id grammar
+`structured`: the same prompts free and constrained. With xgrammar, the constraint is a JSON
+schema over the model folder's tokenizer; a folder without one (the builtin models) gets a
+synthetic tokenizer of the model's vocabulary size (`synthetic_tokenizer`: single characters
+plus random words), so xgrammar's mask time is measured at the real vocabulary size. Without
+xgrammar, or with `--grammar token-id`, it is a token-id grammar
 over the whole vocabulary (`ModuloGrammar`): half of the ids are allowed after each token.
 That measures the runner's side (the mask upload, the all-features sampling variant, the
 synchronization a constrained step needs) without xgrammar's own mask time. The bench
@@ -129,11 +132,42 @@ def run_prefix(args) -> list[RunResult]:
     return results
 
 
+def synthetic_tokenizer(vocab_size: int, seed: int = 0):
+    """A Hugging Face tokenizer of `vocab_size` entries for models without one: specials, the
+    printable ASCII characters, then distinct random words of 2-10 characters (letters, digits
+    and JSON punctuation), as a real vocabulary mixes short pieces and long words."""
+    import string
+
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in string.printable[:95]:
+        vocab.setdefault(ch, len(vocab))
+    alphabet = np.array(list(string.ascii_letters + string.digits + ' _-.,:{}[]"'))
+    rng = np.random.default_rng(seed)
+    while len(vocab) < vocab_size:
+        for n in rng.integers(2, 11, vocab_size - len(vocab)):
+            vocab.setdefault("".join(rng.choice(alphabet, n)), len(vocab))
+            if len(vocab) == vocab_size:
+                break
+    model = tokenizers.models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=100)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
 def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOutputsParams, str]:
-    """xgrammar over the model's tokenizer when both exist, else the token-id grammar."""
-    made = make_structured_outputs(llm.tokenizer, llm.runner.vocab_size)
-    if made.backend is not None:
-        return made, StructuredOutputsParams(json=json.dumps(JSON_SCHEMA)), "xgrammar JSON schema"
+    """xgrammar JSON over the model's tokenizer (a synthetic one when the folder has none), else
+    the token-id grammar."""
+    if args.grammar != "token-id":
+        tokenizer, kind = llm.tokenizer, "xgrammar JSON schema"
+        if tokenizer is None:
+            tokenizer, kind = synthetic_tokenizer(llm.runner.vocab_size), "xgrammar JSON schema, synthetic tokenizer"
+        made = make_structured_outputs(tokenizer, llm.runner.vocab_size)
+        if made.backend is not None:
+            return made, StructuredOutputsParams(json=json.dumps(JSON_SCHEMA)), kind
+        if args.grammar == "json":
+            raise SystemExit("--grammar json needs xgrammar: pip install 'graphrunner[structured]'")
     return (StructuredOutputs(ModuloGrammar(llm.runner.vocab_size), llm.runner.vocab_size),
             StructuredOutputsParams(regex="modulo"), "token-id grammar (no xgrammar or no tokenizer)")
 
@@ -170,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--grammar", choices=["auto", "json", "token-id"], default="auto",
+                   help="structured: xgrammar JSON when installed (auto), required (json), or the token-id grammar")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
