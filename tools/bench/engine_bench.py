@@ -108,7 +108,7 @@ def timed_generate(llm: LLM, label: str, prompts, params) -> tuple[RunResult, li
 
 
 def build(args, **kw) -> LLM:
-    return LLM(args.model, device=args.device, max_num_seqs=args.num_requests, seed=args.seed,
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.num_requests, seed=args.seed,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                async_scheduling=args.async_scheduling, **kw)
 
@@ -128,7 +128,10 @@ def run_prefix(args) -> list[RunResult]:
         results.append(result)
         outputs.append(tokens)
         llm.shutdown()
-    print(f"greedy outputs equal with and without caching: {outputs[0] == outputs[1]}")
+    equal = sum(a == b for a, b in zip(*outputs, strict=True))
+    # In bf16 a cached prefix is attended in another kernel split than a recomputed one: near-ties of
+    # random weights can flip a greedy token there; --dtype float32 shows the equality itself.
+    print(f"greedy outputs equal with and without caching: {equal}/{len(prompts)}")
     return results
 
 
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workload", choices=["prefix", "structured"])
     p.add_argument("--model", default="builtin:qwen2.5-0.5b")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="model dtype: auto (bf16 on CUDA), float32, ...")
     p.add_argument("--num-requests", type=int, default=None, help="default: 256 (prefix), 64 (structured)")
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--suffix-len", type=int, default=128)
