@@ -14,6 +14,8 @@ tests=(
   "tests/test_attention.py::test_gpu_cuda_graph_capture_and_replay"
   "tests/test_fused_layer_kernels.py::test_rope_write_kv_native_bf16"
   "tests/test_fused_layer_kernels.py::test_add_rms_norm_native_bf16"
+  "tests/test_sample_argmax.py::test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph"
+  "tests/test_attention.py::test_gpu_triton_matches_reference"
 )
 san() { timeout "$limit" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 "$@"; }
 san python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile ci "${tests[@]}" \
