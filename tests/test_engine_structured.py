@@ -129,6 +129,33 @@ def test_xgrammar_backend_masks_choice_regex_json_and_ebnf() -> None:
         so_.add("bad", StructuredOutputsParams(regex="(unclosed"))
 
 
+def test_xgrammar_masks_filled_together_equal_one_by_one() -> None:
+    """The thread-pool fill (`XGrammarBackend.fill_many`) writes the same rows as each matcher's own
+    fill, for live, advanced and completed grammars side by side."""
+    pytest.importorskip("xgrammar")
+    tok = _tokenizer()
+    ids = tok.convert_tokens_to_ids
+
+    class OneByOne:  # the same backend without fill_many: grammar_output fills each matcher itself
+        def __init__(self, backend):
+            self.compile = backend.compile
+
+    params = [StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(regex="[0-9]+"),
+              StructuredOutputsParams(json={"type": "boolean"}), StructuredOutputsParams(grammar='root ::= "a" "b"*')]
+    outputs = []
+    for backend in (XGrammarBackend(tok, VOCAB), OneByOne(XGrammarBackend(tok, VOCAB))):
+        so_ = StructuredOutputs(backend, VOCAB)
+        for i, p in enumerate(params):
+            so_.add(f"r{i}", p)
+        so_.accept("r1", [ids("7")])
+        so_.accept("r3", [ids("a"), ids("b")])
+        so_.accept("r0", [ids("no")])  # complete: only EOS may follow
+        out = so_.grammar_output(_so("r0", "r1", "r2", "r3"))
+        assert out is not None
+        outputs.append(out.grammar_bitmask)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
 # ---------------------------------------------------------------------------- end to end
 
 

@@ -71,6 +71,15 @@ class XGrammarBackend:
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self._batch = xgr.BatchGrammarMatcher("auto")  # fills a step's masks on several threads
+
+    def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int]) -> None:
+        """out[rows[i]] = matchers[i]'s mask, all at once (xgrammar's thread pool): at 64 requests
+        of a 152k vocabulary several times faster than one matcher after another."""
+        inner = [m._matcher for m in matchers]  # type: ignore[attr-defined]
+        self._batch.batch_fill_next_token_bitmask(inner, out, rows)
+        words = -(-self.vocab_size // 32)
+        out[rows, words:] = 0
 
     def compile(self, params: StructuredOutputsParams) -> GrammarMatcher:
         c = self.compiler
@@ -190,10 +199,19 @@ class StructuredOutputs:
             return None
         drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in ids]
         mask = np.zeros((len(ids) + sum(map(len, drafts)), self.words), dtype=np.int32)
+        fill_many = getattr(self.backend, "fill_many", None)
+        batched: list[tuple[int, GrammarMatcher]] = []  # (mask row, matcher): one row each, filled together
         start = 0
         for rid, tokens in zip(ids, drafts, strict=True):
-            _fill_rows(self.matchers[rid], tokens, mask[start : start + 1 + len(tokens)])
+            matcher = self.matchers[rid]
+            if fill_many is not None and not tokens and not matcher.is_terminated():
+                batched.append((start, matcher))
+            else:
+                _fill_rows(matcher, tokens, mask[start : start + 1 + len(tokens)])
             start += 1 + len(tokens)
+        if batched:
+            assert fill_many is not None
+            fill_many([m for _, m in batched], mask, [row for row, _ in batched])
         return GrammarOutput(ids, mask)
 
     def accept(self, req_id: str, tokens: list[int]) -> bool:

@@ -136,24 +136,24 @@ def run_prefix(args) -> list[RunResult]:
 
 
 def synthetic_tokenizer(vocab_size: int, seed: int = 0):
-    """A Hugging Face tokenizer of `vocab_size` entries for models without one: specials, the
-    printable ASCII characters, then distinct random words of 2-10 characters (letters, digits
-    and JSON punctuation), as a real vocabulary mixes short pieces and long words."""
+    """A Hugging Face tokenizer of `vocab_size` entries for models without one, shaped like a
+    BPE vocabulary: specials, the printable ASCII characters, JSON punctuation pairs, then
+    distinct words of 2-10 letters (half with a leading space, a tenth of them digits)."""
     import string
 
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in string.printable[:95]:
-        vocab.setdefault(ch, len(vocab))
-    alphabet = np.array(list(string.ascii_letters + string.digits + ' _-.,:{}[]"'))
+    pieces = [*string.printable[:95], *(a + b for a in '{}[]",: ' for b in '{}[]",: ')]
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    letters, digits = np.array(list(string.ascii_letters)), np.array(list(string.digits))
     rng = np.random.default_rng(seed)
     while len(vocab) < vocab_size:
-        for n in rng.integers(2, 11, vocab_size - len(vocab)):
-            vocab.setdefault("".join(rng.choice(alphabet, n)), len(vocab))
-            if len(vocab) == vocab_size:
-                break
+        n = int(rng.integers(2, 11))
+        word = "".join(rng.choice(digits if rng.random() < 0.1 else letters, n))
+        vocab.setdefault((" " if rng.random() < 0.5 else "") + word, len(vocab))
     model = tokenizers.models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=100)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")
