@@ -88,8 +88,33 @@ class RunResult:
         return self.output_tokens / self.seconds
 
 
-def timed_generate(llm: LLM, label: str, prompts, params) -> tuple[RunResult, list[list[int]]]:
-    """Generate with the runner's executed tokens counted; (result, output token ids)."""
+def _phase_timers(llm: LLM) -> tuple[dict[str, float], list[tuple[object, str, object]]]:
+    """Wrap the engine's per-step host calls with timers: (seconds per phase, what to restore)."""
+    seconds: dict[str, float] = {}
+    restore = []
+    targets = [(llm.scheduler, "schedule"), (llm.runner, "execute_model"), (llm._structured, "grammar_output"),
+               (llm.runner, "sample_tokens"), (llm.scheduler, "update_from_output"),
+               (llm._structured, "after_output")]
+    for obj, name in targets:
+        fn = getattr(obj, name)
+        restore.append((obj, name, obj.__dict__.get(name)))
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            start = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                seconds[_name] = seconds.get(_name, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, timed)
+    return seconds, restore
+
+
+def timed_generate(llm: LLM, label: str, prompts, params,
+                   phases: bool = False) -> tuple[RunResult, list[list[int]]]:
+    """Generate with the runner's executed tokens counted; (result, output token ids). With
+    `phases`, also print the host seconds spent in each per-step engine call (a diagnostic:
+    with sync scheduling, a call that waits for the GPU includes that wait)."""
     executed = [0]
     execute = llm.runner.execute_model
 
@@ -98,13 +123,22 @@ def timed_generate(llm: LLM, label: str, prompts, params) -> tuple[RunResult, li
         return execute(so)
 
     llm.runner.execute_model = counting
+    seconds, restore = _phase_timers(llm) if phases else ({}, [])
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    llm.runner.execute_model = execute
+    total = time.perf_counter() - start
+    for obj, name, own in reversed(restore):
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+    del llm.runner.execute_model  # the class's method again
+    if phases:
+        spent = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in seconds.items())
+        print(f"{label}: {spent} of {total * 1e3:.0f} ms")
     hit = getattr(llm.scheduler.block_allocator, "hit_rate", None)
     tokens = [list(o.token_ids) for o in outs]
-    return RunResult(label, seconds, executed[0], sum(map(len, tokens)), hit), tokens
+    return RunResult(label, total, executed[0], sum(map(len, tokens)), hit), tokens
 
 
 def build(args, **kw) -> LLM:
@@ -185,8 +219,8 @@ def run_structured(args) -> list[RunResult]:
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1,
                                  structured_outputs=grammar)
     llm.generate(prompts[:2], [free, constrained])  # warm-up: both sampling variants' graphs
-    results = [timed_generate(llm, "unconstrained", prompts, free)[0],
-               timed_generate(llm, "constrained", prompts, constrained)[0]]
+    results = [timed_generate(llm, "unconstrained", prompts, free, args.phases)[0],
+               timed_generate(llm, "constrained", prompts, constrained, args.phases)[0]]
     llm.shutdown()
     print(f"constrained / unconstrained output tokens/s: "
           f"{results[1].output_tokens_per_s / results[0].output_tokens_per_s:.3f}")
@@ -211,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grammar", choices=["auto", "json", "token-id"], default="auto",
                    help="structured: xgrammar JSON when installed (auto), required (json), or the token-id grammar")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", action="store_true", help="structured: host seconds per engine call (diagnostic)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     prefix = args.workload == "prefix"
