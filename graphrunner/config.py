@@ -238,6 +238,10 @@ class CompilationConfig:
     with a logged reason when the attention backend cannot serve it). enforce_eager runs
     every step eagerly and captures nothing. compile_backend is what compiles the
     PIECEWISE pieces ("inductor"; "eager"/"aot_eager" skip code generation, for tests).
+    structured_output_graphs also captures, per FULL single-token decode size, a forward graph
+    and two sampling graphs, so that a structured-output decode step's forward runs while the
+    engine computes its grammar masks (graphrunner/step/split.py); off, such a step runs whole
+    once its masks arrive.
     """
 
     cudagraph_mode: str | None = None
@@ -245,6 +249,7 @@ class CompilationConfig:
     enforce_eager: bool = False
     debug_cudagraphs: bool = False
     compile_backend: str = "inductor"
+    structured_output_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.cudagraph_capture_sizes is not None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from capture.descriptor import BatchExecutionDescriptor
+from capture.full import FullGraph
 from capture.report import CaptureReport
 from graphrunner.async_output import AsyncOutput, OutputRing
 from graphrunner.attention import get_attention_backend
@@ -127,7 +128,8 @@ class ModelRunner(RunnerReadouts):
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self._pending: PendingStep | None = None
-        self._deferred: tuple[InputBatch, BatchExecutionDescriptor, DecodePlan | None] | None = None
+        # A structured-output step waiting for its masks (+ its sampling graph if split: step/split.py).
+        self._deferred: tuple[InputBatch, BatchExecutionDescriptor, DecodePlan | None, FullGraph | None] | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
 
     # ---- set-up -----------------------------------------------------------------
@@ -267,12 +269,18 @@ class ModelRunner(RunnerReadouts):
         batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
         # Structured outputs (a grammar row implies the logit-bias feature: a cheap gate first): the masks come with
         if batch.sampling_features.any_logit_bias and state.sampling.grammar_np[batch.idx_mapping_np].any():
-            self._deferred = (batch, desc, plan)  # sample_tokens(grammar_output), then the step runs
+            pair = graphs.split_pair(desc, state.sampling.features_after_masks(batch.idx_mapping_np))
+            if pair is not None:  # the forward now, while the engine computes the masks
+                self.body.current_batch = batch
+                self.output_ring.guard_next_step()
+                pair[0].replay()
+            self._deferred = (batch, desc, plan, pair[1] if pair is not None else None)  # sample_tokens runs the rest
             return
         self._launch(batch, desc, plan)
 
-    def _launch(self, batch: InputBatch, desc: BatchExecutionDescriptor, plan: DecodePlan | None) -> None:
-        """Run a prepared step and leave it pending (from execute_model; a deferred one from sample_tokens)."""
+    def _launch(self, batch: InputBatch, desc: BatchExecutionDescriptor, plan: DecodePlan | None,
+                sampling_graph: FullGraph | None = None) -> None:
+        """Run a prepared step, leave it pending (a deferred one from sample_tokens; split: its sampling graph)."""
         planner, graphs, state, prompt_lp = self.planner, self.graphs, self.state, self.prompt_logprobs
         assert planner is not None and graphs is not None
         self.body.current_batch = batch
@@ -280,7 +288,10 @@ class ModelRunner(RunnerReadouts):
         self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
         current = planner.plan if planner.plan is not None and planner.plan.batch is batch else None
         try:
-            graphs.run(desc, batch, current.full_graph if current is not None else None)
+            if sampling_graph is not None:
+                sampling_graph.replay()
+            else:
+                graphs.run(desc, batch, current.full_graph if current is not None else None)
         except RuntimeError as e:  # free while nothing raises; under TP/PP/DP it names this rank
             self.parallel.raise_step_failure(e)
         produces, all_produce, verify = planner.advance(batch, plan)
@@ -305,11 +316,11 @@ class ModelRunner(RunnerReadouts):
         be unresolved at a time. Without a pending step the output is empty.
         """
         if self._deferred is not None:
-            batch, desc, plan = self._deferred
+            batch, desc, plan, sampling_graph = self._deferred
             self.state.write_grammar(batch.idx_mapping_np, batch.req_ids, batch.query_lens_np, grammar_output)
             self._deferred = None
             with _inference_mode():
-                self._launch(batch, desc, plan)
+                self._launch(batch, desc, plan, sampling_graph)
         pending, self._pending = self._pending, None
         if pending is None:
             empty = ModelRunnerOutput.empty()

@@ -11,6 +11,8 @@ decoding each verified slot has its own mask (tests/test_structured_spec_runner.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParam
 from tests.runner_driver import Driver, make_runner
 
 GRAPHS = CompilationConfig(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4])
+SPLIT = dataclasses.replace(GRAPHS, structured_output_graphs=True)  # constrained decodes: forward, then sampling
 CHOICE = StructuredOutputsParams(choice=["yes", "no"])  # the runner never reads the grammar itself
 
 
@@ -32,10 +35,10 @@ def _mask(vocab: int, allowed: list[int]) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view("<u4").view(np.int32)[None, :]
 
 
-@pytest.fixture(scope="module", params=["eager", "graphs"])
+@pytest.fixture(scope="module", params=["eager", "graphs", "split"])
 def runner(request):
-    r = make_runner(compilation=GRAPHS if request.param == "graphs" else None)
-    if request.param == "graphs":
+    r = make_runner(compilation={"eager": None, "graphs": GRAPHS, "split": SPLIT}[request.param])
+    if request.param != "eager":
         r.capture_model(progress=False)
     return r
 
@@ -107,6 +110,34 @@ def test_speculative_decodes_take_a_mask_per_draft_slot() -> None:
         d.step(grammar=lambda so: GrammarOutput(["c"], _mask(V, [11])))
 
 
+def _split_replays(runner) -> list[str]:
+    """Record which split graphs replay (their keys), by wrapping each graph's replay."""
+    seen: list[str] = []
+    for graph in runner.graphs.split_graphs.values():
+        def replay(graph=graph, inner=graph.replay):
+            seen.append(graph.key)
+            inner()
+        graph.replay = replay
+    return seen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_split_steps_give_the_whole_steps_tokens(temperature) -> None:
+    """With structured_output_graphs a constrained decode replays its forward graph from
+    execute_model and its sampling graph (masks applied in place) from sample_tokens; the
+    tokens equal those of the whole-step graphs (the all-features variant), greedy and seeded."""
+    whole, split = make_runner(compilation=GRAPHS), make_runner(compilation=SPLIT)
+    for r in (whole, split):
+        r.capture_model(progress=False)
+    seen = _split_replays(split)
+    rng = np.random.default_rng(1)
+    allowed = [rng.choice(2048, size=int(rng.integers(1, 300)), replace=False).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=8)
+    assert _run(split, allowed, params) == _run(whole, allowed, params)
+    assert any("forward" in k for k in seen) and any("after masks" in k for k in seen), seen
+    assert not any("after masks" in k for k in _split_replays(whole))  # (the whole runner has none)
+
+
 def test_grammar_output_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="one row per request id"):
         GrammarOutput(["a", "b"], np.zeros((1, 4), dtype=np.int32))
@@ -129,3 +160,22 @@ def test_grammar_masks_in_full_cuda_graphs() -> None:
     assert constrained == [11, 1999, 0, 7, 42]
     assert runner.last_descriptor is not None and runner.last_descriptor.is_full  # decode steps replayed graphs
     assert free == _unconstrained(runner, len(forced))
+
+
+@pytest.mark.gpu
+def test_split_steps_in_cuda_graphs_match_whole_steps() -> None:
+    """Real CUDA graphs: the split forward / sampling graphs give the whole-step graphs' tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runners = [make_runner(device="cuda", compilation=CompilationConfig(cudagraph_capture_sizes=[1, 2, 4],
+                                                                       structured_output_graphs=split))
+               for split in (False, True)]
+    for r in runners:
+        r.capture_model(progress=False)
+    seen = _split_replays(runners[1])
+    rng = np.random.default_rng(2)
+    allowed = [rng.choice(2048, size=int(rng.integers(1, 500)), replace=False).tolist() for _ in range(6)]
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=5, max_tokens=8)
+        assert _run(runners[1], allowed, params) == _run(runners[0], allowed, params)
+    assert any("after masks" in k for k in seen)

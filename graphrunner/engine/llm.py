@@ -44,7 +44,7 @@ from graphrunner.engine.prompts import PlannedRequests, plan_requests
 from graphrunner.engine.request import RequestOutput
 from graphrunner.engine.runner_config import build_runner_config
 from graphrunner.engine.scheduler import Scheduler
-from graphrunner.engine.structured import make_structured_outputs
+from graphrunner.engine.structured import can_compile_grammars, make_structured_outputs
 from graphrunner.engine.workers import WorkerLLM, wants_workers
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
@@ -140,6 +140,8 @@ class LLM:
             decode_context_parallel_size=decode_context_parallel_size,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
+        # Grammars can compile (a tokenizer and xgrammar): capture the split graphs of constrained decodes.
+        kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))
         self._init_distributed(parallel, device, dtype)
         self.config = build_runner_config(
             model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,

@@ -36,7 +36,8 @@ from graphrunner.engine.request import RequestOutput, RequestStatus
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend", "make_structured_outputs"]
+__all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend", "can_compile_grammars",
+           "make_structured_outputs"]
 
 
 class GrammarMatcher(Protocol):
@@ -276,6 +277,14 @@ class StructuredOutputs:
         for rid in [r for r in self.matchers if r not in scheduler.requests]:
             self.remove(rid)
         return ended
+
+
+def can_compile_grammars(tokenizer: Any) -> bool:
+    """Whether `make_structured_outputs` will have a backend: a tokenizer and xgrammar installed."""
+    import importlib.util
+
+    has_vocab = tokenizer is not None and hasattr(tokenizer, "get_vocab")
+    return has_vocab and importlib.util.find_spec("xgrammar") is not None
 
 
 def make_structured_outputs(tokenizer: Any, vocab_size: int) -> StructuredOutputs:

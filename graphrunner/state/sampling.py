@@ -26,6 +26,7 @@ Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -145,6 +146,7 @@ class SamplingStates:
         self.penalties_np = np.zeros(num_rows, dtype=bool)
         self.bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias, allowed_token_ids or a grammar
         self.grammar_np = np.zeros(num_rows, dtype=bool)  # structured outputs
+        self.logit_bias_np = np.zeros(num_rows, dtype=bool)  # logit_bias itself (no token mask)
         self.min_tokens_np = np.zeros(num_rows, dtype=bool)
         self.logprobs_np = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)
 
@@ -226,6 +228,7 @@ class SamplingStates:
 
         self.random_np[row] = random
         self.grammar_np[row] = use_grammar
+        self.logit_bias_np[row] = bool(params.logit_bias)
         self.top_k_np[row] = top_k
         self.top_p_np[row] = params.top_p
         self.min_p_np[row] = params.min_p
@@ -311,6 +314,12 @@ class SamplingStates:
             any_min_tokens=bool(self.min_tokens_np[rows].any()),
             num_logprobs=round_logprobs(k, self.max_logprobs),
         )
+
+    def features_after_masks(self, rows: np.ndarray) -> SamplingFeatures:
+        """`features` once the token masks (allowed ids, grammars) are applied in place beforehand
+        (step/split.py): the logit-bias stage is needed only for rows with a real logit_bias."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return dataclasses.replace(self.features(rows), any_logit_bias=bool(self.logit_bias_np[rows].any()))
 
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""

@@ -35,6 +35,7 @@ from graphrunner.config import CompilationConfig
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody
 from graphrunner.step.inputs import InputBatch
+from graphrunner.step.split import SplitStep
 
 logger = logging.getLogger("graphrunner.capture")
 
@@ -106,6 +107,10 @@ class StepGraphs:
         self.debug = comp.debug_cudagraphs
         self.pool: GraphPool | None = None
         self.full_graphs: dict[tuple[BatchExecutionDescriptor, SamplingFeatures], FullGraph] = {}
+        # Structured-output decode steps in two graphs (step/split.py): key (desc, None) is the
+        # forward graph, (desc, GREEDY | SAMPLED) the sampling graphs.
+        self.split = SplitStep(body) if comp.structured_output_graphs else None
+        self.split_graphs: dict[tuple[BatchExecutionDescriptor, SamplingFeatures | None], FullGraph] = {}
         self.captured = False
         self.generation = 0  # bumped by every capture and release: plans holding graphs compare it
         self._setup_compiled()
@@ -125,6 +130,15 @@ class StepGraphs:
 
     def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
         self.full_graph(desc, features).replay()
+
+    def split_pair(self, desc: BatchExecutionDescriptor,
+                   features_after_masks: SamplingFeatures) -> tuple[FullGraph, FullGraph] | None:
+        """(forward graph, sampling graph) for a constrained step of `desc` whose features, once its
+        token masks are applied, are plain greedy or plain sampling; None: run the step whole."""
+        variant = sampling_variant(features_after_masks)
+        if variant is ALL_FEATURES or (desc, None) not in self.split_graphs:
+            return None
+        return self.split_graphs[(desc, None)], self.split_graphs[(desc, variant)]
 
     def run(self, desc: BatchExecutionDescriptor, batch: InputBatch, graph: FullGraph | None = None) -> None:
         """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager)."""
@@ -161,6 +175,8 @@ class StepGraphs:
             (d, None) for d in descriptors if d.is_piecewise
         ]
         work += [(d, v) for d in descriptors if d.is_full for v in SAMPLING_VARIANTS]
+        if self.split is not None:  # the split pairs last: (desc, None) stands for the pair
+            work += [(d, None) for d in descriptors if self.split.serves(d)]
         free_before = self.pool.free_bytes()
         start = time.perf_counter()
         gc.collect()
@@ -189,6 +205,7 @@ class StepGraphs:
         try:
             for i, (desc, variant) in enumerate(bar):
                 label = str(desc) if variant is None else f"{desc}[{variant_name(variant)}]"
+                label += "[split]" if variant is None and desc.is_full else ""
                 if hasattr(bar, "set_postfix_str"):
                     bar.set_postfix_str(f"{label} free={self.pool.free_bytes() / (1 << 30):.1f}GiB")
                 try:
@@ -235,6 +252,8 @@ class StepGraphs:
     def _capture_one(self, desc: BatchExecutionDescriptor, variant: SamplingFeatures | None, label: str,
                      inspect_nodes: bool) -> CaptureRecord:
         assert self.pool is not None
+        if variant is None and desc.is_full:
+            return self._capture_split(desc, label, inspect_nodes)
         if variant is None:
             return self.capture_pieces(desc, label)
         graph = FullGraph(
@@ -253,11 +272,33 @@ class StepGraphs:
         self.full_graphs[(desc, variant)] = graph
         return record
 
+    def _capture_split(self, desc: BatchExecutionDescriptor, label: str, inspect_nodes: bool) -> CaptureRecord:
+        """The forward graph and the two sampling graphs of a split constrained step (one record)."""
+        assert self.pool is not None and self.split is not None and desc.num_reqs is not None
+        split = self.split
+        batch = self.body.dummy_batch(self.capture_query_lens(desc), GREEDY, desc.num_reqs, desc.num_tokens)
+        steps: list[tuple[SamplingFeatures | None, Callable[[], None]]] = [(None, lambda: split.forward_part(batch))]
+        steps += [(v, lambda v=v: split.sample_part(batch, v)) for v in (GREEDY, SAMPLED)]
+        records = []
+        for variant, step in steps:
+            name = "forward" if variant is None else f"{variant_name(variant)} after masks"
+            graph = FullGraph(f"{desc}[split {name}]", step, self.pool, static_tensors=self.body.buffers.static_tensors,
+                              debug=self.debug)
+            try:
+                records.append(graph.capture(inspect_nodes=inspect_nodes))
+            except BaseException:
+                graph.release()
+                raise
+            self.split_graphs[(desc, variant)] = graph
+        return CaptureRecord(label, sum(r.seconds for r in records), sum(r.pool_bytes for r in records),
+                             None, {})
+
     def release(self) -> None:
         """Drop every graph and the pool (before process groups go; lifecycle rule)."""
-        for graph in self.full_graphs.values():
+        for graph in [*self.full_graphs.values(), *self.split_graphs.values()]:
             graph.release()
         self.full_graphs.clear()
+        self.split_graphs.clear()
         if self.body.compiled is not None:
             self.body.compiled.release()
         if self.pool is not None:

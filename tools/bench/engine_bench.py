@@ -212,7 +212,7 @@ def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOut
 def run_structured(args) -> list[RunResult]:
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, 1000, (args.num_requests, args.prompt_len)).tolist()
-    llm = build(args, enable_prefix_caching=False)
+    llm = build(args, enable_prefix_caching=False, structured_output_graphs=args.structured_output_graphs)
     llm._structured, grammar, kind = structured_outputs(llm, args)  # the engine's matchers (a bench seam)
     print(f"constraint: {kind}")
     free = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1)
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grammar", choices=["auto", "json", "token-id"], default="auto",
                    help="structured: xgrammar JSON when installed (auto), required (json), or the token-id grammar")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-structured-output-graphs", dest="structured_output_graphs", action="store_false",
+                   help="structured: run constrained steps whole after their masks (no split forward/sampling graphs)")
     p.add_argument("--phases", action="store_true", help="structured: host seconds per engine call (diagnostic)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
