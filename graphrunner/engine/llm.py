@@ -140,8 +140,7 @@ class LLM:
             decode_context_parallel_size=decode_context_parallel_size,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
-        # Grammars can compile (a tokenizer and xgrammar): capture the split graphs of constrained decodes.
-        kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))
+        kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
         self.config = build_runner_config(
             model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,

@@ -15,6 +15,7 @@ batch the one with every feature on.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -278,7 +279,7 @@ class StepGraphs:
         split = self.split
         batch = self.body.dummy_batch(self.capture_query_lens(desc), GREEDY, desc.num_reqs, desc.num_tokens)
         steps: list[tuple[SamplingFeatures | None, Callable[[], None]]] = [(None, lambda: split.forward_part(batch))]
-        steps += [(v, lambda v=v: split.sample_part(batch, v)) for v in (GREEDY, SAMPLED)]
+        steps += [(v, functools.partial(split.sample_part, batch, v)) for v in (GREEDY, SAMPLED)]
         records = []
         for variant, step in steps:
             name = "forward" if variant is None else f"{variant_name(variant)} after masks"
