@@ -113,23 +113,61 @@ def _check_against_reference(batch, **kw):
     assert torch.equal(tokens, ref_tokens)
 
 
-@given(batch=batches(), capacity=st.sampled_from([16, 64, 1024]), block=st.sampled_from([None, 64]))
+@given(batch=batches(), capacity=st.sampled_from([16, 64, 1024]), block=st.sampled_from([None, 64]),
+       splits=st.sampled_from([None, 1, 3]))
 @settings(deadline=None)
-def test_kept_set_equals_the_sort_reference(batch, capacity, block):
-    _check_against_reference(batch, capacity=capacity, block=block)
+def test_kept_set_equals_the_sort_reference(batch, capacity, block, splits):
+    _check_against_reference(batch, capacity=capacity, block=block, splits=splits)
 
 
 def test_the_fallback_and_the_fast_path_both_run():
-    # 300 tokens, k = 200: more candidates than a capacity of 16 (fallback), fine with 1024.
+    # 300 tokens in at most 3 x 64 buckets, k = 200: no bucket bound, so the pivot tier (1) serves
+    # row 0, or the fallback (2) once its candidates overflow a capacity of 16; k = 3: the guess (0).
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 300, generator=g)
     args = (torch.ones(2), rng.row_keys(torch.arange(2), torch.arange(2)), torch.tensor([200, 3], dtype=torch.int32),
             torch.ones(2), torch.zeros(2))
     want, _ = sort_reference(x, *[args[0], *args[2:]])
-    for capacity, path in ((16, [2, 0]), (1024, [0, 0])):
+    for capacity, path in ((16, [2, 0]), (1024, [1, 0])):
         _, thr, flags = _run(x, *args, capacity=capacity, block=64)
         assert flags.tolist() == path
         assert torch.equal(x >= thr[:, None], want)
+
+
+def _exact(x, args, flags=(True, True, True), **kw):
+    """Runs the kernels and checks the kept set and the token against the references; -> tiers."""
+    temperature, keys, top_k, top_p, min_p = args
+    want, clear = sort_reference(x, temperature, top_k, top_p, min_p, flags)
+    assert all(clear)
+    tokens, thr, path = _run(x, *args, flags, **kw)
+    s = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    assert torch.equal(s >= thr[:, None], want)
+    ref = torch.empty_like(tokens)
+    gumbel_argmax_torch(x, temperature, keys, thr, ref)
+    assert torch.equal(tokens, ref)
+    return path.tolist()
+
+
+def test_the_guess_serves_every_filter_mix_of_a_peaked_row():
+    # A peaked row (LLM-like): 5 boosted tokens. Min-p, top-k, top-p alone (the mass guess,
+    # mode 2), all three, and no filter (every token drawn) are each proven by the guess tier.
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 1000, generator=g)
+    x[:, torch.randperm(1000, generator=g)[:5]] += torch.tensor([12.0, 11.0, 10.5, 10.0, 9.0])
+    args = (torch.tensor([0.8, 1.0, 0.7, 1.2, 0.9]), rng.row_keys(torch.arange(5), torch.arange(5)),
+            torch.tensor([0, 20, 0, 50, 0], dtype=torch.int32), torch.tensor([1.0, 1.0, 0.9, 0.9, 1.0]),
+            torch.tensor([0.05, 0.0, 0.0, 0.05, 0.0]))
+    assert _exact(x, args, block=64) == [0, 0, 0, 0, 0]
+
+
+def test_a_wrong_mass_guess_falls_to_the_pivots_exactly():
+    # A flat row: the bucket maxima (64 of ~16 tokens) hold far less than the row's mass, so
+    # the top-p guess is too high; select must see it (not enough mass above g) and defer.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1000, generator=g) * 0.01
+    args = (torch.ones(1), rng.row_keys(torch.arange(1), torch.arange(1)), torch.zeros(1, dtype=torch.int32),
+            torch.tensor([0.9]), torch.zeros(1))
+    assert _exact(x, args, block=64, splits=1) == [1]
 
 
 def test_all_minus_inf_row_draws_token_zero_and_spares_the_others():

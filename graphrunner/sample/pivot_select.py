@@ -1,50 +1,36 @@
-"""Sort-free min-p / top-k / top-p sampling in three reads of the logits (Triton).
+"""Sort-free min-p / top-k / top-p sampling in two reads of the logits for most rows (Triton).
 
 The exact threshold of filters.filter_threshold and the Gumbel-max token of
-triton_sampling.gumbel_argmax, without a sort and without 32 serial passes over V:
-every row is split over several programs, and each stage reads the logits once.
-(Measured on an H100, 256 rows x 152k: 0.53 ms for temperature + top-k + top-p + min-p,
-against 5.1 ms for the one-program-per-row bisection and 5.5 ms for the sort; see
-docs/bench/sampler_pivot_h100.md for the numbers and where the time goes.)
-
-1. stats   (R x S programs): per V-tile max of s = x / T (NaN skipped) with its first
-   id, the first NaN id (so greedy rows get torch.argmax), sum and count of finite s.
-2. pivots  (R x S): counts and masses exp(s - M) at P per-row pivots: column 0 is the
-   min-p threshold, columns 1..P-2 a ladder `M - spread * j / (P-2)` (spread = M minus
-   the mean of s, so the ladder follows the row's own scale, whatever T is), column
-   P-1 is -inf (the totals).
-3. compact (R x S): from those counts every program derives the same windows
-   (`_windows`): A, the ladder bracket holding the k-th largest value; [c, hi), the
-   brackets that can hold the final threshold. Tokens in A or [c, hi) are appended
-   (value, id) to a per-row candidate buffer of `capacity` entries; tokens >= hi are
-   kept for sure, so the program draws among them itself (best s + gumbel, first id).
-4. select  (R programs): sums masses in 2**-40 fixed point (integer sums do not depend
-   on the racy order of the candidates: seeded draws are deterministic), finds the
-   k-th value, the base b = max(min-p, top-k), its mass Z' and the top-p threshold by
-   binary lifting over int32 order keys restricted to the candidates, then takes the
-   best of the kept candidates and of the compaction's draws (rng.py's noise, bit for bit).
+triton_sampling.gumbel_argmax, without a sort: rows are split over R x S programs.
+Tier 0, the guess (every row):
+1. stats (R x S): max of s = x / T (NaN skipped) and its first id, the first NaN id
+   (greedy rows: torch.argmax), sum and count of finite x, and bucket maxima (the maxima
+   of disjoint token groups: k of them >= t prove k tokens >= t). On x, divided at the end.
+2. plan (R): g <= the final threshold: t_min_p, raised to the k-th largest bucket max for
+   top-k; top-p-only rows aim g at a mass share of the bucket maxima (a guess, checked).
+3. guess (R x S): tokens with x >= bound(g) (so s >= g, no division) are appended (x, id)
+   to the row's candidates; top-p-only rows also sum exp(s - M); no-filter rows draw.
+4. select (R): exact thresholds from the candidates by binary lifting over int32 order
+   keys, masses in 2**-40 fixed point (integer sums: the racy candidate order cannot
+   change a seeded draw), and the draw (rng.py's noise, bit for bit). It serves a row only
+   if provably exact: <= GUESS_CAPACITY candidates, >= k of them (or g = t_min_p), their
+   mass >= top_p * Z', threshold >= g; else flag 1.
+Tier 1, the pivots (rows flagged 1; other programs return at once): counts and masses at
+P pivots (min-p, a ladder `M - spread * j / (P-2)` with spread = M - mean, -inf) give
+windows holding the k-th value and the final threshold; the compaction appends those
+tokens and draws among the tokens above them (kept for sure); select finishes as above.
+Tier 2: more candidates than `capacity`, or a non-finite max or spread (a row of only
+-inf, +inf logits): the kernels of triton_sampling (one-program bisection, then the
+Gumbel pass; ~3 ms) finish those rows, returning at once for the others.
 
 Tie rule, shared with filters.py and the sort reference of the tests: every token tied
-with the last kept value is kept (the kept set is `s >= threshold`).
-
-Exactness. Counts are integers and the pivots are compared in the same float32 in every
-kernel, so the windows always hold the k-th value and every kept token; min-p and top-k
-thresholds are bit-identical to filters.py. Top-p masses are float32 / fixed-point sums
-in another order than torch's: the boundary can move only across tokens whose prefix
-mass is within rounding (~1e-6 relative) of top_p * Z' (the same caveat as
-triton_sampling). The pivot masses are float32 sums over tiles whose number depends on
-R, so in such a rounding tie a seeded row's top-p boundary can also depend on the batch
-size (as torch's own reductions can); min-p, top-k and the noise never do.
-
-Rows the fast path does not serve: more candidates than `capacity` (brackets wider than
-the ladder resolves: flat rows with top_p near 1, k beyond the mean), or a non-finite
-max or spread (a row of only -inf, +inf logits). Their flag is 2 and the previous
-kernels of triton_sampling finish them (one-program bisection, then the Gumbel pass),
-launched for every row but returning at once for unflagged ones; so their outcome is
-unchanged (an all -inf row draws token 0) but such a row costs ~3 ms. NaN entries are
-skipped, as in triton_sampling.
-
-Everything is sized by R, V and `capacity` and never syncs with the host: graph-safe.
+with the last kept value is kept (the kept set is `s >= threshold`). Exactness: counts
+are integers, bounds and pivots are compared in the same float32 in every kernel, so
+min-p and top-k are bit-identical to filters.py. Top-p masses are float32 / fixed-point
+sums in another order than torch's: the boundary can move only across tokens whose prefix
+mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums over tiles
+depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
+NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
 """
 
 from __future__ import annotations
@@ -52,15 +38,19 @@ from __future__ import annotations
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor
+from graphrunner.sample import triton_sampling as ts
 
-__all__ = ["DEFAULT_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
+__all__ = ["DEFAULT_CAPACITY", "GUESS_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
 
 NUM_PIVOTS = 16  # min-p column + 14 ladder steps + the -inf totals: a [16, BLOCK] compare per step
 DEFAULT_CAPACITY = 8192  # candidates per row (64 KiB of value, id); 4096 overflows at top_p 0.95
-_BLOCK = 1024  # vocab entries per loop step of the streaming kernels (2048: +5%, 4096: +30% at 256 rows)
+GUESS_CAPACITY = 1024  # candidates the guess tier's select reads: a [1024] tile, ~8x cheaper than 8192
+_GUESS_BUCKETS = 1024  # bucket maxima per row (about: a power of two per program)
+_GUESS_SLACK = 0.25  # top-p-only guess: the bucket maxima's mass share 1 - (1 - top_p) * slack
+_BLOCK = 1024  # vocab entries per loop step of the streaming kernels (H100, 256 rows: 2048 +4%, 4096 +11%)
 _PIVOT_WARPS = 4  # the pivot kernel's tile is [P, tokens per warp x warps]
 _PIVOT_TOKENS_PER_WARP = 128  # 4 tokens x P pivots per thread
-_PROGRAMS_PER_SM = 4  # streaming programs per SM (the fastest of 4, 8, 16 on an H100)
+_PROGRAMS_PER_SM = 2  # streaming programs per SM (H100, 256 rows, guess tier: 2 180 us, 4 213, 8 183)
 _NUM_WARPS = 8
 
 if HAS_TRITON:
@@ -68,17 +58,33 @@ if HAS_TRITON:
     import triton.language as tl
 
     # Shared with the fused kernels, so the noise and the keys are the same code.
-    from graphrunner.sample.triton_sampling import _GOLDEN, _hash32, _key_to_float, _ordered_key, _scaled
+    from graphrunner.sample.triton_sampling import (
+        _append,
+        _at,
+        _bisect_keys,
+        _draw,
+        _greedy,
+        _gumbel_score,
+        _key_to_float,
+        _lift,
+        _ordered_key,
+        _row_params,
+        _scaled,
+        _x_bound,
+    )
 
     _NEG_INF = tl.constexpr(float("-inf"))
     _FIXED = tl.constexpr(float(2**40))  # fixed-point unit of the select kernel's masses
     _POS_INF = tl.constexpr(float("inf"))
+    _SLACK = tl.constexpr(_GUESS_SLACK)
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, vocab_size, chunk,
-                      BLOCK: tl.constexpr):
-        # Program (row, split), over its tile: max of s (NaN skipped) and its first id, the
-        # first NaN id (greedy rows take it, as torch.argmax), sum and count of finite s.
+    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, bmax_ptr, vocab_size,
+                      chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
+        # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
+        # first NaN id (greedy rows take it, as torch.argmax), sum and count of finite x (the
+        # spread's mean), and the maxima of NB disjoint lane groups (the plan's bucket maxima).
+        # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T).
         row, split = tl.program_id(0), tl.program_id(1)
         out = row * tl.num_programs(1) + split
         temp = tl.load(temp_ptr + row)
@@ -94,35 +100,25 @@ if HAS_TRITON:
         count = tl.zeros([BLOCK], tl.int32)
         for start in range(lo, hi, BLOCK):
             v = start + offs
-            s = _scaled(base, v, hi, t)
-            better = s > peak  # strict: the first id of a tie within a lane
-            peak = tl.where(better, s, peak)
+            x = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
+            better = x > peak  # strict: the first id of a tie within a lane
+            peak = tl.where(better, x, peak)
             arg = tl.where(better, v, arg)
-            first_nan = tl.minimum(first_nan, tl.where((s != s) & (v < hi), v, 2147483647))
-            finite = (s > _NEG_INF) & (s < _POS_INF)
-            total += tl.where(finite, s, 0.0)
+            first_nan = tl.minimum(first_nan, tl.where(x != x, v, 2147483647))
+            finite = (x > _NEG_INF) & (x < _POS_INF)
+            total += tl.where(finite, x, 0.0)
             count += finite.to(tl.int32)
         best = tl.max(peak, 0)
-        tl.store(max_ptr + out, best)
-        tl.store(arg_ptr + out, tl.min(tl.where(peak == best, arg, 2147483647), 0))
+        tl.store(max_ptr + out, tl.math.div_rn(best, t))
+        tl.store(arg_ptr + out, tl.min(tl.where(peak == best, arg, 2147483647), 0))  # greedy rows: T = 1
         tl.store(nan_ptr + out, tl.min(first_nan, 0))
-        tl.store(sum_ptr + out, tl.sum(total, 0))
+        tl.store(sum_ptr + out, tl.math.div_rn(tl.sum(total, 0), t))
         tl.store(num_ptr + out, tl.sum(count, 0))
+        bucket = tl.max(tl.reshape(peak, [NB, BLOCK // NB]), 1)  # [NB]
+        tl.store(bmax_ptr + out * NB + tl.arange(0, NB), tl.math.div_rn(bucket, t))
 
     @triton.jit
-    def _greedy(row, max_ptr, arg_ptr, nan_ptr, num_splits, S_PAD: tl.constexpr):
-        # torch.argmax of the row: its first NaN, else the first id of its max (0 if all -inf).
-        j = tl.arange(0, S_PAD)
-        on = j < num_splits
-        peak = tl.load(max_ptr + row * num_splits + j, mask=on, other=_NEG_INF)
-        arg = tl.load(arg_ptr + row * num_splits + j, mask=on, other=2147483647)
-        first_nan = tl.min(tl.load(nan_ptr + row * num_splits + j, mask=on, other=2147483647), 0)
-        first_max = tl.min(tl.where(peak == tl.max(peak, 0), arg, 2147483647), 0)
-        return tl.where(first_nan < 2147483647, first_nan, first_max)
-
-    @triton.jit
-    def _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits,
-                    USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr):
+    def _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P: tl.constexpr, S_PAD, P):
         # -> (M, ok, pivots [P]): the same float32 values in every kernel that calls it.
         j = tl.arange(0, S_PAD)
         on = j < num_splits
@@ -140,40 +136,33 @@ if HAS_TRITON:
         return m, ok, piv
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
-    def _pivot_kernel(x_ptr, x_stride, temp_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, cnt_ptr, mass_ptr,
-                      vocab_size, chunk, num_splits, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr,
+    def _pivot_kernel(x_ptr, x_stride, temp_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, flag_ptr, cnt_ptr,
+                      mass_ptr, vocab_size, chunk, num_splits, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr,
                       P: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (row, split): per pivot, how many s >= pivot in its tile and their exp(s - M).
-        # The tile is [P, BLOCK] with BLOCK = 4 x 32 x num_warps: each thread keeps all P
-        # pivots of its own tokens, so s is never broadcast across threads.
+        # Program (row, split), tier 1: per pivot, how many s >= pivot in its tile and their exp(s - M).
+        # The tile is [P, BLOCK], BLOCK = 4 x 32 x num_warps: a thread keeps all P pivots of its tokens.
         row, split = tl.program_id(0), tl.program_id(1)
-        m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
-        m = tl.where(ok, m, 0.0)
-        temp = tl.load(temp_ptr + row)
-        t = tl.where(temp == 0.0, 1.0, temp)
-        base = x_ptr + row.to(tl.int64) * x_stride
-        offs = tl.arange(0, BLOCK)
-        lo = split * chunk
-        hi = tl.where(ok, tl.minimum(lo + chunk, vocab_size), lo)  # rows left to the fallback: no work
-        cnt = tl.zeros([P, BLOCK], tl.float32)  # float: exact below 2**24 per lane, one FADD
-        mass = tl.zeros([P, BLOCK], tl.float32)
-        for start in range(lo, hi, BLOCK):
-            v = start + offs
-            # NaN past the end (and NaN logits) fail every comparison: no separate mask.
-            x = tl.load(base + v, mask=v < hi, other=float("nan")).to(tl.float32)
-            s = tl.math.div_rn(x, t)
-            e = tl.where(s == s, tl.exp(s - m), 0.0)  # 0 * NaN would poison the sums
-            ge = tl.where(s[None, :] >= piv[:, None], 1.0, 0.0)  # [P, BLOCK]
-            cnt += ge
-            mass += ge * e[None, :]
-        out = (row * num_splits + split) * P + tl.arange(0, P)
-        tl.store(cnt_ptr + out, tl.sum(cnt, 1).to(tl.int32))
-        tl.store(mass_ptr + out, tl.sum(mass, 1))
-
-    @triton.jit
-    def _at(p, j, vals):
-        # vals[j] for a scalar j (0 when j is outside [0, P)).
-        return tl.sum(tl.where(p == j, vals, 0).to(vals.dtype), 0)
+        if tl.load(flag_ptr + row) == 1:  # tier-1 rows only
+            m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+            m = tl.where(ok, m, 0.0)
+            t = tl.load(temp_ptr + row)
+            t = tl.where(t == 0.0, 1.0, t)
+            base, offs, lo = x_ptr + row.to(tl.int64) * x_stride, tl.arange(0, BLOCK), split * chunk
+            hi = tl.where(ok, tl.minimum(lo + chunk, vocab_size), lo)
+            cnt = tl.zeros([P, BLOCK], tl.float32)  # float: exact below 2**24 per lane, one FADD
+            mass = tl.zeros([P, BLOCK], tl.float32)
+            for start in range(lo, hi, BLOCK):
+                v = start + offs
+                # NaN past the end (and NaN logits) fail every comparison: no separate mask.
+                x = tl.load(base + v, mask=v < hi, other=float("nan")).to(tl.float32)
+                s = tl.math.div_rn(x, t)
+                e = tl.where(s == s, tl.exp(s - m), 0.0)  # 0 * NaN would poison the sums
+                ge = tl.where(s[None, :] >= piv[:, None], 1.0, 0.0)  # [P, BLOCK]
+                cnt += ge
+                mass += ge * e[None, :]
+            out = (row * num_splits + split) * P + tl.arange(0, P)
+            tl.store(cnt_ptr + out, tl.sum(cnt, 1).to(tl.int32))
+            tl.store(mass_ptr + out, tl.sum(mass, 1))
 
     @triton.jit
     def _windows(row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, S_PAD: tl.constexpr, P: tl.constexpr):
@@ -214,140 +203,212 @@ if HAS_TRITON:
         return c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi
 
     @triton.jit
-    def _gumbel_score(s, v, key):
-        # s + gumbel(key, v): rng.gumbel bit for bit (as in gumbel_argmax).
-        bits = _hash32(key ^ (v.to(tl.uint32) * _GOLDEN))
-        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        return s + -tl.log(-tl.log(u))
-
-    @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
-    def _compact_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, top_k_ptr,
-                        top_p_ptr, cnt_ptr, mass_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr, best_idx_ptr,
-                        vocab_size, chunk, num_splits, capacity, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
-                        USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (row, split): appends its tokens in [c, hi) or A to the row's candidates and
-        # draws among its tokens >= hi (all kept), writing that best score and id.
-        row, split = tl.program_id(0), tl.program_id(1)
+    def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, vocab_size,
+                     num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+                     S_PAD: tl.constexpr, P: tl.constexpr, NB: tl.constexpr):
+        # Program row: plan[row] = (g, mode). Kept tokens have s >= t_min_p and >= the k-th largest
+        # bucket max (proven bounds: mode 1); top-p-only rows guess g from the buckets' mass (mode 2:
+        # the guess pass sums the total mass too); mode 3: no filter, draw all; 0: tier 1 serves it.
+        row = tl.program_id(0)
         m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
         k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
-        c, hi_s, a_lo, a_hi, _, _, _, _, _ = _windows(row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
-                                                      S_PAD, P)
+        t_min_p = _at(tl.arange(0, P), 0, piv)
+        j = tl.arange(0, S_PAD * NB)
+        on = j < num_splits * NB
+        bm = tl.load(bmax_ptr + row * num_splits * NB + j, mask=on, other=_NEG_INF)  # [S * NB] bucket maxima
+        key = _ordered_key(bm).to(tl.int64)
+        low = _ordered_key(tl.maximum(t_min_p, _NEG_INF)).to(tl.int64)  # g >= t_min_p anyway
+        top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1
+        g = t_min_p
+        if USE_TOP_K:  # a lower bound of the k-th bucket max (exact to ~2**-20 of the key range)
+            g = tl.maximum(g, tl.where(k_on, _key_to_float(_bisect_keys(key, on.to(tl.int32), low, top, k, 20)),
+                                       _NEG_INF))
+        use_p = p_on & (g == _NEG_INF)
+        if USE_TOP_P:
+            if use_p:
+                e = tl.where(bm > _NEG_INF, tl.exp(bm - tl.where(ok, m, 0.0)), 0.0)  # [S * NB]
+                share = 1.0 - (1.0 - top_p) * _SLACK
+                g = _key_to_float(_bisect_keys(key, e, low, top, share * tl.sum(e, 0), 20))
+        no_filter = ~k_on & ~p_on & (t_min_p == _NEG_INF)
+        mode = tl.where(no_filter, 3, tl.where(g == _NEG_INF, 0, tl.where(use_p, 2, 1)))
+        mode = tl.where(ok, mode, 0)
+        tl.store(plan_ptr + 2 * row, tl.where(mode == 3, _NEG_INF, g))
+        tl.store(plan_ptr + 2 * row + 1, mode.to(tl.float32))
+
+    @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
+    def _guess_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, plan_ptr, n_ptr,
+                      cand_x_ptr, cand_v_ptr, best_ptr, best_idx_ptr, part_z_ptr, vocab_size, chunk, num_splits,
+                      capacity, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (row, split), tier 0: appends its tokens with s >= g (as x >= bound(g): no division)
+        # as (raw x, id); mode 2 also sums exp(s - M), mode 3 draws over all (best s + gumbel, first id).
+        row, split = tl.program_id(0), tl.program_id(1)
+        m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+        m = tl.where(ok, m, 0.0)
+        mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
         t = tl.load(temp_ptr + row)
         t = tl.where(t == 0.0, 1.0, t)
+        x0 = tl.where(mode == 3, _POS_INF, _x_bound(tl.load(plan_ptr + 2 * row), t))  # mode 3: no candidates
         key = tl.load(keys_ptr + row).to(tl.uint32)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
         lo = split * chunk
-        hi = tl.where(ok, tl.minimum(lo + chunk, vocab_size), lo)
+        hi = tl.where(mode > 0, tl.minimum(lo + chunk, vocab_size), lo)
         best = tl.full([BLOCK], _NEG_INF, tl.float32)
         best_idx = lo + offs
+        total = tl.zeros([BLOCK], tl.float32)
         for start in range(lo, hi, BLOCK):
             v = start + offs
-            s = _scaled(base, v, hi, t)
-            take = (v < hi) & (((s >= c) & (s < hi_s)) | ((s >= a_lo) & (s < a_hi)))
-            sure = (v < hi) & (s >= hi_s)
-            at = tl.atomic_add(n_ptr + row + v * 0, 1, mask=take)  # a slot per candidate, in any order
-            tl.store(cand_s_ptr + row * capacity + at, s, mask=take & (at < capacity))
-            tl.store(cand_v_ptr + row * capacity + at, v, mask=take & (at < capacity))
-            if tl.max(sure.to(tl.int32), 0) > 0:  # the Gumbel noise only where a kept-for-sure token is
-                val = tl.where(sure, _gumbel_score(s, v, key), _NEG_INF)
-                better = val > best  # strict: the first id of a tie within a lane
-                best = tl.where(better, val, best)
-                best_idx = tl.where(better, v, best_idx)
+            x = tl.load(base + v, mask=v < hi, other=float("nan")).to(tl.float32)  # NaN: never taken
+            _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, x >= x0)
+            if mode >= 2:  # (uniform per row) s is needed for every token
+                s = tl.math.div_rn(x, t)
+                if mode == 2:
+                    total += tl.where(s == s, tl.exp(s - m), 0.0)
+                else:
+                    val = tl.where(s == s, _gumbel_score(s, v, key), _NEG_INF)
+                    better = val > best  # strict: the first id of a tie within a lane
+                    best = tl.where(better, val, best)
+                    best_idx = tl.where(better, v, best_idx)
         peak = tl.max(best, 0)
         tl.store(best_ptr + row * num_splits + split, peak)
         tl.store(best_idx_ptr + row * num_splits + split, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
+        tl.store(part_z_ptr + row * num_splits + split, tl.sum(total, 0))
+
+    @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
+    def _compact_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, top_k_ptr,
+                        top_p_ptr, cnt_ptr, mass_ptr, flag_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr, best_idx_ptr,
+                        vocab_size, chunk, num_splits, capacity, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                        USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (row, split), tier 1 (rows flagged 1): appends its tokens in [c, hi) or A to the
+        # row's candidates and draws among its tokens >= hi (all kept): that best score and id.
+        row, split = tl.program_id(0), tl.program_id(1)
+        if tl.load(flag_ptr + row) == 1:
+            m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+            k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
+            c, hi_s, a_lo, a_hi, _, _, _, _, _ = _windows(row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p,
+                                                          p_on, S_PAD, P)
+            t = tl.load(temp_ptr + row)
+            t = tl.where(t == 0.0, 1.0, t)
+            key = tl.load(keys_ptr + row).to(tl.uint32)
+            base = x_ptr + row.to(tl.int64) * x_stride
+            offs = tl.arange(0, BLOCK)
+            lo = split * chunk
+            hi = tl.where(ok, tl.minimum(lo + chunk, vocab_size), lo)
+            best = tl.full([BLOCK], _NEG_INF, tl.float32)
+            best_idx = lo + offs
+            for start in range(lo, hi, BLOCK):
+                v = start + offs
+                s = _scaled(base, v, hi, t)
+                take = (v < hi) & (((s >= c) & (s < hi_s)) | ((s >= a_lo) & (s < a_hi)))
+                _append(n_ptr, cand_s_ptr, cand_v_ptr, row, capacity, s, v, take)
+                sure = (v < hi) & (s >= hi_s)
+                if tl.max(sure.to(tl.int32), 0) > 0:  # the Gumbel noise only where a kept-for-sure token is
+                    val = tl.where(sure, _gumbel_score(s, v, key), _NEG_INF)
+                    better = val > best  # strict: the first id of a tie within a lane
+                    best = tl.where(better, val, best)
+                    best_idx = tl.where(better, v, best_idx)
+            peak = tl.max(best, 0)
+            tl.store(best_ptr + row * num_splits + split, peak)
+            tl.store(best_idx_ptr + row * num_splits + split, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
 
     @triton.jit
-    def _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr):
-        # -> (k, k_on, top_p, p_on) with the off conventions of filters.py.
-        k = tl.load(top_k_ptr + row)
-        k_on = (k > 0) & (k < vocab_size) & USE_TOP_K
-        top_p = tl.load(top_p_ptr + row)
-        p_on = (top_p < 1.0) & USE_TOP_P
-        return k, k_on, top_p, p_on
-
-    @triton.jit
-    def _lift(keys, weight, start, limit, need):
-        # Largest int64 key t in [start, limit) with sum(weight[keys >= t]) >= need (start if none).
-        # Steps that would leave [start, limit) skip their reduction.
-        lo = start
-        for i in range(32):
-            cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
-            if cand < limit:
-                got = tl.sum(tl.where(keys >= cand, weight, 0).to(weight.dtype), 0)
-                lo = tl.where(got >= need, cand, lo)
-        return lo
+    def _select_windows(row, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
+                        TIER: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr):
+        # -> (c, hi, a_lo, a_hi, a_on, cnt_above, fixed-point masses above A, of s >= t_min_p, above
+        # hi, mode). Tier 0: A = [g, +inf), every token >= g is a candidate, none above; mass(s >=
+        # t_min_p) is the candidates' (g = t_min_p) or the guess pass's total (mode 2: t_min_p = -inf).
+        if TIER == 0:
+            c = tl.load(plan_ptr + 2 * row)
+            mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
+            j = tl.arange(0, S_PAD)
+            total = tl.sum(tl.load(part_z_ptr + row * num_splits + j, mask=j < num_splits, other=0.0), 0)
+            min_p_fx = tl.where(mode == 2, (total * _FIXED).to(tl.int64), tl.sum(e, 0))
+            above_fx, hi_fx, a_on, cnt_above = tl.zeros([], tl.int64), tl.zeros([], tl.int64), k_on, 0
+            hi, a_lo = tl.where(mode == 3, _NEG_INF, _POS_INF), tl.where(k_on, c, _POS_INF)
+            a_hi = tl.full([], _POS_INF, tl.float32)
+        else:
+            c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi = _windows(
+                row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, S_PAD, P)
+            above_fx, min_p_fx = (mass_above * _FIXED).to(tl.int64), (mass_min_p * _FIXED).to(tl.int64)
+            hi_fx, mode = (mass_hi * _FIXED).to(tl.int64), 1
+        return c, hi, a_lo, a_hi, a_on, cnt_above, above_fx, min_p_fx, hi_fx, mode
 
     @triton.jit
     def _select_kernel(temp_ptr, keys_ptr, arg_ptr, nan_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, top_k_ptr,
-                       top_p_ptr, cnt_ptr, mass_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr, best_idx_ptr, thr_ptr,
-                       tok_ptr, flag_ptr, vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
-                       USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr):
-        # Program row: the exact threshold and token from the candidates (greedy rows: argmax);
-        # flag 2 = the fallback draws it (unless greedy).
+                       top_p_ptr, cnt_ptr, mass_ptr, plan_ptr, part_z_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr,
+                       best_idx_ptr, thr_ptr, tok_ptr, flag_ptr, vocab_size, num_splits, capacity,
+                       TIER: tl.constexpr, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+                       S_PAD: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr):
+        # Program row: the exact threshold and token from the candidates (greedy rows: argmax).
+        # Tier 0 serves every row it can prove (flag 0, else 1 and its count reset for the
+        # pivot tier); tier 1 runs for rows flagged 1 only (flag 2 = the fallback draws it).
         row = tl.program_id(0)
-        m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
-        k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
-        c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi = _windows(
-            row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, S_PAD, P)
-        n = tl.load(n_ptr + row)
-        i = tl.arange(0, CAP)
-        s = tl.load(cand_s_ptr + row * CAP + i, mask=i < n, other=float("nan"))  # NaN fails every test
-        v = tl.load(cand_v_ptr + row * CAP + i, mask=i < n, other=0)
-        key = _ordered_key(s).to(tl.int64)
-        # Masses in 2**-40 fixed point: integer sums do not depend on the (racy) order in
-        # which the compaction appended the candidates, so seeded draws are deterministic.
-        e = (tl.where(s == s, tl.exp(s - tl.where(ok, m, 0.0)), 0.0) * _FIXED).to(tl.int64)
-        # k-th largest: count(s >= t) = cnt_above + count of A-candidates in [t, a_hi).
-        in_a = (s >= a_lo) & (s < a_hi)
-        kth = _key_to_float(_lift(key, in_a.to(tl.int32), _ordered_key(a_lo).to(tl.int64),
-                                  _ordered_key(a_hi).to(tl.int64), k - cnt_above))
-        t_min_p = tl.max(tl.where(tl.arange(0, P) == 0, piv, _NEG_INF), 0)
-        kth = tl.where(a_on, kth, _NEG_INF)
-        z = tl.where(kth > t_min_p, (mass_above * _FIXED).to(tl.int64) + tl.sum(tl.where(in_a & (s >= kth), e, 0), 0),
-                     (mass_min_p * _FIXED).to(tl.int64))
-        # top-p in [c, hi): mass(s >= t) = mass(s >= hi) + the candidates' mass in [t, hi).
-        need = (top_p * z.to(tl.float32)).to(tl.int64) - (mass_hi * _FIXED).to(tl.int64)
-        in_b = (s >= c) & (s < hi)
-        c_key = _ordered_key(c).to(tl.int64)
-        t_p = _key_to_float(_lift(key, tl.where(in_b, e, 0), c_key,
-                                  tl.where(p_on, _ordered_key(hi).to(tl.int64), c_key), need))
-        thr = tl.where(p_on, tl.maximum(tl.maximum(t_min_p, kth), t_p), tl.maximum(t_min_p, kth))
-        tok = _draw(s, v, thr, hi, tl.load(keys_ptr + row).to(tl.uint32), best_ptr, best_idx_ptr, row, num_splits,
-                    S_PAD)
-        bisect = ~ok | (n > CAP)
-        greedy = tl.load(temp_ptr + row) == 0.0
-        tl.store(thr_ptr + row, thr)
-        tl.store(tok_ptr + row, tl.where(greedy, _greedy(row, max_ptr, arg_ptr, nan_ptr, num_splits, S_PAD), tok))
-        tl.store(flag_ptr + row, tl.where(bisect, 2, 0))
-
-    @triton.jit
-    def _draw(s, v, thr, hi, key, best_ptr, best_idx_ptr, row, num_splits, S_PAD: tl.constexpr):
-        # argmax of s + gumbel over the kept candidates below hi and the compaction's draws
-        # above it; the first id on ties, as torch.argmax.
-        val = tl.where((s >= thr) & (s < hi), _gumbel_score(s, v, key), _NEG_INF)
-        j = tl.arange(0, S_PAD)
-        part = tl.load(best_ptr + row * num_splits + j, mask=j < num_splits, other=_NEG_INF)
-        part_idx = tl.load(best_idx_ptr + row * num_splits + j, mask=j < num_splits, other=2147483647)
-        best = tl.maximum(tl.max(val, 0), tl.max(part, 0))
-        tok = tl.minimum(tl.min(tl.where((val == best) & (s >= thr) & (s < hi), v, 2147483647), 0),
-                         tl.min(tl.where(part == best, part_idx, 2147483647), 0))
-        return tl.where(tok == 2147483647, 0, tok)  # nothing kept (min_p > 1): token 0, like argmax
+        if TIER == 0:
+            active = tl.full([], 1, tl.int1)
+        else:
+            active = tl.load(flag_ptr + row) == 1
+        if active:
+            m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+            k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
+            n = tl.load(n_ptr + row)
+            i = tl.arange(0, CAP)
+            s = tl.load(cand_s_ptr + row * capacity + i, mask=i < n, other=float("nan"))  # NaN fails every test
+            if TIER == 0:  # tier 0 stores the raw logits: s = x / T here, for the candidates only
+                t = tl.load(temp_ptr + row)
+                s = tl.math.div_rn(s, tl.where(t == 0.0, 1.0, t))
+            v = tl.load(cand_v_ptr + row * capacity + i, mask=i < n, other=0)
+            key = _ordered_key(s).to(tl.int64)
+            # Masses in 2**-40 fixed point: integer sums do not depend on the (racy) order in
+            # which the compaction appended the candidates, so seeded draws are deterministic.
+            e = (tl.where(s == s, tl.exp(s - tl.where(ok, m, 0.0)), 0.0) * _FIXED).to(tl.int64)
+            c, hi, a_lo, a_hi, a_on, cnt_above, above_fx, min_p_fx, hi_fx, mode = _select_windows(
+                row, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, TIER, S_PAD, P)
+            top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1  # every candidate's key is below
+            # k-th largest: count(s >= t) = cnt_above + count of A-candidates in [t, a_hi).
+            in_a = (s >= a_lo) & (s < a_hi)
+            kth = _key_to_float(_lift(key, in_a.to(tl.int32), _ordered_key(a_lo).to(tl.int64),
+                                      tl.minimum(_ordered_key(a_hi).to(tl.int64), top), k - cnt_above))
+            t_min_p = _at(tl.arange(0, P), 0, piv)
+            kth = tl.where(a_on, kth, _NEG_INF)
+            z = tl.where(kth > t_min_p, above_fx + tl.sum(tl.where(in_a & (s >= kth), e, 0), 0), min_p_fx)
+            # top-p in [c, hi): mass(s >= t) = mass(s >= hi) + the candidates' mass in [t, hi).
+            need = (top_p * z.to(tl.float32)).to(tl.int64) - hi_fx
+            w = tl.where((s >= c) & (s < hi), e, 0)
+            c_key = _ordered_key(c).to(tl.int64)
+            t_p = _key_to_float(_lift(key, w, c_key, tl.where(p_on, tl.minimum(_ordered_key(hi).to(tl.int64), top),
+                                                              c_key), need))
+            thr = tl.where(p_on, tl.maximum(tl.maximum(t_min_p, kth), t_p), tl.maximum(t_min_p, kth))
+            tok = _draw(s, v, thr, hi, tl.load(keys_ptr + row).to(tl.uint32), best_ptr, best_idx_ptr, row,
+                        num_splits, S_PAD)
+            greedy = tl.load(temp_ptr + row) == 0.0
+            tl.store(thr_ptr + row, thr)
+            tl.store(tok_ptr + row, tl.where(greedy, _greedy(row, max_ptr, arg_ptr, nan_ptr, num_splits, S_PAD), tok))
+            if TIER == 0:
+                # Proven only if every kept token was a candidate and each threshold came from them.
+                fine = (mode > 0) & (n <= CAP) & (thr >= c) & (~a_on | (n >= k) | (c <= t_min_p))
+                fine = fine & (~p_on | (tl.sum(w, 0) >= need))
+                tl.store(flag_ptr + row, tl.where(fine, 0, 1))
+                tl.store(n_ptr + row, 0, mask=~fine)  # the pivot tier appends from 0
+            else:
+                tl.store(flag_ptr + row, tl.where(~ok | (n > CAP), 2, 1))
 
 
 def _layout(x: torch.Tensor, block: int | None, splits: int | None) -> tuple[int, int, int]:
     """(block, chunk, splits): V is cut into `splits` chunks of whole blocks, one program each."""
-    from graphrunner.sample.triton_sampling import _block, _target_programs
-
     num_rows, vocab_size = x.shape
-    blk = _block(vocab_size, block if block is not None else _BLOCK)
+    blk = ts._block(vocab_size, block if block is not None else _BLOCK)
     num_blocks = -(-vocab_size // blk)
     if splits is None:
-        splits = -(-_PROGRAMS_PER_SM * _target_programs(x.device) // 2 // num_rows)
+        splits = -(-_PROGRAMS_PER_SM * ts._target_programs(x.device) // 2 // num_rows)
     splits = max(1, min(splits, num_blocks))
     chunk = -(-num_blocks // splits) * blk
     return blk, chunk, -(-vocab_size // chunk)
+
+
+def _buckets(blk: int, num_splits: int) -> int:
+    """Bucket maxima per stats program: a power of two <= blk, about _GUESS_BUCKETS per row."""
+    per_split = max(1, _GUESS_BUCKETS // num_splits)
+    return min(blk, 1 << (per_split.bit_length() - 1))
 
 
 def pivot_sample_triton(
@@ -366,27 +427,17 @@ def pivot_sample_triton(
     capacity: int | None = None,
     block: int | None = None,
     splits: int | None = None,
-) -> torch.Tensor:  # [R] int32: 0 = served by the fast path, 2 = by the fallback kernels
+) -> torch.Tensor:  # [R] int32: which tier served the row: 0 guess, 1 pivots, 2 fallback kernels
     """Sample `argmax(x/T >= threshold ? x/T + gumbel : -inf)` with the filters' exact threshold.
 
-    The same threshold as triton_sampling.sampling_threshold and the same token as
-    gumbel_argmax with it (greedy rows: torch.argmax(x)), in three streaming passes plus
-    one small per-row kernel (module docstring); rows it cannot serve go through those
-    kernels, which skip the other rows. Returns which path served each row.
+    The threshold of triton_sampling.sampling_threshold and the token of gumbel_argmax with
+    it (greedy rows: torch.argmax(x)), tier by tier (module docstring). Returns the tiers.
     `capacity` (a power of two), `block` and `splits` are exposed for tests.
     """
-    from graphrunner.sample.triton_sampling import (
-        _check_logits,
-        _check_rows,
-        _require_triton,
-        gumbel_argmax_triton,
-        sampling_threshold_triton,
-    )
-
-    _require_triton()
+    ts._require_triton()
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
-    num_rows, vocab_size = _check_logits(x)
-    _check_rows(num_rows, temperature=temperature, keys=keys, top_k=top_k, top_p=top_p, min_p=min_p, out=out,
+    num_rows, vocab_size = ts._check_logits(x)
+    ts._check_rows(num_rows, temperature=temperature, keys=keys, top_k=top_k, top_p=top_p, min_p=min_p, out=out,
                 threshold=threshold)
     check_tensor("threshold", threshold, (num_rows,), (torch.float32,))
     check_tensor("out", out, (num_rows,), (torch.int32, torch.int64))
@@ -395,47 +446,54 @@ def pivot_sample_triton(
     blk, chunk, num_splits = _layout(x, block, splits)
     flags = torch.empty(num_rows, dtype=torch.int32, device=x.device)  # [R]
     fast = torch.empty(num_rows, dtype=torch.int32, device=x.device)  # [R]
-    _launch_fast_path(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, fast,
-                      flags, blk, chunk, num_splits, capacity)
+    _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, fast,
+                  flags, blk, chunk, num_splits, capacity)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
-    sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
+    ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
                               block=block, flags=flags, min_flag=2)
-    drawn = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
-    gumbel_argmax_triton(x, temperature, keys, threshold, drawn, block=block, flags=flags, min_flag=1)
-    out.copy_(torch.where((flags > 0) & (temperature != 0.0), drawn, fast.long()))
+    # out: the fallback's draw for rows flagged 2 (not greedy), the tiers' token for the others.
+    ts.gumbel_argmax_triton(x, temperature, keys, threshold, out, block=block, flags=flags, min_flag=2, fast=fast)
     return flags
 
 
-def _launch_fast_path(x, temperature, keys, top_k, top_p, min_p, use, threshold, fast, flags, blk, chunk, num_splits,
-                      capacity) -> None:
-    """The four kernels of the module docstring; their scratch buffers are sized by R, S, C only."""
+def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fast, flags, blk, chunk, num_splits,
+                  capacity) -> None:
+    """The kernels of the module docstring; their scratch buffers are sized by R, S, C only."""
     num_rows, vocab_size = x.shape
     dev, f32, i32 = x.device, torch.float32, torch.int32
-    part_max = torch.empty(num_rows, num_splits, dtype=f32, device=dev)  # [R, S]
-    part_arg = torch.empty(num_rows, num_splits, dtype=i32, device=dev)  # [R, S]: first id of the max
-    part_nan = torch.empty(num_rows, num_splits, dtype=i32, device=dev)  # [R, S]: first NaN id
-    part_sum = torch.empty(num_rows, num_splits, dtype=f32, device=dev)  # [R, S]
-    part_num = torch.empty(num_rows, num_splits, dtype=i32, device=dev)  # [R, S]
+    nb = _buckets(blk, num_splits)
+    kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, best=f32, best_idx=i32, z=f32)
+    part = {name: torch.empty(num_rows, num_splits, dtype=dt, device=dev) for name, dt in kinds.items()}  # [R, S]
+    bucket_max = torch.empty(num_rows, num_splits * nb, dtype=f32, device=dev)  # [R, S * NB]
+    plan = torch.empty(num_rows, 2, dtype=f32, device=dev)  # [R, (g, mode)]
     cnt = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=i32, device=dev)  # [R, S, P]
     mass = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=f32, device=dev)  # [R, S, P]
     num_cand = torch.zeros(num_rows, dtype=i32, device=dev)  # [R]: appended by atomics
-    cand_s = torch.empty(num_rows, capacity, dtype=f32, device=dev)  # [R, C]
+    cand_s = torch.empty(num_rows, capacity, dtype=f32, device=dev)  # [R, C]: x in tier 0, x / T in tier 1
     cand_v = torch.empty(num_rows, capacity, dtype=i32, device=dev)  # [R, C]
-    best = torch.empty(num_rows, num_splits, dtype=f32, device=dev)  # [R, S]: draws among sure tokens
-    best_idx = torch.empty(num_rows, num_splits, dtype=i32, device=dev)  # [R, S]
     log_min_p = torch.log(min_p)  # [R]: in torch, bit-identical to filters.min_p_threshold
-    row_args = (part_max, part_sum, part_num, log_min_p)
+    row_args = (part["max"], part["sum"], part["num"], log_min_p)
     flt = dict(USE_TOP_K=use[0], USE_TOP_P=use[1], USE_MIN_P=use[2])
     shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
     grid = (num_rows, num_splits)
-    _stats_kernel[grid](x, x.stride(0), temperature, part_max, part_arg, part_nan, part_sum, part_num, vocab_size,
-                        chunk, BLOCK=blk, num_warps=_NUM_WARPS)
-    _pivot_kernel[grid](x, x.stride(0), temperature, *row_args, cnt, mass, vocab_size, chunk, num_splits,
+    draws = (part["best"], part["best_idx"])
+    select = (temperature, keys, part["arg"], part["nan"], *row_args, top_k, top_p, cnt, mass, plan, part["z"],
+              num_cand, cand_s, cand_v, *draws, threshold, fast, flags, vocab_size, num_splits, capacity)
+    _stats_kernel[grid](x, x.stride(0), temperature, part["max"], part["arg"], part["nan"], part["sum"], part["num"],
+                        bucket_max, vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+    _plan_kernel[(num_rows,)](*row_args, bucket_max, top_k, top_p, plan, vocab_size, num_splits, NB=nb,
+                              num_warps=_NUM_WARPS, **flt, **shape)
+    # Tier 0, the guess: every row; its select flags 1 the rows it cannot prove.
+    _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, plan, num_cand, cand_s, cand_v, *draws, part["z"],
+                        vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], BLOCK=blk, num_warps=_NUM_WARPS,
+                        **shape)
+    _select_kernel[(num_rows,)](*select, TIER=0, CAP=min(capacity, GUESS_CAPACITY), num_warps=_NUM_WARPS, **flt,
+                                **shape)
+    # Tier 1, the pivots: rows flagged 1 only (the other programs return at once).
+    _pivot_kernel[grid](x, x.stride(0), temperature, *row_args, flags, cnt, mass, vocab_size, chunk, num_splits,
                         USE_MIN_P=use[2], BLOCK=min(blk, _PIVOT_TOKENS_PER_WARP * _PIVOT_WARPS), num_warps=_PIVOT_WARPS,
                         **shape)
-    _compact_kernel[grid](x, x.stride(0), temperature, keys, *row_args, top_k, top_p, cnt, mass, num_cand, cand_s,
-                          cand_v, best, best_idx, vocab_size, chunk, num_splits, capacity, BLOCK=blk,
+    _compact_kernel[grid](x, x.stride(0), temperature, keys, *row_args, top_k, top_p, cnt, mass, flags, num_cand,
+                          cand_s, cand_v, *draws, vocab_size, chunk, num_splits, capacity, BLOCK=blk,
                           num_warps=_NUM_WARPS, **flt, **shape)
-    _select_kernel[(num_rows,)](temperature, keys, part_arg, part_nan, *row_args, top_k, top_p, cnt, mass, num_cand,
-                                cand_s, cand_v, best, best_idx, threshold, fast, flags, vocab_size, num_splits,
-                                CAP=capacity, num_warps=_NUM_WARPS, **flt, **shape)
+    _select_kernel[(num_rows,)](*select, TIER=1, CAP=capacity, num_warps=_NUM_WARPS, **flt, **shape)

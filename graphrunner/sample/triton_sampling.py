@@ -131,6 +131,112 @@ if HAS_TRITON:
         x = tl.load(base + v, mask=v < vocab_size, other=float("-inf")).to(tl.float32)
         return tl.math.div_rn(x, t)
 
+    @triton.jit
+    def _gumbel_score(s, v, key):
+        # s + gumbel(key, v): rng.gumbel bit for bit (hash32 of key ^ v * GOLDEN, 24-bit uniform).
+        bits = _hash32(key ^ (v.to(tl.uint32) * _GOLDEN))
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        return s + -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _lift(keys, weight, start, limit, need):
+        # Largest int64 key t in [start, limit) with sum(weight[keys >= t]) >= need (start if none):
+        # binary lifting over 32 bits of offset. Steps that would leave [start, limit) skip
+        # their reduction, so a narrow range costs few steps.
+        lo = start
+        for i in range(32):
+            cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+            if cand < limit:
+                got = tl.sum(tl.where(keys >= cand, weight, 0).to(weight.dtype), 0)
+                lo = tl.where(got >= need, cand, lo)
+        return lo
+
+    @triton.jit
+    def _bisect_keys(keys, weight, lo, hi, need, STEPS: tl.constexpr):
+        # STEPS halvings of the int64 key range [lo, hi): a key t with sum(weight[keys >= t]) >= need
+        # (lo if none) that is <= the largest such key: a lower bound, exact once STEPS covers the range.
+        for _ in range(STEPS):
+            mid = lo + (hi - lo) // 2
+            ok = tl.sum(tl.where(keys >= mid, weight, 0).to(weight.dtype), 0) >= need
+            lo, hi = tl.where(ok, mid, lo), tl.where(ok, hi, mid)
+        return lo
+
+    @triton.jit
+    def _x_bound(g, t):
+        # The smallest float32 x with div_rn(x, t) >= g (t > 0): division is monotone, so for every
+        # non-NaN x, `x >= bound` is exactly `x / t >= g` and a streaming pass needs no division.
+        lo = _ordered_key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
+        limit = _ordered_key(tl.full([], float("inf"), tl.float32)).to(tl.int64) + 1
+        below = tl.math.div_rn(_key_to_float(lo), t) < g
+        for i in range(32):  # largest key whose quotient is still below g
+            cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+            if cand < limit:
+                lo = tl.where(tl.math.div_rn(_key_to_float(cand), t) < g, cand, lo)
+        return tl.where(below, _key_to_float(tl.minimum(lo + 1, limit - 1)), float("-inf"))
+
+    # Row helpers of pivot_select (here, beside the hash and the keys, to share them).
+
+    @triton.jit
+    def _greedy(row, max_ptr, arg_ptr, nan_ptr, num_splits, S_PAD: tl.constexpr):
+        # torch.argmax of the row: its first NaN, else the first id of its max (0 if all -inf).
+        j = tl.arange(0, S_PAD)
+        on = j < num_splits
+        peak = tl.load(max_ptr + row * num_splits + j, mask=on, other=float("-inf"))
+        arg = tl.load(arg_ptr + row * num_splits + j, mask=on, other=2147483647)
+        first_nan = tl.min(tl.load(nan_ptr + row * num_splits + j, mask=on, other=2147483647), 0)
+        first_max = tl.min(tl.where(peak == tl.max(peak, 0), arg, 2147483647), 0)
+        return tl.where(first_nan < 2147483647, first_nan, first_max)
+
+
+    @triton.jit
+    def _at(p, j, vals):
+        # vals[j] for a scalar j (0 when j is outside [0, P)).
+        return tl.sum(tl.where(p == j, vals, 0).to(vals.dtype), 0)
+
+
+    @triton.jit
+    def _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr):
+        # -> (k, k_on, top_p, p_on) with the off conventions of filters.py.
+        k = tl.load(top_k_ptr + row)
+        k_on = (k > 0) & (k < vocab_size) & USE_TOP_K
+        top_p = tl.load(top_p_ptr + row)
+        p_on = (top_p < 1.0) & USE_TOP_P
+        return k, k_on, top_p, p_on
+
+
+    @triton.jit
+    def _append(n_ptr, cand_s_ptr, cand_v_ptr, row, capacity, s, v, take):
+        # A slot per candidate, in any order (relaxed: only the slot numbers must be unique).
+        at = tl.atomic_add(n_ptr + row + v * 0, 1, mask=take, sem="relaxed")
+        tl.store(cand_s_ptr + row * capacity + at, s, mask=take & (at < capacity))
+        tl.store(cand_v_ptr + row * capacity + at, v, mask=take & (at < capacity))
+
+
+    @triton.jit
+    def _draw(s, v, thr, hi, key, best_ptr, best_idx_ptr, row, num_splits, S_PAD: tl.constexpr):
+        # argmax of s + gumbel over the kept candidates below hi and the compaction's draws
+        # above it; the first id on ties, as torch.argmax.
+        val = tl.where((s >= thr) & (s < hi), _gumbel_score(s, v, key), float("-inf"))
+        j = tl.arange(0, S_PAD)
+        part = tl.load(best_ptr + row * num_splits + j, mask=j < num_splits, other=float("-inf"))
+        part_idx = tl.load(best_idx_ptr + row * num_splits + j, mask=j < num_splits, other=2147483647)
+        best = tl.maximum(tl.max(val, 0), tl.max(part, 0))
+        tok = tl.minimum(tl.min(tl.where((val == best) & (s >= thr) & (s < hi), v, 2147483647), 0),
+                         tl.min(tl.where(part == best, part_idx, 2147483647), 0))
+        return tl.where(tok == 2147483647, 0, tok)  # nothing kept (min_p > 1): token 0, like argmax
+
+    @triton.jit
+    def _pick_kernel(val_ptr, idx_ptr, flag_ptr, temp_ptr, fast_ptr, out_ptr, num_splits, MIN_FLAG: tl.constexpr,
+                     S_PAD: tl.constexpr):
+        # Row: the first id of the best split's draw for flagged sampled rows, else fast[row].
+        row = tl.program_id(0)
+        j = tl.arange(0, S_PAD)
+        val = tl.load(val_ptr + row * num_splits + j, mask=j < num_splits, other=float("-inf"))
+        idx = tl.load(idx_ptr + row * num_splits + j, mask=j < num_splits, other=2147483647)
+        drawn = tl.min(tl.where(val == tl.max(val, 0), idx, 2147483647), 0)  # splits ascend: first id of the max
+        flagged = (tl.load(flag_ptr + row) >= MIN_FLAG) & (tl.load(temp_ptr + row) != 0.0)
+        tl.store(out_ptr + row, tl.where(flagged, drawn, tl.load(fast_ptr + row)))
+
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
     def _gumbel_argmax_kernel(
         x_ptr, x_stride, temp_ptr, keys_ptr, thr_ptr, val_ptr, idx_ptr, flag_ptr, vocab_size, chunk,
@@ -198,69 +304,70 @@ if HAS_TRITON:
         active = tl.full([], 1, tl.int1)
         if MIN_FLAG > 0:
             active = tl.load(flag_ptr + row) >= MIN_FLAG
-        n = tl.where(active, vocab_size, 0)
-        temp = tl.load(temp_ptr + row)
-        t = tl.where(temp == 0.0, 1.0, temp)
-        base = x_ptr + row.to(tl.int64) * x_stride
-        offs = tl.arange(0, BLOCK)
-        neg_inf = float("-inf")
+        n = vocab_size
+        if active:  # (unflagged rows skip even the empty bisection steps: ~15 us at 256 rows)
+            temp = tl.load(temp_ptr + row)
+            t = tl.where(temp == 0.0, 1.0, temp)
+            base = x_ptr + row.to(tl.int64) * x_stride
+            offs = tl.arange(0, BLOCK)
+            neg_inf = float("-inf")
 
-        # min-p: max(x) + log(min_p) (log taken on the host side of the kernel, in torch).
-        thr_min_p = tl.full([], neg_inf, tl.float32)
-        if USE_MIN_P:
-            peak = tl.full([BLOCK], neg_inf, tl.float32)
-            for start in range(0, n, BLOCK):
-                peak = tl.maximum(peak, _scaled(base, start + offs, vocab_size, t))
-            thr_min_p = tl.max(peak, 0) + tl.load(log_min_p_ptr + row)
-
-        # top-k over what min-p kept: the largest key with count(keys >= key) >= k.
-        thr_top_k = tl.full([], neg_inf, tl.float32)
-        if USE_TOP_K:
-            k = tl.load(top_k_ptr + row).to(tl.int64)
-            on = (k > 0) & (k < vocab_size)
-            k = tl.minimum(tl.maximum(k, 1), vocab_size)
-            lo = tl.full([], -2147483648, tl.int64)
-            for i in range(32):
-                cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
-                count = tl.zeros([BLOCK], tl.int32)
+            # min-p: max(x) + log(min_p) (log taken on the host side of the kernel, in torch).
+            thr_min_p = tl.full([], neg_inf, tl.float32)
+            if USE_MIN_P:
+                peak = tl.full([BLOCK], neg_inf, tl.float32)
                 for start in range(0, n, BLOCK):
-                    v = start + offs
-                    s = _scaled(base, v, vocab_size, t)
-                    s = tl.where(s < thr_min_p, neg_inf, s)
-                    count += ((_ordered_key(s) >= cand) & (v < vocab_size)).to(tl.int32)
-                lo = tl.where(tl.sum(count, 0).to(tl.int64) >= k, cand, lo)
-            thr_top_k = tl.where(on, _key_to_float(lo), neg_inf)
+                    peak = tl.maximum(peak, _scaled(base, start + offs, vocab_size, t))
+                thr_min_p = tl.max(peak, 0) + tl.load(log_min_p_ptr + row)
 
-        # top-p over what min-p and top-k kept: the largest key whose kept mass >= top_p * total.
-        thr_top_p = tl.full([], neg_inf, tl.float32)
-        if USE_TOP_P:
-            top_p = tl.load(top_p_ptr + row)
-            peak = tl.full([BLOCK], neg_inf, tl.float32)
-            for start in range(0, n, BLOCK):
-                s = _scaled(base, start + offs, vocab_size, t)
-                s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
-                peak = tl.maximum(peak, s)
-            p_max = tl.max(peak, 0)
-            # An all -inf row (never a real row) must not turn NaN; +inf is not finite either.
-            p_max = tl.where((p_max > neg_inf) & (p_max < float("inf")), p_max, 0.0)
-            mass = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, n, BLOCK):
-                s = _scaled(base, start + offs, vocab_size, t)
-                s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
-                mass += tl.exp(s - p_max)
-            need = top_p * tl.sum(mass, 0)
-            lo = tl.full([], -2147483648, tl.int64)
-            for i in range(32):
-                cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+            # top-k over what min-p kept: the largest key with count(keys >= key) >= k.
+            thr_top_k = tl.full([], neg_inf, tl.float32)
+            if USE_TOP_K:
+                k = tl.load(top_k_ptr + row).to(tl.int64)
+                on = (k > 0) & (k < vocab_size)
+                k = tl.minimum(tl.maximum(k, 1), vocab_size)
+                lo = tl.full([], -2147483648, tl.int64)
+                for i in range(32):
+                    cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+                    count = tl.zeros([BLOCK], tl.int32)
+                    for start in range(0, n, BLOCK):
+                        v = start + offs
+                        s = _scaled(base, v, vocab_size, t)
+                        s = tl.where(s < thr_min_p, neg_inf, s)
+                        count += ((_ordered_key(s) >= cand) & (v < vocab_size)).to(tl.int32)
+                    lo = tl.where(tl.sum(count, 0).to(tl.int64) >= k, cand, lo)
+                thr_top_k = tl.where(on, _key_to_float(lo), neg_inf)
+
+            # top-p over what min-p and top-k kept: the largest key whose kept mass >= top_p * total.
+            thr_top_p = tl.full([], neg_inf, tl.float32)
+            if USE_TOP_P:
+                top_p = tl.load(top_p_ptr + row)
+                peak = tl.full([BLOCK], neg_inf, tl.float32)
+                for start in range(0, n, BLOCK):
+                    s = _scaled(base, start + offs, vocab_size, t)
+                    s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
+                    peak = tl.maximum(peak, s)
+                p_max = tl.max(peak, 0)
+                # An all -inf row (never a real row) must not turn NaN; +inf is not finite either.
+                p_max = tl.where((p_max > neg_inf) & (p_max < float("inf")), p_max, 0.0)
                 mass = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, n, BLOCK):
                     s = _scaled(base, start + offs, vocab_size, t)
                     s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
-                    mass += tl.where(_ordered_key(s) >= cand, tl.exp(s - p_max), 0.0)
-                lo = tl.where(tl.sum(mass, 0) >= need, cand, lo)
-            thr_top_p = tl.where(top_p < 1.0, _key_to_float(lo), neg_inf)
+                    mass += tl.exp(s - p_max)
+                need = top_p * tl.sum(mass, 0)
+                lo = tl.full([], -2147483648, tl.int64)
+                for i in range(32):
+                    cand = lo + (tl.full([], 1, tl.int64) << (31 - i))
+                    mass = tl.zeros([BLOCK], tl.float32)
+                    for start in range(0, n, BLOCK):
+                        s = _scaled(base, start + offs, vocab_size, t)
+                        s = tl.where((s < thr_min_p) | (s < thr_top_k), neg_inf, s)
+                        mass += tl.where(_ordered_key(s) >= cand, tl.exp(s - p_max), 0.0)
+                    lo = tl.where(tl.sum(mass, 0) >= need, cand, lo)
+                thr_top_p = tl.where(top_p < 1.0, _key_to_float(lo), neg_inf)
 
-        tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_min_p, thr_top_k), thr_top_p), mask=active)
+            tl.store(out_ptr + row, tl.maximum(tl.maximum(thr_min_p, thr_top_k), thr_top_p), mask=active)
 
 
 def _require_triton() -> None:
@@ -303,6 +410,7 @@ def gumbel_argmax_triton(
     splits: int | None = None,
     flags: torch.Tensor | None = None,
     min_flag: int = 1,
+    fast: torch.Tensor | None = None,
 ) -> None:
     """Triton implementation of `gumbel_argmax` (one pass over x).
 
@@ -312,7 +420,8 @@ def gumbel_argmax_triton(
     the row's first maximal index. `block` (a power of two) overrides the chunk size, so
     CPU tests can exercise the loop. Shapes depend only on R and V: graph-safe.
     With `flags` ([R] int32), only rows whose flag >= min_flag are sampled; `out` gets
-    a meaningless in-range id for the others (pivot_select's fallback).
+    a meaningless in-range id for the others, or with `fast` ([R] int32) fast[r] for the
+    others and for greedy rows, in one small kernel (pivot_select's fallback).
     """
     _require_triton()
     num_rows, vocab_size = _check_logits(x)
@@ -332,6 +441,10 @@ def gumbel_argmax_triton(
         x, x.stride(0), temperature, keys, threshold, part_val, part_idx, out if flags is None else flags,
         vocab_size, chunk, BLOCK=blk, MIN_FLAG=0 if flags is None else min_flag, num_warps=_NUM_WARPS,
     )
+    if fast is not None and flags is not None:
+        _pick_kernel[(num_rows,)](part_val, part_idx, flags, temperature, fast, out, splits, MIN_FLAG=min_flag,
+                                  S_PAD=triton.next_power_of_2(splits))
+        return
     best_split = part_val.argmax(dim=1, keepdim=True)  # [R, 1]: first split holding the max
     out.copy_(part_idx.gather(1, best_split).squeeze(1))
 

@@ -1,6 +1,7 @@
-"""Which kernels the all-features sampler spends its GPU time in (torch.profiler).
+"""Which kernels the sampler spends its GPU time in (torch.profiler).
 
-    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--filter bisect] [--vocab 151936]
+    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--variant all_on] [--filter bisect]
+        [--vocab 151936]
 
 A diagnostic beside `graphrunner bench sampler`: one eager call per iteration of the same
 batch the benchmark builds, CUDA kernel time per op, largest first.
@@ -14,7 +15,7 @@ import sys
 import torch
 
 from graphrunner.sample.sampler import Sampler
-from graphrunner_tools.bench.sampler_bench import _setup
+from graphrunner_tools.bench.sampler_bench import VARIANTS, _setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--variant", default="all_on", choices=VARIANTS, help="the benchmark's batch (default all_on)")
     ap.add_argument("--filter", default="bisect", help="bisect, sort or bisect-serial, optionally /torch or /triton")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25, help="table rows to print")
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     filter_impl, _, kernel_impl = args.filter.partition("/")
     with torch.inference_mode():
-        states, features, b = _setup(device, args.num_reqs, args.vocab, args.max_model_len, "all_on")
+        states, features, b = _setup(device, args.num_reqs, args.vocab, args.max_model_len, args.variant)
         sampler = Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl or "auto")
 
         def call():
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"sampler all_on, {args.num_reqs} reqs x vocab {args.vocab}, filter {args.filter}, "
+    print(f"sampler {args.variant}, {args.num_reqs} reqs x vocab {args.vocab}, filter {args.filter}, "
           f"{args.iters} calls, on {device}")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
     return 0
