@@ -124,6 +124,8 @@ def post_update_torch(
     last_sampled: torch.Tensor,  # [rows] int32
     all_token_ids: torch.Tensor,  # [rows, L] int32
     num_rejected: torch.Tensor | None = None,  # [R] int32
+    token_counts: torch.Tensor | None = None,  # [rows, V] int32
+    max_new_tokens: int = 1,
 ) -> None:
     """Torch reference of `post_update`.
 
@@ -138,7 +140,8 @@ def post_update_torch(
     qlen = _query_lens(query_start_loc)
     real = qlen > 0
     rejected = torch.zeros_like(qlen) if num_rejected is None else torch.where(real, num_rejected, 0)
-    num_computed_tokens[row] = num_computed_tokens[row] + qlen - rejected  # padded: + 0, same value
+    computed = num_computed_tokens[row]  # [R] before the step's advance
+    num_computed_tokens[row] = computed + qlen - rejected  # padded: + 0, same value
 
     # Only a chunk that reaches the end of the known tokens sampled a real token.
     new_token = real & (seq_lens >= prefill_len[row])
@@ -149,6 +152,30 @@ def post_update_torch(
     in_range = new_token & (end < max_model_len)
     col = end.long().clamp(0, max_model_len - 1)
     all_token_ids[row, col] = torch.where(in_range, tok, all_token_ids[row, col])
+    if token_counts is not None:
+        verify = (qlen > 1) & (computed >= prefill_len[row]) if num_rejected is not None else torch.zeros_like(real)
+        num_new = torch.where(verify, qlen - rejected, 1)  # [R]: accepted drafts + the new token
+        _count_appended_torch(token_counts, all_token_ids, row, end, new_token, num_new, max_new_tokens)
+
+
+def _count_appended_torch(
+    token_counts: torch.Tensor,  # [rows, V] int32, updated in place
+    all_token_ids: torch.Tensor,  # [rows, L] int32, the new tokens already written
+    row: torch.Tensor,  # [R] int64
+    end: torch.Tensor,  # [R] position of each entry's new token
+    new_token: torch.Tensor,  # [R] bool: the entry appended tokens
+    num_new: torch.Tensor,  # [R]: tokens appended, ending at `end`
+    max_new_tokens: int,
+) -> None:
+    """+1 output count per appended token in the history (positions end - num_new + 1 .. end)."""
+    max_model_len = all_token_ids.shape[1]
+    j = torch.arange(max_new_tokens, device=row.device)  # [K]
+    pos = end.long()[:, None] - j  # [R, K]
+    use = new_token[:, None] & (j < num_new[:, None]) & (pos >= 0) & (pos < max_model_len)
+    rows2 = row[:, None].expand(pos.shape)
+    tok = all_token_ids[rows2, pos.clamp(0, max_model_len - 1)].long()  # [R, K]
+    # accumulate=True: duplicate (row, token) pairs (padded entries add 0) sum deterministically.
+    token_counts.index_put_((rows2, tok), use.to(torch.int32), accumulate=True)
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -236,9 +263,13 @@ if HAS_TRITON:
         tokens_ptr,
         tokens_stride,
         rejected_ptr,
+        counts_ptr,
+        counts_stride,
         num_reqs,
         max_model_len,
         HAS_REJECTED: tl.constexpr,
+        HAS_COUNTS: tl.constexpr,
+        MAX_NEW: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Vectorized over entries. Stores are masked to real entries, whose rows are
@@ -262,6 +293,19 @@ if HAS_TRITON:
         tl.store(last_sampled_ptr + row, tok, mask=new_token)
         in_range = new_token & (seq_len < max_model_len)
         tl.store(tokens_ptr + row * tokens_stride + seq_len, tok, mask=in_range)
+        if HAS_COUNTS:  # +1 per appended token: the accepted drafts (in the history) and `tok`
+            num_new = tl.full([BLOCK], 1, dtype=tl.int32)
+            if HAS_REJECTED:
+                verify = (qlen > 1) & (computed >= prefill)
+                num_new = tl.where(verify, qlen - rejected, 1)
+            for j in tl.static_range(MAX_NEW):
+                p = seq_len - j
+                use = new_token & (j < num_new) & (p >= 0) & (p < max_model_len)
+                if j == 0:
+                    t = tok
+                else:
+                    t = tl.load(tokens_ptr + row * tokens_stride + p, mask=use, other=0)
+                tl.atomic_add(counts_ptr + row * counts_stride + t, 1, mask=use)
 
 
 _TOKEN_BLOCK = 1024  # tokens per loop iteration of the per-entry kernels
@@ -365,6 +409,8 @@ def post_update_triton(
     last_sampled: torch.Tensor,
     all_token_ids: torch.Tensor,
     num_rejected: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
+    max_new_tokens: int = 1,
 ) -> None:
     """Triton implementation of `post_update`."""
     _require_triton()
@@ -392,9 +438,13 @@ def post_update_triton(
         all_token_ids,
         all_token_ids.stride(0),
         num_rejected if num_rejected is not None else seq_lens,
+        token_counts if token_counts is not None else seq_lens,
+        token_counts.stride(0) if token_counts is not None else 0,
         num_reqs,
         all_token_ids.shape[1],
         HAS_REJECTED=num_rejected is not None,
+        HAS_COUNTS=token_counts is not None,
+        MAX_NEW=max_new_tokens,
         BLOCK=_REQ_BLOCK,
     )
 
@@ -491,6 +541,8 @@ def post_update(
     last_sampled: torch.Tensor,  # [rows] int32, updated in place
     all_token_ids: torch.Tensor,  # [rows, max_model_len] int32, updated in place
     num_rejected: torch.Tensor | None = None,  # [R_pad] int32: speculative decoding
+    token_counts: torch.Tensor | None = None,  # [rows, V] int32 packed penalty counts, updated in place
+    max_new_tokens: int = 1,  # the most tokens an entry appends (1 + num_speculative_tokens)
 ) -> None:
     """Advance row state after a step, on the device.
 
@@ -501,6 +553,11 @@ def post_update(
     becomes `last_sampled[r]` and, when `e = seq_lens[b] - j < max_model_len`, is
     written at `all_token_ids[r, e]` (the accepted drafts before it are already there).
     Padded entries (query length 0, all on the scratch row) change nothing.
+
+    With `token_counts` (SamplingStates.counts), each appended token adds 1 to its row's
+    count: `sampled[b]` at position e, and for a verifying entry (q > 1 from
+    num_computed >= prefill_len) also its accepted drafts at positions e - a .. e - 1
+    (a = q - 1 - num_rejected), never the rejected ones; only positions < max_model_len.
     """
     num_reqs = _check_batch(idx_mapping, query_start_loc)
     _check_rows(
@@ -513,9 +570,17 @@ def post_update(
     check_tensor("sampled", sampled, (num_reqs,), _SAMPLED)
     if num_rejected is not None:
         check_tensor("num_rejected", num_rejected, (num_reqs,), _I32)
+    if token_counts is not None:
+        if token_counts.dim() != 2 or token_counts.shape[0] != all_token_ids.shape[0]:
+            raise ValueError(
+                f"token_counts has shape {tuple(token_counts.shape)}, expected [{all_token_ids.shape[0]}, V]"
+            )
+        check_tensor("token_counts", token_counts, tuple(token_counts.shape), _I32)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     impl = post_update_triton if use_triton(all_token_ids) else post_update_torch
     impl(idx_mapping, query_start_loc, seq_lens, sampled, num_computed_tokens, prefill_len, last_sampled, all_token_ids,
-         num_rejected)
+         num_rejected, token_counts, max_new_tokens)
 
 
 __all__ = [

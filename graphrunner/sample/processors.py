@@ -96,3 +96,59 @@ def apply_penalties(
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - frequency[:, None] * output_count
     return x - presence[:, None] * (output_count > 0).to(x.dtype)
+
+
+def add_draft_counts(
+    counts: torch.Tensor,  # [R, V] int32 packed counts of the history before `base`
+    all_token_ids: torch.Tensor,  # [rows, L] int32
+    rows: torch.Tensor,  # [R] int64
+    base: torch.Tensor,  # [R] int64: the first position the counts do not cover
+    ahead: torch.Tensor,  # [R] int64: history positions base .. base + ahead - 1 to add as outputs
+    max_ahead: int,  # static bound on `ahead` (the speculative k)
+) -> torch.Tensor:  # [R, V] int32
+    """`counts` plus one output occurrence per token at positions [base, base + ahead).
+
+    Speculative verification: the row of slot j sees the drafts 0..j-1 before it as earlier
+    outputs (ahead = j). Positions past max_model_len or past `ahead` go to a trash column.
+    """
+    if max_ahead == 0:
+        return counts
+    vocab_size = counts.shape[1]
+    max_model_len = all_token_ids.shape[1]
+    j = torch.arange(max_ahead, device=counts.device)  # [k]
+    pos = base[:, None] + j  # [R, k]
+    use = (j < ahead[:, None]) & (pos < max_model_len)
+    tokens = all_token_ids[rows[:, None], pos.clamp(max=max_model_len - 1)].long()  # [R, k]
+    cols = torch.where(use, tokens, vocab_size)
+    extra = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int32, device=counts.device)  # [R, V + 1]
+    extra.scatter_add_(1, cols, torch.ones_like(cols, dtype=torch.int32))
+    return counts + extra[:, :vocab_size]
+
+
+def first_occurrence(rows: torch.Tensor) -> torch.Tensor:  # [R] int64
+    """For each entry, the index of the first entry with the same row ([R, R] compare: R is small)."""
+    same = rows[:, None] == rows[None, :]  # [R, R]
+    return same.to(torch.int8).argmax(dim=1)
+
+
+def refresh_counts_torch(
+    counts: torch.Tensor,  # [rows, V] int32, persistent, updated in place
+    stale: torch.Tensor,  # [rows] bool, persistent: rows whose counts are not current
+    all_token_ids: torch.Tensor,  # [rows, L] int32
+    rows: torch.Tensor,  # [R] int64 batch entry -> row
+    prompt_len: torch.Tensor,  # [R] int64 original prompt lengths
+    known_len: torch.Tensor,  # [R] int64 history positions to count
+    clear: bool,
+) -> None:
+    """Torch reference of `fused_process.refresh_counts`: stale rows rebuilt from their history.
+
+    An entry whose row is stale gets `token_counts` of positions < known_len (the first entry
+    of a repeated row decides, so duplicates write identical values); other rows are
+    rewritten with their own values. `clear` marks the rebuilt rows current.
+    """
+    first = first_occurrence(rows)  # [R]
+    rebuilt = token_counts(all_token_ids, rows, prompt_len, known_len, counts.shape[1])[first]  # [R, V]
+    was_stale = stale[rows]  # [R]
+    counts[rows] = torch.where(was_stale[:, None], rebuilt, counts[rows])
+    if clear:
+        stale[rows] = False

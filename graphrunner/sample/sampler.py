@@ -2,7 +2,9 @@
 
 Order (vLLM's), per batch entry:
   1. allowed-ids mask, logit bias, min_tokens mask (stop ids/EOS -inf until reached)
-  2. penalties (repetition over prompt+output, frequency/presence over output)
+  2. penalties (repetition over prompt+output, frequency/presence over output), from the
+     persistent per-row counts (SamplingStates.counts); on CUDA 1-2 are one fused pass
+     (fused_process.py) into a persistent buffer
   3. logprobs are of the RAW logits (before 1-2), written after sampling
   4. greedy rows: argmax of the processed logits (after 1-2)
   5. random rows: temperature -> min-p -> top-k -> top-p -> Gumbel-max, with noise
@@ -24,9 +26,11 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
 from graphrunner.sample.argmax import argmax_rows
 from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
+from graphrunner.sample.fused_process import process_logits_triton, refresh_counts
 from graphrunner.sample.logprobs import compute_logprobs
 from graphrunner.sample.pivot_select import pivot_sample_triton
 from graphrunner.sample.processors import (
+    add_draft_counts,
     apply_allowed,
     apply_logit_bias,
     apply_min_tokens,
@@ -78,7 +82,7 @@ class Sampler:
     """Turns the logits of the sampled rows into one token per row, graph-safely.
 
     Args:
-        states: the per-row settings (and, for penalties, `states.all_token_ids`).
+        states: the per-row settings (and, for penalties, `states.counts` and `states.all_token_ids`).
         filter_impl: "bisect" (default: sort-free per-row thresholds; on CUDA the
             pivot_select kernels, three reads of the logits, 9x faster than "sort" at 256
             rows on an H100 with 1/60 of its graph pool, see docs/bench/sampler_pivot_h100.md),
@@ -124,7 +128,8 @@ class Sampler:
         features: SamplingFeatures,
         out: torch.Tensor,  # [R] int32, written in place
         *,
-        all_token_ids: torch.Tensor | None = None,  # [rows, L] int32; default states.all_token_ids
+        all_token_ids: torch.Tensor | None = None,  # [rows, L] int32 history to count (reference path);
+        # default: the persistent counts
         out_logprobs: torch.Tensor | None = None,  # [R, >= K+1] float32 when features.wants_logprobs
         out_logprob_ids: torch.Tensor | None = None,  # [R, >= K+1] int32
         out_ranks: torch.Tensor | None = None,  # [R] int32
@@ -195,31 +200,77 @@ class Sampler:
         rows: torch.Tensor,  # [R] int64 state rows
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
-        all_token_ids: torch.Tensor | None,
+        all_token_ids: torch.Tensor | None,  # a history to count instead of the persistent counts
         slots: torch.Tensor | None = None,  # [R] int64 sampled slot of each row (grammar mask); None: slot 0
     ) -> torch.Tensor:  # [R, V] float32
-        """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off)."""
+        """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off).
+
+        CUDA (or kernel_impl="triton"): one fused pass (fused_process.py) into the states'
+        persistent processed-logits buffer; else the torch processors. Penalties read the
+        persistent counts (rows still stale are first rebuilt from the history before their
+        sampled position, see SamplingStates) plus, for a slot j of speculative verification,
+        the j drafts before it; an explicit `all_token_ids` is counted instead (the reference).
+        """
         s = self.states
+        has_mask = features.any_logit_bias and s.allowed_mask is not None and s.grammar_mask is not None
+        # Without counts validate() rejects every request with penalties, so skipping them is
+        # exact (this keeps the all-features variant usable on such runners).
+        has_penalties = features.any_penalties and (all_token_ids is not None or s.counts is not None)
+        stages = (has_mask, features.any_logit_bias, features.any_min_tokens, has_penalties)
+        if not any(stages):
+            return logits
+        drafts = None
+        if has_penalties and all_token_ids is None:
+            drafts = self._current_counts(logits, rows, positions, slots)
+        fused = all_token_ids is None and logits.dtype == torch.float32 and logits.stride(-1) == 1
+        if fused and self._use_triton(logits):
+            out = s.processed_logits(logits.shape[0], logits.shape[1])  # [R, V] persistent
+            return process_logits_triton(logits, out, s, rows, positions, stages, slots, drafts)
+        return self._process_torch(logits, rows, positions, stages, all_token_ids, drafts, slots)
+
+    def _current_counts(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Rebuild stale rows (callers without a step body) from the history before each entry's
+        first sampled position; return the drafts each slot adds: (base [R], ahead [R], max_ahead)."""
+        s = self.states
+        assert s.counts is not None and s.all_token_ids is not None
+        base = positions.long() if slots is None else positions.long() - slots  # [R]
+        refresh_counts(s.counts, s.counts_stale, s.all_token_ids, rows, s.prompt_len, base, clear=False,
+                       use_triton_kernel=self._use_triton(logits))
+        if slots is None or s.grammar_slots == 1:
+            return None
+        return base, slots, s.grammar_slots - 1
+
+    def _process_torch(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                       stages: tuple[bool, bool, bool, bool], all_token_ids: torch.Tensor | None,
+                       drafts: tuple[torch.Tensor, torch.Tensor, int] | None,
+                       slots: torch.Tensor | None) -> torch.Tensor:  # [R, V] float32
+        """The torch processors: separate [R, V] passes (the reference of the fused kernels)."""
+        s = self.states
+        has_mask, has_bias, has_stop, has_penalties = stages
         x = logits
-        if features.needs_history:
-            seq_len = positions.long()  # [R]
-            prompt_len = s.prompt_len[rows].long()  # [R]
-            num_output = (seq_len - prompt_len).clamp(min=0)  # [R] tokens generated before this one
-        if features.any_logit_bias:
-            if s.allowed_mask is not None and s.grammar_mask is not None:  # else validate() rejects both
+        seq_len = positions.long()  # [R]
+        prompt_len = s.prompt_len[rows].long()  # [R]
+        if has_bias:
+            if has_mask:
+                assert s.allowed_mask is not None and s.grammar_mask is not None
                 # allowed ids AND the step's grammar mask, one [R, V] pass (an unused mask is all ones)
                 allowed = torch.where(s.use_allowed[rows, None], s.allowed_mask[rows], -1)  # [R, W] int32
                 masks = s.grammar_mask[rows, 0] if slots is None else s.grammar_mask[rows, slots]  # [R, W] int32
                 grammar = torch.where(s.use_grammar[rows, None], masks, -1)  # [R, W] int32
                 x = apply_allowed(x, allowed & grammar, s.use_allowed[rows] | s.use_grammar[rows])
             x = apply_logit_bias(x, s.bias_ids[rows], s.bias_values[rows])
-        if features.any_min_tokens:
+        if has_stop:
+            num_output = (seq_len - prompt_len).clamp(min=0)  # [R] tokens generated before this one
             x = apply_min_tokens(x, s.stop_ids[rows], s.min_tokens[rows], num_output)
-        history = all_token_ids if all_token_ids is not None else s.all_token_ids
-        # Without a history validate() rejects every request with penalties, so skipping
-        # them is exact (this keeps the all-features variant usable on such runners).
-        if features.any_penalties and history is not None:
-            counts = token_counts(history, rows, prompt_len, seq_len, x.shape[-1])  # [R, V] int32
+        if has_penalties:
+            if all_token_ids is not None:
+                counts = token_counts(all_token_ids, rows, prompt_len, seq_len, x.shape[-1])  # [R, V] int32
+            else:
+                assert s.counts is not None and s.all_token_ids is not None
+                counts = s.counts[rows]  # [R, V] int32
+                if drafts is not None:
+                    counts = add_draft_counts(counts, s.all_token_ids, rows, *drafts)
             x = apply_penalties(x, counts, s.repetition_penalty[rows], s.frequency_penalty[rows],
                                 s.presence_penalty[rows])
         return x

@@ -19,6 +19,17 @@ Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
 - min_tokens stop ids: slots `[rows, max_stop_ids]` (stop_token_ids + EOS). Unused
   slots repeat the first real id, so every slot of a row masks a real id (duplicates
   are harmless, see `processors.apply_min_tokens`).
+- penalty counts: one persistent `[rows, V]` int32 (rows x V x 4 bytes: 156 MB at 257 x
+  152k), packed as processors.token_counts (bit 24: in the prompt; low bits: output count),
+  allocated only where penalties can be served (`all_token_ids` and `vocab_size` given). Kept
+  current instead of rebuilt from the history every step: a request admitted with penalties
+  flags its row stale (`counts_stale`), the step body rebuilds stale rows of its batch from
+  the history known at admission before sampling (`fused_process.refresh_counts`, inside
+  the step and its graph: the history is only on the device once the staging committed, and
+  a kernel that returns at once for current rows costs nothing on steps without
+  admissions), and the post-update adds 1 per token it appends (accepted drafts + bonus).
+  A caller that drives the Sampler without a step body (tests, benchmarks) leaves rows
+  stale: the Sampler then counts them from the history up to the sampled position.
 - grammar masks (structured outputs): `[rows, S, ceil(V / 32)]` int32, rewritten before each
   step that has constrained rows (`write_grammar`), one mask per sampled slot: S = 1 + k
   with speculative decoding (slot j samples after the entry's drafts 0..j-1), else 1.
@@ -97,6 +108,7 @@ class SamplingStates:
         self.max_logprobs = max_logprobs
         self.grammar_slots = grammar_slots
         self._allocate_rows(num_rows, device)
+        self._allocate_counts(num_rows, device)
         self._allocate_mirrors(num_rows)
         # Per-row scalar settings, staged by name at admission.
         self._scalars = {
@@ -136,6 +148,29 @@ class SamplingStates:
         # (`write_grammar`).
         self.grammar_mask = (torch.zeros(num_rows, self.grammar_slots, words, dtype=i32, device=device)
                              if words else None)
+
+    def _allocate_counts(self, num_rows: int, device: torch.device) -> None:
+        """Penalty counts and the processed-logits buffer (see the module docstring)."""
+        self.counts: torch.Tensor | None = None  # [rows, V] int32, packed (processors.PROMPT_FLAG)
+        self.counts_stale = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [rows]
+        if self.all_token_ids is not None and self.vocab_size is not None:
+            self.counts = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32, device=device)
+        # [rows * grammar_slots, V] float32: where the fused processing kernel writes (outside any
+        # graph pool). Allocated up front on CUDA, where graphs are captured; elsewhere on first use.
+        self._processed: torch.Tensor | None = None
+        if device.type == "cuda" and self.vocab_size is not None:
+            self.processed_logits(num_rows * self.grammar_slots, self.vocab_size)
+
+    def processed_logits(self, num: int, vocab_size: int) -> torch.Tensor:  # [num, V] float32 view
+        """The persistent buffer of the fused processors' output, first `num` rows."""
+        buf = self._processed
+        if buf is None or buf.shape[0] < num or buf.shape[1] != vocab_size:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"processed-logits buffer for {num} x {vocab_size} must exist before graph "
+                                   f"capture (have {None if buf is None else tuple(buf.shape)})")
+            rows = max(num, self.num_rows * self.grammar_slots)
+            buf = self._processed = torch.empty(rows, vocab_size, dtype=torch.float32, device=self.device)
+        return buf[:num]
 
     def _allocate_mirrors(self, num_rows: int) -> None:
         """Host mirrors of what decides a batch's code paths (`features`)."""
@@ -187,6 +222,9 @@ class SamplingStates:
             raise ValueError("min_tokens and penalties need the request's original prompt_len")
         if params.uses_penalties and self.all_token_ids is None:
             raise ValueError("penalties need SamplingStates(all_token_ids=...); this runner was built without it")
+        if params.uses_penalties and self.counts is None:
+            raise ValueError("penalties need SamplingStates(vocab_size=...) for their counts; this runner was built "
+                             "without it")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
@@ -244,6 +282,8 @@ class SamplingStates:
         )
         for name, value in scalars.items():
             self.staging.stage(self._scalars[name], row, value)
+        # Its counts are rebuilt from the history inside the row's first step (module docstring).
+        self.staging.stage(self.counts_stale, row, params.uses_penalties and self.counts is not None)
         self._stage_slots(row, params, stop)
 
     def _stage_slots(self, row: int, params: SamplingParams, stop: list[int]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from graphrunner.attention.op import forward_context
+from graphrunner.kernels import use_triton
 from graphrunner.kernels.block_table import compute_slot_mapping
 from graphrunner.kernels.dcp import dcp_slot_mapping
 from graphrunner.kernels.input_prep import (
@@ -26,6 +27,7 @@ from graphrunner.kernels.input_prep import (
     prepare_positions_seq_lens,
 )
 from graphrunner.limits import StepLimits
+from graphrunner.sample.fused_process import refresh_counts
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
 from graphrunner.spec_decode.step import SpeculativeStep
@@ -93,6 +95,21 @@ class StepBody:
             compute_logits_indices(batch.query_start_loc, batch.logits_indices)
         if batch.pcp is not None:  # a PCP split step: this rank's rows of the global batch
             self.pcp.localize(batch)
+        self.refresh_counts(batch)
+
+    def refresh_counts(self, batch: InputBatch) -> None:
+        """Rows admitted with penalties get their counts rebuilt from the history known at
+        admission (positions < prefill_len), before this step samples or appends to them.
+        Only the last stage samples, so only it keeps counts; a batch with such a row has
+        penalties in its features (and so does the graph variant serving it)."""
+        states = self.sampler.states
+        if not (self.is_last_stage and batch.sampling_features.any_penalties) or states.counts is None:
+            return
+        assert states.all_token_ids is not None
+        s = self.buffers.requests
+        rows = batch.idx_mapping
+        refresh_counts(states.counts, states.counts_stale, states.all_token_ids, rows, states.prompt_len,
+                       s.prefill_len[rows.long()], clear=True, use_triton_kernel=use_triton(states.counts))
 
     def forward(self, batch: InputBatch, piecewise: bool = False) -> Any:
         """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage)."""
@@ -142,8 +159,11 @@ class StepBody:
         PP stages after the tokens arrived from the last stage)."""
         s = self.buffers.requests
         rejected = self.spec.buffers.num_rejected[: batch.num_reqs_padded] if self.spec is not None else None
+        # The penalty counts follow the history on the last stage (other stages append placeholders).
+        counts = self.sampler.states.counts if self.is_last_stage else None
         post_update(batch.idx_mapping, batch.query_start_loc, batch.seq_lens, batch.sampled,
-                    s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids, rejected)
+                    s.num_computed_tokens, s.prefill_len, s.last_sampled, s.all_token_ids, rejected,
+                    token_counts=counts, max_new_tokens=1 + (self.spec.k if self.spec is not None else 0))
 
     def model_args(self, batch: InputBatch) -> tuple:
         """The model's forward arguments (plus the received stage inputs off the first stage)."""
