@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphrunner.kernels import HAS_TRITON
 from graphrunner.protocol import Logprob, SamplingParams
 from graphrunner.sample.logprobs import (
     LogprobsTensors,
@@ -27,9 +28,17 @@ def reference(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     return chosen, ranks, top
 
 
+IMPLS = ["torch", pytest.param("triton", marks=[
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+])]
+
+
+@pytest.mark.parametrize("impl", IMPLS)  # "triton" runs the kernels under TRITON_INTERPRET=1 on CPU
 @settings(deadline=None)
 @given(st.integers(2, 300), st.integers(1, 16), st.integers(0, 20), st.integers(0, 2**31))
-def test_compute_logprobs_matches_log_softmax(vocab, n, k, seed):
+def test_compute_logprobs_matches_log_softmax(impl, vocab, n, k, seed):
     k = min(k, vocab)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 4
@@ -37,7 +46,7 @@ def test_compute_logprobs_matches_log_softmax(vocab, n, k, seed):
     lp = torch.full((n, k + 3), 7.0)  # wider than needed: extra columns stay untouched
     ids = torch.full((n, k + 3), -5, dtype=torch.int32)
     ranks = torch.zeros(n, dtype=torch.int32)
-    compute_logprobs(logits, tokens, k, lp, ids, ranks)
+    compute_logprobs(logits, tokens, k, lp, ids, ranks, impl=impl)
     chosen, want_ranks, top = reference(logits, tokens, k)
     torch.testing.assert_close(lp[:, 0].double(), chosen, rtol=0, atol=1e-5)
     assert torch.equal(ids[:, 0].long(), tokens)

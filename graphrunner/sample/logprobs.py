@@ -2,7 +2,8 @@
 
 A token's logprob is `logit - logsumexp(logits)`: one [R] logsumexp, a top-k of the
 logits and a gather give the sampled token's logprob, its rank and the top-k, with
-no [R, V] log_softmax buffer. These are the RAW model distribution's logprobs (vLLM's
+no [R, V] log_softmax buffer (on CUDA all three come from one read of the logits:
+`logprobs_triton`). These are the RAW model distribution's logprobs (vLLM's
 default `raw_logprobs`): of the logits before bias, penalties, temperature and filters.
 
 Sampled logprobs run inside the step (graph-safe, preallocated outputs). Prompt
@@ -12,30 +13,54 @@ chunk's positions in fixed-size slices so memory is bounded by `chunk_size x V`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from graphrunner.kernels import use_triton
 from graphrunner.protocol import Logprob, NewRequestData
+from graphrunner.sample.logprobs_triton import logprobs_triton, triton_fits
 
 DEFAULT_PROMPT_CHUNK = 256  # prompt positions per logits slice: 256 x 152k x 4 B = 156 MB
 
 
+LOGPROBS_IMPLS = ("auto", "torch", "triton")
+
+
 def compute_logprobs(
     logits: torch.Tensor,  # [R, V] float32 raw logits
-    token_ids: torch.Tensor,  # [R] int: the sampled (or target) token per row
+    token_ids: torch.Tensor,  # [R] int: the sampled (or target) token per row, in [0, V)
     num_logprobs: int,  # K >= 0 (static)
     out_logprobs: torch.Tensor,  # [R, >= K+1] float32, written in place
     out_ids: torch.Tensor,  # [R, >= K+1] int32, written in place
     out_ranks: torch.Tensor,  # [R] int32, written in place
+    *,
+    impl: str = "auto",
 ) -> None:
     """Column 0: the token's logprob; columns 1..K: the top-K (descending). Graph-safe.
 
     rank = 1 + number of tokens with a strictly larger logit (logprob order = logit
     order within a row). Columns past K+1 are left untouched.
+
+    impl: "auto" (default) runs the one-pass Triton kernels (`logprobs_triton`: no sort,
+    no [R, V] temporaries) on CUDA logits when triton imports and K <= MAX_TOPK, else
+    the torch path (logsumexp, a `logits > chosen` count and topk); "torch" or "triton"
+    force one. Both give the same logprobs (to fp32 rounding), ranks and top-K values;
+    they differ only where the order is a choice: among equal logits the Triton path
+    lists the lower token id first (torch.topk's order of ties is unspecified), and its
+    top-K counts a NaN entry as -inf, where torch.topk lists NaN first. On both paths a
+    row's non-finite values never reach another row and its ids and rank stay in range;
+    a row with a NaN has only NaN logprobs, a row with +inf NaN or -inf ones, a row of
+    only -inf NaN ones (the sampler's docstring holds for either path).
     """
+    if impl not in LOGPROBS_IMPLS:
+        raise ValueError(f"impl={impl!r} not in {LOGPROBS_IMPLS}")
+    if impl == "triton" or (impl == "auto" and use_triton(logits) and triton_fits(logits, num_logprobs)):
+        logprobs_triton(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks)
+        return
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
     ids = token_ids.to(torch.int64)[:, None]  # [R, 1]
     chosen = logits.gather(1, ids)  # [R, 1]
@@ -46,6 +71,39 @@ def compute_logprobs(
         top_values, top_ids = logits.topk(num_logprobs, dim=-1)  # [R, K]
         out_logprobs[:, 1 : num_logprobs + 1].copy_(top_values - lse)
         out_ids[:, 1 : num_logprobs + 1].copy_(top_ids)
+
+
+def time_logprobs(num_rows: int, vocab_size: int, num_logprobs: int, *, impl: str = "auto", iters: int = 50,
+                  device: str | torch.device = "cuda", seed: int = 0) -> float:
+    """Mean microseconds of one `compute_logprobs` call on random logits (a quick A/B of
+    `impl`; `graphrunner bench sampler --variants all_on` times it inside the sampler).
+
+    CUDA: CUDA events around `iters` back-to-back calls after a warmup; elsewhere perf_counter.
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(num_rows, vocab_size, generator=g, device=device) * 3  # [R, V] float32
+    tokens = torch.randint(0, vocab_size, (num_rows,), generator=g, device=device)
+    lp = torch.empty(num_rows, num_logprobs + 1, device=device)
+    ids = torch.empty(num_rows, num_logprobs + 1, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_rows, dtype=torch.int32, device=device)
+
+    def call() -> None:
+        for _ in range(iters):
+            compute_logprobs(logits, tokens, num_logprobs, lp, ids, ranks, impl=impl)
+
+    call()  # warmup (and Triton compilation)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        call()
+        return (time.perf_counter() - start) * 1e6 / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    begin.record()
+    call()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) * 1e3 / iters
 
 
 @dataclass

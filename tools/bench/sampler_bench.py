@@ -35,7 +35,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from graphrunner.kernels import use_triton
 from graphrunner.protocol import SamplingParams
+from graphrunner.sample.fused_process import refresh_counts
 from graphrunner.sample.sampler import Sampler
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.sampling import SamplingStates
@@ -65,6 +67,11 @@ def _setup(device: torch.device, num_reqs: int, vocab: int, max_model_len: int, 
             params = _all_features_params(i, vocab)
         states.add_request(i, f"r{i}", params, vocab, prompt_len=prompt_len, eos_ids=(0,))
     states.apply_staged_writes()
+    if states.counts is not None:  # as a step would: the admitted rows' penalty counts, once
+        idx = torch.arange(num_reqs, dtype=torch.int32, device=device)
+        known = torch.full((num_reqs,), max_model_len - 1, dtype=torch.int32, device=device)
+        refresh_counts(states.counts, states.counts_stale, history, idx, states.prompt_len, known, clear=True,
+                       use_triton_kernel=use_triton(states.counts))
     if variant == "greedy":
         features = SamplingFeatures()
     elif variant == "sampled":
