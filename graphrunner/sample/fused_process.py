@@ -140,21 +140,21 @@ if HAS_TRITON:
         row = tl.load(rows_ptr + e).to(tl.int64)
         todo = tl.load(stale_ptr + row).to(tl.int32)
         # The first entry of a repeated row rebuilds it (atomics would count twice).
-        for i in range(0, e * todo, HBLOCK):
-            o = i + tl.arange(0, HBLOCK)
+        for start in range(0, e * todo, HBLOCK):
+            o = start + tl.arange(0, HBLOCK)
             earlier = tl.load(rows_ptr + o, mask=o < e, other=-1).to(tl.int64)
             todo = todo * (1 - tl.max((earlier == row).to(tl.int32), axis=0))
         if todo != 0:
             base = counts_ptr + row * counts_stride
-            for i in range(0, vocab_size, BLOCK):
-                o = i + tl.arange(0, BLOCK)
+            for v0 in range(0, vocab_size, BLOCK):
+                o = v0 + tl.arange(0, BLOCK)
                 tl.store(base + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < vocab_size)
             tl.debug_barrier()  # the zeros land before any thread of this program counts
             prompt_len = tl.load(prompt_len_ptr + row).to(tl.int64)
             known = tl.load(known_ptr + e).to(tl.int64)
             end = tl.maximum(known, prompt_len)  # the whole prompt counts, as in token_counts
-            for i in range(0, end, HBLOCK):
-                p = i + tl.arange(0, HBLOCK)
+            for p0 in range(0, end, HBLOCK):
+                p = p0 + tl.arange(0, HBLOCK)
                 is_prompt = p < prompt_len
                 is_output = (p >= prompt_len) & (p < known)
                 tok = tl.load(hist_ptr + row * hist_stride + p, mask=is_prompt | is_output, other=0).to(tl.int64)
