@@ -82,11 +82,6 @@ class XGrammarBackend:
         words = -(-self.vocab_size // 32)
         out[rows, words:] = 0
 
-    def accept_many(self, matchers: Sequence[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """matchers[i].accept_token(tokens[i]) for all i in one call (no Python loop per token)."""
-        inner = [m._matcher for m in matchers]  # type: ignore[attr-defined]
-        return list(self._xgr.BatchGrammarMatcher.batch_accept_token(inner, tokens))
-
     def compile(self, params: StructuredOutputsParams) -> GrammarMatcher:
         c = self.compiler
         kind = params.kind
@@ -231,27 +226,6 @@ class StructuredOutputs:
                 return True
         return matcher.is_terminated()
 
-    def _advance(self, runner_output: ModelRunnerOutput) -> list[str]:
-        """Advance the matchers of the step's constrained requests; the ids whose grammar is now
-        complete or broken. Single tokens go to the backend together (`accept_many`) when it can."""
-        done: list[str] = []
-        single: list[tuple[str, int]] = []
-        accept_many = getattr(self.backend, "accept_many", None)
-        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
-            if not tokens or rid not in self.matchers:
-                continue
-            if accept_many is not None and len(tokens) == 1:
-                single.append((rid, tokens[0]))
-            elif self.accept(rid, tokens):
-                done.append(rid)
-        if single:
-            assert accept_many is not None
-            matchers = [self.matchers[rid] for rid, _ in single]
-            accepted = accept_many(matchers, [token for _, token in single])
-            done += [rid for (rid, _), ok, m in zip(single, accepted, matchers, strict=True)
-                     if not ok or m.is_terminated()]
-        return done
-
     # ---- the engine's seams ---------------------------------------------------------------
     def wants_drafts(self, scheduler: Any) -> bool:
         """Speculation with a live grammar: steps need the runner's drafts as ids (and, with async
@@ -295,10 +269,11 @@ class StructuredOutputs:
         if not self.matchers:
             return []
         ended = []
-        for rid in self._advance(runner_output):
-            out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            if out is not None:  # (EOS already ended it inside the step's output)
-                ended.append(out)
+        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            if tokens and rid in self.matchers and self.accept(rid, tokens):
+                out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                if out is not None:  # (EOS already ended it inside the step's output)
+                    ended.append(out)
         for rid in [r for r in self.matchers if r not in scheduler.requests]:
             self.remove(rid)
         return ended
