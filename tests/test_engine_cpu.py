@@ -127,6 +127,18 @@ def test_cli_generate_prints_throughput(capsys):
     assert "output 0 (length, 6 tokens): [" in out and "output 3" not in out
 
 
+def test_cli_generate_reports_the_graph_mode_it_ran(capsys):
+    """The summary names the captured mode (read before the engine shuts down and releases its
+    graphs), and eager when nothing was captured."""
+    common = ["generate", "--device", "cpu", "--num-prompts", "2", "--prompt-len", "4", "--max-tokens", "2",
+              "--num-kv-blocks", "32", "--max-model-len", "64"]
+    assert main([*common, "--no-enforce-eager", "--cudagraph-mode", "FULL_DECODE_ONLY",
+                 "--cudagraph-capture-sizes", "1,2"]) == 0
+    assert "cudagraph mode:   FULL_DECODE_ONLY" in capsys.readouterr().out
+    assert main(common) == 0
+    assert "cudagraph mode:   NONE (eager)" in capsys.readouterr().out
+
+
 def test_cli_default_run_finishes_quickly(capsys):
     assert main(["generate", "--device", "cpu", "--max-model-len", "256"]) == 0
     assert "num prompts:      8" in capsys.readouterr().out

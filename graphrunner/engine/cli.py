@@ -156,9 +156,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"graphrunner generate: {e}") from None
     elapsed = time.perf_counter() - start
+    graphs = llm.runner.graphs
+    mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"  # before shutdown
     llm.shutdown()
     if is_printer:
-        _print_summary(args, llm, prompts, outputs, tokenizer, load_seconds=load_seconds, elapsed=elapsed)
+        _print_summary(args, llm, prompts, outputs, tokenizer, load_seconds=load_seconds, elapsed=elapsed,
+                       mode_name=mode_name)
     return 0
 
 
@@ -219,9 +222,8 @@ def _print_summary(
     *,
     load_seconds: float,
     elapsed: float,
+    mode_name: str,
 ) -> None:
-    graphs = llm.runner.graphs
-    mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"
     num_generated = sum(len(o.token_ids) for o in outputs)
     print(f"model:            {args.model}")
     weights = _random_weights_reason(args)
