@@ -16,6 +16,10 @@ tests=(
   "tests/test_fused_layer_kernels.py::test_add_rms_norm_native_bf16"
   "tests/test_sample_argmax.py::test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph"
   "tests/test_attention.py::test_gpu_triton_matches_reference"
+  "tests/test_fused_process.py::test_native_fused_processing_matches_torch_and_replays_in_a_cuda_graph"
+  "tests/test_logprobs_triton.py::test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph"
+  "tests/test_bitmask.py::test_gpu_kernel_matches_and_replays_in_a_cuda_graph"
+  "tests/test_sample_select.py::test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k"
 )
 san() { timeout "$limit" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 "$@"; }
 san python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile ci "${tests[@]}" \
