@@ -19,10 +19,8 @@ Tier 1, the pivots (rows flagged 1; other programs return at once): counts and m
 P pivots (min-p, a ladder `M - spread * j / (P-2)` with spread = M - mean, -inf) give
 windows holding the k-th value and the final threshold; the compaction appends those
 tokens and draws among the tokens above them (kept for sure); select finishes as above.
-Tier 2: more candidates than `capacity`, or a non-finite max or spread (a row of only
--inf, +inf logits): the kernels of triton_sampling (one-program bisection, then the
-Gumbel pass; ~3 ms) finish those rows, returning at once for the others.
-
+Tier 2: more candidates than `capacity`, or a non-finite max or spread (a row of only -inf, +inf
+logits): triton_sampling's kernels (one-program bisection, then the Gumbel pass; ~3 ms) finish them.
 Tie rule, shared with filters.py and the sort reference of the tests: every token tied
 with the last kept value is kept (the kept set is `s >= threshold`). Exactness: counts
 are integers, bounds and pivots are compared in the same float32 in every kernel, so
@@ -235,6 +233,17 @@ if HAS_TRITON:
         tl.store(plan_ptr + 2 * row, tl.where(mode == 3, _NEG_INF, g))
         tl.store(plan_ptr + 2 * row + 1, mode.to(tl.float32))
 
+    @triton.jit
+    def _lane_best(val, v, best, best_idx):  # per lane: the larger score and its id (a tie keeps the first id)
+        better = val > best
+        return tl.where(better, val, best), tl.where(better, v, best_idx)
+
+    @triton.jit
+    def _store_best(best_ptr, best_idx_ptr, at, best, best_idx):  # the best score, the smallest id reaching it
+        peak = tl.max(best, 0)
+        tl.store(best_ptr + at, peak)
+        tl.store(best_idx_ptr + at, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
+
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
     def _guess_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, plan_ptr, n_ptr,
                       cand_x_ptr, cand_v_ptr, best_ptr, best_idx_ptr, part_z_ptr, vocab_size, chunk, num_splits,
@@ -266,12 +275,8 @@ if HAS_TRITON:
                     total += tl.where(s == s, tl.exp(s - m), 0.0)
                 else:
                     val = tl.where(s == s, _gumbel_score(s, v, key), _NEG_INF)
-                    better = val > best  # strict: the first id of a tie within a lane
-                    best = tl.where(better, val, best)
-                    best_idx = tl.where(better, v, best_idx)
-        peak = tl.max(best, 0)
-        tl.store(best_ptr + row * num_splits + split, peak)
-        tl.store(best_idx_ptr + row * num_splits + split, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
+                    best, best_idx = _lane_best(val, v, best, best_idx)
+        _store_best(best_ptr, best_idx_ptr, row * num_splits + split, best, best_idx)
         tl.store(part_z_ptr + row * num_splits + split, tl.sum(total, 0))
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
@@ -304,12 +309,8 @@ if HAS_TRITON:
                 sure = (v < hi) & (s >= hi_s)
                 if tl.max(sure.to(tl.int32), 0) > 0:  # the Gumbel noise only where a kept-for-sure token is
                     val = tl.where(sure, _gumbel_score(s, v, key), _NEG_INF)
-                    better = val > best  # strict: the first id of a tie within a lane
-                    best = tl.where(better, val, best)
-                    best_idx = tl.where(better, v, best_idx)
-            peak = tl.max(best, 0)
-            tl.store(best_ptr + row * num_splits + split, peak)
-            tl.store(best_idx_ptr + row * num_splits + split, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
+                    best, best_idx = _lane_best(val, v, best, best_idx)
+            _store_best(best_ptr, best_idx_ptr, row * num_splits + split, best, best_idx)
 
     @triton.jit
     def _select_windows(row, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
