@@ -51,7 +51,11 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
     FamilyRule(ATTENTION, r"^_(paged_attn|merge_splits|merge_states|write_kv|rope_write_kv)_kernel$|flash|fmha",
                "graphrunner/attention: paged attention, its split-KV merge, the LSE merge, the KV-cache write "
                "(alone, or fused with the rotary embedding)"),
-    FamilyRule("sampling", r"^_(gumbel_argmax|threshold)_kernel$", "graphrunner/sample/triton_sampling.py"),
+    FamilyRule("sampling",
+               r"^_(gumbel_argmax|threshold|pick|stats|plan|guess|pivot|compact|select|partial|combine|dense|sparse"
+               r"|refresh|bitmask)_kernel$",
+               "graphrunner/sample: Triton sampling, the sort-free select, the split-row argmax, one-pass logprobs, "
+               "the fused processors, token bitmasks"),
     FamilyRule("step inputs",
                r"^_(positions_seq_lens|input_ids|logits_indices|post_update|gather|slot_mapping|dcp_slot_mapping"
                r"|dcp_local_seq_lens|prepare_verify)_kernel$",
