@@ -333,6 +333,9 @@ def test_stalled_last_stage_raises_clear_error():
 
 
 def _boom(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank has joined: rank 1's exit must not reset rank 2's connection setup
     if rank == 1:
         raise ValueError("rank one exploded")
     if rank == 2:
