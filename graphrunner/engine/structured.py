@@ -292,7 +292,7 @@ def make_structured_outputs(tokenizer: Any, vocab_size: int) -> StructuredOutput
     compile, and a request asking for structured outputs is refused with the reason. Under
     speculative decoding the matchers also roll back (`GrammarMatcher.rollback`)."""
     backend = None
-    if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+    if can_compile_grammars(tokenizer):
         try:
             backend = XGrammarBackend(tokenizer, vocab_size)
         except ImportError:
