@@ -50,7 +50,7 @@ from graphrunner.state.features import (
     SamplingFeatures,
     round_logprobs,
 )
-from graphrunner.state.staging import StagedWrites
+from graphrunner.state.staging import StagedWrites, host_buffer, to_device_async
 from graphrunner.structured_outputs import GrammarOutput
 
 DEFAULT_MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -319,7 +319,11 @@ class SamplingStates:
         assert self.grammar_mask is not None  # validate() refuses structured outputs without the bitmask
         slots, words = self.grammar_mask.shape[1:]
         mine = np.flatnonzero(self.grammar_np[rows])
-        host = np.full((len(mine), slots, words), -1, dtype=np.int32)  # all bits set: every token allowed
+        # Filled in place in a pinned block, then copied without blocking the host: a pageable
+        # copy would wait for the step's forward graph, which runs while the host computes masks.
+        staged = host_buffer((len(mine), slots, words), torch.int32, self.device)
+        host = staged.numpy()
+        host.fill(-1)  # all bits set: every token allowed
         if grammar is not None:
             width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
             starts = _grammar_starts(grammar, req_ids, width, words)
@@ -330,8 +334,8 @@ class SamplingStates:
                     n = int(width[entry])
                     host[j, :n] = 0
                     host[j, :n, : mask.shape[1]] = mask[start : start + n]
-        index = torch.from_numpy(rows[mine].astype(np.int64)).to(self.device)
-        self.grammar_mask.index_copy_(0, index, torch.from_numpy(host).to(self.device))
+        index = to_device_async(rows[mine].astype(np.int64), self.device)
+        self.grammar_mask.index_copy_(0, index, staged.to(self.device, non_blocking=True))
 
     def apply_staged_writes(self) -> None:
         """Commit the staging (all of it: with the runner's shared staging, every holder's)."""

@@ -43,6 +43,14 @@ def to_device_async(array: np.ndarray, device: torch.device | str, dtype: torch.
     return pinned.to(device, non_blocking=True)
 
 
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized host tensor to fill (through `.numpy()`) and copy to `device` with
+    `non_blocking=True`: on CUDA a pinned block of the caching host allocator, which is not
+    handed out again before the copy that reads it has completed (the module docstring), so
+    filling it in place costs no extra host copy; elsewhere ordinary memory."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
 
 
