@@ -114,6 +114,26 @@ def speculative_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]
     return {"speculative_config": text}
 
 
+def add_dbo_args(p: argparse.ArgumentParser) -> None:
+    """--enable-dbo and its thresholds (vLLM's flags): dual batch overlap under lockstep DP
+    (graphrunner/step/microbatch.py); `dbo_cli_kwargs` hands them on to `LLM`."""
+    p.add_argument("--enable-dbo", action="store_true",
+                   help="with --data-parallel-lockstep: run steps every replica agrees to split as two "
+                        "microbatches on two streams (dual batch overlap)")
+    p.add_argument("--dbo-decode-token-threshold", type=int, default=32,
+                   help="a decode-only step splits from this many tokens")
+    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512,
+                   help="a step with prefills splits from this many tokens")
+
+
+def dbo_cli_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`add_dbo_args`' options as `LLM`'s keywords (none when the parser has no --enable-dbo)."""
+    if not hasattr(args, "enable_dbo"):
+        return {}
+    return {name: getattr(args, name) for name in ("enable_dbo", "dbo_decode_token_threshold",
+                                                    "dbo_prefill_token_threshold")}
+
+
 def add_command_group(
     subparsers: argparse._SubParsersAction,
     name: str,

@@ -187,12 +187,20 @@ class ParallelConfig:
     # them in lockstep (one CPU all-reduce per step agreeing on the descriptor, dummy steps on idle
     # replicas), what a model with collectives across the DP group (expert parallelism) needs.
     data_parallel_lockstep: bool = False
+    # Dual batch overlap (vLLM's names; graphrunner/step/microbatch.py): under lockstep DP, a step
+    # every replica agrees to split runs its forward as two microbatches on two streams. A rank
+    # wants it with >= 2 requests and at least this many tokens (decode-only / other batches).
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
 
     def __post_init__(self) -> None:
-        if not isinstance(self.data_parallel_lockstep, bool):
-            raise ValueError(f"data_parallel_lockstep={self.data_parallel_lockstep!r} must be a bool")
+        for name in ("data_parallel_lockstep", "enable_dbo"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size"):
+                     "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
+                     "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -204,6 +212,21 @@ class ParallelConfig:
                 f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: DCP shards the KV "
                 "cache across ranks of a TP group (it adds no ranks)"
             )
+        if self.enable_dbo:
+            self._check_dbo()
+
+    def _check_dbo(self) -> None:
+        """DBO is decided by the lockstep DP coordinator and splits a last stage's whole forward."""
+        if not self.data_parallel_lockstep or self.data_parallel_size < 2:
+            raise ValueError(
+                f"enable_dbo=True needs data_parallel_lockstep=True and data_parallel_size > 1, got "
+                f"data_parallel_lockstep={self.data_parallel_lockstep}, data_parallel_size={self.data_parallel_size}: "
+                "the DP replicas agree on every microbatched step"
+            )
+        for name in ("pipeline_parallel_size", "prefill_context_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"enable_dbo=True with {name}={getattr(self, name)}: microbatching runs with "
+                                 f"{name}=1 only")
 
     @property
     def world_size(self) -> int:

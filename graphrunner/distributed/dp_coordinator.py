@@ -26,7 +26,9 @@ function `coordinate(reports, table)`:
    any rank's second microbatch would be empty, i.e. unless
    `min(real tokens over ranks) > padded // 2` (padding goes to the second microbatch,
    so a rank with fewer real tokens than the split would send it only padding; an idle
-   rank always abandons it).
+   rank always abandons it). A rank wants it under `ParallelConfig.enable_dbo` (at least
+   two requests and the DBO token threshold); the runner executes the decision in
+   `graphrunner.step.microbatch` (eagerly, cut at the request boundary nearest the split).
 
 Wire: `DPCoordinator.coordinate` does one `all_reduce(MAX)` on the DP CPU (gloo) group
 of an int64 tensor [dp_size, 5]: each rank writes its own row and fills the others with

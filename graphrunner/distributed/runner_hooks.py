@@ -32,6 +32,9 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
   (no per-step exchange, no padding to another replica, no dummy steps). With
   `data_parallel_lockstep=True` the `DPCoordinator` (one CPU all-reduce of every replica's
   report) gives the agreed descriptor and an idle replica runs a dummy step of it (`idle_step`).
+  With `enable_dbo` too, each report says whether the rank would split its step; when the
+  decision says microbatch, the step runs eagerly and its forward as two microbatches on two
+  streams (`graphrunner.step.microbatch`), counted in `num_microbatched_steps`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from capture.descriptor import BatchExecutionDescriptor
+from capture.modes import CUDAGraphMode
 from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.spec_decode.step import SpeculativeStep
 from graphrunner.state.features import SamplingFeatures
@@ -53,6 +57,7 @@ from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import StageBuffers
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch
+from graphrunner.step.microbatch import Microbatcher, wants_microbatch
 
 logger = logging.getLogger("graphrunner.distributed")
 
@@ -77,6 +82,7 @@ class ParallelHooks:
         self._dp: Any = None  # DPCoordinator, built lazily (dp_size > 1: it needs the dispatch table)
         self.last_dp_decision: Any = None
         self.num_dummy_steps = 0  # idle-DP-rank dummy steps run so far
+        self._ubatch: Microbatcher | None = None  # DBO under lockstep DP (built with the first step)
         self.pp_handler: Any = None
         self._sends: list[Any] = []  # the last step's hidden-state sends (dist.Work), waited at the next
         # Pipelined PP (no speculation): a non-last stage applies a step's tokens when its output
@@ -160,22 +166,43 @@ class ParallelHooks:
             return graphs.dispatch(num_reqs, num_tokens, uniform, force_eager)
         plan = self._coordinate(graphs, num_reqs, num_tokens, uniform, force_eager)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
+        if plan.microbatch:  # two microbatches run eagerly at this rank's real size (step/microbatch.py)
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
         return plan.descriptor
 
     def _coordinate(self, graphs: StepGraphs, num_reqs: int, num_tokens: int, uniform: int | None,
                     force_eager: bool = False):
-        """One DP all-reduce; returns this rank's `RankPlan`."""
+        """One DP all-reduce; returns this rank's `RankPlan` (and arms or disarms DBO's split)."""
         from graphrunner.distributed.dp_coordinator import DPCoordinator, DPReport
 
         if self._dp is None:
             self._dp = DPCoordinator(self.groups.dp.cpu_group, graphs.table)
+        wants = self._wants_microbatch(graphs.body, num_reqs, num_tokens, uniform)
         # Before capture every step is eager: report NONE so that nobody replays.
-        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform,
+        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform, wants_microbatch=wants,
                                      force_eager=force_eager or not graphs.captured)
         with self.exchange("DP step agreement (all-reduce over the data-parallel replicas)"):
             decision = self._dp.coordinate(report)
         self.last_dp_decision = decision
-        return decision.for_rank(self.groups.dp_rank)
+        plan = decision.for_rank(self.groups.dp_rank)
+        if self._ubatch is not None:
+            self._ubatch.arm(plan.ubatch_split if plan.microbatch and not plan.dummy else None)
+        return plan
+
+    def _wants_microbatch(self, body: StepBody, num_reqs: int, num_tokens: int, uniform: int | None) -> bool:
+        """DBO (config.enable_dbo): whether this rank would split its step; builds the microbatcher once."""
+        config = self.groups.config
+        if not config.enable_dbo:
+            return False
+        if self._ubatch is None:
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device)
+        return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
+                                config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+
+    @property
+    def num_microbatched_steps(self) -> int:
+        """Steps whose forward actually ran as two microbatches (DBO; 0 without it)."""
+        return self._ubatch.num_steps if self._ubatch is not None else 0
 
     def idle_step(self, graphs: StepGraphs, body: StepBody) -> None:
         """A lockstep DP rank with nothing scheduled: join the coordination and run a dummy

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 from graphrunner.cli_args import (
     CUDAGRAPH_MODES,
     DefaultsHelpFormatter,
+    add_dbo_args,
     add_graph_args,
     add_limit_args,
     add_runner_args,
     add_speculative_args,
+    dbo_cli_kwargs,
     limit_kwargs,
     parse_int_list,
     runner_kwargs,
@@ -79,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-parallel-lockstep", action="store_true",
                    help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
                         "default: each replica runs on its own")
+    add_dbo_args(p)
     p.add_argument("-pcp", "--prefill-context-parallel-size", dest="pcp", type=int, default=1,
                    help="prefill context-parallel ranks: each prefill's tokens split over them")
     p.add_argument("-dcp", "--decode-context-parallel-size", dest="dcp", type=int, default=1,
@@ -205,6 +208,7 @@ def _build_llm(args: argparse.Namespace) -> LLM:
             prefill_context_parallel_size=args.pcp,
             decode_context_parallel_size=args.dcp,
             data_parallel_lockstep=args.data_parallel_lockstep,
+            **dbo_cli_kwargs(args),
             enable_prefix_caching=args.enable_prefix_caching,
             collective_timeout_s=args.collective_timeout,
             **speculative_kwargs(args, "graphrunner generate"),

@@ -38,7 +38,7 @@ from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device
 from graphrunner.engine.batch_trace import append_record
 from graphrunner.engine.data_parallel import any_replica, gather_replicas
 from graphrunner.engine.detokenizer import load_text_tokenizer
-from graphrunner.engine.options import check_compilation_kwargs, parallel_config, resolve_speculative_config
+from graphrunner.engine.options import check_compilation_kwargs, dbo_kwargs, parallel_config, resolve_speculative_config
 from graphrunner.engine.outputs import OutputProcessor
 from graphrunner.engine.prompts import PlannedRequests, plan_requests
 from graphrunner.engine.request import RequestOutput
@@ -91,7 +91,7 @@ class LLM:
             in and out only. Otherwise a folder with tokenizer files takes text prompts, fills
             `RequestOutput.text` and honours `SamplingParams.stop` (transformers.AutoTokenizer).
         enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes (vLLM's default).
-        **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode, cudagraph_capture_sizes).
+        **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's of `ParallelConfig` (enable_dbo, ...).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -137,7 +137,7 @@ class LLM:
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
-            decode_context_parallel_size=decode_context_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size, **dbo_kwargs(kwargs),
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py

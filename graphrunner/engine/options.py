@@ -15,16 +15,24 @@ from graphrunner.config import CompilationConfig, ParallelConfig, SpeculativeCon
 from graphrunner.protocol import SamplingParams
 
 _COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
+# Dual batch overlap's `ParallelConfig` fields, which `LLM` takes as extra keywords (vLLM's names).
+DBO_FIELDS = ("enable_dbo", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")
 
 
 def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
-    """Refuse `LLM`'s extra keywords that are not `CompilationConfig` fields (TypeError, as Python would)."""
-    unknown = set(kwargs) - _COMPILATION_FIELDS
+    """Refuse `LLM`'s extra keywords that are neither `CompilationConfig` fields nor DBO's
+    (TypeError, as Python would)."""
+    unknown = set(kwargs) - _COMPILATION_FIELDS - set(DBO_FIELDS)
     if unknown:
         raise TypeError(
-            f"LLM() got unexpected keyword arguments {sorted(unknown)}; "
-            f"extra keywords must be CompilationConfig fields: {sorted(_COMPILATION_FIELDS)}"
+            f"LLM() got unexpected keyword arguments {sorted(unknown)}; extra keywords must be "
+            f"CompilationConfig fields {sorted(_COMPILATION_FIELDS)} or DBO's {list(DBO_FIELDS)}"
         )
+
+
+def dbo_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take DBO's fields (`DBO_FIELDS`) out of `LLM`'s extra keywords, for `parallel_config`."""
+    return {name: kwargs.pop(name) for name in DBO_FIELDS if name in kwargs}
 
 
 def parallel_config(
@@ -32,8 +40,8 @@ def parallel_config(
     async_scheduling: bool, **context_parallel: Any,
 ) -> ParallelConfig:
     """The `ParallelConfig` of `LLM`'s layout arguments (`context_parallel`: vLLM's
-    prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size);
-    refuses async scheduling over several processes."""
+    prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
+    data_parallel_lockstep and DBO's fields); refuses async scheduling over several processes."""
     parallel = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,

@@ -60,6 +60,9 @@ class StepBody:
         self.model: Any = None  # torch.nn.Module with compute_logits / attention_op_enabled
         self.compiled: Any = None  # PiecewiseCompiled, or None (eager modules only)
         self.current_batch: InputBatch | None = None  # the batch being run (debug invariant checks)
+        # Lockstep DP with enable_dbo (step.microbatch.Microbatcher): an armed step's forward runs
+        # as two microbatches on two streams; None without DBO.
+        self.microbatch: Any = None
 
     @property
     def block_tables(self) -> BlockTables:
@@ -130,7 +133,8 @@ class StepBody:
             return forward(*args)
 
     def forward_and_sample(self, batch: InputBatch, piecewise: bool = False) -> None:
-        out = self.forward(batch, piecewise)
+        ub = self.microbatch
+        out = ub.forward(self, batch) if ub is not None and ub.armed else self.forward(batch, piecewise)
         Tp = batch.num_tokens_padded
         if not self.is_last_stage:  # PP: (hidden, residual) go on to the next stage
             stage = self.buffers.stage

@@ -18,6 +18,10 @@ NCCL), every rank running the engine (SPMD), with FULL graphs for the decode ste
   workload (replica 0 gets requests with many
   more tokens to generate); per step the DP decision's executed tokens (padded, plus
   the idle replica's dummy steps) over real tokens.
+* dp2lockdbo: dp2lock with dual batch overlap (`enable_dbo`, thresholds --dbo-decode-token-threshold /
+  --dbo-prefill-token-threshold): steps every replica agrees to split run their forward as two
+  microbatches on two streams (eagerly). dp2lock and dp2lockdbo also measure output tokens/s of
+  `generate` over --batch-sizes requests (split over the replicas), with the microbatched step count.
 
 Every world has a timeout (`--timeout`); a hung or failed world is recorded as such
 and the next one runs. Results: OUT_DIR/dist_bench.json and OUT_DIR/dist_bench.md.
@@ -37,7 +41,7 @@ from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker
 PROMPT_LEN = 32
 
 
-def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False):
+def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False, dbo: bool = False):
     from graphrunner.engine.llm import LLM
 
     wanted = [int(b) for b in args.batch_sizes.split(",")]
@@ -49,6 +53,8 @@ def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False):
         enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
         compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
         data_parallel_lockstep=lockstep, enable_prefix_caching=False,  # warm-up and timed runs share prompts
+        **(dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_token_threshold,
+                dbo_prefill_token_threshold=args.dbo_prefill_token_threshold) if dbo else {}),
     )
 
 
@@ -170,7 +176,8 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
 
 def _throughput_pass(llm, n: int, out_len: int) -> dict:
     """`n` requests of PROMPT_LEN random tokens and `out_len` greedy outputs each: output tokens/s
-    of one `generate` (under pipelined PP the engine keeps P batches of disjoint requests in flight)."""
+    of one `generate` (under pipelined PP the engine keeps P batches of disjoint requests in flight;
+    under DP the requests are split over the replicas), and the timed run's microbatched steps (DBO)."""
     import numpy as np
 
     from graphrunner.protocol import SamplingParams
@@ -178,10 +185,12 @@ def _throughput_pass(llm, n: int, out_len: int) -> dict:
     prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, PROMPT_LEN)).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: every batch shape once
+    ubatched = llm.runner.parallel.num_microbatched_steps
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
-    return {"requests": n, "output_len": out_len, "wall_s": wall, "output_tokens_per_s": n * out_len / wall}
+    return {"requests": n, "output_len": out_len, "wall_s": wall, "output_tokens_per_s": n * out_len / wall,
+            "microbatched_steps": llm.runner.parallel.num_microbatched_steps - ubatched}
 
 
 def worker(args) -> None:
@@ -189,10 +198,11 @@ def worker(args) -> None:
 
     kind = args.worker
     tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2sync": (1, 2, 1), "dp2": (1, 1, 2),
-                  "dp2lock": (1, 1, 2)}[kind]
+                  "dp2lock": (1, 1, 2), "dp2lockdbo": (1, 1, 2)}[kind]
     model = args.dp_model if kind.startswith("dp2") else args.model
     start = time.perf_counter()
-    llm = _llm(args, tp, pp, dp, model, lockstep=kind == "dp2lock")
+    lockstep = kind in ("dp2lock", "dp2lockdbo")
+    llm = _llm(args, tp, pp, dp, model, lockstep=lockstep, dbo=kind == "dp2lockdbo")
     result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
                     "startup_s": time.perf_counter() - start}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -202,6 +212,8 @@ def worker(args) -> None:
         result["throughput"] = [_throughput_pass(llm, n, args.decode_steps) for n in batch_sizes]
     elif kind in ("tp1", "tp2", "pp2"):
         result["decode"] = [_decode_pass(llm, bs, args.decode_steps) for bs in batch_sizes]
+    if lockstep:  # DBO's yardstick: the same workload with and without microbatching
+        result["throughput"] = [_throughput_pass(llm, n, args.decode_steps) for n in batch_sizes]
     if kind == "pp2" and not args.throughput:
         waits = _instrument_bubble(llm)
         result["bubble"] = []
@@ -214,7 +226,7 @@ def worker(args) -> None:
             dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
             result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
     if kind.startswith("dp2"):
-        result["dp_waste"] = _dp_waste(llm, args, lockstep=kind == "dp2lock")
+        result["dp_waste"] = _dp_waste(llm, args, lockstep=lockstep)
     write_result(llm, result, args.result)
 
 
@@ -230,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="tp1,tp2,pp2,dp2")
     p.add_argument("--throughput", action="store_true",
                    help="tp1/tp2/pp2: output tokens/s of generate over --batch-sizes requests (not step times)")
+    p.add_argument("--dbo-decode-token-threshold", type=int, default=32, help="dp2lockdbo: decode steps split from")
+    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512, help="dp2lockdbo: other steps split from")
     add_world_args(p)
     args = p.parse_args(argv)
     if run_as_worker(args, worker):
@@ -237,7 +251,8 @@ def main(argv=None) -> int:
 
     worker_args = [*sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                          ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
-                          "timeout")), []), *(["--throughput"] if args.throughput else [])]
+                          "timeout", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")), []),
+                   *(["--throughput"] if args.throughput else [])]
     out = Path(args.out)
     results = run_worlds("graphrunner_tools.bench.dist_bench", args.configs.split(","),
                          lambda kind: 1 if kind == "tp1" else 2, worker_args, out, "dist_bench", args.timeout)
@@ -250,8 +265,9 @@ def _markdown(results: list[dict]) -> str:
     lines = ["| config | bs | decode step median ms | p90 ms |", "|---|---|---|---|"]
     for r in results:
         for t in r.get("throughput", []):
+            ubatched = f", {t['microbatched_steps']} microbatched steps" if r["config"].startswith("dp2") else ""
             lines.append(f"| {r['config']} | {t['requests']} requests x {t['output_len']} out | "
-                         f"{t['output_tokens_per_s']:.0f} output tok/s | {t['wall_s']:.3f} s |")
+                         f"{t['output_tokens_per_s']:.0f} output tok/s | {t['wall_s']:.3f} s{ubatched} |")
     for r in results:
         for d in r.get("decode", []):
             lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']:.3f} | {d['p90_ms']:.3f} |")
