@@ -94,7 +94,9 @@ def _phase_timers(llm: LLM) -> tuple[dict[str, float], list[tuple[object, str, o
     restore = []
     targets = [(llm.scheduler, "schedule"), (llm.runner, "execute_model"), (llm._structured, "grammar_output"),
                (llm.runner, "sample_tokens"), (llm.scheduler, "update_from_output"),
-               (llm._structured, "after_output")]
+               (llm._structured, "after_output"),
+               # inside sample_tokens (nested: their time is also in the line above them)
+               (llm.runner.state, "write_grammar"), (llm.runner, "_launch"), (llm.runner.outputs, "collect")]
     for obj, name in targets:
         fn = getattr(obj, name)
         restore.append((obj, name, obj.__dict__.get(name)))
