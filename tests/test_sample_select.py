@@ -7,7 +7,8 @@ fixed point in the kernels, so an example whose top_p lies within 1e-5 of a pref
 mass is rejected (`assume`): there the boundary is a matter of rounding.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py), with a
-small candidate capacity so that both the fast path and the exact fallback run.
+small candidate capacity so that every tier runs: the guess, the pivots, their refinement
+(flat rows whose windows overflow the capacity) and the exact fallback.
 """
 
 import math
@@ -19,8 +20,9 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
+from graphrunner.sample.pivot_refine import TIER_FALLBACK, TIER_GUESS, TIER_PIVOTS, TIER_REFINE
 from graphrunner.sample.pivot_select import pivot_sample_triton
-from graphrunner.sample.triton_sampling import gumbel_argmax_torch
+from graphrunner.sample.triton_sampling import gumbel_argmax_torch, gumbel_argmax_triton, sampling_threshold_triton
 
 pytestmark = [
     pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
@@ -120,18 +122,23 @@ def test_kept_set_equals_the_sort_reference(batch, capacity, block, splits):
     _check_against_reference(batch, capacity=capacity, block=block, splits=splits)
 
 
-def test_the_fallback_and_the_fast_path_both_run():
-    # 300 tokens in at most 3 x 64 buckets, k = 200: no bucket bound, so the pivot tier (1) serves
-    # row 0, or the fallback (2) once its candidates overflow a capacity of 16; k = 3: the guess (0).
+def test_each_tier_serves_its_rows():
+    # 300 tokens in at most 3 x 64 buckets, k = 200: no bucket bound, so the pivot tier serves
+    # row 0, or its refinement once its window overflows a capacity of 16; k = 3: the guess.
+    # Integer logits (ties of ~50 tokens, no window closes) and k = 150 at capacity 16: the fallback.
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 300, generator=g)
-    args = (torch.ones(2), rng.row_keys(torch.arange(2), torch.arange(2)), torch.tensor([200, 3], dtype=torch.int32),
-            torch.ones(2), torch.zeros(2))
+    x = torch.randn(3, 300, generator=g)
+    x[2] = torch.round(x[2])
+    args = (torch.ones(3), rng.row_keys(torch.arange(3), torch.arange(3)),
+            torch.tensor([200, 3, 150], dtype=torch.int32), torch.ones(3), torch.zeros(3))
     want, _ = sort_reference(x, *[args[0], *args[2:]])
-    for capacity, path in ((16, [2, 0]), (1024, [1, 0])):
-        _, thr, flags = _run(x, *args, capacity=capacity, block=64)
+    for capacity, path in ((16, [TIER_REFINE, TIER_GUESS, TIER_FALLBACK]), (1024, [TIER_PIVOTS, TIER_GUESS, 1])):
+        tokens, thr, flags = _run(x, *args, capacity=capacity, block=64)
         assert flags.tolist() == path
         assert torch.equal(x >= thr[:, None], want)
+        ref = torch.empty_like(tokens)
+        gumbel_argmax_torch(x, args[0], args[1], thr, ref)
+        assert torch.equal(tokens, ref)
 
 
 def _exact(x, args, flags=(True, True, True), **kw):
@@ -170,6 +177,73 @@ def test_a_wrong_mass_guess_falls_to_the_pivots_exactly():
     assert _exact(x, args, block=64, splits=1) == [1]
 
 
+@st.composite
+def flat_batches(draw):
+    """Nearly flat rows (random-weight logits): tier 1's window of the top-p threshold or of the
+    k-th value holds far more tokens than the test's capacity; bf16 ties and -inf entries."""
+    rows = draw(st.integers(1, 3))
+    vocab = draw(st.sampled_from([1000, 2000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.05, 0.1, 0.5]))
+    if draw(st.booleans()):
+        x = x.bfloat16().float()  # runs of equal values, as a bf16 LM head gives
+    if draw(st.booleans()):
+        x[torch.rand(rows, vocab, generator=g) < 0.1] = NEG_INF
+    temperature = torch.tensor([draw(st.sampled_from([0.5, 0.8, 1.0, 1.5])) for _ in range(rows)])
+    top_k = torch.tensor([draw(st.sampled_from([0, 0, vocab // 3, vocab // 2, vocab - 50, vocab - 1]))
+                          for _ in range(rows)], dtype=torch.int32)
+    top_p = torch.tensor([draw(st.sampled_from([1.0, 0.999, 0.95, 0.9, 0.5])) for _ in range(rows)])
+    min_p = torch.tensor([draw(st.sampled_from([0.0, 0.0, 1e-3, 0.5])) for _ in range(rows)])
+    keys = rng.row_keys(torch.randint(0, 2**62, (rows,), generator=g), torch.arange(rows))
+    flags = draw(st.sampled_from([(True, True, True), (False, True, False), (True, False, False),
+                                  (True, True, False), (False, True, True)]))
+    return x, temperature, keys, top_k, top_p, min_p, flags
+
+
+@given(batch=flat_batches(), splits=st.sampled_from([None, 3]))
+@settings(deadline=None)
+def test_flat_rows_are_refined_exactly_instead_of_the_fallback(batch, splits):
+    # Capacity 256 of V <= 2000: tier 1's windows overflow on such rows, two refining passes fit them.
+    x, temperature, keys, top_k, top_p, min_p, flags = batch
+    want, clear = sort_reference(x, temperature, top_k, top_p, min_p, flags)
+    assume(all(clear))
+    tokens, thr, tiers = _run(x, temperature, keys, top_k, top_p, min_p, flags, capacity=256, splits=splits)
+    s = x / temperature[:, None]
+    assert torch.equal(s >= thr[:, None], want), (thr, tiers)
+    ref = torch.empty_like(tokens)
+    gumbel_argmax_torch(x, temperature, keys, thr, ref)
+    assert torch.equal(tokens, ref)
+    assert TIER_FALLBACK not in tiers.tolist()
+
+
+def _ulp_ties(g, rows, vocab):
+    """Values 1 + j ulp, j in 0..8: every window narrows to adjacent floats (one tied value)."""
+    one = torch.tensor(1.0)
+    return one + torch.randint(0, 9, (rows, vocab), generator=g).float() * (torch.nextafter(one, one + 1) - one)
+
+
+@pytest.mark.parametrize("case", ["top_p", "top_k_and_top_p", "bf16_ties", "ulp_ties", "kth_is_minus_inf"])
+def test_the_refinement_serves_flat_rows(case):
+    # Rows the fallback served before: a window of tier 1 holds hundreds of tokens, more than the capacity.
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 3, 1500
+    x = torch.randn(rows, vocab, generator=g) * 0.1
+    top_k, top_p = torch.zeros(rows, dtype=torch.int32), torch.tensor([0.95, 0.9, 0.99])
+    if case == "top_k_and_top_p":
+        top_k = torch.tensor([700, 1000, 1300], dtype=torch.int32)
+    elif case == "bf16_ties":
+        x = x.bfloat16().float()
+    elif case == "ulp_ties":
+        x, top_k, top_p = _ulp_ties(g, rows, vocab), torch.tensor([0, 700, 1400], dtype=torch.int32), top_p - 0.4
+    elif case == "kth_is_minus_inf":  # more -inf entries than V - k: the k-th value is -inf
+        x[torch.rand(rows, vocab, generator=g) < 0.3] = NEG_INF
+        top_k, top_p = torch.full((rows,), vocab - 10, dtype=torch.int32), torch.ones(rows)
+    args = (torch.full((rows,), 0.8), rng.row_keys(torch.arange(rows), torch.arange(rows)), top_k, top_p,
+            torch.zeros(rows))
+    # Two windows split 6 ways each per pass (one window: 13 ways): twice the capacity.
+    assert _exact(x, args, capacity=128 if case == "top_k_and_top_p" else 64) == [TIER_REFINE] * rows
+
+
 def test_all_minus_inf_row_draws_token_zero_and_spares_the_others():
     # Documented outcome: a row of only -inf goes to the fallback and draws token 0.
     g = torch.Generator().manual_seed(1)
@@ -179,7 +253,7 @@ def test_all_minus_inf_row_draws_token_zero_and_spares_the_others():
     clean, clean_thr, _ = _run(x, *args, block=64)
     x[1] = NEG_INF
     got, thr, flags = _run(x, *args, block=64)
-    assert got[1] == 0 and flags[1] == 2
+    assert got[1] == 0 and flags[1] == TIER_FALLBACK
     assert torch.equal(got[[0, 2]], clean[[0, 2]]) and torch.equal(thr[[0, 2]], clean_thr[[0, 2]])
 
 
@@ -249,6 +323,28 @@ def test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k(
     want, _ = sort_reference(x.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu())
     s = x / temperature[:, None]
     assert torch.equal((s >= thr[:, None]).cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_flat_full_vocab_rows_are_refined_and_draw_the_fallbacks_tokens():
+    # Issue #16: random-weight-like rows (bf16 ties) at T 0.8, top-p 0.95: 95% of the mass in ~80%
+    # of the vocabulary. Tier 2 serves every row; the one-program fallback draws the same tokens.
+    rows, vocab = 256, 151936
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn(rows, vocab, generator=g) * 0.5).bfloat16().float().cuda()
+    temperature, top_p = torch.full((rows,), 0.8, device="cuda"), torch.full((rows,), 0.95, device="cuda")
+    keys = rng.row_keys(torch.arange(rows), torch.arange(rows)).cuda()
+    top_k, min_p = torch.zeros(rows, dtype=torch.int32, device="cuda"), torch.zeros(rows, device="cuda")
+    tokens, thr, tiers = _run(x, temperature, keys, top_k, top_p, min_p, (False, True, False))
+    assert tiers.tolist() == [TIER_REFINE] * rows
+    want_thr = torch.empty(rows, device="cuda")
+    sampling_threshold_triton(x, temperature, top_k, top_p, min_p, False, True, False, want_thr)
+    want = torch.empty_like(tokens)
+    gumbel_argmax_triton(x, temperature, keys, want_thr, want)
+    assert torch.equal(tokens, want)
+    s = x / temperature[:, None]
+    kept, want_kept = (s >= thr[:, None]).sum(1), (s >= want_thr[:, None]).sum(1)  # [R]
+    assert (kept - want_kept).abs().max() <= 2000  # a top-p boundary within fp32 rounding of the mass
 
 
 def test_greedy_rows_get_torch_argmax_even_with_non_finite_logits():

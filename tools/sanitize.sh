@@ -20,6 +20,7 @@ tests=(
   "tests/test_logprobs_triton.py::test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph"
   "tests/test_bitmask.py::test_gpu_kernel_matches_and_replays_in_a_cuda_graph"
   "tests/test_sample_select.py::test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k"
+  "tests/test_sample_select.py::test_gpu_flat_full_vocab_rows_are_refined_and_draw_the_fallbacks_tokens"
 )
 san() { timeout "$limit" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 "$@"; }
 san python3 -m pytest -q -m gpu -p no:cacheprovider --hypothesis-profile ci "${tests[@]}" \

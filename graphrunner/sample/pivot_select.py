@@ -19,8 +19,12 @@ Tier 1, the pivots (rows flagged 1; other programs return at once): counts and m
 P pivots (min-p, a ladder `M - spread * j / (P-2)` with spread = M - mean, -inf) give
 windows holding the k-th value and the final threshold; the compaction appends those
 tokens and draws among the tokens above them (kept for sure); select finishes as above.
-Tier 2: more candidates than `capacity`, or a non-finite max or spread (a row of only -inf, +inf
-logits): triton_sampling's kernels (one-program bisection, then the Gumbel pass; ~3 ms) finish them.
+Tier 2, the refinement (pivot_refine.py): rows whose windows hold more than `capacity`
+tokens (flat rows) count again at pivots spread inside those windows, up to twice, before
+the compaction; they never pay tier 1's compaction.
+Tier 3: still more candidates than `capacity`, or a non-finite max or spread (a row of only
+-inf, +inf logits): triton_sampling's kernels (one-program bisection, then the Gumbel pass;
+~3 ms) finish them.
 Tie rule, shared with filters.py and the sort reference of the tests: every token tied
 with the last kept value is kept (the kept set is `s >= threshold`). Exactness: counts
 are integers, bounds and pivots are compared in the same float32 in every kernel, so
@@ -29,6 +33,7 @@ sums in another order than torch's: the boundary can move only across tokens who
 mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums over tiles
 depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
 NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
+Flags ([R] int32, returned as the tiers): 0-3 as above; 4 marks a row pending refinement.
 """
 
 from __future__ import annotations
@@ -37,17 +42,15 @@ import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample import triton_sampling as ts
+from graphrunner.sample.pivot_refine import NUM_PIVOTS, TIER_FALLBACK, TIER_REFINE, count_and_refine
 
 __all__ = ["DEFAULT_CAPACITY", "GUESS_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
 
-NUM_PIVOTS = 16  # min-p column + 14 ladder steps + the -inf totals: a [16, BLOCK] compare per step
 DEFAULT_CAPACITY = 8192  # candidates per row (64 KiB of value, id); 4096 overflows at top_p 0.95
 GUESS_CAPACITY = 1024  # candidates the guess tier's select reads: a [1024] tile, ~8x cheaper than 8192
 _GUESS_BUCKETS = 1024  # bucket maxima per row (about: a power of two per program)
 _GUESS_SLACK = 0.25  # top-p-only guess: the bucket maxima's mass share 1 - (1 - top_p) * slack
 _BLOCK = 1024  # vocab entries per loop step of the streaming kernels (H100, 256 rows: 2048 +4%, 4096 +11%)
-_PIVOT_WARPS = 4  # the pivot kernel's tile is [P, tokens per warp x warps]
-_PIVOT_TOKENS_PER_WARP = 128  # 4 tokens x P pivots per thread
 _PROGRAMS_PER_SM = 2  # streaming programs per SM (H100, 256 rows, guess tier: 2 180 us, 4 213, 8 183)
 _NUM_WARPS = 8
 
@@ -56,6 +59,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     # Shared with the fused kernels, so the noise and the keys are the same code.
+    from graphrunner.sample.pivot_refine import _finishes, _pivot_sums, _row_pivots, _windows
     from graphrunner.sample.triton_sampling import (
         _append,
         _at,
@@ -75,13 +79,15 @@ if HAS_TRITON:
     _FIXED = tl.constexpr(float(2**40))  # fixed-point unit of the select kernel's masses
     _POS_INF = tl.constexpr(float("inf"))
     _SLACK = tl.constexpr(_GUESS_SLACK)
+    _REFINED = tl.constexpr(TIER_REFINE)
+    _FALLBACK = tl.constexpr(TIER_FALLBACK)
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, bmax_ptr, vocab_size,
-                      chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
+    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr,
+                      vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
         # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
-        # first NaN id (greedy rows take it, as torch.argmax), sum and count of finite x (the
-        # spread's mean), and the maxima of NB disjoint lane groups (the plan's bucket maxima).
+        # first NaN id (greedy rows take it, as torch.argmax), sum, count and min of finite x (the
+        # spread's mean, refinement's lowest bound), the maxima of NB disjoint lane groups (the plan's).
         # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T).
         row, split = tl.program_id(0), tl.program_id(1)
         out = row * tl.num_programs(1) + split
@@ -96,6 +102,7 @@ if HAS_TRITON:
         first_nan = tl.full([BLOCK], 2147483647, tl.int32)
         total = tl.zeros([BLOCK], tl.float32)
         count = tl.zeros([BLOCK], tl.int32)
+        low = tl.full([BLOCK], _POS_INF, tl.float32)
         for start in range(lo, hi, BLOCK):
             v = start + offs
             x = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
@@ -106,109 +113,28 @@ if HAS_TRITON:
             finite = (x > _NEG_INF) & (x < _POS_INF)
             total += tl.where(finite, x, 0.0)
             count += finite.to(tl.int32)
+            low = tl.minimum(low, tl.where(finite, x, _POS_INF))
         best = tl.max(peak, 0)
         tl.store(max_ptr + out, tl.math.div_rn(best, t))
         tl.store(arg_ptr + out, tl.min(tl.where(peak == best, arg, 2147483647), 0))  # greedy rows: T = 1
         tl.store(nan_ptr + out, tl.min(first_nan, 0))
         tl.store(sum_ptr + out, tl.math.div_rn(tl.sum(total, 0), t))
         tl.store(num_ptr + out, tl.sum(count, 0))
+        tl.store(low_ptr + out, tl.math.div_rn(tl.min(low, 0), t))
         bucket = tl.max(tl.reshape(peak, [NB, BLOCK // NB]), 1)  # [NB]
         tl.store(bmax_ptr + out * NB + tl.arange(0, NB), tl.math.div_rn(bucket, t))
 
     @triton.jit
-    def _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P: tl.constexpr, S_PAD, P):
-        # -> (M, ok, pivots [P]): the same float32 values in every kernel that calls it.
-        j = tl.arange(0, S_PAD)
-        on = j < num_splits
-        m = tl.max(tl.load(max_ptr + row * num_splits + j, mask=on, other=_NEG_INF), 0)
-        total = tl.sum(tl.load(sum_ptr + row * num_splits + j, mask=on, other=0.0), 0)
-        count = tl.sum(tl.load(num_ptr + row * num_splits + j, mask=on, other=0), 0)
-        spread = m - total / tl.maximum(count, 1).to(tl.float32)
-        ok = (m > _NEG_INF) & (m < _POS_INF) & (spread >= 0.0) & (spread < _POS_INF)
-        t_min_p = tl.full([], _NEG_INF, tl.float32)
-        if USE_MIN_P:
-            t_min_p = m + tl.load(log_min_p_ptr + row)
-        p = tl.arange(0, P)
-        ladder = m - spread * (p.to(tl.float32) / (P - 2))
-        piv = tl.where(p == 0, t_min_p, tl.where(p == P - 1, _NEG_INF, ladder))
-        return m, ok, piv
-
-    @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
-    def _pivot_kernel(x_ptr, x_stride, temp_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, flag_ptr, cnt_ptr,
-                      mass_ptr, vocab_size, chunk, num_splits, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr,
-                      P: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (row, split), tier 1: per pivot, how many s >= pivot in its tile and their exp(s - M).
-        # The tile is [P, BLOCK], BLOCK = 4 x 32 x num_warps: a thread keeps all P pivots of its tokens.
-        row, split = tl.program_id(0), tl.program_id(1)
-        if tl.load(flag_ptr + row) == 1:  # tier-1 rows only
-            m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
-            m = tl.where(ok, m, 0.0)
-            t = tl.load(temp_ptr + row)
-            t = tl.where(t == 0.0, 1.0, t)
-            base, offs, lo = x_ptr + row.to(tl.int64) * x_stride, tl.arange(0, BLOCK), split * chunk
-            hi = tl.where(ok, tl.minimum(lo + chunk, vocab_size), lo)
-            cnt = tl.zeros([P, BLOCK], tl.float32)  # float: exact below 2**24 per lane, one FADD
-            mass = tl.zeros([P, BLOCK], tl.float32)
-            for start in range(lo, hi, BLOCK):
-                v = start + offs
-                # NaN past the end (and NaN logits) fail every comparison: no separate mask.
-                x = tl.load(base + v, mask=v < hi, other=float("nan")).to(tl.float32)
-                s = tl.math.div_rn(x, t)
-                e = tl.where(s == s, tl.exp(s - m), 0.0)  # 0 * NaN would poison the sums
-                ge = tl.where(s[None, :] >= piv[:, None], 1.0, 0.0)  # [P, BLOCK]
-                cnt += ge
-                mass += ge * e[None, :]
-            out = (row * num_splits + split) * P + tl.arange(0, P)
-            tl.store(cnt_ptr + out, tl.sum(cnt, 1).to(tl.int32))
-            tl.store(mass_ptr + out, tl.sum(mass, 1))
-
-    @triton.jit
-    def _windows(row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, S_PAD: tl.constexpr, P: tl.constexpr):
-        # One row's windows from the pivot counts (module docstring); every kernel gets the same.
-        # -> (c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi)
-        sj = tl.arange(0, S_PAD)[:, None]
-        p = tl.arange(0, P)
-        on = sj < num_splits
-        cnt = tl.sum(tl.load(cnt_ptr + (row * num_splits + sj) * P + p[None, :], mask=on, other=0), 0)  # [P]
-        mass = tl.sum(tl.load(mass_ptr + (row * num_splits + sj) * P + p[None, :], mask=on, other=0.0), 0)
-        ladder = (p >= 1) & (p <= P - 1)
-        t_min_p = _at(p, 0, piv)
-        mass_min_p = _at(p, 0, mass)
-        # A: the ladder bracket [piv[jk], piv[jk - 1]) that holds the k-th largest value.
-        jk = tl.min(tl.where(ladder & (cnt >= k), p, P), 0)
-        a_on = k_on & (jk < P)
-        a_lo = _at(p, jk, piv)
-        a_hi = tl.where(jk >= 2, _at(p, jk - 1, piv), _POS_INF)
-        cnt_above = tl.where(jk >= 2, _at(p, jk - 1, cnt), 0)
-        mass_above = tl.where(jk >= 2, _at(p, jk - 1, mass), 0.0)
-        a_on = a_on & (a_hi > t_min_p)  # else the k-th value is below t_min_p: A is not needed
-        base = tl.where(a_on, tl.maximum(t_min_p, a_lo), t_min_p)  # <= b = max(t_min_p, k-th)
-        # Z' = mass(s >= b) lies in [z_lo, z_hi]; so top-p's threshold lies in [piv[jp], piv[jq - 1]).
-        z_hi = tl.where(a_on & (a_lo > t_min_p), _at(p, jk, mass), mass_min_p)
-        z_lo = tl.where(a_on, tl.minimum(mass_min_p, mass_above), mass_min_p)
-        jp = tl.min(tl.where(ladder & (mass >= top_p * z_hi), p, P - 1), 0)
-        jq = tl.min(tl.where(ladder & (mass >= top_p * z_lo), p, P - 1), 0)
-        # Tokens >= hi are kept for sure: the compaction draws among them itself.
-        lowest_ge = tl.min(tl.where(ladder & (p < P - 1) & (piv >= t_min_p), piv, _POS_INF), 0)
-        hi = tl.where(p_on, tl.where(jq >= 2, _at(p, jq - 1, piv), _POS_INF), tl.where(a_on, a_hi, lowest_ge))
-        mass_hi = tl.where(p_on & (jq >= 2), _at(p, jq - 1, mass), 0.0)
-        c = tl.where(p_on, tl.maximum(base, _at(p, jp, piv)), base)
-        no_filter = ~k_on & ~p_on & (t_min_p == _NEG_INF)
-        c = tl.where(no_filter, _NEG_INF, c)
-        hi = tl.where(no_filter, _NEG_INF, hi)  # every token is kept: all drawn in the compaction
-        a_lo = tl.where(a_on, a_lo, _POS_INF)
-        a_hi = tl.where(a_on, a_hi, _POS_INF)
-        return c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi
-
-    @triton.jit
-    def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, vocab_size,
-                     num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+    def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, piv_ptr,
+                     vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                      S_PAD: tl.constexpr, P: tl.constexpr, NB: tl.constexpr):
         # Program row: plan[row] = (g, mode). Kept tokens have s >= t_min_p and >= the k-th largest
         # bucket max (proven bounds: mode 1); top-p-only rows guess g from the buckets' mass (mode 2:
         # the guess pass sums the total mass too); mode 3: no filter, draw all; 0: tier 1 serves it.
+        # Also stores tier 1's pivots, which every later kernel reads (the same float32 everywhere).
         row = tl.program_id(0)
         m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+        tl.store(piv_ptr + row * P + tl.arange(0, P), piv)
         k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
         t_min_p = _at(tl.arange(0, P), 0, piv)
         j = tl.arange(0, S_PAD * NB)
@@ -281,17 +207,21 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
     def _compact_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, top_k_ptr,
-                        top_p_ptr, cnt_ptr, mass_ptr, flag_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr, best_idx_ptr,
-                        vocab_size, chunk, num_splits, capacity, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
-                        USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (row, split), tier 1 (rows flagged 1): appends its tokens in [c, hi) or A to the
-        # row's candidates and draws among its tokens >= hi (all kept): that best score and id.
+                        top_p_ptr, piv_ptr, cnt_ptr, mass_ptr, flag_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr,
+                        best_idx_ptr, vocab_size, chunk, num_splits, capacity, USE_TOP_K: tl.constexpr,
+                        USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        # Program (row, split), tiers 1 and 2: appends its tokens in [c, hi) or A to the row's
+        # candidates and draws among its tokens >= hi (all kept): that best score and id.
         row, split = tl.program_id(0), tl.program_id(1)
-        if tl.load(flag_ptr + row) == 1:
-            m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+        flag = tl.load(flag_ptr + row)
+        if _finishes(flag):
+            m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
             k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
-            c, hi_s, a_lo, a_hi, _, _, _, _, _ = _windows(row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p,
-                                                          p_on, S_PAD, P)
+            cnt, mass = _pivot_sums(row, cnt_ptr, mass_ptr, num_splits, S_PAD, P)
+            piv = tl.load(piv_ptr + row * P + tl.arange(0, P))
+            close = flag != 1  # tier 2 closes its single-valued windows
+            c, hi_s, a_lo, a_hi, _, _, _, _, _ = _windows(piv, cnt, mass, k, k_on, top_p, p_on, close, m, P)
             t = tl.load(temp_ptr + row)
             t = tl.where(t == 0.0, 1.0, t)
             key = tl.load(keys_ptr + row).to(tl.uint32)
@@ -313,8 +243,8 @@ if HAS_TRITON:
             _store_best(best_ptr, best_idx_ptr, row * num_splits + split, best, best_idx)
 
     @triton.jit
-    def _select_windows(row, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
-                        TIER: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr):
+    def _select_windows(row, m, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
+                        flag, TIER: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr):
         # -> (c, hi, a_lo, a_hi, a_on, cnt_above, fixed-point masses above A, of s >= t_min_p, above
         # hi, mode). Tier 0: A = [g, +inf), every token >= g is a candidate, none above; mass(s >=
         # t_min_p) is the candidates' (g = t_min_p) or the guess pass's total (mode 2: t_min_p = -inf).
@@ -328,28 +258,31 @@ if HAS_TRITON:
             hi, a_lo = tl.where(mode == 3, _NEG_INF, _POS_INF), tl.where(k_on, c, _POS_INF)
             a_hi = tl.full([], _POS_INF, tl.float32)
         else:
+            cnt, mass = _pivot_sums(row, cnt_ptr, mass_ptr, num_splits, S_PAD, P)
             c, hi, a_lo, a_hi, a_on, cnt_above, mass_above, mass_min_p, mass_hi = _windows(
-                row, piv, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, S_PAD, P)
+                piv, cnt, mass, k, k_on, top_p, p_on, flag != 1, m, P)
             above_fx, min_p_fx = (mass_above * _FIXED).to(tl.int64), (mass_min_p * _FIXED).to(tl.int64)
             hi_fx, mode = (mass_hi * _FIXED).to(tl.int64), 1
         return c, hi, a_lo, a_hi, a_on, cnt_above, above_fx, min_p_fx, hi_fx, mode
 
     @triton.jit
     def _select_kernel(temp_ptr, keys_ptr, arg_ptr, nan_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, top_k_ptr,
-                       top_p_ptr, cnt_ptr, mass_ptr, plan_ptr, part_z_ptr, n_ptr, cand_s_ptr, cand_v_ptr, best_ptr,
-                       best_idx_ptr, thr_ptr, tok_ptr, flag_ptr, vocab_size, num_splits, capacity,
+                       top_p_ptr, piv_ptr, cnt_ptr, mass_ptr, plan_ptr, part_z_ptr, n_ptr, cand_s_ptr, cand_v_ptr,
+                       best_ptr, best_idx_ptr, thr_ptr, tok_ptr, flag_ptr, vocab_size, num_splits, capacity,
                        TIER: tl.constexpr, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                        S_PAD: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr):
-        # Program row: the exact threshold and token from the candidates (greedy rows: argmax).
-        # Tier 0 serves every row it can prove (flag 0, else 1 and its count reset for the
-        # pivot tier); tier 1 runs for rows flagged 1 only (flag 2 = the fallback draws it).
+        # Program row: the exact threshold and token from the candidates (greedy rows: argmax). Tier 0 serves
+        # every row it can prove (else flag 1, count reset); TIER 1 finishes tiers 1 and 2 (3: the fallback).
         row = tl.program_id(0)
+        flag = tl.load(flag_ptr + row)
         if TIER == 0:
             active = tl.full([], 1, tl.int1)
         else:
-            active = tl.load(flag_ptr + row) == 1
+            active = _finishes(flag)
         if active:
             m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+            if TIER != 0:
+                piv = tl.load(piv_ptr + row * P + tl.arange(0, P))
             k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
             n = tl.load(n_ptr + row)
             i = tl.arange(0, CAP)
@@ -363,7 +296,8 @@ if HAS_TRITON:
             # which the compaction appended the candidates, so seeded draws are deterministic.
             e = (tl.where(s == s, tl.exp(s - tl.where(ok, m, 0.0)), 0.0) * _FIXED).to(tl.int64)
             c, hi, a_lo, a_hi, a_on, cnt_above, above_fx, min_p_fx, hi_fx, mode = _select_windows(
-                row, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, TIER, S_PAD, P)
+                row, m, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, flag, TIER,
+                S_PAD, P)
             top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1  # every candidate's key is below
             # k-th largest: count(s >= t) = cnt_above + count of A-candidates in [t, a_hi).
             in_a = (s >= a_lo) & (s < a_hi)
@@ -384,14 +318,21 @@ if HAS_TRITON:
             greedy = tl.load(temp_ptr + row) == 0.0
             tl.store(thr_ptr + row, thr)
             tl.store(tok_ptr + row, tl.where(greedy, _greedy(row, max_ptr, arg_ptr, nan_ptr, num_splits, S_PAD), tok))
-            if TIER == 0:
-                # Proven only if every kept token was a candidate and each threshold came from them.
-                fine = (mode > 0) & (n <= CAP) & (thr >= c) & (~a_on | (n >= k) | (c <= t_min_p))
-                fine = fine & (~p_on | (tl.sum(w, 0) >= need))
-                tl.store(flag_ptr + row, tl.where(fine, 0, 1))
-                tl.store(n_ptr + row, 0, mask=~fine)  # the pivot tier appends from 0
-            else:
-                tl.store(flag_ptr + row, tl.where(~ok | (n > CAP), 2, 1))
+            _store_flag(row, flag_ptr, n_ptr, flag, ok, n, mode, thr, c, a_on, k, t_min_p, p_on, tl.sum(w, 0), need,
+                        TIER, CAP)
+
+    @triton.jit
+    def _store_flag(row, flag_ptr, n_ptr, flag, ok, n, mode, thr, c, a_on, k, t_min_p, p_on, w_sum, need,
+                    TIER: tl.constexpr, CAP: tl.constexpr):
+        # The row's tier after select: tier 0 keeps it (flag 0) only if proven, else hands it to the pivots.
+        if TIER == 0:
+            # Proven only if every kept token was a candidate and each threshold came from them.
+            fine = (mode > 0) & (n <= CAP) & (thr >= c) & (~a_on | (n >= k) | (c <= t_min_p))
+            fine = fine & (~p_on | (w_sum >= need))
+            tl.store(flag_ptr + row, tl.where(fine, 0, 1))
+            tl.store(n_ptr + row, 0, mask=~fine)  # the pivot tier appends from 0
+        else:
+            tl.store(flag_ptr + row, tl.where(~ok | (n > CAP), _FALLBACK, tl.where(flag == 1, 1, _REFINED)))
 
 
 def _layout(x: torch.Tensor, block: int | None, splits: int | None) -> tuple[int, int, int]:
@@ -428,7 +369,7 @@ def pivot_sample_triton(
     capacity: int | None = None,
     block: int | None = None,
     splits: int | None = None,
-) -> torch.Tensor:  # [R] int32: which tier served the row: 0 guess, 1 pivots, 2 fallback kernels
+) -> torch.Tensor:  # [R] int32: which tier served the row: 0 guess, 1 pivots, 2 refined, 3 fallback
     """Sample `argmax(x/T >= threshold ? x/T + gumbel : -inf)` with the filters' exact threshold.
 
     The threshold of triton_sampling.sampling_threshold and the token of gumbel_argmax with
@@ -451,9 +392,10 @@ def pivot_sample_triton(
                   flags, blk, chunk, num_splits, capacity)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
-                              block=block, flags=flags, min_flag=2)
-    # out: the fallback's draw for rows flagged 2 (not greedy), the tiers' token for the others.
-    ts.gumbel_argmax_triton(x, temperature, keys, threshold, out, block=block, flags=flags, min_flag=2, fast=fast)
+                              block=block, flags=flags, min_flag=TIER_FALLBACK)
+    # out: the fallback's draw for rows flagged 3 (not greedy), the tiers' token for the others.
+    ts.gumbel_argmax_triton(x, temperature, keys, threshold, out, block=block, flags=flags, min_flag=TIER_FALLBACK,
+                            fast=fast)
     return flags
 
 
@@ -463,10 +405,11 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fas
     num_rows, vocab_size = x.shape
     dev, f32, i32 = x.device, torch.float32, torch.int32
     nb = _buckets(blk, num_splits)
-    kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, best=f32, best_idx=i32, z=f32)
+    kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, low=f32, best=f32, best_idx=i32, z=f32)
     part = {name: torch.empty(num_rows, num_splits, dtype=dt, device=dev) for name, dt in kinds.items()}  # [R, S]
     bucket_max = torch.empty(num_rows, num_splits * nb, dtype=f32, device=dev)  # [R, S * NB]
     plan = torch.empty(num_rows, 2, dtype=f32, device=dev)  # [R, (g, mode)]
+    piv = torch.empty(num_rows, NUM_PIVOTS, dtype=f32, device=dev)  # [R, P]: tier 1's, then tier 2's
     cnt = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=i32, device=dev)  # [R, S, P]
     mass = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=f32, device=dev)  # [R, S, P]
     num_cand = torch.zeros(num_rows, dtype=i32, device=dev)  # [R]: appended by atomics
@@ -478,11 +421,11 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fas
     shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
     grid = (num_rows, num_splits)
     draws = (part["best"], part["best_idx"])
-    select = (temperature, keys, part["arg"], part["nan"], *row_args, top_k, top_p, cnt, mass, plan, part["z"],
+    select = (temperature, keys, part["arg"], part["nan"], *row_args, top_k, top_p, piv, cnt, mass, plan, part["z"],
               num_cand, cand_s, cand_v, *draws, threshold, fast, flags, vocab_size, num_splits, capacity)
     _stats_kernel[grid](x, x.stride(0), temperature, part["max"], part["arg"], part["nan"], part["sum"], part["num"],
-                        bucket_max, vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
-    _plan_kernel[(num_rows,)](*row_args, bucket_max, top_k, top_p, plan, vocab_size, num_splits, NB=nb,
+                        part["low"], bucket_max, vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+    _plan_kernel[(num_rows,)](*row_args, bucket_max, top_k, top_p, plan, piv, vocab_size, num_splits, NB=nb,
                               num_warps=_NUM_WARPS, **flt, **shape)
     # Tier 0, the guess: every row; its select flags 1 the rows it cannot prove.
     _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, plan, num_cand, cand_s, cand_v, *draws, part["z"],
@@ -490,11 +433,10 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fas
                         **shape)
     _select_kernel[(num_rows,)](*select, TIER=0, CAP=min(capacity, GUESS_CAPACITY), num_warps=_NUM_WARPS, **flt,
                                 **shape)
-    # Tier 1, the pivots: rows flagged 1 only (the other programs return at once).
-    _pivot_kernel[grid](x, x.stride(0), temperature, *row_args, flags, cnt, mass, vocab_size, chunk, num_splits,
-                        USE_MIN_P=use[2], BLOCK=min(blk, _PIVOT_TOKENS_PER_WARP * _PIVOT_WARPS), num_warps=_PIVOT_WARPS,
-                        **shape)
-    _compact_kernel[grid](x, x.stride(0), temperature, keys, *row_args, top_k, top_p, cnt, mass, flags, num_cand,
+    # Tiers 1 and 2, the pivots and their refinement: flagged rows only (other programs return at once).
+    count_and_refine(x, temperature, row_args, part["low"], top_k, top_p, piv, cnt, mass, flags, chunk, num_splits,
+                     capacity, blk, flt)
+    _compact_kernel[grid](x, x.stride(0), temperature, keys, *row_args, top_k, top_p, piv, cnt, mass, flags, num_cand,
                           cand_s, cand_v, *draws, vocab_size, chunk, num_splits, capacity, BLOCK=blk,
                           num_warps=_NUM_WARPS, **flt, **shape)
     _select_kernel[(num_rows,)](*select, TIER=1, CAP=capacity, num_warps=_NUM_WARPS, **flt, **shape)

@@ -5,7 +5,8 @@
 
 Generates a few tokens greedily, keeps the logits of the last step, and runs `pivot_sample_triton`
 on them with the given filters: per row, the probability of the top token, how many tokens hold
-the top-p mass, and the tier (0 guess, 1 pivots, 2 the one-program fallback). The synthetic
+the top-p mass, and the tier (0 guess, 1 pivots, 2 refine: pivots narrowed inside an overflowing
+window, 3 the one-program fallback). The synthetic
 logits of `bench sampler` and a trained model's can land in different tiers; this tells which
 one an end-to-end run pays for (on a CPU the kernels run under TRITON_INTERPRET=1).
 """
@@ -16,6 +17,8 @@ import argparse
 import sys
 
 import torch
+
+TIER_NAMES = ("guess", "pivots", "refine", "fallback")  # pivot_refine.TIER_GUESS .. TIER_FALLBACK
 
 
 def last_step_logits(model: str, num_prompts: int, device: str | None) -> torch.Tensor:  # [R, V] float32
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| row | top token prob | tokens holding top-p | tier |")
     print("|---:|---:|---:|---:|")
     for r in range(rows):
-        print(f"| {r} | {probs[r, 0].item():.3g} | {int(holding[r])} | {int(tiers[r])} |")
+        tier = int(tiers[r])
+        print(f"| {r} | {probs[r, 0].item():.3g} | {int(holding[r])} | {tier} {TIER_NAMES[tier]} |")
     return 0
 
 
