@@ -6,6 +6,12 @@ top-K reaches into them), rows of only -inf, huge (1e30, near fp32 max) and tiny
 (1e-30) magnitudes, -0.0 against 0.0. Blocks and chunk counts are forced small, so
 several chunks of several blocks run per row and the row's last block is partial.
 
+The top-K comes from the K groups (GROUP consecutive entries) with the best maxima; the
+group size and the select program's tile of group keys are forced small too (so a
+row has many groups, read over several tiles), one test checks that the select stage
+rereads only those K groups, and one feeds layouts that put the top-K, or ties at the
+K-th group max, where the group rule could go wrong.
+
 Reference: the torch path of `compute_logprobs` (ranks exact, logprobs to fp32
 rounding) and a float64 log_softmax; the top-K ids against a stable descending sort,
 which lists equal logits lower id first, the order the kernels promise.
@@ -18,6 +24,7 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import logprobs as logprobs_module
+from graphrunner.sample import logprobs_triton as kernels_module
 from graphrunner.sample.logprobs import compute_logprobs, time_logprobs
 from graphrunner.sample.logprobs_triton import MAX_TOPK, logprobs_plan, logprobs_triton
 
@@ -121,6 +128,86 @@ def test_matches_torch_path(seed, kinds, vocab, k, dtype, block, num_chunks, pad
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, vocab, (len(kinds),), generator=g).to(token_dtype)
     check_against_torch(x, tokens, k, block=block, num_chunks=num_chunks)
+
+
+@given(
+    seed=st.integers(0, 2**31),
+    kinds=st.lists(st.sampled_from(KINDS + ("rising", "falling", "one_group")), min_size=1, max_size=4),
+    vocab=st.integers(1, 400),
+    k=st.sampled_from([1, 5, 20, 32]),
+    group=st.sampled_from([16, 32, 64]),
+    group_tile=st.sampled_from([1, 2, 8]),
+    num_chunks=st.sampled_from([1, 3]),
+)
+def test_group_rule_over_group_sizes_and_key_tiles(seed, kinds, vocab, k, group, group_tile, num_chunks):
+    # Groups of 16..64 entries in blocks of 64 (1..4 groups per block), the K best group
+    # keys kept over tiles of 1..8 keys. "rising" and "falling" put the top-K at one end
+    # of the row, "one_group" puts it inside a single group.
+    k = min(k, vocab)
+    x = make_logits(seed, [kind if kind in KINDS else "randn" for kind in kinds], vocab)
+    for r, kind in enumerate(kinds):
+        ramp = torch.arange(vocab, dtype=torch.float32)
+        if kind in ("rising", "falling"):
+            x[r] = ramp if kind == "rising" else -ramp
+        elif kind == "one_group":
+            at = (seed % vocab) // group * group  # a group's start
+            x[r, at : at + group] += 100.0
+    tokens = torch.randint(0, vocab, (len(kinds),), generator=torch.Generator().manual_seed(seed))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels_module, "_GROUP", group)
+        mp.setattr(kernels_module, "_GROUP_TILE", group_tile)
+        check_against_torch(x, tokens, k, block=64, num_chunks=num_chunks)
+
+
+def test_ties_at_the_kth_group_max_keep_the_lower_ids():
+    # Groups of 16, K = 5. Row 0: group 0 holds the max (9) and four entries equal to the
+    # K-th group max (3), which every later group also reaches; the top-K is id 0 then
+    # ids 1..4, all in group 0, though groups 1..K-1 tie at 3. Row 1: every group's max is
+    # 3 at its last entry and group 2 also holds 7: the top-K is 7, then the first four
+    # groups' 3s. Row 2: only -inf after group 0's three finite entries.
+    vocab, k = 160, 5
+    x = torch.zeros(3, vocab)
+    x[0, 0], x[0, 1:5], x[0, 16::16] = 9.0, 3.0, 3.0
+    x[1, 15::16], x[1, 40] = 3.0, 7.0
+    x[2, 3:] = -INF
+    lp, ids, _ = run(x, torch.tensor([0, 1, 2]), k, "triton", block=16, num_chunks=3)
+    assert ids[0, 1 : k + 1].tolist() == [0, 1, 2, 3, 4]
+    assert ids[1, 1 : k + 1].tolist() == [40, 15, 31, 47, 63]
+    assert ids[2, 1 : k + 1].tolist() == [0, 1, 2, 3, 4]
+    check_against_torch(x, torch.tensor([0, 1, 2]), k, block=16, num_chunks=3)
+
+
+def test_select_rereads_only_the_k_best_groups(monkeypatch):
+    # Between the two kernels, every entry outside the K best groups becomes 1e30: if the
+    # select stage read any of them (or skipped the group keys), the top-K would list it.
+    # The lse and ranks come from the stream pass, so the outputs must be the original's.
+    vocab, k, group = 400, 5, 16
+    x = make_logits(3, ["randn", "ties", "neg_inf", "randn"], vocab)
+    tokens = torch.tensor([0, 100, 200, 399])
+    want = run(x.clone(), tokens, k, "triton", block=32, num_chunks=3)
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # [R, V]
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    for r in range(x.shape[0]):  # the K best groups: by max, then lower group id (the stable sort)
+        best = torch.sort(x[r].view(-1, group).amax(dim=1), descending=True, stable=True).indices[:k]
+        keep[r].view(-1, group)[best] = True
+        assert bool(keep[r, order[r, :k]].all())  # the module docstring's claim, in torch
+    stream = kernels_module._stream_kernel
+
+    class PoisonAfterStream:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                stream[grid](*args, **kwargs)
+                args[0].masked_fill_(~keep, 1e30)
+            return launch
+
+    monkeypatch.setattr(kernels_module, "_GROUP", group)
+    monkeypatch.setattr(kernels_module, "_stream_kernel", PoisonAfterStream())
+    poisoned = x.clone()
+    got = run(poisoned, tokens, k, "triton", block=32, num_chunks=3)
+    assert bool((poisoned == 1e30).any())  # the poison was applied
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(got[0][:, 1:], want[0][:, 1:])  # column 0 rereads the chosen logit (poisoned or not)
 
 
 def test_ties_across_chunks_list_the_lower_id_first():
@@ -227,6 +314,8 @@ def test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph():
     kinds = [KINDS[r % len(KINDS)] if r % 3 == 0 else "randn" for r in range(rows)]
     x = make_logits(0, kinds, vocab, device="cuda")
     x[1::7, 1000:] = x[1::7, :1].clone()  # long runs tied with an early value, across chunks
+    x[2::11] = torch.arange(vocab, dtype=torch.float32, device="cuda")  # rising: the top-K in the last groups
+    x[5::11, 70000:70128] += 50.0  # the top-K inside one group of 128 in the middle of the row
     tokens = torch.randint(0, vocab, (rows,), device="cuda")
     assert logprobs_module.use_triton(x)
     for n in (1, 7, 64, rows):

@@ -4,23 +4,30 @@ The torch path of `compute_logprobs` makes several passes over [R, V] fp32 logit
 (logsumexp, a `logits > chosen` count, topk) and leaves [R, V] temporaries (the exp
 of logsumexp, the bool mask of the count) in the graph pool. Here each row is cut
 into C chunks of whole blocks (`chunk_plan`, as for the greedy argmax), so one row or
-256 rows both fill the GPU:
+256 rows both fill the GPU, and the top-K costs no more than a max per group:
 
-1. partial (R x C programs): each program streams its chunk once and keeps, per lane,
+1. stream (R x C programs): each program streams its chunk once and keeps, per lane,
    an online logsumexp (running max and the sum of exp relative to it), whether it saw
    a NaN, and how many entries are strictly larger than the row's chosen logit (the
-   value at `token_ids[row]`). Next to that it keeps the chunk's top-K as K int64 sort
-   keys (value bits made monotone above the inverted id: one max compares both): a
-   block whose max cannot beat the list's worst entry costs that one max; otherwise
-   its entries replace the worst entry one at a time, best first, one block-wide max
-   each. In random order a chunk of n entries sees about K (1 + ln(n / K)) insertions,
-   most in its first blocks; logits that rise along the vocabulary would pay up to K
-   per block (correct, slower). It writes (max, sum, NaN flag, count, top-K keys) to
-   scratch [R, C] and [R, C, K].
-2. combine (R programs): merges a row's C partials into its logsumexp, the rank
-   (1 + the summed counts) and the top-K (K rounds of a max over the C x K keys), and
-   writes the outputs in `compute_logprobs`'s layout: column 0 the chosen token's
-   logprob and id, columns 1..K the top-K by descending logit.
+   value at `token_ids[row]`); it writes (max, sum, NaN flag, count) to scratch [R, C].
+   With K > 0 it also writes, for every group of GROUP consecutive entries (a block is
+   a [BLOCK / GROUP, GROUP] tile, so a group's max is one reduction inside a warp), the
+   sort key of the group's max to scratch [R, ceil(V / GROUP)].
+2. select (R programs): merges a row's C partials into its logsumexp and rank
+   (1 + the summed counts), picks the K best group keys (a running "replace the worst"
+   list over tiles of group keys), rereads the K x GROUP entries of those groups and
+   takes the top-K among them (K rounds of a max), and writes the outputs in
+   `compute_logprobs`'s layout: column 0 the chosen token's logprob and id, columns
+   1..K the top-K by descending logit.
+
+Why the K best groups hold the top-K. A sort key is one int64 per (value, id): the
+value's bits made monotone above the inverted id, so one max compares both and every
+key is distinct; a group's key is (its max, its group id), and lower groups hold lower
+ids. If an entry e lies in a group outside the K best, each of those K groups has a
+max above e's value, or equal to it with lower ids: K entries whose keys beat e's, so
+e is not in the top-K. Exact for every input (ties, -inf, NaN) with no overflow path;
+the second read is K x GROUP entries per row (10 KB at K = 20), the stream pass is the
+one full read.
 
 Order of the top-K: descending logit, and among equal logits (-0.0 and 0.0 are
 equal) the lower token id first, so the result is one well-defined list (torch.topk
@@ -54,12 +61,14 @@ from graphrunner.sample.argmax import ChunkPlan, chunk_plan
 
 __all__ = ["MAX_TOPK", "logprobs_plan", "logprobs_triton", "triton_fits"]
 
-MAX_TOPK = 32  # the top-K list lives in registers: [K_PAD] per program, [C_PAD, K_PAD] in the combine
+MAX_TOPK = 32  # the select program holds [K_PAD] group keys and [K_PAD, GROUP] candidates in registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _ELEMS_PER_THREAD = 8  # as the argmax kernels: num_warps = BLOCK / (32 x 8)
 _MAX_WARPS = 8
-_MAX_CHUNKS = 64  # the combine holds a row's C x K candidates in one tile (64 x 32 = 2048)
+_MAX_CHUNKS = 64  # more would add partials without filling the GPU better (R = 1 already gets 64 programs)
+_GROUP = 128  # entries per group: a warp's row of a [BLOCK / 128, 128] fp32 tile (4 per lane, 16-byte loads)
+_GROUP_TILE = 2048  # group keys per step of the select program's running top-K (151,936 / 128: one step)
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): tests force their own chunks
 _MAX_VOCAB = 1 << 30  # ids and offsets stay well inside int32
 _NO_INDEX = 2147483647  # "no id": off lanes; ids are stored as _NO_INDEX - id in the sort keys
@@ -80,7 +89,7 @@ _PAD_KEY = (1 << 63) - 1  # slots K..K_PAD-1 of the list: never the worst
 
 def logprobs_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | None = None,
                   num_chunks: int | None = None) -> ChunkPlan:
-    """The partial kernel's split: argmax's `chunk_plan`, at most `_MAX_CHUNKS` chunks per row."""
+    """The stream kernel's split: argmax's `chunk_plan`, at most `_MAX_CHUNKS` chunks per row."""
     if num_chunks is None:
         num_chunks = chunk_plan(num_rows, vocab_size, num_sms, block=block).num_chunks
     return chunk_plan(num_rows, vocab_size, num_sms, block=block, num_chunks=min(num_chunks, _MAX_CHUNKS))
@@ -128,12 +137,11 @@ if HAS_TRITON:
         return (k64 - ((k64 >> 32) << 32)).to(tl.int32) ^ 0x7FFFFFFF
 
     @triton.jit
-    def _merge_block(key, ids, top, worst):
-        # The block's entries that beat the worst of the top-K replace it, best first (so
+    def _merge_keys(k64, top, worst):
+        # The keys of k64 that beat the worst of the top-K list replace it, best first (so
         # a better one prunes the rest): streaming "replace the worst" gives the exact top-K
-        # of a strict order whatever the arrival order. Keys are unique (ids are), so
-        # `top == worst` is one slot: empty slots have distinct keys below every real one.
-        k64 = tl.where(ids < _NONE, _sort_key(key, ids), _LOW)  # an off lane never enters
+        # of a strict order whatever the arrival order. Keys are unique, so `top == worst`
+        # is one slot: empty slots have distinct keys below every real one.
         best = tl.max(k64, 0)
         while best > worst:
             top = tl.where(top == worst, best, top)
@@ -148,58 +156,56 @@ if HAS_TRITON:
         return tok, tl.load(x_row + tok_read).to(tl.float32)
 
     @triton.jit
-    def _scan_block(s, ids, chosen, m, acc, nan, cnt, top, worst, K: tl.constexpr):
-        # One block of a partial program's running state; ids is _NONE on lanes that are off.
+    def _scan_tile(s, chosen, m, acc, nan, cnt, gkey_row, gid, g_on, K: tl.constexpr):
+        # One [GROUPS, GROUP] tile of a stream program's running state (lanes that are off
+        # hold -inf). With K > 0, the sort key of each group's max goes to scratch: every
+        # group lies in one tile of one program, so each is written once.
         is_nan = s != s
         key = tl.where(is_nan, _NEG_INF, s)  # NaN out of the max, the sum and the top-K
         nan = nan | is_nan.to(tl.int32)
         cnt += (s > chosen).to(tl.int32)  # NaN never counts, as in the torch path
         m, acc = _lse_update(key, m, acc)
         if K > 0:
-            # The usual block: nothing beats the worst of the top-K, one max to find out.
-            # Within a chunk ids grow, so an equal value enters only an empty slot.
-            if (tl.max(key, 0) > _key_value(worst)) | (worst < _EMPTY):
-                top, worst = _merge_block(key, ids, top, worst)
-        return m, acc, nan, cnt, top, worst
+            tl.store(gkey_row + gid, _sort_key(tl.max(key, 1), gid), mask=g_on)
+        return m, acc, nan, cnt
 
-    @triton.jit(do_not_specialize=["vocab_size", "chunk_blocks"])
-    def _partial_kernel(x_ptr, x_stride, tok_ptr, tok_stride, m_ptr, acc_ptr, nan_ptr, cnt_ptr, top_ptr,
-                        vocab_size, chunk_blocks, BLOCK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
-        # Program (row, part) over x[row, lo:hi] (module docstring, stage 1).
+    @triton.jit(do_not_specialize=["vocab_size", "chunk_blocks", "num_groups"])
+    def _stream_kernel(x_ptr, x_stride, tok_ptr, tok_stride, m_ptr, acc_ptr, nan_ptr, cnt_ptr, gkey_ptr,
+                       vocab_size, chunk_blocks, num_groups, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                       GROUPS: tl.constexpr, K: tl.constexpr):
+        # Program (row, part) over x[row, lo:hi] (module docstring, stage 1); BLOCK = GROUPS x GROUP.
         row, part = tl.program_id(0), tl.program_id(1)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         _, chosen = _chosen_logit(x_row, tok_ptr, tok_stride, row, vocab_size)
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]: a block
+        # [GROUPS] 0..GROUPS-1 taken from offs by a row reduction (once), so the group ids have
+        # the layout of the per-group maxima and the loop stores them with no layout change.
+        g = tl.min(offs, 1) // GROUP
         # lo is a multiple of BLOCK by construction, so the unmasked loads below are aligned
         # and vectorize; only the row's last, partial block is masked.
         lo = part * chunk_blocks * BLOCK
         hi = tl.minimum(lo + chunk_blocks * BLOCK, vocab_size)
         full = lo + (hi - lo) // BLOCK * BLOCK
-        m = tl.full([BLOCK], _NEG_INF, tl.float32)
-        acc = tl.zeros([BLOCK], tl.float32)
-        nan = tl.zeros([BLOCK], tl.int32)
-        cnt = tl.zeros([BLOCK], tl.int32)
-        slot = tl.arange(0, K_PAD)
-        top = tl.where(slot < K, (slot.to(tl.int64) + 1) * -1 + _EMPTY, _PAD)  # [K_PAD] int64: empty, then padding
-        worst = tl.min(top, 0)
+        gkey_row = gkey_ptr + row.to(tl.int64) * num_groups
+        m = tl.full([GROUPS, GROUP], _NEG_INF, tl.float32)
+        acc = tl.zeros([GROUPS, GROUP], tl.float32)
+        nan = tl.zeros([GROUPS, GROUP], tl.int32)
+        cnt = tl.zeros([GROUPS, GROUP], tl.int32)
         for start in range(lo, full, BLOCK):
-            v = start + offs
-            m, acc, nan, cnt, top, worst = _scan_block(tl.load(x_row + v).to(tl.float32), v, chosen, m, acc, nan,
-                                                       cnt, top, worst, K)
+            m, acc, nan, cnt = _scan_tile(tl.load(x_row + start + offs).to(tl.float32), chosen, m, acc, nan, cnt,
+                                          gkey_row, start // GROUP + g, g < GROUPS, K)
         v = full + offs  # the row's last, partial block; no lane is on in the other programs
-        on = v < hi
-        s = tl.load(x_row + v, mask=on, other=_NEG_INF).to(tl.float32)
-        m, acc, nan, cnt, top, worst = _scan_block(s, tl.where(on, v, _NONE), chosen, m, acc, nan, cnt, top, worst,
-                                                   K)
-        peak = tl.max(m, 0)
+        s = tl.load(x_row + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
+        # Groups that start at or past hi belong to the next chunk (or lie past V).
+        m, acc, nan, cnt = _scan_tile(s, chosen, m, acc, nan, cnt, gkey_row, full // GROUP + g,
+                                      full + g * GROUP < hi, K)
+        peak = tl.max(m)
         shift = tl.where(peak == _NEG_INF, 0.0, peak)  # a chunk of only -inf: sum 0, not NaN
         out = row * tl.num_programs(1) + part
         tl.store(m_ptr + out, peak)
-        tl.store(acc_ptr + out, tl.sum(acc * tl.exp(m - shift), 0))
-        tl.store(nan_ptr + out, tl.max(nan, 0))
-        tl.store(cnt_ptr + out, tl.sum(cnt, 0))
-        if K > 0:
-            tl.store(top_ptr + out * K_PAD + slot, top)
+        tl.store(acc_ptr + out, tl.sum(acc * tl.exp(m - shift)))
+        tl.store(nan_ptr + out, tl.max(nan))
+        tl.store(cnt_ptr + out, tl.sum(cnt))
 
     @triton.jit
     def _combine_lse(m_ptr, acc_ptr, nan_ptr, at, on):
@@ -213,10 +219,42 @@ if HAS_TRITON:
         lse = tl.where(peak == _POS_INF, _POS_INF, lse)
         return tl.where(any_nan > 0, _NAN, lse)
 
-    @triton.jit(do_not_specialize=["num_chunks", "vocab_size"])
-    def _combine_kernel(m_ptr, acc_ptr, nan_ptr, cnt_ptr, top_ptr, x_ptr, x_stride, tok_ptr, tok_stride,
-                        lp_ptr, lp_s0, lp_s1, id_ptr, id_s0, id_s1, rank_ptr, rank_stride, num_chunks, vocab_size,
-                        C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+    @triton.jit
+    def _best_groups(gkey_row, num_groups, K: tl.constexpr, K_PAD: tl.constexpr, G_TILE: tl.constexpr):
+        # The K best group keys of a row ([K_PAD] int64; slots K.. are padding, and empty
+        # slots stay below every real key when the row has fewer than K groups).
+        slot = tl.arange(0, K_PAD)
+        top = tl.where(slot < K, (slot.to(tl.int64) + 1) * -1 + _EMPTY, _PAD)  # empty, then padding
+        worst = tl.min(top, 0)
+        t = tl.arange(0, G_TILE)
+        for first in range(0, num_groups, G_TILE):
+            keys = tl.load(gkey_row + first + t, mask=first + t < num_groups, other=_LOW)
+            top, worst = _merge_keys(keys, top, worst)
+        return top
+
+    @triton.jit
+    def _top_k_of_groups(x_row, top, lse, lp_row, lp_s1, id_row, id_s1, vocab_size, K: tl.constexpr,
+                         K_PAD: tl.constexpr, GROUP: tl.constexpr):
+        # Reread the entries of the K best groups ([K_PAD, GROUP]) and write their top-K.
+        real = (tl.arange(0, K_PAD) < K) & (top >= _EMPTY)
+        gid = tl.where(real, _key_id(top), 0)
+        v = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [K_PAD, GROUP] token ids
+        on = real[:, None] & (v < vocab_size)
+        s = tl.load(x_row + v, mask=on, other=_NEG_INF).to(tl.float32)
+        keys = tl.where(on, _sort_key(tl.where(s != s, _NEG_INF, s), v), _LOW)
+        for col in range(1, K + 1):
+            # The best remaining key. The K groups hold >= min(K, V) real entries, so no
+            # masked lane (_LOW) is picked.
+            best = tl.max(keys)
+            tl.store(lp_row + col * lp_s1, _key_value(best) - lse)
+            tl.store(id_row + col * id_s1, _key_id(best).to(id_row.dtype.element_ty))
+            keys = tl.where(keys == best, _LOW, keys)
+
+    @triton.jit(do_not_specialize=["num_chunks", "vocab_size", "num_groups"])
+    def _select_kernel(m_ptr, acc_ptr, nan_ptr, cnt_ptr, gkey_ptr, x_ptr, x_stride, tok_ptr, tok_stride,
+                       lp_ptr, lp_s0, lp_s1, id_ptr, id_s0, id_s1, rank_ptr, rank_stride, num_chunks, vocab_size,
+                       num_groups, C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, GROUP: tl.constexpr,
+                       G_TILE: tl.constexpr):
         # Program row (module docstring, stage 2).
         row = tl.program_id(0)
         j = tl.arange(0, C_PAD)
@@ -224,23 +262,16 @@ if HAS_TRITON:
         at = row * num_chunks + j
         lse = _combine_lse(m_ptr, acc_ptr, nan_ptr, at, on)
         rank = 1 + tl.sum(tl.load(cnt_ptr + at, mask=on, other=0), 0)
-        tok, chosen = _chosen_logit(x_ptr + row.to(tl.int64) * x_stride, tok_ptr, tok_stride, row, vocab_size)
+        x_row = x_ptr + row.to(tl.int64) * x_stride
+        tok, chosen = _chosen_logit(x_row, tok_ptr, tok_stride, row, vocab_size)
         lp_row = lp_ptr + row.to(tl.int64) * lp_s0
         id_row = id_ptr + row.to(tl.int64) * id_s0
         tl.store(lp_row, chosen - lse)
         tl.store(id_row, tok.to(id_ptr.dtype.element_ty))
         tl.store(rank_ptr + row * rank_stride, rank.to(rank_ptr.dtype.element_ty))
         if K > 0:
-            slot = tl.arange(0, K_PAD)
-            cand = at[:, None] * K_PAD + slot[None, :]  # [C_PAD, K_PAD]
-            keys = tl.load(top_ptr + cand, mask=on[:, None] & (slot[None, :] < K), other=_LOW)
-            for col in range(1, K + 1):
-                # The best remaining key. The chunks hold >= min(K, V) real entries, and
-                # every real key is above every empty slot's, so no empty slot is picked.
-                best = tl.max(tl.max(keys, 1), 0)
-                tl.store(lp_row + col * lp_s1, _key_value(best) - lse)
-                tl.store(id_row + col * id_s1, _key_id(best).to(id_ptr.dtype.element_ty))
-                keys = tl.where(keys == best, _LOW, keys)
+            top = _best_groups(gkey_ptr + row.to(tl.int64) * num_groups, num_groups, K, K_PAD, G_TILE)
+            _top_k_of_groups(x_row, top, lse, lp_row, lp_s1, id_row, id_s1, vocab_size, K, K_PAD, GROUP)
 
 
 def triton_fits(logits: torch.Tensor, num_logprobs: int) -> bool:
@@ -302,21 +333,25 @@ def logprobs_triton(
         return
     plan = logprobs_plan(rows, vocab, _num_sms(logits.device), block=block, num_chunks=num_chunks)
     k_pad = triton.next_power_of_2(max(num_logprobs, 1))
+    group = min(_GROUP, plan.block)  # divides the block: both are powers of two
+    num_groups = -(-vocab // group)
     dev = logits.device
-    # Scratch, every element written by the partial kernel: empty, no memset in the graph.
+    # Scratch, every element written by the stream kernel: empty, no memset in the graph.
     part_m = torch.empty(rows, plan.num_chunks, dtype=torch.float32, device=dev)
     part_acc = torch.empty_like(part_m)
     part_nan = torch.empty(rows, plan.num_chunks, dtype=torch.int32, device=dev)
     part_cnt = torch.empty_like(part_nan)
-    top_k_rows = rows if num_logprobs > 0 else 0  # K = 0: no top-K scratch
-    part_top = torch.empty(top_k_rows, plan.num_chunks, k_pad, dtype=torch.int64, device=dev)  # sort keys
+    key_rows = rows if num_logprobs > 0 else 0  # K = 0: no group keys
+    group_keys = torch.empty(key_rows, num_groups, dtype=torch.int64, device=dev)  # sort keys of the group maxima
     num_warps = max(1, min(_MAX_WARPS, plan.block // (32 * _ELEMS_PER_THREAD)))
-    _partial_kernel[(rows, plan.num_chunks)](
-        logits, logits.stride(0), token_ids, token_ids.stride(0), part_m, part_acc, part_nan, part_cnt, part_top,
-        vocab, plan.chunk // plan.block, BLOCK=plan.block, K=num_logprobs, K_PAD=k_pad, num_warps=num_warps)
+    _stream_kernel[(rows, plan.num_chunks)](
+        logits, logits.stride(0), token_ids, token_ids.stride(0), part_m, part_acc, part_nan, part_cnt, group_keys,
+        vocab, plan.chunk // plan.block, num_groups, BLOCK=plan.block, GROUP=group, GROUPS=plan.block // group,
+        K=num_logprobs, num_warps=num_warps)
     c_pad = triton.next_power_of_2(max(plan.num_chunks, 2))
-    _combine_kernel[(rows,)](
-        part_m, part_acc, part_nan, part_cnt, part_top, logits, logits.stride(0), token_ids,
+    _select_kernel[(rows,)](
+        part_m, part_acc, part_nan, part_cnt, group_keys, logits, logits.stride(0), token_ids,
         token_ids.stride(0), out_logprobs, out_logprobs.stride(0), out_logprobs.stride(1), out_ids, out_ids.stride(0),
-        out_ids.stride(1), out_ranks, out_ranks.stride(0), plan.num_chunks, vocab, C_PAD=c_pad, K=num_logprobs,
-        K_PAD=k_pad, num_warps=4 if c_pad * k_pad >= 1024 else 1)
+        out_ids.stride(1), out_ranks, out_ranks.stride(0), plan.num_chunks, vocab, num_groups, C_PAD=c_pad,
+        K=num_logprobs, K_PAD=k_pad, GROUP=group, G_TILE=min(_GROUP_TILE, triton.next_power_of_2(num_groups)),
+        num_warps=4 if num_logprobs > 0 else 1)
