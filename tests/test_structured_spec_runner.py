@@ -115,6 +115,25 @@ def test_write_grammar_fills_each_slot_and_the_sampler_applies_it(layout) -> Non
     assert out.tolist() == reference.reshape(n, S, VOCAB)[:, 0].argmax(-1).tolist()
 
 
+@given(layout=_layouts())
+def test_write_grammar_without_speculation_places_each_listed_row(layout) -> None:
+    """num_drafts=None (one mask row per listed request, the runner's non-speculative path): each
+    grammar row gets its own request's row of the bitmask, whatever the listing order."""
+    _, rows, grammar, _, order, stranger, _, seed = layout
+    states = _states(1, [r for r, g in zip(rows, grammar, strict=True) if g])
+    assert states.grammar_mask is not None
+    req_ids = [f"r{r}" for r in rows]
+    ids = [req_ids[i] for i in order] + (["stranger"] if stranger else [])
+    bits = np.random.default_rng(seed).random((len(ids), VOCAB)) < 0.5
+    states.write_grammar(np.array(rows), req_ids, GrammarOutput(ids, _pack(bits)))
+    got = _unpack(states.grammar_mask.numpy(), VOCAB)  # [rows, 1, V]
+    position = {i: j for j, i in enumerate(order)}
+    for i, (row, g) in enumerate(zip(rows, grammar, strict=True)):
+        if g:
+            want = bits[position[i]] if i in position else np.ones(VOCAB, dtype=bool)
+            assert (got[row, 0] == want).all(), f"entry {i} (row {row})"
+
+
 @pytest.mark.parametrize("ids, rows, message", [
     (["r1", "r2"], 3, r"grammar_bitmask has 3 rows; expected 4: 1 \+ the scheduled draft slots of each of its 2"),
     (["r1", "r2"], 5, "grammar_bitmask has 5 rows; expected 4"),

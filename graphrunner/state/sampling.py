@@ -327,13 +327,8 @@ class SamplingStates:
         if grammar is not None:
             width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
             starts = _grammar_starts(grammar, req_ids, width, words)
-            mask = grammar.grammar_bitmask
-            for j, entry in enumerate(mine.tolist()):
-                start = starts.get(req_ids[entry])
-                if start is not None:  # words past the grammar's vocabulary (padding ids) stay forbidden
-                    n = int(width[entry])
-                    host[j, :n] = 0
-                    host[j, :n, : mask.shape[1]] = mask[start : start + n]
+            _place_masks(host, grammar.grammar_bitmask, [starts.get(req_ids[e], -1) for e in mine.tolist()],
+                         width[mine])
         index = to_device_async(rows[mine].astype(np.int64), self.device)
         self.grammar_mask.index_copy_(0, index, staged.to(self.device, non_blocking=True))
 
@@ -368,6 +363,22 @@ class SamplingStates:
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""
         return self.logprobs_np[np.asarray(rows, dtype=np.int64)]
+
+
+def _place_masks(host: np.ndarray, mask: np.ndarray, starts: list[int], width: np.ndarray) -> None:
+    """host [N, S, W]: entry j takes mask rows [starts[j], starts[j] + width[j]) in its first width[j]
+    slots (-1: not listed, left as it is); words past the grammar's vocabulary (padding ids) become 0,
+    i.e. forbidden. One fancy-indexed copy when every entry takes one row (no speculation)."""
+    first = np.asarray(starts, dtype=np.int64)  # [N]
+    listed = np.flatnonzero(first >= 0)
+    if (width[listed] == 1).all():
+        host[listed, 0] = 0
+        host[listed, 0, : mask.shape[1]] = mask[first[listed]]
+        return
+    for j in listed.tolist():
+        n = int(width[j])
+        host[j, :n] = 0
+        host[j, :n, : mask.shape[1]] = mask[first[j] : first[j] + n]
 
 
 def _grammar_starts(grammar: GrammarOutput, req_ids: list[str], width: np.ndarray, words: int) -> dict[str, int]:
