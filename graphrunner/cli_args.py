@@ -114,6 +114,10 @@ def speculative_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]
     return {"speculative_config": text}
 
 
+# Dual batch overlap's `ParallelConfig` fields (vLLM's names): `LLM` keywords and CLI options alike.
+DBO_FIELDS = ("enable_dbo", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")
+
+
 def add_dbo_args(p: argparse.ArgumentParser) -> None:
     """--enable-dbo and its thresholds (vLLM's flags): dual batch overlap under lockstep DP
     (graphrunner/step/microbatch.py); `dbo_cli_kwargs` hands them on to `LLM`."""
@@ -130,8 +134,7 @@ def dbo_cli_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_dbo_args`' options as `LLM`'s keywords (none when the parser has no --enable-dbo)."""
     if not hasattr(args, "enable_dbo"):
         return {}
-    return {name: getattr(args, name) for name in ("enable_dbo", "dbo_decode_token_threshold",
-                                                    "dbo_prefill_token_threshold")}
+    return {name: getattr(args, name) for name in DBO_FIELDS}
 
 
 def add_command_group(

@@ -11,12 +11,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from graphrunner.cli_args import DBO_FIELDS
 from graphrunner.config import CompilationConfig, ParallelConfig, SpeculativeConfig
 from graphrunner.protocol import SamplingParams
 
 _COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
-# Dual batch overlap's `ParallelConfig` fields, which `LLM` takes as extra keywords (vLLM's names).
-DBO_FIELDS = ("enable_dbo", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")
 
 
 def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
