@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["WorldError", "free_port", "run_world"]
+__all__ = ["EIGHT_HEADS", "WorldError", "free_port", "register_eight_heads", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -153,3 +153,21 @@ def run_world(
     if failures:
         raise WorldError(failures)
     return results
+
+
+EIGHT_HEADS = "builtin:tiny-llama-8h"  # 8 query / 4 KV heads: TP4 (tiny-llama's 2 KV heads do not split in 4)
+
+
+def register_eight_heads() -> None:
+    """Add EIGHT_HEADS (tiny-llama, 256 wide, 8 query / 4 KV heads) to this process's built-ins."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from graphrunner.models import registry
+
+    if EIGHT_HEADS in registry.BUILTIN_MODELS:
+        return
+    tiny = registry.BUILTIN_MODELS["builtin:tiny-llama"]
+    eight = dataclasses.replace(tiny, name=EIGHT_HEADS, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=8, num_key_value_heads=4)
+    registry.BUILTIN_MODELS = MappingProxyType({**registry.BUILTIN_MODELS, EIGHT_HEADS: eight})

@@ -10,23 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_world
+from tests.dist_utils import EIGHT_HEADS, register_eight_heads, run_world
 from tests.test_dist_engine import LLM_ARGS, MAX_TOKENS, PROMPTS
-
-EIGHT_HEADS = "builtin:tiny-llama-8h"  # 8 query / 4 KV heads: TP4 (tiny-llama's 2 KV heads do not split in 4)
-
-
-def _register_eight_heads() -> None:
-    """Add EIGHT_HEADS to the built-ins of this (forked) process."""
-    import dataclasses
-    from types import MappingProxyType
-
-    from graphrunner.models import registry
-
-    tiny = registry.BUILTIN_MODELS["builtin:tiny-llama"]
-    eight = dataclasses.replace(tiny, name=EIGHT_HEADS, hidden_size=256, intermediate_size=512,
-                                num_attention_heads=8, num_key_value_heads=4)
-    registry.BUILTIN_MODELS = MappingProxyType({**registry.BUILTIN_MODELS, EIGHT_HEADS: eight})
 
 
 def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
@@ -34,7 +19,7 @@ def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
     from graphrunner.protocol import SamplingParams
 
     if model == EIGHT_HEADS:
-        _register_eight_heads()
+        register_eight_heads()
     llm = LLM(model, **LLM_ARGS, **layout)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)

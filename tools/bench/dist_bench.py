@@ -1,27 +1,35 @@
-"""Distributed benchmark: decode step time TP1 vs TP2 vs PP2, PP bubble, DP padding waste.
+"""Distributed benchmark: decode step time, offline throughput, PP bubble, DP padding waste.
 
-    python -m graphrunner_tools.bench.dist_bench --out OUT_DIR [--model builtin:llama-3.1-8b] [--batch-sizes 1,64]
+    python -m graphrunner_tools.bench.dist_bench --out OUT_DIR [--model builtin:llama-3.1-8b]
+        [--configs tp1,tp2,tp4,tp2pp2,pp4,dp4] [--batch-sizes 1,64] [--throughput-requests 256]
+        [--prompt-len 512 --output-len 256]
 
 Runs each configuration as its own `graphrunner launch` world (one process per GPU,
-NCCL), every rank running the engine (SPMD), with FULL graphs for the decode steps:
+NCCL), every rank running the engine (SPMD), with FULL graphs for the decode steps.
+A configuration is named by its sizes and a mode: `tp2`, `pp4`, `tp2pp2`, `dp4`, `dp2tp2`,
+optionally followed by `sync` (PP resolving every step at once: not pipelined, the before of
+pipelining), `lock` (lockstep DP) or `lockdbo` (lockstep DP with dual batch overlap).
 
-* tp1 / tp2 / pp2: decode step wall time (engine step: schedule, execute, sample, D2H)
-  of `bs` requests, median over the steps in which every request decodes (FULL
-  uniform-decode descriptor). Dummy weights, bf16.
-* pp2 bubble: a second pass of the pp2 world with the stage boundary instrumented:
-  per stage, the time spent waiting for the previous stage's hidden states (recv) and,
-  on the first stage, for the last stage's sampled tokens (synchronised before/after,
-  so this pass's step time is a little higher than the plain one).
-* --throughput: output tokens/s of `generate` for tp1 / tp2 / pp2 / pp2sync (PP2 with every
-  step resolved at once, i.e. not pipelined: the before of pipelining, in the same call).
-* dp2 / dp2lock: two DP replicas, independent (the default) or in lockstep, a skewed
-  workload (replica 0 gets requests with many
-  more tokens to generate); per step the DP decision's executed tokens (padded, plus
-  the idle replica's dummy steps) over real tokens.
-* dp2lockdbo: dp2lock with dual batch overlap (`enable_dbo`, thresholds --dbo-decode-token-threshold /
-  --dbo-prefill-token-threshold): steps every replica agrees to split run their forward as two
-  microbatches on two streams (eagerly). dp2lock and dp2lockdbo also measure output tokens/s of
-  `generate` over --batch-sizes requests (split over the replicas), with the microbatched step count.
+* decode (configs without DP): decode step wall time (engine step: schedule, execute, sample,
+  D2H) of `bs` requests for each of --batch-sizes, median over the steps in which every request
+  decodes (FULL uniform-decode descriptor). Dummy weights, bf16. Context: --prompt-len.
+* throughput (--throughput-requests N[,N]): output tokens/s of one `generate` of N requests of
+  --prompt-len random tokens and --output-len greedy tokens (after a short warm-up), the wall time
+  being the slowest rank's. Under pipelined PP the engine keeps P batches of disjoint requests in
+  flight; under DP the requests are split over the replicas. The same pass measures each rank's
+  GPU idle fraction: CUDA events around every forward (after the PP receive is queued, before the
+  send) give its busy time; 1 - busy / (first start .. last end) is the share of the run the GPU
+  did not compute, which under PP is the pipeline bubble (receives waited for, stages starved).
+* pp bubble, instrumented (PP configs, decode pass only): the stage boundary synchronised around
+  each wait: per stage, the time spent waiting for the previous stage's hidden states (recv) and,
+  on the first stage, for the last stage's sampled tokens (so this pass's step is a little slower).
+* dp waste (DP configs): the skewed workload (replica 0 gets requests with many more tokens to
+  generate); per step the DP decision's executed tokens (padded, plus the idle replica's dummy
+  steps) over real tokens. dp2lock and dp2lockdbo also measure throughput over --batch-sizes
+  requests with the microbatched step count (DBO: steps every replica agrees to split run their
+  forward as two microbatches on two streams, eagerly; thresholds --dbo-*-token-threshold).
+* --throughput (the older form): --batch-sizes are request counts of the throughput pass and
+  no decode pass runs.
 
 Every world has a timeout (`--timeout`); a hung or failed world is recorded as such
 and the next one runs. Results: OUT_DIR/dist_bench.json and OUT_DIR/dist_bench.md.
@@ -31,44 +39,110 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker, run_worlds, write_result
 
-PROMPT_LEN = 32
+PROMPT_LEN = 32  # the default --prompt-len
+_NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(sync|lockdbo|lock)?$")
 
 
-def _llm(args, tp: int, pp: int, dp: int, model: str, lockstep: bool = False, dbo: bool = False):
+@dataclass(frozen=True)
+class Layout:
+    """A configuration name parsed: `tp2pp2` -> tp 2, pp 2; `dp2lockdbo` -> dp 2, lockstep, DBO."""
+
+    name: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    mode: str = ""  # "", "sync" (PP not pipelined), "lock" or "lockdbo" (lockstep DP)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def lockstep(self) -> bool:
+        return self.mode.startswith("lock")
+
+
+def parse_layout(name: str) -> Layout:
+    """`tp4`, `tp2pp2`, `pp4sync`, `dp2tp2`, `dp2lockdbo`, ... (ValueError naming the forms)."""
+    m = _NAME.match(name)
+    if not name or m is None or not any(m.group(i) for i in (1, 2, 3, 4)):
+        raise ValueError(f"config {name!r}: expected sizes tpN, ppN, dpN (in that order, or dpNtpN) "
+                         "and an optional mode sync, lock or lockdbo, e.g. tp2pp2, pp4sync, dp2lock")
+    tp, pp, dp, tp_after, mode = m.groups()
+    if tp and tp_after:
+        raise ValueError(f"config {name!r}: tp given twice")
+    layout = Layout(name, int(tp or tp_after or 1), int(pp or 1), int(dp or 1), mode or "")
+    if layout.mode == "sync" and layout.pp == 1:
+        raise ValueError(f"config {name!r}: 'sync' (PP not pipelined) needs pp > 1")
+    if layout.lockstep and layout.dp == 1:
+        raise ValueError(f"config {name!r}: '{layout.mode}' (lockstep DP) needs dp > 1")
+    return layout
+
+
+def _ints(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b.strip()]
+
+
+def capture_sizes(counts: list[int], splits: int) -> list[int]:
+    """Decode graph sizes for batches of `counts` requests cut into 1..splits parts (P batches in flight
+    under pipelined PP, one share per DP replica), and 1."""
+    return sorted({1} | {max(1, -(-n // d)) for n in counts for d in range(1, splits + 1)})
+
+
+def _llm(args, layout: Layout, model: str):
     from graphrunner.engine.llm import LLM
 
-    wanted = [int(b) for b in args.batch_sizes.split(",")]
-    sizes = sorted(set(wanted) | {max(1, b // 2) for b in wanted} | {1})  # pipelined PP: P batches per set
+    sizes = capture_sizes(_ints(args.batch_sizes) + _ints(args.throughput_requests), layout.pp * layout.dp)
+    dbo = layout.mode == "lockdbo"
     return LLM(
-        model, dtype="bfloat16", device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        data_parallel_size=dp, max_num_seqs=max(sizes), max_num_batched_tokens=max(512, max(sizes) * PROMPT_LEN),
-        max_model_len=PROMPT_LEN + args.decode_steps + 64, num_kv_blocks=args.num_kv_blocks,
+        model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
+        tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
+        data_parallel_size=layout.dp, max_num_seqs=max(sizes), max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + max(args.decode_steps, args.output_len) + 64, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
         compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
-        data_parallel_lockstep=lockstep, enable_prefix_caching=False,  # warm-up and timed runs share prompts
+        data_parallel_lockstep=layout.lockstep, enable_prefix_caching=False,  # warm-up and timed runs share prompts
         **(dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=args.dbo_prefill_token_threshold) if dbo else {}),
     )
 
 
-def _timed_steps(llm, record):
-    """Wrap `llm.step` so that each call's wall time and descriptor are recorded."""
+def _synchronize() -> None:
+    """Wait for the GPU (a CPU run computes synchronously)."""
     import torch
 
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class _HostMark:
+    """A CUDA event's stand-in on a CPU run, where the forward has finished when the call returns."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostMark) -> float:
+        return 1e3 * (end.t - self.t)
+
+
+def _timed_steps(llm, record):
+    """Wrap `llm.step` so that each call's wall time and descriptor are recorded."""
     orig = llm.step
 
     def step():
-        torch.cuda.synchronize()
+        _synchronize()
         start = time.perf_counter()
         out = orig()
-        torch.cuda.synchronize()
+        _synchronize()
         record(time.perf_counter() - start, llm.runner.last_descriptor, llm.runner.parallel.last_dp_decision)
         return out
 
@@ -76,7 +150,7 @@ def _timed_steps(llm, record):
     return orig
 
 
-def _decode_pass(llm, bs: int, decode_steps: int) -> dict:
+def _decode_pass(llm, bs: int, decode_steps: int, prompt_len: int) -> dict:
     import numpy as np
 
     from graphrunner.protocol import SamplingParams
@@ -88,7 +162,7 @@ def _decode_pass(llm, bs: int, decode_steps: int) -> dict:
             samples.append(seconds)
 
     rng = np.random.default_rng(bs)
-    prompts = rng.integers(0, llm.vocab_size, size=(bs, PROMPT_LEN)).tolist()
+    prompts = rng.integers(0, llm.vocab_size, size=(bs, prompt_len)).tolist()
     orig = _timed_steps(llm, record)
     try:
         llm.generate(prompts, SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True))
@@ -96,7 +170,7 @@ def _decode_pass(llm, bs: int, decode_steps: int) -> dict:
         llm.step = orig
     samples = samples[2:]  # the first replays warm caches
     return {
-        "bs": bs, "steps": len(samples),
+        "bs": bs, "steps": len(samples), "context": prompt_len,
         "median_ms": 1e3 * statistics.median(samples) if samples else None,
         "p90_ms": 1e3 * sorted(samples)[int(0.9 * (len(samples) - 1))] if samples else None,
     }
@@ -104,25 +178,23 @@ def _decode_pass(llm, bs: int, decode_steps: int) -> dict:
 
 def _instrument_bubble(llm) -> dict:
     """Time the PP waits of this stage (synchronised around each)."""
-    import torch
-
     hooks = llm.runner.parallel
-    waits = {"recv_hidden_s": [], "recv_tokens_s": []}
+    waits: dict[str, list[float]] = {"recv_hidden_s": [], "recv_tokens_s": []}
     orig_before, orig_exchange = hooks.before_forward, hooks._exchange_sampled
 
     def before_forward(n):
-        torch.cuda.synchronize()
+        _synchronize()
         t = time.perf_counter()
         orig_before(n)
-        torch.cuda.synchronize()
-        if hooks.hidden_in is not None:
+        _synchronize()
+        if hooks.stage.hidden_in is not None:
             waits["recv_hidden_s"].append(time.perf_counter() - t)
 
     def exchange(batch, produces):
-        torch.cuda.synchronize()
+        _synchronize()
         t = time.perf_counter()
         orig_exchange(batch, produces)
-        torch.cuda.synchronize()
+        _synchronize()
         if not hooks.is_last_stage:
             waits["recv_tokens_s"].append(time.perf_counter() - t)
 
@@ -174,59 +246,116 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
     }
 
 
-def _throughput_pass(llm, n: int, out_len: int) -> dict:
-    """`n` requests of PROMPT_LEN random tokens and `out_len` greedy outputs each: output tokens/s
-    of one `generate` (under pipelined PP the engine keeps P batches of disjoint requests in flight;
-    under DP the requests are split over the replicas), and the timed run's microbatched steps (DBO)."""
+class ForwardEvents:
+    """CUDA events around every forward of this rank (no synchronisation: the run is undisturbed).
+
+    Start: after `before_forward` (the PP receive is queued first, so the event completes once the
+    hidden states arrived); end: before `after_forward` (the send and token exchange come after).
+    """
+
+    def __init__(self, hooks, device: str) -> None:
+        import torch
+
+        self._hooks = hooks
+        self._new = (lambda: torch.cuda.Event(enable_timing=True)) if device == "cuda" else _HostMark
+        self.pairs: list = []
+        self._orig = hooks.before_forward, hooks.after_forward
+
+        def before_forward(*a, **k):
+            self._orig[0](*a, **k)
+            start = self._new()
+            start.record()
+            self.pairs.append([start, None])
+
+        def after_forward(*a, **k):
+            end = self._new()
+            end.record()
+            self.pairs[-1][1] = end
+            return self._orig[1](*a, **k)
+
+        hooks.before_forward, hooks.after_forward = before_forward, after_forward
+
+    def close(self) -> dict:
+        """Restore the hooks; busy and window milliseconds and the idle fraction (after a synchronise)."""
+        self._hooks.before_forward, self._hooks.after_forward = self._orig
+        _synchronize()
+        pairs = [(a, b) for a, b in self.pairs if b is not None]
+        if not pairs:
+            return {"forwards": 0}
+        busy = sum(a.elapsed_time(b) for a, b in pairs)
+        window = pairs[0][0].elapsed_time(pairs[-1][1])
+        return {"forwards": len(pairs), "busy_ms": busy, "window_ms": window,
+                "idle_fraction": 1.0 - busy / window if window > 0 else 0.0}
+
+
+def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
+    """`n` requests of `prompt_len` random tokens and `out_len` greedy outputs each: output tokens/s of
+    one `generate` (the slowest rank's wall time), each rank's GPU idle fraction over that run, and
+    the microbatched steps (DBO). A warm-up of the same prompts with 8 output tokens goes first."""
     import numpy as np
+    import torch.distributed as dist
 
     from graphrunner.protocol import SamplingParams
 
-    prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, PROMPT_LEN)).tolist()
+    prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, prompt_len)).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up: every batch shape once
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
     ubatched = llm.runner.parallel.num_microbatched_steps
+    events = ForwardEvents(llm.runner.parallel, llm.runner.device.type)
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
-    return {"requests": n, "output_len": out_len, "wall_s": wall, "output_tokens_per_s": n * out_len / wall,
+    mine = {"rank": llm.groups.rank, "pp_rank": llm.groups.pp_rank, "dp_rank": llm.groups.dp_rank,
+            "wall_s": wall, **events.close()}
+    every: list = [mine]
+    if llm.groups.world_size > 1:
+        every = [None] * llm.groups.world_size
+        dist.all_gather_object(every, mine, group=llm.groups.world_cpu_group)
+    wall = max(e["wall_s"] for e in every)
+    idle = [e["idle_fraction"] for e in every if "idle_fraction" in e]
+    return {"requests": n, "prompt_len": prompt_len, "output_len": out_len, "wall_s": wall,
+            "output_tokens_per_s": n * out_len / wall, "max_idle_fraction": max(idle) if idle else None,
+            "mean_idle_fraction": statistics.fmean(idle) if idle else None, "ranks": every,
             "microbatched_steps": llm.runner.parallel.num_microbatched_steps - ubatched}
 
 
-def worker(args) -> None:
+def _bubble_pass(llm, args, batch_sizes: list[int]) -> list[dict]:
+    """The decode pass again with the stage boundary synchronised around each wait (PP configs)."""
     import torch.distributed as dist
 
-    kind = args.worker
-    tp, pp, dp = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2sync": (1, 2, 1), "dp2": (1, 1, 2),
-                  "dp2lock": (1, 1, 2), "dp2lockdbo": (1, 1, 2)}[kind]
-    model = args.dp_model if kind.startswith("dp2") else args.model
+    waits = _instrument_bubble(llm)
+    rows = []
+    for bs in batch_sizes:
+        for v in waits.values():
+            v.clear()
+        step = _decode_pass(llm, bs, args.decode_steps, args.prompt_len)
+        mine = {k: 1e3 * statistics.median(v) if v else None for k, v in waits.items()}
+        every: list = [None] * llm.groups.world_size
+        dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
+        rows.append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
+    return rows
+
+
+def worker(args) -> None:
+    layout = parse_layout(args.worker)
+    model = args.dp_model if layout.dp > 1 and not args.throughput_requests else args.model
     start = time.perf_counter()
-    lockstep = kind in ("dp2lock", "dp2lockdbo")
-    llm = _llm(args, tp, pp, dp, model, lockstep=lockstep, dbo=kind == "dp2lockdbo")
-    result: dict = {"config": kind, "model": model, "tp": tp, "pp": pp, "dp": dp,
+    llm = _llm(args, layout, model)
+    result: dict = {"config": layout.name, "model": model, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                     "startup_s": time.perf_counter() - start}
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if kind == "pp2sync":  # the same PP2 engine resolving every step at once: no batch overlaps another
+    batch_sizes, requests = _ints(args.batch_sizes), _ints(args.throughput_requests)
+    if layout.mode == "sync":  # the same PP engine resolving every step at once: no batch overlaps another
         llm._keep_in_flight = 0
-    if args.throughput and kind in ("tp1", "tp2", "pp2", "pp2sync"):
-        result["throughput"] = [_throughput_pass(llm, n, args.decode_steps) for n in batch_sizes]
-    elif kind in ("tp1", "tp2", "pp2"):
-        result["decode"] = [_decode_pass(llm, bs, args.decode_steps) for bs in batch_sizes]
-    if lockstep:  # DBO's yardstick: the same workload with and without microbatching
-        result["throughput"] = [_throughput_pass(llm, n, args.decode_steps) for n in batch_sizes]
-    if kind == "pp2" and not args.throughput:
-        waits = _instrument_bubble(llm)
-        result["bubble"] = []
-        for bs in batch_sizes:
-            for v in waits.values():
-                v.clear()
-            step = _decode_pass(llm, bs, args.decode_steps)
-            mine = {k: 1e3 * statistics.median(v) if v else None for k, v in waits.items()}
-            every: list = [None] * llm.groups.world_size
-            dist.all_gather_object(every, {"pp_rank": llm.groups.pp_rank, **mine}, group=llm.groups.world_cpu_group)
-            result["bubble"].append({"bs": bs, "instrumented_step_ms": step["median_ms"], "stages_ms": every})
-    if kind.startswith("dp2"):
-        result["dp_waste"] = _dp_waste(llm, args, lockstep=lockstep)
+    if args.throughput or (layout.lockstep and not requests):  # lockstep: DBO's yardstick (with and without)
+        requests, batch_sizes = batch_sizes, []
+    if layout.dp == 1 and batch_sizes:
+        result["decode"] = [_decode_pass(llm, bs, args.decode_steps, args.prompt_len) for bs in batch_sizes]
+    if requests:
+        result["throughput"] = [_throughput_pass(llm, n, args.output_len, args.prompt_len) for n in requests]
+    if layout.pp > 1 and layout.mode != "sync" and batch_sizes and not args.throughput_requests:
+        result["bubble"] = _bubble_pass(llm, args, batch_sizes)
+    if layout.dp > 1 and not args.throughput_requests:
+        result["dp_waste"] = _dp_waste(llm, args, lockstep=layout.lockstep)
     write_result(llm, result, args.result)
 
 
@@ -235,46 +364,62 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--model", default="builtin:llama-3.1-8b")
     p.add_argument("--dp-model", default="builtin:llama-3.2-1b", help="model of the DP waste run")
-    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--batch-sizes", default="1,64", help="decode pass: requests per timed decode")
     p.add_argument("--decode-steps", type=int, default=48)
+    p.add_argument("--throughput-requests", default="", help="throughput pass: requests per generate, e.g. 256")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens of every pass's requests")
+    p.add_argument("--output-len", type=int, default=None, help="throughput pass: output tokens (--decode-steps)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--device", default="cuda", help="cuda (NCCL), or cpu (gloo: a smoke run of the worlds)")
     p.add_argument("--configs", default="tp1,tp2,pp2,dp2")
     p.add_argument("--throughput", action="store_true",
-                   help="tp1/tp2/pp2: output tokens/s of generate over --batch-sizes requests (not step times)")
+                   help="the older form: --batch-sizes are throughput request counts; no decode pass")
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32, help="dp2lockdbo: decode steps split from")
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512, help="dp2lockdbo: other steps split from")
     add_world_args(p)
     args = p.parse_args(argv)
+    args.output_len = args.output_len or args.decode_steps
+    layouts = {name: parse_layout(name) for name in args.configs.split(",")}  # a bad name fails here, once
     if run_as_worker(args, worker):
         return 0
 
     worker_args = [*sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
-                         ("model", "dp_model", "batch_sizes", "decode_steps", "num_kv_blocks", "compile_backend",
+                         ("model", "dp_model", "batch_sizes", "decode_steps", "throughput_requests", "prompt_len",
+                          "output_len", "max_num_batched_tokens", "num_kv_blocks", "compile_backend", "device",
                           "timeout", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")), []),
                    *(["--throughput"] if args.throughput else [])]
     out = Path(args.out)
-    results = run_worlds("graphrunner_tools.bench.dist_bench", args.configs.split(","),
-                         lambda kind: 1 if kind == "tp1" else 2, worker_args, out, "dist_bench", args.timeout)
+    results = run_worlds("graphrunner_tools.bench.dist_bench", list(layouts),
+                         lambda name: layouts[name].world_size, worker_args, out, "dist_bench", args.timeout,
+                         args.device)
     (out / "dist_bench.md").write_text(_markdown(results))
     print(_markdown(results))
     return all_ok(results)
 
 
 def _markdown(results: list[dict]) -> str:
-    lines = ["| config | bs | decode step median ms | p90 ms |", "|---|---|---|---|"]
+    lines = ["| config | requests | output tok/s | wall s | GPU idle (max / mean over ranks) |",
+             "|---|---|---|---|---|"]
     for r in results:
         for t in r.get("throughput", []):
-            ubatched = f", {t['microbatched_steps']} microbatched steps" if r["config"].startswith("dp2") else ""
-            lines.append(f"| {r['config']} | {t['requests']} requests x {t['output_len']} out | "
-                         f"{t['output_tokens_per_s']:.0f} output tok/s | {t['wall_s']:.3f} s{ubatched} |")
+            ubatched = f", {t['microbatched_steps']} microbatched steps" if r.get("dp", 1) > 1 else ""
+            idle = (f"{t['max_idle_fraction']:.1%} / {t['mean_idle_fraction']:.1%}"
+                    if t.get("max_idle_fraction") is not None else "-")
+            lines.append(f"| {r['config']} | {t['requests']} x {t.get('prompt_len', PROMPT_LEN)} in / "
+                         f"{t['output_len']} out | {t['output_tokens_per_s']:.0f} | {t['wall_s']:.3f}{ubatched} "
+                         f"| {idle} |")
+    lines += ["", "| config | bs | context | decode step median ms | p90 ms |", "|---|---|---|---|---|"]
     for r in results:
         for d in r.get("decode", []):
-            lines.append(f"| {r['config']} | {d['bs']} | {d['median_ms']:.3f} | {d['p90_ms']:.3f} |")
+            lines.append(f"| {r['config']} | {d['bs']} | {d.get('context', PROMPT_LEN)} | {d['median_ms']:.3f} "
+                         f"| {d['p90_ms']:.3f} |")
+    for r in results:
         if "status" in r and r["status"] != 0:
-            lines.append(f"| {r['config']} | - | FAILED (status {r['status']}) | |")
+            lines.append(f"| {r['config']} | - | - | FAILED (status {r['status']}) | |")
         if "skipped" in r:
-            lines.append(f"| {r['config']} | - | skipped: {r['skipped']} | |")
+            lines.append(f"| {r['config']} | - | - | skipped: {r['skipped']} | |")
     for r in results:
         for b in r.get("bubble", []):
             waits = "; ".join(
@@ -288,7 +433,7 @@ def _markdown(results: list[dict]) -> str:
         if "dp_waste" in r:
             w = r["dp_waste"]
             mode = "lockstep" if w.get("lockstep") else "independent"
-            lines.append(f"\nDP2 skewed ({mode}): executed/real tokens = {w['padded_over_real']:.2f} "
+            lines.append(f"\nDP skewed ({mode}): executed/real tokens = {w['padded_over_real']:.2f} "
                          f"({w['executed_tokens']} / {w['real_tokens']}), generate {w['generate_wall_s']:.3f} s")
     return "\n".join(lines) + "\n"
 

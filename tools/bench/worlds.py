@@ -35,14 +35,15 @@ def run_as_worker(args: argparse.Namespace, worker: Callable[[argparse.Namespace
 
 
 def run_worlds(module: str, kinds: Sequence[str], nproc_of: Callable[[str], int], worker_args: Sequence[str],
-               out: Path, stem: str, timeout: float) -> list[dict]:
-    """Launch `python -m module --worker KIND --result PATH *worker_args` on nproc_of(KIND) ranks, per KIND."""
+               out: Path, stem: str, timeout: float, device: str = "cuda") -> list[dict]:
+    """Launch `python -m module --worker KIND --result PATH *worker_args` on nproc_of(KIND) ranks, per KIND
+    (one GPU per rank: a KIND needing more GPUs than there are is skipped; device "cpu": gloo ranks)."""
     import torch
 
     from graphrunner.distributed.launch import launch
 
     out.mkdir(parents=True, exist_ok=True)
-    gpus = torch.cuda.device_count()
+    gpus = torch.cuda.device_count() if device == "cuda" else sys.maxsize
     results: list[dict] = []
     for kind in kinds:
         nproc = nproc_of(kind)
