@@ -29,7 +29,7 @@ import torch
 from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
 from capture.report import CaptureReport
-from graphrunner.async_output import AsyncOutput, OutputRing
+from graphrunner.async_output import DEFAULT_NUM_SLOTS, AsyncOutput, OutputRing
 from graphrunner.attention import get_attention_backend
 from graphrunner.config import RunnerConfig, resolve_dtype
 from graphrunner.distributed.dcp_attention import wrap_for_dcp
@@ -121,7 +121,8 @@ class ModelRunner(RunnerReadouts):
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp,
                              dcp=getattr(self.attn_backend, "layout", None))
-        self.output_ring = OutputRing(self.device)  # pinned slots + copy stream of async outputs
+        # Pinned slots + copy stream of async outputs: a pipelined last stage holds P unresolved outputs.
+        self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))
         self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
                                    self.state.requests, self.buffers.spec)
         self.graphs: StepGraphs | None = None  # with the KV cache

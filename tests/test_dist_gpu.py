@@ -152,13 +152,19 @@ def _worker(layout: dict, out_path: str) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
     pcp = llm.runner.body.pcp
+    dummy_steps = [llm.runner.parallel.num_dummy_steps]  # per rank: the replica that ends first runs dummies
+    if llm.groups.world_size > 1:
+        import torch.distributed as dist
+
+        dummy_steps = [0] * llm.groups.world_size
+        dist.all_gather_object(dummy_steps, llm.runner.parallel.num_dummy_steps, group=llm.groups.world_cpu_group)
     info = {
         "tokens": [o.token_ids for o in outs],
         "captured": bool(llm.runner.graphs.captured),
         "mode": llm.runner.graphs.mode.name,
         "split_steps": pcp.num_split_steps if pcp is not None else 0,
         "keep_in_flight": llm._keep_in_flight,
-        "dummy_steps": llm.runner.parallel.num_dummy_steps,
+        "dummy_steps": sum(dummy_steps),
     }
     rank = llm.groups.rank
     llm.shutdown()  # graphs and pool, then the process groups: must not hang

@@ -82,3 +82,14 @@ def test_pipelined_pp_with_graphs_matches_one_process(case) -> None:
     infos = run_world(2, _generate, 2, {**extra, **GRAPH_ARGS}, 11, timeout_s=180)
     for rank, info in enumerate(infos):
         assert info["tokens"] == reference["tokens"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", [{"num_kv_blocks": 48}], indirect=True, ids=["roomy"])
+def test_four_stages_keep_four_batches_in_flight(case) -> None:
+    """PP4: the last stage holds four unresolved outputs (one per batch in flight), beyond the default
+    number of async output slots; every stage still gives one process's tokens."""
+    extra, reference = case
+    infos = run_world(4, _generate, 4, extra, 11, timeout_s=240)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == reference["tokens"], f"rank {rank} of 4 stages"
+    assert max(info["most_in_flight"] for info in infos) >= 4, "the pipeline never held four batches"
