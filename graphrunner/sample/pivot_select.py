@@ -2,7 +2,9 @@
 
 The exact threshold of filters.filter_threshold and the Gumbel-max token of
 triton_sampling.gumbel_argmax, without a sort: rows are split over R x S programs.
-Tier 0, the guess (every row):
+Tier -1 (pivot_reject.py): the unfiltered Gumbel-max draw, computed by the stats pass (DRAW),
+serves every row where it is proven kept (flag -1, threshold NaN); the later tiers skip those rows.
+Tier 0, the guess (every other row):
 1. stats (R x S): max of s = x / T (NaN skipped) and its first id, the first NaN id
    (greedy rows: torch.argmax), sum and count of finite x, and bucket maxima (the maxima
    of disjoint token groups: k of them >= t prove k tokens >= t). On x, divided at the end.
@@ -33,7 +35,7 @@ sums in another order than torch's: the boundary can move only across tokens who
 mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums over tiles
 depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
 NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
-Flags ([R] int32, returned as the tiers): 0-3 as above; 4 marks a row pending refinement.
+Flags ([R] int32, returned as the tiers): -1 and 0-3 as above; 4 marks a row pending refinement.
 """
 
 from __future__ import annotations
