@@ -60,7 +60,6 @@ REJECT_ENV = "GRAPHRUNNER_SAMPLER_REJECT"
 REJECT_DEFAULT = os.environ.get(REJECT_ENV, "1") != "0"  # read once: "0" turns tier -1 off
 REJECT_MARGIN = 2.0**-12  # relative: the top-p mass test's room for the tiers' float32 rounding
 REJECT_SLACK = 2.0**-24  # absolute: 2**16 candidates' fixed-point truncation (2**-40 each)
-_NO_ID = 2147483647
 
 if HAS_TRITON:
     import triton
@@ -73,6 +72,7 @@ if HAS_TRITON:
     _MARGIN = tl.constexpr(REJECT_MARGIN)
     _SLACK = tl.constexpr(REJECT_SLACK)
     _TIER = tl.constexpr(TIER_REJECT)
+    _NO_ID = tl.constexpr(2147483647)  # above every token id
 
     @triton.jit
     def _gate(row, x_ptr, x_stride, temp_ptr, max_ptr, sum_ptr, num_ptr, nan_ptr, log_min_p_ptr, plan_ptr, draw_ptr,
