@@ -149,6 +149,7 @@ def _triton_kernels(rel: str) -> list[str]:
     (["graphrunner/attention/triton_attn.py", "graphrunner/attention/kv_write.py", "graphrunner/attention/merge.py"],
      ATTENTION),
     (["graphrunner/sample/triton_sampling.py", "graphrunner/sample/pivot_select.py", "graphrunner/sample/argmax.py",
+      "graphrunner/sample/pivot_refine.py", "graphrunner/sample/pivot_reject.py",
       "graphrunner/sample/logprobs_triton.py", "graphrunner/sample/fused_process.py",
       "graphrunner/sample/bitmask.py"], "sampling"),
     (["graphrunner/kernels/input_prep.py", "graphrunner/kernels/block_table.py", "graphrunner/kernels/dcp.py"],

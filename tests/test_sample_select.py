@@ -69,11 +69,12 @@ def sort_reference(x, temperature, top_k, top_p, min_p, flags=(True, True, True)
     return kept, clear
 
 
-def _run(x, temperature, keys, top_k, top_p, min_p, flags=(True, True, True), **kw):
+def _run(x, temperature, keys, top_k, top_p, min_p, flags=(True, True, True), reject=False, **kw):
+    # Tiers 0-3 and their thresholds (tier -1 serves rows without one: tests/test_sample_reject.py).
     rows = x.shape[0]
     out = torch.full((rows,), -1, dtype=torch.int64, device=x.device)
     thr = torch.empty(rows, device=x.device)
-    path = pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, *flags, out, thr, **kw)
+    path = pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, *flags, out, thr, reject=reject, **kw)
     return out, thr, path
 
 
@@ -310,11 +311,11 @@ def test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr)
+        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr, reject=False)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr)
+        pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, True, True, True, out, thr, reject=False)
     results = []
     for _ in range(3):
         graph.replay()

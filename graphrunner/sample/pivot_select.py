@@ -2,7 +2,9 @@
 
 The exact threshold of filters.filter_threshold and the Gumbel-max token of
 triton_sampling.gumbel_argmax, without a sort: rows are split over R x S programs.
-Tier 0, the guess (every row):
+Tier -1 (pivot_reject.py): the unfiltered Gumbel-max draw, computed by the stats pass (DRAW),
+serves every row where it is proven kept (flag -1, threshold NaN); the later tiers skip those rows.
+Tier 0, the guess (every other row):
 1. stats (R x S): max of s = x / T (NaN skipped) and its first id, the first NaN id
    (greedy rows: torch.argmax), sum and count of finite x, and bucket maxima (the maxima
    of disjoint token groups: k of them >= t prove k tokens >= t). On x, divided at the end.
@@ -33,7 +35,7 @@ sums in another order than torch's: the boundary can move only across tokens who
 mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums over tiles
 depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
 NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
-Flags ([R] int32, returned as the tiers): 0-3 as above; 4 marks a row pending refinement.
+Flags ([R] int32, returned as the tiers): -1 and 0-3 as above; 4 marks a row pending refinement.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample import triton_sampling as ts
 from graphrunner.sample.pivot_refine import NUM_PIVOTS, TIER_FALLBACK, TIER_REFINE, count_and_refine
+from graphrunner.sample.pivot_reject import REJECT_DEFAULT, TIER_REJECT, check_draws
 
 __all__ = ["DEFAULT_CAPACITY", "GUESS_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
 
@@ -81,18 +84,35 @@ if HAS_TRITON:
     _SLACK = tl.constexpr(_GUESS_SLACK)
     _REFINED = tl.constexpr(TIER_REFINE)
     _FALLBACK = tl.constexpr(TIER_FALLBACK)
+    _REJECTED = tl.constexpr(TIER_REJECT)
+
+    @triton.jit
+    def _lane_best(val, v, best, best_idx):  # per lane: the larger score and its id (a tie keeps the first id)
+        better = val > best
+        return tl.where(better, val, best), tl.where(better, v, best_idx)
+
+    @triton.jit
+    def _store_best(best_ptr, best_idx_ptr, at, best, best_idx):  # the best score, the smallest id reaching it
+        peak = tl.max(best, 0)
+        tl.store(best_ptr + at, peak)
+        tl.store(best_idx_ptr + at, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr,
-                      vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
+    def _stats_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr,
+                      bmax_ptr, draw_ptr, draw_idx_ptr, vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr,
+                      DRAW: tl.constexpr):
         # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
         # first NaN id (greedy rows take it, as torch.argmax), sum, count and min of finite x (the
         # spread's mean, refinement's lowest bound), the maxima of NB disjoint lane groups (the plan's).
         # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T).
+        # DRAW (pivot_reject's pass A): also the Gumbel max over all of a sampled row's tokens.
         row, split = tl.program_id(0), tl.program_id(1)
         out = row * tl.num_programs(1) + split
         temp = tl.load(temp_ptr + row)
         t = tl.where(temp == 0.0, 1.0, temp)
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        best = tl.full([BLOCK], _NEG_INF, tl.float32)
+        best_idx = split * chunk + tl.arange(0, BLOCK)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
         lo = split * chunk
@@ -114,9 +134,16 @@ if HAS_TRITON:
             total += tl.where(finite, x, 0.0)
             count += finite.to(tl.int32)
             low = tl.minimum(low, tl.where(finite, x, _POS_INF))
-        best = tl.max(peak, 0)
-        tl.store(max_ptr + out, tl.math.div_rn(best, t))
-        tl.store(arg_ptr + out, tl.min(tl.where(peak == best, arg, 2147483647), 0))  # greedy rows: T = 1
+            if DRAW:
+                if temp != 0.0:  # (uniform per row) the noise costs a hash and two logs per token
+                    s = tl.math.div_rn(x, t)
+                    best, best_idx = _lane_best(tl.where(s == s, _gumbel_score(s, v, key), _NEG_INF), v, best,
+                                                best_idx)
+        if DRAW:
+            _store_best(draw_ptr, draw_idx_ptr, out, best, best_idx)
+        top = tl.max(peak, 0)
+        tl.store(max_ptr + out, tl.math.div_rn(top, t))
+        tl.store(arg_ptr + out, tl.min(tl.where(peak == top, arg, 2147483647), 0))  # greedy rows: T = 1
         tl.store(nan_ptr + out, tl.min(first_nan, 0))
         tl.store(sum_ptr + out, tl.math.div_rn(tl.sum(total, 0), t))
         tl.store(num_ptr + out, tl.sum(count, 0))
@@ -159,27 +186,18 @@ if HAS_TRITON:
         tl.store(plan_ptr + 2 * row, tl.where(mode == 3, _NEG_INF, g))
         tl.store(plan_ptr + 2 * row + 1, mode.to(tl.float32))
 
-    @triton.jit
-    def _lane_best(val, v, best, best_idx):  # per lane: the larger score and its id (a tie keeps the first id)
-        better = val > best
-        return tl.where(better, val, best), tl.where(better, v, best_idx)
-
-    @triton.jit
-    def _store_best(best_ptr, best_idx_ptr, at, best, best_idx):  # the best score, the smallest id reaching it
-        peak = tl.max(best, 0)
-        tl.store(best_ptr + at, peak)
-        tl.store(best_idx_ptr + at, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
-
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
     def _guess_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, plan_ptr, n_ptr,
                       cand_x_ptr, cand_v_ptr, best_ptr, best_idx_ptr, part_z_ptr, vocab_size, chunk, num_splits,
-                      capacity, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+                      capacity, flag_ptr, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
+                      BLOCK: tl.constexpr):
         # Program (row, split), tier 0: appends its tokens with s >= g (as x >= bound(g): no division)
         # as (raw x, id); mode 2 also sums exp(s - M), mode 3 draws over all (best s + gumbel, first id).
         row, split = tl.program_id(0), tl.program_id(1)
         m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
         m = tl.where(ok, m, 0.0)
         mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
+        mode = tl.where(tl.load(flag_ptr + row) == _REJECTED, 0, mode)  # served by tier -1: no pass
         t = tl.load(temp_ptr + row)
         t = tl.where(t == 0.0, 1.0, t)
         x0 = tl.where(mode == 3, _POS_INF, _x_bound(tl.load(plan_ptr + 2 * row), t))  # mode 3: no candidates
@@ -276,7 +294,7 @@ if HAS_TRITON:
         row = tl.program_id(0)
         flag = tl.load(flag_ptr + row)
         if TIER == 0:
-            active = tl.full([], 1, tl.int1)
+            active = flag != _REJECTED  # (tier -1 wrote every row's flag: -1 served, else 0)
         else:
             active = _finishes(flag)
         if active:
@@ -369,12 +387,15 @@ def pivot_sample_triton(
     capacity: int | None = None,
     block: int | None = None,
     splits: int | None = None,
-) -> torch.Tensor:  # [R] int32: which tier served the row: 0 guess, 1 pivots, 2 refined, 3 fallback
+    reject: bool | None = None,
+) -> torch.Tensor:  # [R] int32: which tier served the row: -1 reject, 0 guess, 1 pivots, 2 refined, 3 fallback
     """Sample `argmax(x/T >= threshold ? x/T + gumbel : -inf)` with the filters' exact threshold.
 
     The threshold of triton_sampling.sampling_threshold and the token of gumbel_argmax with
     it (greedy rows: torch.argmax(x)), tier by tier (module docstring). Returns the tiers.
-    `capacity` (a power of two), `block` and `splits` are exposed for tests.
+    A row served by tier -1 (pivot_reject.py; `reject`, default REJECT_DEFAULT) gets the same
+    token without its threshold: NaN there. `capacity` (a power of two), `block` and `splits`
+    are exposed for tests.
     """
     ts._require_triton()
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
@@ -386,10 +407,10 @@ def pivot_sample_triton(
     if capacity < 16 or capacity & (capacity - 1):
         raise ValueError(f"capacity={capacity} must be a power of two >= 16")
     blk, chunk, num_splits = _layout(x, block, splits)
-    flags = torch.empty(num_rows, dtype=torch.int32, device=x.device)  # [R]
+    flags = torch.zeros(num_rows, dtype=torch.int32, device=x.device)  # [R]: tier 0 for every row unless tier -1
     fast = torch.empty(num_rows, dtype=torch.int32, device=x.device)  # [R]
     _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, fast,
-                  flags, blk, chunk, num_splits, capacity)
+                  flags, blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
                               block=block, flags=flags, min_flag=TIER_FALLBACK)
@@ -400,12 +421,13 @@ def pivot_sample_triton(
 
 
 def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fast, flags, blk, chunk, num_splits,
-                  capacity) -> None:
+                  capacity, reject) -> None:
     """The kernels of the module docstring; their scratch buffers are sized by R, S, C only."""
     num_rows, vocab_size = x.shape
     dev, f32, i32 = x.device, torch.float32, torch.int32
     nb = _buckets(blk, num_splits)
-    kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, low=f32, best=f32, best_idx=i32, z=f32)
+    kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, low=f32, best=f32, best_idx=i32, z=f32, draw=f32,
+                 draw_idx=i32)
     part = {name: torch.empty(num_rows, num_splits, dtype=dt, device=dev) for name, dt in kinds.items()}  # [R, S]
     bucket_max = torch.empty(num_rows, num_splits * nb, dtype=f32, device=dev)  # [R, S * NB]
     plan = torch.empty(num_rows, 2, dtype=f32, device=dev)  # [R, (g, mode)]
@@ -423,14 +445,19 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fas
     draws = (part["best"], part["best_idx"])
     select = (temperature, keys, part["arg"], part["nan"], *row_args, top_k, top_p, piv, cnt, mass, plan, part["z"],
               num_cand, cand_s, cand_v, *draws, threshold, fast, flags, vocab_size, num_splits, capacity)
-    _stats_kernel[grid](x, x.stride(0), temperature, part["max"], part["arg"], part["nan"], part["sum"], part["num"],
-                        part["low"], bucket_max, vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+    # Pass A of tier -1 (the Gumbel max of every sampled row) rides on the stats' read.
+    _stats_kernel[grid](x, x.stride(0), temperature, keys, part["max"], part["arg"], part["nan"], part["sum"],
+                        part["num"], part["low"], bucket_max, part["draw"], part["draw_idx"], vocab_size, chunk,
+                        BLOCK=blk, NB=nb, DRAW=reject, num_warps=_NUM_WARPS)
     _plan_kernel[(num_rows,)](*row_args, bucket_max, top_k, top_p, plan, piv, vocab_size, num_splits, NB=nb,
                               num_warps=_NUM_WARPS, **flt, **shape)
+    if reject:  # tier -1: rows whose unfiltered draw is proven kept take it (flag -1), the others flag 0
+        check_draws(x, temperature, row_args, part["nan"], plan, (part["draw"], part["draw_idx"]), top_k, top_p,
+                    flags, fast, threshold, chunk, num_splits, blk, flt)
     # Tier 0, the guess: every row; its select flags 1 the rows it cannot prove.
     _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, plan, num_cand, cand_s, cand_v, *draws, part["z"],
-                        vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], BLOCK=blk, num_warps=_NUM_WARPS,
-                        **shape)
+                        vocab_size, chunk, num_splits, capacity, flags, USE_MIN_P=use[2], BLOCK=blk,
+                        num_warps=_NUM_WARPS, **shape)
     _select_kernel[(num_rows,)](*select, TIER=0, CAP=min(capacity, GUESS_CAPACITY), num_warps=_NUM_WARPS, **flt,
                                 **shape)
     # Tiers 1 and 2, the pivots and their refinement: flagged rows only (other programs return at once).

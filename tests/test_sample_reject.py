@@ -1,0 +1,248 @@
+"""Tier -1 of pivot_select (pivot_reject.py): the unfiltered Gumbel-max draw, served when proven kept.
+
+Every test runs pivot_sample_triton with the tier on and off: the tokens must be equal (the
+existing tiers are the reference), rows the tier does not accept must keep the tier and the
+threshold the other path gives them, and every accepted row's token must lie in the kept set
+of the independent sort reference of tests/test_sample_select.py. Boundary tests place top-k,
+top-p and min-p exactly at the draw, so a check that accepts one token too many (or too few)
+fails. On CPU the kernels run under TRITON_INTERPRET=1.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.sample import rng
+from graphrunner.sample.pivot_reject import TIER_REJECT
+from graphrunner.sample.pivot_select import pivot_sample_triton
+from tests.test_sample_select import sort_reference
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
+
+NEG_INF = float("-inf")
+ALL = (True, True, True)
+
+
+def _sample(x, temperature, keys, top_k, top_p, min_p, flags=ALL, reject=True, **kw):
+    rows = x.shape[0]
+    out = torch.full((rows,), -1, dtype=torch.int64, device=x.device)
+    thr = torch.full((rows,), -7.0, device=x.device)
+    tiers = pivot_sample_triton(x, temperature, keys, top_k, top_p, min_p, *flags, out, thr, reject=reject, **kw)
+    return out, thr, tiers
+
+
+def _on_and_off(x, temperature, keys, top_k, top_p, min_p, flags=ALL, **kw):
+    """Both paths; asserts what tier -1 must not change. -> (tokens, tiers with the tier on)."""
+    tokens, thr, tiers = _sample(x, temperature, keys, top_k, top_p, min_p, flags, True, **kw)
+    want, want_thr, want_tiers = _sample(x, temperature, keys, top_k, top_p, min_p, flags, False, **kw)
+    assert torch.equal(tokens, want), (tiers, want_tiers)
+    served = tiers == TIER_REJECT
+    assert torch.equal(tiers[~served], want_tiers[~served])
+    a, b = thr[~served], want_thr[~served]
+    assert bool(((a == b) | (a.isnan() & b.isnan())).all())  # (a non-finite row's threshold may be NaN)
+    assert bool(thr[served].isnan().all())  # not computed
+    assert not bool(served[temperature == 0.0].any())  # greedy rows keep torch.argmax's path
+    return tokens, tiers
+
+
+def _kept_by_reference(x, temperature, top_k, top_p, min_p, flags, tokens, tiers):
+    """Each accepted row's token is kept by the sort reference (where its top-p is unambiguous)."""
+    want, clear = sort_reference(x.float(), temperature, top_k, top_p, min_p, flags)
+    for r in torch.nonzero(tiers == TIER_REJECT).flatten().tolist():
+        if clear[r]:
+            assert bool(want[r, int(tokens[r])]), r
+
+
+def _draw(x, temperature, keys):
+    """i* by torch: the unfiltered Gumbel max of x / T (rng.py's noise), and s = x / T."""
+    s = x.float() / temperature[:, None]
+    return (s + rng.gumbel(keys, x.shape[1])).argmax(-1), s
+
+
+@st.composite
+def batches(draw):
+    """Flat and peaked rows, ties, -inf and NaN entries, every filter edge, bf16 / fp32, strided rows."""
+    rows = draw(st.integers(1, 4))
+    vocab = draw(st.sampled_from([64, 300, 1000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.05, 0.5, 3.0]))
+    if draw(st.booleans()):  # peaked: a few boosted tokens
+        x[:, torch.randperm(vocab, generator=g)[:3]] += torch.tensor([9.0, 8.0, 6.0])
+    if draw(st.booleans()):
+        x = torch.round(x * 4) / 4  # ties
+    if draw(st.booleans()):
+        x[torch.rand(rows, vocab, generator=g) < 0.2] = NEG_INF
+        x[:, 0] = 0.0
+    if draw(st.booleans()):  # a row with NaN entries (never accepted), or all NaN
+        x[draw(st.integers(0, rows - 1)), torch.randint(0, vocab, (draw(st.sampled_from([1, vocab])),),
+                                                         generator=g)] = math.nan
+    if draw(st.booleans()):
+        x = x.bfloat16()
+    if draw(st.booleans()):  # a row stride wider than V
+        x = torch.cat([x, torch.zeros(rows, 5, dtype=x.dtype)], 1)[:, :vocab]
+    temperature = torch.tensor([draw(st.sampled_from([0.0, 0.5, 0.8, 1.0, 2.0])) for _ in range(rows)])
+    top_k = torch.tensor([draw(st.sampled_from([0, 1, 5, vocab // 2, vocab - 1, vocab, vocab + 3]))
+                          for _ in range(rows)], dtype=torch.int32)
+    top_p = torch.tensor([draw(st.sampled_from([1.0, 0.99, 0.95, 0.9, 0.5, 1e-6])) for _ in range(rows)])
+    min_p = torch.tensor([draw(st.sampled_from([0.0, 0.0, 0.01, 0.1, 1.0])) for _ in range(rows)])
+    keys = rng.row_keys(torch.randint(0, 2**62, (rows,), generator=g), torch.arange(rows))
+    flags = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    return x, temperature, keys, top_k, top_p, min_p, flags
+
+
+@given(batch=batches(), capacity=st.sampled_from([64, 1024]), splits=st.sampled_from([None, 1, 3]))
+@settings(deadline=None)
+def test_tokens_equal_the_existing_tiers_and_accepted_rows_are_kept(batch, capacity, splits):
+    x, temperature, keys, top_k, top_p, min_p, flags = batch
+    tokens, tiers = _on_and_off(x, temperature, keys, top_k, top_p, min_p, flags, capacity=capacity, splits=splits,
+                                block=64)
+    nan_rows = x.float().isnan().any(1)
+    assert not bool((tiers == TIER_REJECT)[nan_rows].any())  # NaN rows go to the exact tiers
+    _kept_by_reference(x, temperature, top_k, top_p, min_p, flags, tokens, tiers)
+
+
+def _flat(rows, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=g) * 0.5).bfloat16().float()  # [R, V] random-weight-like
+    return x, torch.full((rows,), 0.8), rng.row_keys(torch.arange(rows) + seed, torch.arange(rows))
+
+
+@pytest.mark.parametrize(("top_p", "min_p", "flags"), [(0.95, 0.0, (False, True, False)),
+                                                       (0.9, 0.05, ALL), (1.0, 0.02, (False, False, True)),
+                                                       (1.0, 0.0, (False, False, False))])
+def test_flat_rows_are_served_by_their_draw(top_p, min_p, flags):
+    # Issue #16's rows: the top-p mass over most of the vocabulary (tiers 1-2 at capacity 64). Tier -1
+    # must serve most of them (~top_p of the draws are kept): the test fails if the tier is bypassed.
+    rows, vocab = 8, 2000
+    x, temperature, keys = _flat(rows, vocab, 3)
+    args = (torch.zeros(rows, dtype=torch.int32), torch.full((rows,), top_p), torch.full((rows,), min_p))
+    tokens, tiers = _on_and_off(x, temperature, keys, *args, flags, capacity=64)
+    assert int((tiers == TIER_REJECT).sum()) >= rows // 2, tiers
+    _kept_by_reference(x, temperature, *args, flags, tokens, tiers)
+
+
+def test_top_k_at_the_draw():
+    # k = the number of tokens above s*: s* is the (k+1)-th value, dropped; k + 1 keeps it.
+    rows, vocab = 4, 300
+    x, temperature, keys = _flat(rows, vocab, 5)
+    star, s = _draw(x, temperature, keys)
+    above = (s > s.gather(1, star[:, None])).sum(1).to(torch.int32)  # [R]
+    assert bool((above > 0).all())
+    off = (torch.ones(rows), torch.zeros(rows))
+    # 64-token blocks: 64 buckets of ~5 tokens, so the plan's bucket bound is loose and pass B counts.
+    kw = dict(block=64, splits=1)
+    _, tiers = _on_and_off(x, temperature, keys, above, *off, (True, False, False), **kw)
+    assert (tiers != TIER_REJECT).all(), tiers
+    tokens, tiers = _on_and_off(x, temperature, keys, above + 1, *off, (True, False, False), **kw)
+    assert (tiers == TIER_REJECT).all() and torch.equal(tokens, star), tiers
+
+
+def _prefix_mass(x, temperature, keys):
+    """i*, and the float64 mass share of the tokens strictly above s* (what top-p compares)."""
+    star, s = _draw(x, temperature, keys)
+    e = torch.exp((s - s.amax(1, keepdim=True)).double())
+    above = torch.where(s > s.gather(1, star[:, None]), e, 0.0).sum(1) / e.sum(1)
+    return star, above
+
+
+def test_top_p_at_the_draw():
+    # top_p just above the mass above s*: kept (accepted); just below: dropped (not accepted);
+    # within the rounding margin (2**-12): deferred to the exact tiers, the same token either way.
+    rows, vocab = 6, 1000
+    x, temperature, keys = _flat(rows, vocab, 9)
+    star, above = _prefix_mass(x, temperature, keys)
+    assert bool((above > 0.05).all() and (above < 0.95).all())
+    off_k, off_min_p = torch.zeros(rows, dtype=torch.int32), torch.zeros(rows)
+    only_p = (False, True, False)
+    for scale, accepted in ((1.01, True), (0.99, False), (1.00002, False)):
+        top_p = (above * scale).float()
+        tokens, tiers = _on_and_off(x, temperature, keys, off_k, top_p, off_min_p, only_p, capacity=64)
+        assert bool(((tiers == TIER_REJECT) == accepted).all()), (scale, tiers)
+        if accepted:
+            assert torch.equal(tokens, star)
+
+
+def test_a_top_token_draw_is_kept_by_any_top_p():
+    # A peaked row whose draw is its top token: no mass lies above it, so even top_p 0.01 keeps it.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 500, generator=g)
+    x[:, 17] = 30.0
+    temperature, keys = torch.ones(3), rng.row_keys(torch.arange(3), torch.arange(3))
+    args = (torch.zeros(3, dtype=torch.int32), torch.tensor([0.01, 0.5, 0.9]), torch.zeros(3))
+    tokens, tiers = _on_and_off(x, temperature, keys, *args, (False, True, False))
+    assert tokens.tolist() == [17] * 3 and tiers.tolist() == [TIER_REJECT] * 3
+
+
+def test_min_p_at_the_draw():
+    # min_p = 1 keeps the max only; min_p at exp(s* - M) keeps s* up to float32 rounding of the threshold.
+    rows, vocab = 4, 300
+    x, temperature, keys = _flat(rows, vocab, 11)
+    star, s = _draw(x, temperature, keys)
+    ratio = torch.exp(s.gather(1, star[:, None]).squeeze(1) - s.amax(1))  # [R]
+    assert bool((ratio < 0.99).all())  # no draw is the max (min_p 1.001 x ratio must drop it)
+    off = (torch.zeros(rows, dtype=torch.int32), torch.ones(rows))
+    for min_p, accepted in ((ratio * 0.999, True), (torch.clamp(ratio * 1.001, max=1.0), False)):
+        tokens, tiers = _on_and_off(x, temperature, keys, *off, min_p, (False, False, True))
+        assert bool(((tiers == TIER_REJECT) == accepted).all()), tiers
+    _, tiers = _on_and_off(x, temperature, keys, *off, torch.ones(rows), (False, False, True))
+    assert bool(((tiers == TIER_REJECT) == (s.gather(1, star[:, None]).squeeze(1) == s.amax(1))).all())
+
+
+def test_non_finite_rows_are_never_accepted():
+    # A row of only -inf, a +inf entry, NaN entries: the exact tiers (and the fallback) serve them.
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 64, generator=g)
+    x[0] = NEG_INF
+    x[1, 5] = math.inf
+    x[2, [3, 9]] = math.nan
+    args = (torch.full((4,), 0.8), rng.row_keys(torch.arange(4), torch.arange(4)), torch.zeros(4, dtype=torch.int32),
+            torch.full((4,), 0.9), torch.zeros(4))
+    _, tiers = _on_and_off(x, *args, block=64)
+    assert TIER_REJECT not in tiers[:3].tolist()
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@given(batch=batches())
+@settings(deadline=None)
+def test_gpu_tokens_equal_the_existing_tiers(batch):
+    x, temperature, keys, top_k, top_p, min_p, flags = (t.cuda() if isinstance(t, torch.Tensor) else t
+                                                        for t in batch)
+    tokens, tiers = _on_and_off(x, temperature, keys, top_k, top_p, min_p, flags)
+    _kept_by_reference(x.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(), flags, tokens.cpu(),
+                       tiers.cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_flat_full_vocab_rows_take_tier_minus_one_and_replay_deterministically():
+    # Issue #16 at scale: 256 flat rows x 151,936 at T 0.8, top-p 0.95; then the same call in a CUDA graph.
+    rows, vocab = 256, 151936
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn(rows, vocab, generator=g) * 0.5).bfloat16().float().cuda()
+    temperature, keys = torch.full((rows,), 0.8, device="cuda"), rng.row_keys(torch.arange(rows), torch.arange(rows))
+    args = (keys.cuda(), torch.zeros(rows, dtype=torch.int32, device="cuda"), torch.full((rows,), 0.95, device="cuda"),
+            torch.zeros(rows, device="cuda"))
+    tokens, tiers = _on_and_off(x, temperature, *args, (False, True, False))
+    assert int((tiers == TIER_REJECT).sum()) >= rows * 0.8
+    out, thr = torch.empty(rows, dtype=torch.int64, device="cuda"), torch.empty(rows, device="cuda")
+    call = lambda: pivot_sample_triton(x, temperature, *args, False, True, False, out, thr, reject=True)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(out, tokens)
