@@ -164,13 +164,17 @@ def _decode_pass(llm, bs: int, decode_steps: int, prompt_len: int) -> dict:
     rng = np.random.default_rng(bs)
     prompts = rng.integers(0, llm.vocab_size, size=(bs, prompt_len)).tolist()
     orig = _timed_steps(llm, record)
+    start = time.perf_counter()
     try:
         llm.generate(prompts, SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True))
     finally:
         llm.step = orig
+    wall = time.perf_counter() - start
     samples = samples[2:]  # the first replays warm caches
     return {
-        "bs": bs, "steps": len(samples), "context": prompt_len,
+        # ms_per_token: generate's wall (the prefill included) over the tokens each request got. Under
+        # pipelined PP an engine step launches or resolves, so a step is not a token there.
+        "bs": bs, "steps": len(samples), "context": prompt_len, "ms_per_token": 1e3 * wall / decode_steps,
         "median_ms": 1e3 * statistics.median(samples) if samples else None,
         "p90_ms": 1e3 * sorted(samples)[int(0.9 * (len(samples) - 1))] if samples else None,
     }
@@ -410,11 +414,13 @@ def _markdown(results: list[dict]) -> str:
             lines.append(f"| {r['config']} | {t['requests']} x {t.get('prompt_len', PROMPT_LEN)} in / "
                          f"{t['output_len']} out | {t['output_tokens_per_s']:.0f} | {t['wall_s']:.3f}{ubatched} "
                          f"| {idle} |")
-    lines += ["", "| config | bs | context | decode step median ms | p90 ms |", "|---|---|---|---|---|"]
+    lines += ["", "| config | bs | context | decode step median ms | p90 ms | generate ms per token |",
+              "|---|---|---|---|---|---|"]
     for r in results:
         for d in r.get("decode", []):
+            per_token = f"{d['ms_per_token']:.3f}" if "ms_per_token" in d else "-"
             lines.append(f"| {r['config']} | {d['bs']} | {d.get('context', PROMPT_LEN)} | {d['median_ms']:.3f} "
-                         f"| {d['p90_ms']:.3f} |")
+                         f"| {d['p90_ms']:.3f} | {per_token} |")
     for r in results:
         if "status" in r and r["status"] != 0:
             lines.append(f"| {r['config']} | - | - | FAILED (status {r['status']}) | |")

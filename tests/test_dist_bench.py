@@ -1,0 +1,72 @@
+"""dist_bench (tools/bench/dist_bench.py): layout names, capture sizes, and one gloo world on CPU.
+
+The benchmark's figures come from GPUs (issue #19's table); here its plumbing is checked: a name
+parses to the sizes it spells, the decode graphs cover every share of a batch that pipelined PP
+or DP makes, and a PP2 world on CPU runs the decode and throughput passes and reports an idle
+fraction that is a fraction.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphrunner_tools.bench.dist_bench import _markdown, capture_sizes, main, parse_layout
+
+size = st.integers(1, 8)
+
+
+@given(size, size, size, st.sampled_from(["", "sync", "lock", "lockdbo"]))
+def test_layout_names_parse_to_their_sizes(tp: int, pp: int, dp: int, mode: str) -> None:
+    name = f"tp{tp}pp{pp}dp{dp}{mode}"
+    if (mode == "sync" and pp == 1) or (mode.startswith("lock") and dp == 1):
+        with pytest.raises(ValueError, match="needs"):
+            parse_layout(name)
+        return
+    layout = parse_layout(name)
+    assert (layout.tp, layout.pp, layout.dp, layout.mode) == (tp, pp, dp, mode)
+    assert layout.world_size == tp * pp * dp
+    assert layout.lockstep == mode.startswith("lock")
+
+
+@pytest.mark.parametrize("name,sizes", [("tp1", (1, 1, 1)), ("pp4", (1, 4, 1)), ("dp2tp2", (2, 1, 2)),
+                                        ("tp2pp2", (2, 2, 1)), ("dp4", (1, 1, 4))])
+def test_short_names(name: str, sizes: tuple[int, int, int]) -> None:
+    layout = parse_layout(name)
+    assert (layout.tp, layout.pp, layout.dp) == sizes
+
+
+@pytest.mark.parametrize("name", ["", "tp", "tp2dp2tp2", "x4", "tp2sync", "pp2lock", "tp4 "])
+def test_bad_names_are_refused_with_the_forms(name: str) -> None:
+    with pytest.raises(ValueError, match=repr(name)):
+        parse_layout(name)
+
+
+@given(st.lists(st.integers(1, 512), min_size=1, max_size=4), st.integers(1, 8))
+def test_capture_sizes_cover_every_share(counts: list[int], splits: int) -> None:
+    sizes = capture_sizes(counts, splits)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1
+    for n in counts:
+        for d in range(1, splits + 1):
+            assert -(-n // d) in sizes  # a batch of n cut into d parts: its largest part has a graph
+
+
+def test_a_pp2_world_on_cpu_reports_throughput_and_idle(tmp_path) -> None:
+    status = main(["--out", str(tmp_path), "--device", "cpu", "--model", "builtin:tiny-llama", "--configs", "pp2",
+                   "--batch-sizes", "2", "--throughput-requests", "6", "--prompt-len", "8", "--output-len", "4",
+                   "--decode-steps", "4", "--compile-backend", "eager", "--num-kv-blocks", "64", "--timeout", "240"])
+    assert status == 0
+    (result,) = json.loads((tmp_path / "dist_bench.json").read_text())
+    assert result["status"] == 0 and (result["tp"], result["pp"], result["dp"]) == (1, 2, 1)
+    (decode,) = result["decode"]
+    assert decode["bs"] == 2 and decode["ms_per_token"] > 0
+    (run,) = result["throughput"]
+    assert run["requests"] == 6 and run["output_tokens_per_s"] > 0
+    ranks = run["ranks"]
+    assert sorted(r["pp_rank"] for r in ranks) == [0, 1]
+    for r in ranks:  # every forward timed on both stages; the idle share of a window is a fraction
+        assert r["forwards"] > 0 and 0.0 <= r["idle_fraction"] < 1.0 and r["busy_ms"] <= r["window_ms"]
+    assert "| pp2 | 6 x 8 in / 4 out |" in _markdown([result])
