@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from graphrunner.kernels import HAS_TRITON, dcp
 from graphrunner.kernels import block_table as bt
 from graphrunner.kernels.dcp import dcp_local_capacity, dcp_local_seq_lens, dcp_slot_mapping
+from tests.cuda_graphs import capture_cuda_graph
 
 # Triton tests run compiled on CUDA tensors where a GPU exists, interpreted on CPU otherwise.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -360,14 +361,7 @@ def test_gpu_cuda_graph_capture_and_replay(block_size, interleave, dcp_size):
             dcp_local_seq_lens(seq_lens_buf, interleave, dcp_size, r, lens_outs[r])
 
     upload(first)
-    s = torch.cuda.Stream()  # warm up (compiles the Triton kernels) on a side stream, then capture
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)  # warmed up (the Triton kernels compiled) on a side stream first
 
     for _ in range(6):
         c = make_case(rng, R_pad, T_pad, block_size, interleave, dcp_size, max_len)

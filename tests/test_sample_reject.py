@@ -19,6 +19,7 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import rng
 from graphrunner.sample.pivot_reject import TIER_REJECT
 from graphrunner.sample.pivot_select import pivot_sample_triton
+from tests.cuda_graphs import capture_cuda_graph
 from tests.test_sample_select import sort_reference
 
 pytestmark = [
@@ -234,15 +235,8 @@ def test_gpu_flat_full_vocab_rows_take_tier_minus_one_and_replay_deterministical
     tokens, tiers = _on_and_off(x, temperature, *args, (False, True, False))
     assert int((tiers == TIER_REJECT).sum()) >= rows * 0.8
     out, thr = torch.empty(rows, dtype=torch.int64, device="cuda"), torch.empty(rows, device="cuda")
-    call = lambda: pivot_sample_triton(x, temperature, *args, False, True, False, out, thr, reject=True)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_cuda_graph(
+        lambda: pivot_sample_triton(x, temperature, *args, False, True, False, out, thr, reject=True))
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, tokens)
