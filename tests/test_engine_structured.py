@@ -156,6 +156,64 @@ def test_xgrammar_masks_filled_together_equal_one_by_one() -> None:
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+class _OneByOne:
+    """An xgrammar backend without fill_many: grammar_output fills each matcher itself (`_fill_rows`)."""
+
+    def __init__(self, backend):
+        self.compile = backend.compile
+
+
+_SCHEMA = {"type": "object", "required": ["a", "b"],
+           "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1], ids=["greedy", "seeded0", "seeded1"])
+def test_xgrammar_fill_paths_agree_along_json_outputs(seed) -> None:
+    """Along JSON outputs (r0 a scripted object that completes; the others the smallest allowed id
+    each step, or seeded picks), the step's masks are the same from the one-call fill of every live
+    row (1 and 2 threads) and from each matcher's own fill: also with drafts placed (speculation:
+    rows along the drafts, then rolled back) and with a completed request listed beside live ones.
+    Accepting gives the same answers."""
+    pytest.importorskip("xgrammar")
+    tok = _tokenizer()
+    rng = np.random.default_rng(seed)
+    base = XGrammarBackend(tok, VOCAB)
+    engines = [StructuredOutputs(b, VOCAB) for b in (base, XGrammarBackend(tok, VOCAB, fill_threads=2),
+                                                     _OneByOne(base))]
+    for e in engines:
+        for rid in ("r0", "r1", "r2"):
+            e.add(rid, StructuredOutputsParams(json=_SCHEMA))
+    script = [*tok.convert_tokens_to_ids(list('{"a":1,"b":["x"]}')), tok.eos_token_id]
+    live, ended, row = ["r0", "r1", "r2"], [], np.zeros(bitmask_words(VOCAB), dtype=np.int32)
+    for step in range(24):
+        so = _so(*live, *ended)  # a request completed last step is listed once more (all tokens allowed)
+        if step % 3 == 2 and len(live) > 1:  # speculation: the last live request verifies two drafts
+            engines[2].matchers[live[-1]].fill_bitmask(row)
+            so.scheduled_spec_decode_tokens = {live[-1]: [min(_allowed(row)), int(rng.integers(0, VOCAB))]}
+        outs = [e.grammar_output(so) for e in engines]
+        assert outs[0] is not None and outs[0].pinned is not None
+        for out in outs[1:]:
+            assert out is not None and out.structured_output_request_ids == outs[0].structured_output_request_ids
+            np.testing.assert_array_equal(out.grammar_bitmask, outs[0].grammar_bitmask)
+        for e in engines:
+            for rid in ended:
+                e.remove(rid)
+        ended, start = [], 0
+        for rid in outs[0].structured_output_request_ids:
+            allowed = sorted(_allowed(outs[0].grammar_bitmask[start]))
+            start += 1 + len(so.scheduled_spec_decode_tokens.get(rid, []))
+            if rid not in live:
+                continue
+            token = script[step] if rid == "r0" else allowed[0] if seed is None else int(rng.choice(allowed))
+            assert token in allowed
+            done = {e.accept(rid, [token]) for e in engines}
+            assert len(done) == 1, (rid, token)
+            if done.pop():
+                live.remove(rid)
+                ended.append(rid)
+    assert "r0" not in live and "r0" not in engines[0].matchers  # it completed, then left
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
