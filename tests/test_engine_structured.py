@@ -214,6 +214,52 @@ def test_xgrammar_fill_paths_agree_along_json_outputs(seed) -> None:
     assert "r0" not in live and "r0" not in engines[0].matchers  # it completed, then left
 
 
+def test_deferred_tokens_are_accepted_before_drafts_and_masks() -> None:
+    """xgrammar: after_output only records a step's tokens that cannot complete the grammar (no stop
+    token); place_drafts cuts the next drafts, and grammar_output fills the next mask, from the
+    state after them. A stop token is accepted at once (the grammar completes, the request ends)."""
+    pytest.importorskip("xgrammar")
+    from types import SimpleNamespace
+
+    from graphrunner.protocol import CachedRequestData, DraftTokenIds, ModelRunnerOutput
+
+    tok = _tokenizer()
+    ids = tok.convert_tokens_to_ids
+    so_ = StructuredOutputs(XGrammarBackend(tok, VOCAB), VOCAB)
+    so_.add("r", StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "required": ["a"], "additionalProperties": False}))
+    placed, finished = {}, []
+    scheduler = SimpleNamespace(
+        requests={"r": SimpleNamespace(num_prefill_tokens=1)}, num_speculative_tokens=2,
+        schedule_drafts=lambda so, rid, drafts: placed.__setitem__(rid, drafts),
+        finish_request=lambda rid, status: finished.append(rid))
+    output = ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[ids("{")]])
+    assert so_.after_output(output, scheduler) == [] and so_.pending == {"r": [ids("{")]}
+    runner = SimpleNamespace(take_draft_token_ids=lambda: DraftTokenIds(["r"], [[ids('"'), ids("a")]]))
+    so = _so("r")
+    so.num_scheduled_tokens["r"] = 3
+    so.scheduled_cached_reqs = CachedRequestData(req_ids=["r"], num_computed_tokens=[5])
+    so_.place_drafts(runner, so, scheduler)
+    assert placed == {"r": [ids('"'), ids("a")]} and not so_.pending  # '"' is refused before '{'
+    for token, allowed in (('"', ids("a")), ("a", ids('"')), ('"', ids(":"))):  # {"a": next
+        output.sampled_token_ids = [[ids(token)]]
+        so_.after_output(output, scheduler)
+        out = so_.grammar_output(_so("r"))
+        assert out is not None and allowed in _allowed(out.grammar_bitmask[0]) and not so_.pending
+    output.sampled_token_ids = [[ids(":"), ids("7"), ids("}"), tok.eos_token_id]]  # ends with a stop token
+    so_.after_output(output, scheduler)
+    assert finished == ["r"] and "r" in so_.terminated and not so_.pending
+    # A deferred token the grammar refuses (never sampled under its masks): the request ends next output.
+    so_.add("b", StructuredOutputsParams(regex="[0-9]+"))
+    scheduler.requests["b"] = SimpleNamespace(num_prefill_tokens=1)
+    broken = ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[ids("x")]])
+    so_.after_output(broken, scheduler)
+    assert so_.grammar_output(_so("b")) is not None and so_.broken == {"b"}
+    broken.sampled_token_ids = [[ids("7")]]
+    so_.after_output(broken, scheduler)
+    assert finished == ["r", "b"]
+
+
 # ---------------------------------------------------------------------------- end to end
 
 

@@ -60,6 +60,10 @@ class GrammarMatcher(Protocol):
 
 
 class GrammarBackend(Protocol):
+    """Compiles a request's grammar. Optional: `fill_many(matchers, out, rows)` (a step's masks in one
+    call) and `stop_token_ids` (a frozenset: its matchers complete only by accepting one of these,
+    so the engine may accept other sampled tokens later, `StructuredOutputs.after_output`)."""
+
     def compile(self, params: StructuredOutputsParams) -> GrammarMatcher: ...
 
 
@@ -80,7 +84,10 @@ class XGrammarBackend:
             raise ImportError("structured outputs need xgrammar: pip install 'graphrunner[structured]'") from None
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
+        # A matcher (terminate_without_stop_token=False) completes only by accepting one of these.
+        self.stop_token_ids = frozenset(info.stop_token_ids)
         self._batch = xgr.BatchGrammarMatcher(fill_threads)
 
     def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int] | None = None) -> None:
@@ -201,6 +208,11 @@ class StructuredOutputs:
         # The requests whose grammar is complete. Only `accept` advances a matcher for good (drafts
         # are accepted and rolled back), so this is each matcher's is_terminated() without asking it.
         self.terminated: set[str] = set()
+        # Sampled tokens not yet accepted (`after_output`), accepted before the request's next mask
+        # or drafts; `broken`: a deferred token was refused (never under its masks): it ends next output.
+        self.pending: dict[str, list[int]] = {}
+        self.broken: set[str] = set()
+        self._stops: frozenset[int] | None = getattr(backend, "stop_token_ids", None)
 
     def check(self, req_id: str, params: StructuredOutputsParams | None) -> None:
         """ValueError naming the request when it asks for a grammar this engine cannot compile."""
@@ -223,6 +235,8 @@ class StructuredOutputs:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
         self.terminated.discard(req_id)
+        self.pending.pop(req_id, None)
+        self.broken.discard(req_id)
 
     def grammar_output(self, so: SchedulerOutput, device: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
@@ -231,6 +245,8 @@ class StructuredOutputs:
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
         if not ids:
             return None
+        if self.pending:
+            self._flush(ids)
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in ids] if spec else []
         staged = host_buffer((len(ids) + sum(map(len, drafts)), self.words), torch.int32, device or "cpu")
@@ -249,13 +265,20 @@ class StructuredOutputs:
         matcher = self.matchers.get(req_id)
         if matcher is None:
             return False
-        for token in tokens:
+        deferred = self.pending.pop(req_id, None)
+        for token in tokens if deferred is None else [*deferred, *tokens]:
             if not matcher.accept_token(token):
                 return True
         if matcher.is_terminated():
             self.terminated.add(req_id)
             return True
         return False
+
+    def _flush(self, ids: Sequence[str]) -> None:
+        """Accept the deferred tokens of `ids` (before their masks or drafts)."""
+        for rid in ids:
+            if rid in self.pending and self.accept(rid, []):
+                self.broken.add(rid)
 
     # ---- the engine's seams ---------------------------------------------------------------
     def wants_drafts(self, scheduler: Any) -> bool:
@@ -273,6 +296,8 @@ class StructuredOutputs:
         if taken is not None:
             self.drafts.update((rid, list(ids)) for rid, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True)
                                if rid in self.matchers)
+        if self.pending:
+            self._flush([rid for rid in so.num_scheduled_tokens if rid in self.matchers])
         cached = so.scheduled_cached_reqs
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))  # before the step
         for rid, num_tokens in list(so.num_scheduled_tokens.items()):
@@ -296,12 +321,20 @@ class StructuredOutputs:
 
     def after_output(self, runner_output: ModelRunnerOutput, scheduler: Any) -> list[RequestOutput]:
         """Advance the matchers by the step's tokens; end (finish_reason "stop") the requests whose
-        grammar is complete or broken and still live; forget the matchers of finished requests."""
+        grammar is complete or broken and still live; forget the matchers of finished requests.
+
+        With a backend's `stop_token_ids`, tokens that cannot complete a grammar are only recorded:
+        the matchers accept them in the next `grammar_output` (or `place_drafts`), which runs while
+        the step's forward does, instead of here, between two steps, where the device waits."""
         if not self.matchers:
             return []
-        ended = []
+        ended, stops, matchers, pending = [], self._stops, self.matchers, self.pending
         for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
-            if tokens and rid in self.matchers and self.accept(rid, tokens):
+            if not tokens or rid not in matchers:
+                continue
+            if stops is not None and stops.isdisjoint(tokens) and rid not in self.broken:
+                pending[rid] = [*pending[rid], *tokens] if rid in pending else list(tokens)
+            elif rid in self.broken or self.accept(rid, tokens):
                 out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 if out is not None:  # (EOS already ended it inside the step's output)
                     ended.append(out)
