@@ -275,10 +275,15 @@ class StructuredOutputs:
         return False
 
     def _flush(self, ids: Sequence[str]) -> None:
-        """Accept the deferred tokens of `ids` (before their masks or drafts)."""
+        """Accept the deferred tokens of `ids` (before their masks or drafts). None is a stop token,
+        so none completes a grammar: no is_terminated() to ask."""
+        pending, matchers = self.pending, self.matchers
         for rid in ids:
-            if rid in self.pending and self.accept(rid, []):
-                self.broken.add(rid)
+            tokens = pending.pop(rid, None)
+            if tokens is not None:
+                accept = matchers[rid].accept_token
+                if not all(accept(token) for token in tokens):
+                    self.broken.add(rid)
 
     # ---- the engine's seams ---------------------------------------------------------------
     def wants_drafts(self, scheduler: Any) -> bool:
