@@ -121,8 +121,7 @@ class ModelRunner(RunnerReadouts):
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp,
                              dcp=getattr(self.attn_backend, "layout", None))
-        # Pinned slots + copy stream of async outputs: a pipelined last stage holds P unresolved outputs.
-        self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))
+        self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))  # P in flight: PP
         self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
                                    self.state.requests, self.buffers.spec)
         self.graphs: StepGraphs | None = None  # with the KV cache

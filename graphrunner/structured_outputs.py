@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json as _json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,9 +71,15 @@ class GrammarOutput:
 
     structured_output_request_ids: list[str]
     grammar_bitmask: np.ndarray  # [sum over ids of (1 + drafts), ceil(V / 32)] int32
+    # The torch tensor whose memory `grammar_bitmask` is, when the engine filled it in a pinned host
+    # block (`graphrunner.state.staging.host_buffer`): the runner uploads it as is, without a copy.
+    pinned: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         mask = np.asarray(self.grammar_bitmask)
+        if self.pinned is not None and (tuple(self.pinned.shape) != mask.shape or mask.size and
+                                        self.pinned.data_ptr() != mask.__array_interface__["data"][0]):
+            raise ValueError("GrammarOutput.pinned must be the tensor whose memory grammar_bitmask is")
         if mask.ndim != 2 or mask.shape[0] < len(self.structured_output_request_ids):
             raise ValueError(f"grammar_bitmask has shape {mask.shape}; expected [>= "
                              f"{len(self.structured_output_request_ids)}, words] (at least one row per request id)")

@@ -75,3 +75,14 @@ def test_structured_json_workload_is_accepted_by_the_schema_matcher(tmp_path):
         assert all(matcher.accept_token(t) for t in tokens), tokens
         assert len(tokens) == 24 or matcher.is_terminated(), tokens
 
+
+
+def test_structured_host_times_each_call_and_the_fill_threads_agree(capsys):
+    """structured_host at a small vocabulary: one row per fill-thread count, every call timed (the
+    tool itself asserts the masks of both thread counts agree at every step)."""
+    pytest.importorskip("xgrammar")
+    from graphrunner_tools.bench import structured_host
+
+    assert structured_host.main(["--requests", "4", "--steps", "6", "--vocab", "2048", "--threads", "1,2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.strip("|").split("|")[1:])

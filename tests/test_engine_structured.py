@@ -156,6 +156,110 @@ def test_xgrammar_masks_filled_together_equal_one_by_one() -> None:
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+class _OneByOne:
+    """An xgrammar backend without fill_many: grammar_output fills each matcher itself (`_fill_rows`)."""
+
+    def __init__(self, backend):
+        self.compile = backend.compile
+
+
+_SCHEMA = {"type": "object", "required": ["a", "b"],
+           "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1], ids=["greedy", "seeded0", "seeded1"])
+def test_xgrammar_fill_paths_agree_along_json_outputs(seed) -> None:
+    """Along JSON outputs (r0 a scripted object that completes; the others the smallest allowed id
+    each step, or seeded picks), the step's masks are the same from the one-call fill of every live
+    row (1 and 2 threads) and from each matcher's own fill: also with drafts placed (speculation:
+    rows along the drafts, then rolled back) and with a completed request listed beside live ones.
+    Accepting gives the same answers."""
+    pytest.importorskip("xgrammar")
+    tok = _tokenizer()
+    rng = np.random.default_rng(seed)
+    base = XGrammarBackend(tok, VOCAB)
+    engines = [StructuredOutputs(b, VOCAB) for b in (base, XGrammarBackend(tok, VOCAB, fill_threads=2),
+                                                     _OneByOne(base))]
+    for e in engines:
+        for rid in ("r0", "r1", "r2"):
+            e.add(rid, StructuredOutputsParams(json=_SCHEMA))
+    script = [*tok.convert_tokens_to_ids(list('{"a":1,"b":["x"]}')), tok.eos_token_id]
+    live, ended, row = ["r0", "r1", "r2"], [], np.zeros(bitmask_words(VOCAB), dtype=np.int32)
+    for step in range(24):
+        so = _so(*live, *ended)  # a request completed last step is listed once more (all tokens allowed)
+        if step % 3 == 2 and len(live) > 1:  # speculation: the last live request verifies two drafts
+            engines[2].matchers[live[-1]].fill_bitmask(row)
+            so.scheduled_spec_decode_tokens = {live[-1]: [min(_allowed(row)), int(rng.integers(0, VOCAB))]}
+        outs = [e.grammar_output(so) for e in engines]
+        assert outs[0] is not None and outs[0].pinned is not None
+        for out in outs[1:]:
+            assert out is not None and out.structured_output_request_ids == outs[0].structured_output_request_ids
+            np.testing.assert_array_equal(out.grammar_bitmask, outs[0].grammar_bitmask)
+        for e in engines:
+            for rid in ended:
+                e.remove(rid)
+        ended, start = [], 0
+        for rid in outs[0].structured_output_request_ids:
+            allowed = sorted(_allowed(outs[0].grammar_bitmask[start]))
+            start += 1 + len(so.scheduled_spec_decode_tokens.get(rid, []))
+            if rid not in live:
+                continue
+            token = script[step] if rid == "r0" else allowed[0] if seed is None else int(rng.choice(allowed))
+            assert token in allowed
+            done = {e.accept(rid, [token]) for e in engines}
+            assert len(done) == 1, (rid, token)
+            if done.pop():
+                live.remove(rid)
+                ended.append(rid)
+    assert "r0" not in live and "r0" not in engines[0].matchers  # it completed, then left
+
+
+def test_deferred_tokens_are_accepted_before_drafts_and_masks() -> None:
+    """xgrammar: after_output only records a step's tokens that cannot complete the grammar (no stop
+    token); place_drafts cuts the next drafts, and grammar_output fills the next mask, from the
+    state after them. A stop token is accepted at once (the grammar completes, the request ends)."""
+    pytest.importorskip("xgrammar")
+    from types import SimpleNamespace
+
+    from graphrunner.protocol import CachedRequestData, DraftTokenIds, ModelRunnerOutput
+
+    tok = _tokenizer()
+    ids = tok.convert_tokens_to_ids
+    so_ = StructuredOutputs(XGrammarBackend(tok, VOCAB), VOCAB)
+    so_.add("r", StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "required": ["a"], "additionalProperties": False}))
+    placed, finished = {}, []
+    scheduler = SimpleNamespace(
+        requests={"r": SimpleNamespace(num_prefill_tokens=1)}, num_speculative_tokens=2,
+        schedule_drafts=lambda so, rid, drafts: placed.__setitem__(rid, drafts),
+        finish_request=lambda rid, status: finished.append(rid))
+    output = ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[ids("{")]])
+    assert so_.after_output(output, scheduler) == [] and so_.pending == {"r": [ids("{")]}
+    runner = SimpleNamespace(take_draft_token_ids=lambda: DraftTokenIds(["r"], [[ids('"'), ids("a")]]))
+    so = _so("r")
+    so.num_scheduled_tokens["r"] = 3
+    so.scheduled_cached_reqs = CachedRequestData(req_ids=["r"], num_computed_tokens=[5])
+    so_.place_drafts(runner, so, scheduler)
+    assert placed == {"r": [ids('"'), ids("a")]} and not so_.pending  # '"' is refused before '{'
+    for token, allowed in (('"', ids("a")), ("a", ids('"')), ('"', ids(":"))):  # {"a": next
+        output.sampled_token_ids = [[ids(token)]]
+        so_.after_output(output, scheduler)
+        out = so_.grammar_output(_so("r"))
+        assert out is not None and allowed in _allowed(out.grammar_bitmask[0]) and not so_.pending
+    output.sampled_token_ids = [[ids(":"), ids("7"), ids("}"), tok.eos_token_id]]  # ends with a stop token
+    so_.after_output(output, scheduler)
+    assert finished == ["r"] and "r" in so_.terminated and not so_.pending
+    # A deferred token the grammar refuses (never sampled under its masks): the request ends next output.
+    so_.add("b", StructuredOutputsParams(regex="[0-9]+"))
+    scheduler.requests["b"] = SimpleNamespace(num_prefill_tokens=1)
+    broken = ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[ids("x")]])
+    so_.after_output(broken, scheduler)
+    assert so_.grammar_output(_so("b")) is not None and so_.broken == {"b"}
+    broken.sampled_token_ids = [[ids("7")]]
+    so_.after_output(broken, scheduler)
+    assert finished == ["r", "b"]
+
+
 # ---------------------------------------------------------------------------- end to end
 
 

@@ -274,6 +274,57 @@ def test_json_schema_with_ngram_speculation(tmp_path) -> None:
     assert outs[True] == outs[False]
 
 
+class _Eager:
+    """An xgrammar backend without `stop_token_ids`: the engine accepts every token in after_output."""
+
+    def __init__(self, backend) -> None:
+        self.compile, self.fill_many = backend.compile, backend.fill_many
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("k", [0, 3], ids=["plain", "ngram3"])
+def test_deferred_accepts_give_the_same_tokens(tmp_path, k, async_scheduling) -> None:
+    """Tokens that cannot complete a grammar are accepted before the next mask instead of right
+    after the step: the same tokens and finish reasons, greedy and seeded, with and without EOS
+    ignored (the grammar completes on EOS), with ngram drafts verified under the grammar."""
+    pytest.importorskip("xgrammar")
+    from tests.test_engine_text import make_text_model
+
+    folder = make_text_model(tmp_path)
+    pair = StructuredOutputsParams(json={"type": "object", "required": ["ok", "n"], "additionalProperties": False,
+                                         "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}})
+    params = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=pair)]
+    params += [SamplingParams(max_tokens=48, temperature=1.0, seed=seed, ignore_eos=seed == 7,
+                              structured_outputs=pair) for seed in (6, 7)]
+    outs, deferred = [], []
+    for eager in (False, True):
+        llm = LLM(str(folder), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=128, block_size=8, num_kv_blocks=96, speculative_config=ngram(k) if k else None,
+                  async_scheduling=async_scheduling)
+        if eager:
+            llm._structured = StructuredOutputs(_Eager(llm._structured.backend), llm.runner.vocab_size)
+        after_output = llm._structured.after_output
+
+        def recording(output, scheduler, structured=llm._structured, after_output=after_output):
+            ended = after_output(output, scheduler)
+            deferred.append(bool(structured.pending))  # tokens left for the next mask or drafts
+            return ended
+
+        llm._structured.after_output = recording
+        placed: list[dict] = []  # the drafts each step verifies: cut by the same grammar states
+        execute = llm.runner.execute_model
+
+        def executed(so, execute=execute, placed=placed):
+            placed.append(dict(so.scheduled_spec_decode_tokens))
+            return execute(so)
+
+        llm.runner.execute_model = executed
+        got = [(list(o.token_ids), o.finish_reason) for o in llm.generate(["café", "hello", "hello"], params)]
+        outs.append((got, placed))
+        llm.shutdown()
+    assert any(deferred) and outs[0] == outs[1]
+
+
 # ------------------------------------------------------------------------------ GPU
 
 

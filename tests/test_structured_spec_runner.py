@@ -57,6 +57,15 @@ def _states(slots: int, grammar_rows: list[int]) -> SamplingStates:
     return states
 
 
+def _output(ids: list[str], mask: np.ndarray, pinned: bool) -> GrammarOutput:
+    """The step's GrammarOutput; `pinned`: its bitmask is a torch tensor's memory, as the engine fills
+    it (`GrammarOutput.pinned`, uploaded as is), else a plain array (copied into a host block)."""
+    if not pinned:
+        return GrammarOutput(ids, mask)
+    host = torch.from_numpy(mask.copy())
+    return GrammarOutput(ids, host.numpy(), pinned=host)
+
+
 @st.composite
 def _layouts(draw):
     """A step's entries (state row, grammar or not, drafts, listed or not), listing order, masks."""
@@ -85,7 +94,7 @@ def test_write_grammar_fills_each_slot_and_the_sampler_applies_it(layout) -> Non
     ids = [req_ids[i] for i in order] + (["stranger"] if stranger else [])
     bits = rng.random((num_rows, VOCAB)) < 0.3
     bits[:, 0] = True  # never an empty mask (an all -inf row has no reference argmax)
-    states.write_grammar(np.array(rows), req_ids, GrammarOutput(ids, _pack(bits)), np.array(drafts))
+    states.write_grammar(np.array(rows), req_ids, _output(ids, _pack(bits), seed % 2 == 0), np.array(drafts))
 
     # The layout: request i's rows in order, its slots past 1 + drafts[i] (and unlisted rows) all allowed.
     expected = np.full((n, S, VOCAB), True)
@@ -125,13 +134,32 @@ def test_write_grammar_without_speculation_places_each_listed_row(layout) -> Non
     req_ids = [f"r{r}" for r in rows]
     ids = [req_ids[i] for i in order] + (["stranger"] if stranger else [])
     bits = np.random.default_rng(seed).random((len(ids), VOCAB)) < 0.5
-    states.write_grammar(np.array(rows), req_ids, GrammarOutput(ids, _pack(bits)))
+    states.write_grammar(np.array(rows), req_ids, _output(ids, _pack(bits), seed % 2 == 0))
     got = _unpack(states.grammar_mask.numpy(), VOCAB)  # [rows, 1, V]
     position = {i: j for j, i in enumerate(order)}
     for i, (row, g) in enumerate(zip(rows, grammar, strict=True)):
         if g:
             want = bits[position[i]] if i in position else np.ones(VOCAB, dtype=bool)
             assert (got[row, 0] == want).all(), f"entry {i} (row {row})"
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["array", "pinned"])
+def test_a_narrower_bitmask_forbids_the_padding_ids(pinned) -> None:
+    """A grammar over fewer ids than the model's vocabulary (64 of 80: two words of three): the
+    third word of each written slot is 0 (padding ids forbidden), the other slots allow everything."""
+    states = _states(2, [1, 3])
+    assert states.grammar_mask is not None
+    mask = np.array([[5, -1], [6, 7], [8, 9]], dtype=np.int32)  # r1: 2 rows (1 draft), r3: 1 row
+    states.write_grammar(np.array([3, 1]), ["r3", "r1"], _output(["r1", "r3"], mask, pinned), np.array([0, 1]))
+    got = states.grammar_mask.numpy()
+    assert got[1].tolist() == [[5, -1, 0], [6, 7, 0]]
+    assert got[3].tolist() == [[8, 9, 0], [-1, -1, -1]]
+
+
+def test_pinned_must_be_the_bitmask_memory() -> None:
+    host = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="pinned must be the tensor whose memory grammar_bitmask is"):
+        GrammarOutput(["a", "b"], host.numpy().copy(), pinned=host)
 
 
 @pytest.mark.parametrize("ids, rows, message", [

@@ -27,13 +27,15 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
+import torch
 
 from graphrunner.config import MAX_SPECULATIVE_TOKENS
 from graphrunner.engine.request import RequestOutput, RequestStatus
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
+from graphrunner.state.staging import host_buffer
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
 
 __all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend", "can_compile_grammars",
@@ -44,7 +46,8 @@ class GrammarMatcher(Protocol):
     """One request's position in its grammar."""
 
     def fill_bitmask(self, out: np.ndarray) -> None:
-        """Write the allowed next tokens into `out` ([ceil(V/32)] int32, bit v % 32 of word v // 32)."""
+        """Write the allowed next tokens into `out` ([ceil(V/32)] int32, bit v % 32 of word v // 32),
+        every word of it (`out` is not cleared first)."""
 
     def accept_token(self, token: int) -> bool:
         """Advance by `token`; False if the grammar does not allow it (the matcher is unchanged)."""
@@ -57,30 +60,44 @@ class GrammarMatcher(Protocol):
 
 
 class GrammarBackend(Protocol):
+    """Compiles a request's grammar. Optional: `fill_many(matchers, out, rows)` (a step's masks in one
+    call) and `stop_token_ids` (a frozenset: its matchers complete only by accepting one of these,
+    so the engine may accept other sampled tokens later, `StructuredOutputs.after_output`)."""
+
     def compile(self, params: StructuredOutputsParams) -> GrammarMatcher: ...
 
 
 class XGrammarBackend:
     """Matchers from xgrammar over a Hugging Face tokenizer; the model's vocabulary may be larger
-    than the tokenizer's (padding ids are never allowed)."""
+    than the tokenizer's (padding ids are never allowed).
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    fill_threads: the threads of a step's mask fill (`fill_many`; an int or "auto", xgrammar's
+    hardware_concurrency / 2). xgrammar 0.2.8 starts and joins them inside every
+    `batch_fill_next_token_bitmask` call (no pool lives between calls): that costs ~65 us per call
+    with 2 threads on a 2-core machine, more under a sandboxed kernel, against ~3 us per JSON mask
+    of a 152k vocabulary. One thread (the default) fills the masks one after another in C++."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, fill_threads: int | Literal["auto"] = 1) -> None:
         try:
             import xgrammar as xgr
         except ImportError:
             raise ImportError("structured outputs need xgrammar: pip install 'graphrunner[structured]'") from None
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
-        self._batch = xgr.BatchGrammarMatcher("auto")  # fills a step's masks on several threads
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
+        # A matcher (terminate_without_stop_token=False) completes only by accepting one of these.
+        self.stop_token_ids = frozenset(info.stop_token_ids)
+        self._batch = xgr.BatchGrammarMatcher(fill_threads)
 
-    def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int]) -> None:
-        """out[rows[i]] = matchers[i]'s mask, all at once (xgrammar's thread pool): at 64 requests
-        of a 152k vocabulary several times faster than one matcher after another."""
+    def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int] | None = None) -> None:
+        """out[rows[i]] = matchers[i]'s mask (rows None: out[i]), in one call into xgrammar: at 64
+        requests of a 152k vocabulary several times faster than a Python loop over the matchers."""
         inner = [m._matcher for m in matchers]  # type: ignore[attr-defined]
         self._batch.batch_fill_next_token_bitmask(inner, out, rows)
         words = -(-self.vocab_size // 32)
-        out[rows, words:] = 0
+        if words < out.shape[1]:
+            out[list(range(len(matchers))) if rows is None else rows, words:] = 0
 
     def compile(self, params: StructuredOutputsParams) -> GrammarMatcher:
         c = self.compiler
@@ -94,8 +111,7 @@ class XGrammarBackend:
             grammar = c.compile_regex("|".join(f"({re.escape(choice)})" for choice in params.choice))
         else:
             grammar = c.compile_grammar(str(params.grammar))
-        return _XGrammarMatcher(self._xgr, self._xgr.GrammarMatcher(grammar, **_rollback_kwargs(self._xgr)),
-                                self.vocab_size)
+        return _XGrammarMatcher(self._xgr.GrammarMatcher(grammar, **_rollback_kwargs(self._xgr)), self.vocab_size)
 
 
 def _rollback_kwargs(xgr: Any) -> dict[str, Any]:
@@ -106,24 +122,27 @@ def _rollback_kwargs(xgr: Any) -> dict[str, Any]:
 
 
 class _XGrammarMatcher:
-    def __init__(self, xgr: Any, matcher: Any, vocab_size: int) -> None:
+    """One xgrammar matcher. Its per-step calls go to xgrammar's FFI object directly (two Python
+    frames fewer per call: the engine makes one or two per request and step)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
-        self._mask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32 torch tensor
+        handle = matcher._handle
+        self._accept, self._terminated, self._rollback = handle.accept_token, handle.is_terminated, handle.rollback
+        self._words = bitmask_words(vocab_size)
 
     def fill_bitmask(self, out: np.ndarray) -> None:
-        self._matcher.fill_next_token_bitmask(self._mask, 0)
-        words = self._mask.shape[1]
-        out[:words] = self._mask[0].numpy()
-        out[words:] = 0
+        self._matcher.fill_next_token_bitmask(out[: self._words], 0)  # a 1-D row: filled in place
+        out[self._words :] = 0
 
     def accept_token(self, token: int) -> bool:
-        return bool(self._matcher.accept_token(int(token)))
+        return bool(self._accept(int(token), False))
 
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return bool(self._terminated())
 
     def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
+        self._rollback(num_tokens)
 
 
 def _valid_prefix(matcher: GrammarMatcher, drafts: Sequence[int]) -> list[int]:
@@ -162,6 +181,22 @@ def _fill_rows(matcher: GrammarMatcher, drafts: Sequence[int], out: np.ndarray) 
         matcher.rollback(accepted)
 
 
+def _fill_each(matchers: list[GrammarMatcher], drafts: Sequence[Sequence[int]], mask: np.ndarray,
+               fill_many: Any) -> None:
+    """mask: [sum of 1 + len(drafts[i]), words]; the rows of each matcher in order (`_fill_rows`),
+    the live ones without drafts together through `fill_many` when the backend has it."""
+    batched: list[tuple[int, GrammarMatcher]] = []  # (mask row, matcher)
+    start = 0
+    for matcher, tokens in zip(matchers, drafts, strict=True):
+        if fill_many is not None and not tokens and not matcher.is_terminated():
+            batched.append((start, matcher))
+        else:
+            _fill_rows(matcher, tokens, mask[start : start + 1 + len(tokens)])
+        start += 1 + len(tokens)
+    if batched:
+        fill_many([m for _, m in batched], mask, [row for row, _ in batched])
+
+
 class StructuredOutputs:
     """The engine's matchers: one per live constrained request."""
 
@@ -170,6 +205,14 @@ class StructuredOutputs:
         self.words = bitmask_words(vocab_size)
         self.matchers: dict[str, GrammarMatcher] = {}
         self.drafts: dict[str, list[int]] = {}  # speculation: each constrained request's last proposals
+        # The requests whose grammar is complete. Only `accept` advances a matcher for good (drafts
+        # are accepted and rolled back), so this is each matcher's is_terminated() without asking it.
+        self.terminated: set[str] = set()
+        # Sampled tokens not yet accepted (`after_output`), accepted before the request's next mask
+        # or drafts; `broken`: a deferred token was refused (never under its masks): it ends next output.
+        self.pending: dict[str, list[int]] = {}
+        self.broken: set[str] = set()
+        self._stops: frozenset[int] | None = getattr(backend, "stop_token_ids", None)
 
     def check(self, req_id: str, params: StructuredOutputsParams | None) -> None:
         """ValueError naming the request when it asks for a grammar this engine cannot compile."""
@@ -191,29 +234,30 @@ class StructuredOutputs:
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
+        self.terminated.discard(req_id)
+        self.pending.pop(req_id, None)
+        self.broken.discard(req_id)
 
-    def grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
+    def grammar_output(self, so: SchedulerOutput, device: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
-        1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first)."""
+        1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first).
+        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA)."""
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
         if not ids:
             return None
-        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in ids]
-        mask = np.zeros((len(ids) + sum(map(len, drafts)), self.words), dtype=np.int32)
+        if self.pending:
+            self._flush(ids)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in ids] if spec else []
+        staged = host_buffer((len(ids) + sum(map(len, drafts)), self.words), torch.int32, device or "cpu")
+        mask = staged.numpy()  # every row is written whole below
+        matchers = [self.matchers[rid] for rid in ids]
         fill_many = getattr(self.backend, "fill_many", None)
-        batched: list[tuple[int, GrammarMatcher]] = []  # (mask row, matcher): one row each, filled together
-        start = 0
-        for rid, tokens in zip(ids, drafts, strict=True):
-            matcher = self.matchers[rid]
-            if fill_many is not None and not tokens and not matcher.is_terminated():
-                batched.append((start, matcher))
-            else:
-                _fill_rows(matcher, tokens, mask[start : start + 1 + len(tokens)])
-            start += 1 + len(tokens)
-        if batched:
-            assert fill_many is not None
-            fill_many([m for _, m in batched], mask, [row for row, _ in batched])
-        return GrammarOutput(ids, mask)
+        if fill_many is not None and len(mask) == len(ids) and self.terminated.isdisjoint(ids):
+            fill_many(matchers, mask)  # the common step: one live row each, in order
+        else:
+            _fill_each(matchers, drafts or [[]] * len(ids), mask, fill_many)
+        return GrammarOutput(ids, mask, pinned=staged)
 
     def accept(self, req_id: str, tokens: list[int]) -> bool:
         """Advance `req_id`'s matcher by its new tokens; True when its grammar is now complete (or
@@ -221,10 +265,25 @@ class StructuredOutputs:
         matcher = self.matchers.get(req_id)
         if matcher is None:
             return False
-        for token in tokens:
+        deferred = self.pending.pop(req_id, None)
+        for token in tokens if deferred is None else [*deferred, *tokens]:
             if not matcher.accept_token(token):
                 return True
-        return matcher.is_terminated()
+        if matcher.is_terminated():
+            self.terminated.add(req_id)
+            return True
+        return False
+
+    def _flush(self, ids: Sequence[str]) -> None:
+        """Accept the deferred tokens of `ids` (before their masks or drafts). None is a stop token,
+        so none completes a grammar: no is_terminated() to ask."""
+        pending, matchers = self.pending, self.matchers
+        for rid in ids:
+            tokens = pending.pop(rid, None)
+            if tokens is not None:
+                accept = matchers[rid].accept_token
+                if not all(accept(token) for token in tokens):
+                    self.broken.add(rid)
 
     # ---- the engine's seams ---------------------------------------------------------------
     def wants_drafts(self, scheduler: Any) -> bool:
@@ -242,6 +301,8 @@ class StructuredOutputs:
         if taken is not None:
             self.drafts.update((rid, list(ids)) for rid, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True)
                                if rid in self.matchers)
+        if self.pending:
+            self._flush([rid for rid in so.num_scheduled_tokens if rid in self.matchers])
         cached = so.scheduled_cached_reqs
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))  # before the step
         for rid, num_tokens in list(so.num_scheduled_tokens.items()):
@@ -258,19 +319,27 @@ class StructuredOutputs:
 
     def sample(self, runner: Any, so: SchedulerOutput, async_output: bool = False) -> Any:
         """`runner.sample_tokens` with the step's masks (None when it has no constrained request)."""
-        grammar = self.grammar_output(so) if self.matchers else None
+        grammar = self.grammar_output(so, getattr(runner, "device", None)) if self.matchers else None
         if grammar is None:  # the plain call: engines and wrappers that know no grammar see no change
             return runner.sample_tokens(async_output=async_output)
         return runner.sample_tokens(async_output=async_output, grammar_output=grammar)
 
     def after_output(self, runner_output: ModelRunnerOutput, scheduler: Any) -> list[RequestOutput]:
         """Advance the matchers by the step's tokens; end (finish_reason "stop") the requests whose
-        grammar is complete or broken and still live; forget the matchers of finished requests."""
+        grammar is complete or broken and still live; forget the matchers of finished requests.
+
+        With a backend's `stop_token_ids`, tokens that cannot complete a grammar are only recorded:
+        the matchers accept them in the next `grammar_output` (or `place_drafts`), which runs while
+        the step's forward does, instead of here, between two steps, where the device waits."""
         if not self.matchers:
             return []
-        ended = []
+        ended, stops, matchers, pending = [], self._stops, self.matchers, self.pending
         for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
-            if tokens and rid in self.matchers and self.accept(rid, tokens):
+            if not tokens or rid not in matchers:
+                continue
+            if stops is not None and stops.isdisjoint(tokens) and rid not in self.broken:
+                pending[rid] = [*pending[rid], *tokens] if rid in pending else list(tokens)
+            elif rid in self.broken or self.accept(rid, tokens):
                 out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 if out is not None:  # (EOS already ended it inside the step's output)
                     ended.append(out)
@@ -287,14 +356,16 @@ def can_compile_grammars(tokenizer: Any) -> bool:
     return has_vocab and importlib.util.find_spec("xgrammar") is not None
 
 
-def make_structured_outputs(tokenizer: Any, vocab_size: int) -> StructuredOutputs:
-    """The engine's matchers: through xgrammar over `tokenizer` when both exist; else none can
-    compile, and a request asking for structured outputs is refused with the reason. Under
-    speculative decoding the matchers also roll back (`GrammarMatcher.rollback`)."""
+def make_structured_outputs(tokenizer: Any, vocab_size: int,
+                            fill_threads: int | Literal["auto"] = 1) -> StructuredOutputs:
+    """The engine's matchers: through xgrammar over `tokenizer` when both exist (`fill_threads`:
+    `XGrammarBackend`'s); else none can compile, and a request asking for structured outputs is
+    refused with the reason. Under speculative decoding the matchers also roll back
+    (`GrammarMatcher.rollback`)."""
     backend = None
     if can_compile_grammars(tokenizer):
         try:
-            backend = XGrammarBackend(tokenizer, vocab_size)
+            backend = XGrammarBackend(tokenizer, vocab_size, fill_threads)
         except ImportError:
             backend = None
     return StructuredOutputs(backend, vocab_size)

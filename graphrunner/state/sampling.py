@@ -50,7 +50,8 @@ from graphrunner.state.features import (
     SamplingFeatures,
     round_logprobs,
 )
-from graphrunner.state.staging import StagedWrites, host_buffer, to_device_async
+from graphrunner.state.grammar_masks import place_grammar
+from graphrunner.state.staging import StagedWrites
 from graphrunner.structured_outputs import GrammarOutput
 
 DEFAULT_MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -317,20 +318,9 @@ class SamplingStates:
         Slots past them, and rows of requests `grammar` does not list, allow every token. Runs on
         the current stream, outside graphs. ValueError, with nothing written, on a bad layout."""
         assert self.grammar_mask is not None  # validate() refuses structured outputs without the bitmask
-        slots, words = self.grammar_mask.shape[1:]
-        mine = np.flatnonzero(self.grammar_np[rows])
-        # Filled in place in a pinned block, then copied without blocking the host: a pageable
-        # copy would wait for the step's forward graph, which runs while the host computes masks.
-        staged = host_buffer((len(mine), slots, words), torch.int32, self.device)
-        host = staged.numpy()
-        host.fill(-1)  # all bits set: every token allowed
-        if grammar is not None:
-            width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
-            starts = _grammar_starts(grammar, req_ids, width, words)
-            _place_masks(host, grammar.grammar_bitmask, [starts.get(req_ids[e], -1) for e in mine.tolist()],
-                         width[mine])
-        index = to_device_async(rows[mine].astype(np.int64), self.device)
-        self.grammar_mask.index_copy_(0, index, staged.to(self.device, non_blocking=True))
+        width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
+        place_grammar(self.grammar_mask, np.asarray(rows), np.flatnonzero(self.grammar_np[rows]), req_ids, grammar,
+                      width)
 
     def apply_staged_writes(self) -> None:
         """Commit the staging (all of it: with the runner's shared staging, every holder's)."""
@@ -363,40 +353,3 @@ class SamplingStates:
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""
         return self.logprobs_np[np.asarray(rows, dtype=np.int64)]
-
-
-def _place_masks(host: np.ndarray, mask: np.ndarray, starts: list[int], width: np.ndarray) -> None:
-    """host [N, S, W]: entry j takes mask rows [starts[j], starts[j] + width[j]) in its first width[j]
-    slots (-1: not listed, left as it is); words past the grammar's vocabulary (padding ids) become 0,
-    i.e. forbidden. One fancy-indexed copy when every entry takes one row (no speculation)."""
-    first = np.asarray(starts, dtype=np.int64)  # [N]
-    listed = np.flatnonzero(first >= 0)
-    if (width[listed] == 1).all():
-        host[listed, 0] = 0
-        host[listed, 0, : mask.shape[1]] = mask[first[listed]]
-        return
-    for j in listed.tolist():
-        n = int(width[j])
-        host[j, :n] = 0
-        host[j, :n, : mask.shape[1]] = mask[first[j] : first[j] + n]
-
-
-def _grammar_starts(grammar: GrammarOutput, req_ids: list[str], width: np.ndarray, words: int) -> dict[str, int]:
-    """The first bitmask row of each listed request (`width`: [R] rows per batch entry); ValueError
-    naming the expected and given row counts, a repeated id or too wide a row."""
-    mask = grammar.grammar_bitmask
-    if mask.shape[1] > words:
-        raise ValueError(f"grammar_bitmask has {mask.shape[1]} words per row; the vocabulary needs {words}")
-    entry_of = {rid: i for i, rid in enumerate(req_ids)}
-    starts: dict[str, int] = {}
-    offset = 0
-    for rid in grammar.structured_output_request_ids:
-        if rid in starts:
-            raise ValueError(f"grammar_output lists request {rid!r} twice")
-        starts[rid] = offset
-        entry = entry_of.get(rid)
-        offset += int(width[entry]) if entry is not None else 1
-    if offset != mask.shape[0]:
-        raise ValueError(f"grammar_bitmask has {mask.shape[0]} rows; expected {offset}: 1 + the scheduled draft "
-                         f"slots of each of its {len(starts)} request ids, in their order")
-    return starts

@@ -202,7 +202,8 @@ def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOut
         tokenizer, kind = llm.tokenizer, "xgrammar JSON schema"
         if tokenizer is None:
             tokenizer, kind = synthetic_tokenizer(llm.runner.vocab_size), "xgrammar JSON schema, synthetic tokenizer"
-        made = make_structured_outputs(tokenizer, llm.runner.vocab_size)
+        threads = args.grammar_threads if args.grammar_threads == "auto" else int(args.grammar_threads)
+        made = make_structured_outputs(tokenizer, llm.runner.vocab_size, threads)
         if made.backend is not None:
             return made, StructuredOutputsParams(json=json.dumps(JSON_SCHEMA)), kind
         if args.grammar == "json":
@@ -216,7 +217,7 @@ def run_structured(args) -> list[RunResult]:
     prompts = rng.integers(0, 1000, (args.num_requests, args.prompt_len)).tolist()
     llm = build(args, enable_prefix_caching=False, structured_output_graphs=args.structured_output_graphs)
     llm._structured, grammar, kind = structured_outputs(llm, args)  # the engine's matchers (a bench seam)
-    print(f"constraint: {kind}")
+    print(f"constraint: {kind}" + (f", {args.grammar_threads} fill thread(s)" if "xgrammar" in kind else ""))
     free = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1,
                                  structured_outputs=grammar)
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--grammar", choices=["auto", "json", "token-id"], default="auto",
                    help="structured: xgrammar JSON when installed (auto), required (json), or the token-id grammar")
+    p.add_argument("--grammar-threads", default="1", metavar="N|auto",
+                   help="structured, xgrammar: threads of a step's mask fill (XGrammarBackend fill_threads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-structured-output-graphs", dest="structured_output_graphs", action="store_false",
                    help="structured: run constrained steps whole after their masks (no split forward/sampling graphs)")
