@@ -26,7 +26,7 @@ def test_tiers_of_the_tiny_models_rows(capsys):
     sampler_tiers.main([*common, "--top-k", "1", "--top-p", "1.0", "--no-reject"])
     assert [(t, name) for _, _, t, name in _rows(capsys.readouterr().out)] == [(TIER_GUESS, "guess")] * 2
     # Tier -1 serves a flat row whose draw is kept (~95% of them at top-p 0.95); the others go on.
-    sampler_tiers.main([*common, "--top-p", "0.95"])
+    sampler_tiers.main([*common, "--top-p", "0.95", "--reject"])
     tiers = [(t, name) for _, _, t, name in _rows(capsys.readouterr().out)]
     assert (TIER_REJECT, "reject") in tiers and all(t == TIER_REJECT or t >= TIER_PIVOTS for t, _ in tiers)
     sampler_tiers.main([*common, "--top-p", "0.95", "--no-reject"])
