@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -195,6 +196,11 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0):
                                    bos_token="<s>", eos_token="</s>")
 
 
+def fill_threads(text: str) -> int | Literal["auto"]:
+    """A --grammar-threads value: "auto" (xgrammar's choice) or a thread count."""
+    return "auto" if text == "auto" else int(text)
+
+
 def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOutputsParams, str]:
     """xgrammar JSON over the model's tokenizer (a synthetic one when the folder has none), else
     the token-id grammar."""
@@ -202,8 +208,7 @@ def structured_outputs(llm: LLM, args) -> tuple[StructuredOutputs, StructuredOut
         tokenizer, kind = llm.tokenizer, "xgrammar JSON schema"
         if tokenizer is None:
             tokenizer, kind = synthetic_tokenizer(llm.runner.vocab_size), "xgrammar JSON schema, synthetic tokenizer"
-        threads = args.grammar_threads if args.grammar_threads == "auto" else int(args.grammar_threads)
-        made = make_structured_outputs(tokenizer, llm.runner.vocab_size, threads)
+        made = make_structured_outputs(tokenizer, llm.runner.vocab_size, fill_threads(args.grammar_threads))
         if made.backend is not None:
             return made, StructuredOutputsParams(json=json.dumps(JSON_SCHEMA)), kind
         if args.grammar == "json":

@@ -71,7 +71,7 @@ def run(args) -> dict[str, dict[str, float]]:
     """{threads: {call: median ms per step}}."""
     tokenizer = engine_bench.synthetic_tokenizer(args.vocab)
     ids = [f"r{i}" for i in range(args.requests)]
-    threads = [t if t == "auto" else int(t) for t in args.threads.split(",")]
+    threads = [engine_bench.fill_threads(t) for t in args.threads.split(",")]
     paths = token_paths(XGrammarBackend(tokenizer, args.vocab), args.requests, args.steps, args.vocab)
     engines = {t: _engine(tokenizer, args.vocab, t, ids, args.device) for t in threads}
     times: dict[object, list[list[float]]] = {t: [] for t in threads}
