@@ -59,6 +59,21 @@ def test_structured_workload_follows_its_grammar(tmp_path):
         assert ((np.array(tokens) + prev) % 2 == 0).all(), tokens
 
 
+def test_structured_repeats_alternate_and_report_the_median_runs(tmp_path, capsys):
+    """--repeats 3: each variant runs three times (ABBA order), the table holds each variant's
+    median run and the ratio line lists the three pairs."""
+    out = tmp_path / "structured.json"
+    engine_bench.main(["structured", *SMALL, "--prompt-len", "8", "--max-tokens", "3", "--grammar", "token-id",
+                       "--repeats", "3", "--json", str(out)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("constrained / unconstrained"))
+    assert "medians of 3 runs each" in line and line.count(", ") == 2, line
+    free, constrained = json.loads(out.read_text())["results"]
+    assert free["label"] == "unconstrained" and constrained["label"] == "constrained"
+    assert free["output_tokens"] == constrained["output_tokens"] == 6 * 3
+    runs = [engine_bench.RunResult("r", s, 0, 1) for s in (3.0, 1.0, 2.0, 5.0)]
+    assert engine_bench.median_run(runs).seconds == 3.0 and engine_bench.median_run(runs[:3]).seconds == 2.0
+
+
 def test_structured_json_workload_is_accepted_by_the_schema_matcher(tmp_path):
     """xgrammar JSON over the synthetic tokenizer: a fresh matcher of the same schema accepts every
     constrained output token in order, and an output shorter than max_tokens completed the JSON."""

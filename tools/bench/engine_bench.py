@@ -227,12 +227,24 @@ def run_structured(args) -> list[RunResult]:
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=1,
                                  structured_outputs=grammar)
     llm.generate(prompts[:2], [free, constrained])  # warm-up: both sampling variants' graphs
-    results = [timed_generate(llm, "unconstrained", prompts, free, args.phases)[0],
-               timed_generate(llm, "constrained", prompts, constrained, args.phases)[0]]
+    runs: dict[str, list[RunResult]] = {"unconstrained": [], "constrained": []}
+    for i in range(args.repeats):  # ABBA order: neither variant always runs first (host drift)
+        order = [("unconstrained", free), ("constrained", constrained)][:: 1 if i % 2 == 0 else -1]
+        for label, params in order:
+            runs[label].append(timed_generate(llm, label, prompts, params, args.phases)[0])
     llm.shutdown()
+    results = [median_run(r) for r in runs.values()]
+    pairs = [c.output_tokens_per_s / u.output_tokens_per_s for u, c in zip(*runs.values(), strict=True)]
     print(f"constrained / unconstrained output tokens/s: "
-          f"{results[1].output_tokens_per_s / results[0].output_tokens_per_s:.3f}")
+          f"{results[1].output_tokens_per_s / results[0].output_tokens_per_s:.3f}"
+          + (f" (medians of {args.repeats} runs each; per pair: {', '.join(f'{x:.3f}' for x in pairs)})"
+             if args.repeats > 1 else ""))
     return results
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run of median time (the upper median of an even count): one repeat's own figures."""
+    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-structured-output-graphs", dest="structured_output_graphs", action="store_false",
                    help="structured: run constrained steps whole after their masks (no split forward/sampling graphs)")
     p.add_argument("--phases", action="store_true", help="structured: host seconds per engine call (diagnostic)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="structured: timed runs of each variant, alternating their order; the medians are reported")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     prefix = args.workload == "prefix"
