@@ -193,9 +193,13 @@ class ParallelConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    # Pipelined PP: a request runs again while its last token is still coming round the pipeline
+    # (stage 0 applies it on the device; engine/pipeline_rule.py), so the host launches the next
+    # batch without waiting for tokens. False: disjoint batches, each resolved at the host first.
+    pp_token_placeholders: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_lockstep", "enable_dbo"):
+        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",

@@ -285,7 +285,7 @@ class ModelRunner(RunnerReadouts):
         assert planner is not None and graphs is not None
         self.body.current_batch = batch
         self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
-        self.parallel.before_forward(batch.num_tokens_padded)  # PP: receive (outside graphs)
+        self.parallel.before_forward(batch, state.requests)  # PP: receive, due tokens (outside graphs)
         current = planner.plan if planner.plan is not None and planner.plan.batch is batch else None
         try:
             if sampling_graph is not None:

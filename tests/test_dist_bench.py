@@ -19,10 +19,10 @@ from graphrunner_tools.bench.dist_bench import _markdown, capture_sizes, main, p
 size = st.integers(1, 8)
 
 
-@given(size, size, size, st.sampled_from(["", "sync", "lock", "lockdbo"]))
+@given(size, size, size, st.sampled_from(["", "sync", "disjoint", "lock", "lockdbo"]))
 def test_layout_names_parse_to_their_sizes(tp: int, pp: int, dp: int, mode: str) -> None:
     name = f"tp{tp}pp{pp}dp{dp}{mode}"
-    if (mode == "sync" and pp == 1) or (mode.startswith("lock") and dp == 1):
+    if (mode in ("sync", "disjoint") and pp == 1) or (mode.startswith("lock") and dp == 1):
         with pytest.raises(ValueError, match="needs"):
             parse_layout(name)
         return
@@ -39,7 +39,7 @@ def test_short_names(name: str, sizes: tuple[int, int, int]) -> None:
     assert (layout.tp, layout.pp, layout.dp) == sizes
 
 
-@pytest.mark.parametrize("name", ["", "tp", "tp2dp2tp2", "x4", "tp2sync", "pp2lock", "tp4 "])
+@pytest.mark.parametrize("name", ["", "tp", "tp2dp2tp2", "x4", "tp2sync", "tp2disjoint", "pp2lock", "tp4 "])
 def test_bad_names_are_refused_with_the_forms(name: str) -> None:
     with pytest.raises(ValueError, match=repr(name)):
         parse_layout(name)

@@ -67,14 +67,14 @@ def test_parallel_config_refuses_dbo_without_lockstep_dp():
 
 
 def test_llm_options_take_dbo_keywords():
-    from graphrunner.engine.options import check_compilation_kwargs, dbo_kwargs, parallel_config
+    from graphrunner.engine.options import check_compilation_kwargs, parallel_config
 
-    kwargs = {"enable_dbo": True, "dbo_prefill_token_threshold": 8, "cudagraph_mode": "NONE"}
+    kwargs = {"enable_dbo": True, "dbo_prefill_token_threshold": 8, "cudagraph_mode": "NONE",
+              "pp_token_placeholders": False}
     check_compilation_kwargs(kwargs)
-    dbo = dbo_kwargs(kwargs)
-    assert kwargs == {"cudagraph_mode": "NONE"}
-    parallel = parallel_config(1, 1, 2, 60.0, False, data_parallel_lockstep=True, **dbo)
-    assert parallel.enable_dbo and parallel.dbo_prefill_token_threshold == 8
+    parallel = parallel_config(1, 1, 2, 60.0, False, kwargs, data_parallel_lockstep=True)
+    assert kwargs == {"cudagraph_mode": "NONE"}  # the ParallelConfig fields were taken out
+    assert parallel.enable_dbo and parallel.dbo_prefill_token_threshold == 8 and not parallel.pp_token_placeholders
     with pytest.raises(TypeError, match="enable_dbx"):
         check_compilation_kwargs({"enable_dbx": True})
 

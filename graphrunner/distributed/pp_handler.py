@@ -348,7 +348,20 @@ class PPHandler:
         """
         if not self._queue:
             raise RuntimeError("take_oldest(): no PP receive is queued (every stage must post_sample each step)")
-        p = self._queue.popleft()
+        return self._take(self._queue.popleft())
+
+    def take_for(self, rows: np.ndarray) -> list[tuple[ReceivedTokens | None, torch.Tensor]]:
+        """Before a step of these request rows ([R] int64) prepares its inputs: the queued receives,
+        oldest first, up to the newest one holding a token for any of them (`take_oldest`'s pairs;
+        none when no queued receive does). A first stage that runs a request again while its last
+        token is still coming round the pipeline applies that token here, on the device."""
+        last = -1
+        for i, p in enumerate(self._queue):
+            if np.isin(p.rows[p.keep], rows).any():
+                last = i
+        return [self._take(self._queue.popleft()) for _ in range(last + 1)]
+
+    def _take(self, p: _Pending) -> tuple[ReceivedTokens | None, torch.Tensor]:
         got = self._finish(p)
         assert self._ring is not None
         R, W = len(p.rows), self.width

@@ -40,6 +40,7 @@ Step protocol (all ranks run the same engine in SPMD; see `graphrunner.engine.ll
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -88,6 +89,7 @@ class ParallelHooks:
         # Pipelined PP (no speculation): a non-last stage applies a step's tokens when its output
         # is taken, not in the step, so it can run the next batches meanwhile (module docstring).
         self.defers_tokens = groups.pp_size > 1 and spec is None and not self.is_last_stage
+        self._taken: deque[torch.Tensor] = deque()  # tokens applied early (`before_forward`), for their outputs
         if groups.pp_size > 1:
             from graphrunner.distributed.pp_handler import PPHandler
 
@@ -222,17 +224,27 @@ class ParallelHooks:
         num_reqs_padded = desc.num_reqs if desc.num_reqs is not None else len(query_lens)
         batch = body.dummy_batch(query_lens, SamplingFeatures(), num_reqs_padded, desc.num_tokens)
         body.current_batch = batch
-        self.before_forward(batch.num_tokens_padded)
+        self.before_forward(batch)
         graphs.run(desc, batch)
         self.after_forward(batch, None, body.post_update)
         body.current_batch = None
         body.reset_scratch_row()
 
     # ---- per step: PP -----------------------------------------------------------------
-    def before_forward(self, num_tokens_padded: int) -> None:
+    def before_forward(self, batch: InputBatch, requests: Any = None) -> None:
         """Non-first stages: receive the previous stage's output for this step. Non-last stages
-        first finish the previous step's sends (this step rewrites their buffers)."""
+        first finish the previous step's sends (this step rewrites their buffers), then apply
+        the broadcast tokens this step's requests still wait for (`requests`: the runner's
+        request states; None for a dummy step). Those come from a step at least P steps old
+        (the scheduler's pipeline rule), so on CUDA the stream waits on a broadcast that has
+        normally landed, and the host never waits for a token before a launch."""
         self._finish_sends()
+        if self.defers_tokens and requests is not None:
+            with self.exchange("PP broadcast of the sampled tokens from the last stage (receive)"):
+                for got, every in self.pp_handler.take_for(batch.idx_mapping_np[: batch.num_reqs]):
+                    self._apply(got, requests.last_sampled, requests.all_token_ids)
+                    self._taken.append(every)
+        num_tokens_padded = batch.num_tokens_padded
         stage = self.stage
         if stage.hidden_in is None or stage.residual_in is None:
             return
@@ -279,31 +291,38 @@ class ParallelHooks:
         from graphrunner.async_output import AsyncOutput
 
         def resolve(_host: dict | None = None) -> Any:
-            every = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids,
-                                     requests.all_token_ids.shape[1])
+            every = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids)
             if every is None:  # nothing sampled (prefill chunks only)
                 every = torch.zeros(pending.batch.num_reqs, dtype=torch.int32)
             return build(pending, {"sampled": every})
 
         return AsyncOutput(None, -1, {}, resolve, None) if async_output else resolve()
 
-    def take_tokens(self, produces: np.ndarray, last_sampled: torch.Tensor, all_token_ids: torch.Tensor,
-                    max_model_len: int) -> torch.Tensor | None:
+    def take_tokens(self, produces: np.ndarray, last_sampled: torch.Tensor,
+                    all_token_ids: torch.Tensor) -> torch.Tensor | None:
         """A deferred (non-last stage) step's tokens, in step order: applied to the request rows
         that still hold their request; returns [R] int32 every entry's token (None: nothing sampled)."""
         if not produces.any():
             return None
+        if self._taken:  # applied before a later step's forward (`before_forward`): older than any queued
+            return self._taken.popleft()
         with self.exchange("PP broadcast of the sampled tokens from the last stage (receive)"):
             got, every = self.pp_handler.take_oldest()
-        if got is not None:
-            got.write_into(last_sampled)
-            keep = got.positions < max_model_len  # a request at max_model_len has no slot for its token
-            if keep.any():
-                rows = torch.from_numpy(got.rows[keep]).to(all_token_ids.device)
-                cols = torch.from_numpy(got.positions[keep]).to(all_token_ids.device)
-                all_token_ids.index_put_((rows, cols), got.tokens[torch.from_numpy(keep).to(got.tokens.device)]
-                                         .to(all_token_ids.dtype))
+        self._apply(got, last_sampled, all_token_ids)
         return every
+
+    @staticmethod
+    def _apply(got: Any, last_sampled: torch.Tensor, all_token_ids: torch.Tensor) -> None:
+        """A received step's tokens into the rows that still hold their request (None: no row does)."""
+        if got is None:
+            return
+        got.write_into(last_sampled)
+        keep = got.positions < all_token_ids.shape[1]  # a request at max_model_len has no slot for its token
+        if keep.any():
+            rows = torch.from_numpy(got.rows[keep]).to(all_token_ids.device)
+            cols = torch.from_numpy(got.positions[keep]).to(all_token_ids.device)
+            all_token_ids.index_put_((rows, cols), got.tokens[torch.from_numpy(keep).to(got.tokens.device)]
+                                     .to(all_token_ids.dtype))
 
     def _exchange_sampled(self, batch: InputBatch, produces: np.ndarray) -> None:
         """Last stage -> every stage, through the PPHandler; `positions` carry batch indices back."""

@@ -38,7 +38,7 @@ from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device
 from graphrunner.engine.batch_trace import append_record
 from graphrunner.engine.data_parallel import any_replica, gather_replicas
 from graphrunner.engine.detokenizer import load_text_tokenizer
-from graphrunner.engine.options import check_compilation_kwargs, dbo_kwargs, parallel_config, resolve_speculative_config
+from graphrunner.engine.options import check_compilation_kwargs, parallel_config, resolve_speculative_config
 from graphrunner.engine.outputs import OutputProcessor
 from graphrunner.engine.prompts import PlannedRequests, plan_requests
 from graphrunner.engine.request import RequestOutput
@@ -137,7 +137,7 @@ class LLM:
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
-            decode_context_parallel_size=decode_context_parallel_size, **dbo_kwargs(kwargs),
+            decode_context_parallel_size=decode_context_parallel_size, extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
@@ -148,8 +148,8 @@ class LLM:
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative)
         self._init_runner()
-        # Pipelined PP (no speculation): up to P batches of disjoint requests in flight, through
-        # the async loop; each non-last stage takes a step's tokens when its output is resolved.
+        # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
+        # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
         pipelined = parallel.pipeline_parallel_size > 1 and not speculative.num_speculative_tokens
         if async_scheduling and parallel.pipeline_parallel_size > 1 and not pipelined:
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
@@ -158,7 +158,7 @@ class LLM:
         self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
         self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers
         self.async_scheduling = async_scheduling or pipelined
-        self._keep_in_flight = max(1, parallel.pipeline_parallel_size - 1) if pipelined else 1
+        self._keep_in_flight = parallel.pipeline_parallel_size - 1 + parallel.pp_token_placeholders if pipelined else 1
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()  # launched, not applied yet; oldest first
         self._next_req_id = 0
         self.record_batches: str | os.PathLike | None = record_batches
@@ -199,7 +199,8 @@ class LLM:
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
-            disjoint_in_flight=pipelined, enable_prefix_caching=prefix_caching,
+            pipeline_depth=self.config.parallel.pipeline_parallel_size if pipelined else 0,
+            disjoint_in_flight=not self.config.parallel.pp_token_placeholders, enable_prefix_caching=prefix_caching,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
             # A draft model writes KV for its k drafts past each decode: blocks for them too.

@@ -16,37 +16,35 @@ from graphrunner.config import CompilationConfig, ParallelConfig, SpeculativeCon
 from graphrunner.protocol import SamplingParams
 
 _COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
+PARALLEL_EXTRA_FIELDS = (*DBO_FIELDS, "pp_token_placeholders")  # ParallelConfig fields LLM takes as extra keywords
 
 
 def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:
     """Refuse `LLM`'s extra keywords that are neither `CompilationConfig` fields nor DBO's
     (TypeError, as Python would)."""
-    unknown = set(kwargs) - _COMPILATION_FIELDS - set(DBO_FIELDS)
+    unknown = set(kwargs) - _COMPILATION_FIELDS - set(PARALLEL_EXTRA_FIELDS)
     if unknown:
         raise TypeError(
             f"LLM() got unexpected keyword arguments {sorted(unknown)}; extra keywords must be "
-            f"CompilationConfig fields {sorted(_COMPILATION_FIELDS)} or DBO's {list(DBO_FIELDS)}"
+            f"CompilationConfig fields {sorted(_COMPILATION_FIELDS)} or ParallelConfig's {list(PARALLEL_EXTRA_FIELDS)}"
         )
-
-
-def dbo_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take DBO's fields (`DBO_FIELDS`) out of `LLM`'s extra keywords, for `parallel_config`."""
-    return {name: kwargs.pop(name) for name in DBO_FIELDS if name in kwargs}
 
 
 def parallel_config(
     tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int, collective_timeout_s: float,
-    async_scheduling: bool, **context_parallel: Any,
+    async_scheduling: bool, extra: dict[str, Any] | None = None, **context_parallel: Any,
 ) -> ParallelConfig:
     """The `ParallelConfig` of `LLM`'s layout arguments (`context_parallel`: vLLM's
     prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
-    data_parallel_lockstep and DBO's fields); refuses async scheduling over several processes."""
+    data_parallel_lockstep; `extra`: LLM's extra keywords, whose `PARALLEL_EXTRA_FIELDS` (DBO's,
+    pp_token_placeholders) are taken out); refuses async scheduling over several processes."""
+    taken = {name: extra.pop(name) for name in PARALLEL_EXTRA_FIELDS if name in extra} if extra else {}
     parallel = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size,
         collective_timeout_s=collective_timeout_s,
-        **context_parallel,
+        **context_parallel, **taken,
     )
     if async_scheduling or parallel.pipeline_parallel_size > 1:
         check_async_layout(parallel, async_scheduling)

@@ -60,6 +60,8 @@ class Request:
     # on the device (the runner feeds them to the next step); the host counts them so that
     # it can schedule the next decode before they are known.
     num_output_placeholders: int = 0
+    # Pipelined PP: the index of the last plan that ran it (engine/pipeline_rule.py).
+    last_pipeline_step: int = -(1 << 62)
     # SamplingParams.logprobs: one {token_id: Logprob} per output token.
     logprobs: list[dict] | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict each.

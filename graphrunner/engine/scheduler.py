@@ -24,11 +24,9 @@ turns placeholders into tokens and finishes requests on EOS / stop / length; a r
 that finished this way may already be in step N + 1, whose token for it is discarded
 (it reaches the runner as finished on the next schedule). A request whose in-flight
 tokens already reach max_tokens or max_model_len is not scheduled again.
-Preemption with a token in flight is allowed: the victim's KV is dropped as usual and
-its in-flight token is appended when its step resolves, and a waiting request is not
-re-admitted while it still has a placeholder (its NewRequestData must carry every
-token). The reference engine resolves step N before it schedules step N + 2, so that
-wait never happens there.
+Preemption with a token in flight is allowed: the victim's KV is dropped, its token is
+appended when its step resolves, and it is not re-admitted before (its NewRequestData
+must carry every token).
 Speculative decoding (`num_speculative_tokens=k > 0`): every decode is scheduled as
 q = 1 + k tokens, the last sampled token and k draft slots (capped by the budget and
 max_model_len), so steady decode batches stay uniform (FULL graphs). The plan names no
@@ -51,6 +49,7 @@ from dataclasses import dataclass
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
+from graphrunner.engine.pipeline_rule import PipelineRule
 from graphrunner.engine.prefix_cache import PrefixCachingAllocator
 from graphrunner.engine.request import Request, RequestOutput, RequestStatus
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
@@ -92,8 +91,9 @@ class Scheduler:
         eos_token_ids: tokens that end a request unless its `ignore_eos` is set.
         async_scheduling: schedule with placeholders for tokens still in flight (module
             docstring); outputs must then be applied in schedule order, one per non-empty
-            plan. disjoint_in_flight (pipelined PP): never schedule a request with a token in
-            flight, so the plans in flight hold disjoint sets of sampling requests.
+            plan. pipeline_depth P >= 2 (pipelined PP): a request with a token in flight runs
+            again once its last plan is P plans old, or, disjoint_in_flight, once the token is
+            applied (pipeline_rule.py).
         num_speculative_tokens: k draft slots behind every decode (0: no speculation);
             the runner's `uniform_decode_query_len` - 1. num_lookahead_tokens: slots past a
             decode's tokens it also gets blocks for (k for a draft model's KV, else 0).
@@ -112,6 +112,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         async_scheduling: bool = False,
         disjoint_in_flight: bool = False,
+        pipeline_depth: int = 0,
         enable_prefix_caching: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
@@ -145,7 +146,8 @@ class Scheduler:
         # Finished since the last schedule(); the runner drops them on the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # running total, for stats and tests
-        self.async_scheduling, self.disjoint_in_flight = async_scheduling or disjoint_in_flight, disjoint_in_flight
+        self.pipeline = PipelineRule(pipeline_depth, disjoint_in_flight) if pipeline_depth > 1 else None
+        self.async_scheduling = async_scheduling or self.pipeline is not None
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         # Slots a request may hold blocks for past its tokens: k per decode counted as computed
@@ -218,14 +220,12 @@ class Scheduler:
         return req.to_output()
 
     def abort_after_failure(self) -> list[RequestOutput]:
-        """Abort every live request after a step raised part-way (the engine's recovery
-        path), so that the next requests start from a consistent state.
+        """Abort every live request after a step raised part-way (the engine's recovery path).
 
         Unlike `abort_request`, every aborted id goes to the runner in the next
-        `finished_req_ids`, waiting ones too: a failed step may have admitted a request the
-        scheduler counts as waiting (or kept one it preempted); the runner ignores ids it does
-        not hold. Plans in flight (async) are dropped. Returns the outputs ("abort").
-        """
+        `finished_req_ids`, waiting ones too (a failed step may have admitted one the scheduler
+        counts as waiting); the runner ignores ids it does not hold. Plans in flight (async)
+        are dropped. Returns the outputs ("abort")."""
         outputs = []
         for req in list(self.requests.values()):
             (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
@@ -275,8 +275,8 @@ class Scheduler:
         """Pass 1: schedule the running requests in admission order; returns the budget left."""
         # `self.running` shrinks from the tail as we preempt, and only unscheduled
         # requests (index > i) or the current one can be preempted.
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, cap = 0, self.pipeline.cap(len(self.running)) if self.pipeline else len(self.running)
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
             num_new = 0 if self._finishes_in_flight(req) else self.num_new_tokens(req, budget)
             if num_new == 0:
@@ -325,11 +325,11 @@ class Scheduler:
         return budget
 
     def _finishes_in_flight(self, req: Request) -> bool:
-        """Async: nothing to schedule while the request's in-flight tokens end it by length (or,
-        disjoint_in_flight, while any of its tokens is in flight)."""
+        """Async: nothing to schedule while the request's in-flight tokens end it by length, or
+        while the pipeline rule holds it back."""
         if not req.num_output_placeholders:
             return False
-        return self.disjoint_in_flight or (
+        return bool(self.pipeline and self.pipeline.waits(req)) or (
             req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens
             or req.num_tokens_with_placeholders >= self.max_model_len)
 
@@ -346,6 +346,8 @@ class Scheduler:
                 req.num_output_placeholders += 1
                 produces.add(req_id)
         self._in_flight.append(_Launched(so, frozenset(produces), frozenset(decodes)))
+        if self.pipeline is not None:
+            self.pipeline.launched(self.requests[r] for r in so.num_scheduled_tokens)
 
     def schedule_drafts(self, so: SchedulerOutput, req_id: str, draft_ids: list[int]) -> None:
         """Give a planned decode of `so` real drafts, a prefix of its draft slots (the rest are dropped)."""
@@ -408,10 +410,9 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the requests that finished in it.
 
-        Raises RuntimeError when the runner's output does not match the plan (a token for
-        a partial prefill chunk, none for a chunk that reached the end of its tokens, or
-        more than a chunk can emit: 1, or 1 + its draft slots for a decode).
-        """
+        Raises RuntimeError when the runner's output does not match the plan (a token for a
+        partial prefill chunk, none for a chunk that reached its end, or more than a chunk can
+        emit: 1, or 1 + its draft slots for a decode)."""
         cache_filled_blocks(self, scheduler_output)  # prefix caching: the blocks the last applied step filled
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)

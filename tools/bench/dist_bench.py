@@ -8,15 +8,17 @@ Runs each configuration as its own `graphrunner launch` world (one process per G
 NCCL), every rank running the engine (SPMD), with FULL graphs for the decode steps.
 A configuration is named by its sizes and a mode: `tp2`, `pp4`, `tp2pp2`, `dp4`, `dp2tp2`,
 optionally followed by `sync` (PP resolving every step at once: not pipelined, the before of
-pipelining), `lock` (lockstep DP) or `lockdbo` (lockstep DP with dual batch overlap).
+pipelining), `disjoint` (pipelined PP with `pp_token_placeholders=False`: P disjoint batches in
+flight, each resolved at the host before its requests run again), `lock` (lockstep DP) or
+`lockdbo` (lockstep DP with dual batch overlap).
 
 * decode (configs without DP): decode step wall time (engine step: schedule, execute, sample,
   D2H) of `bs` requests for each of --batch-sizes, median over the steps in which every request
   decodes (FULL uniform-decode descriptor). Dummy weights, bf16. Context: --prompt-len.
 * throughput (--throughput-requests N[,N]): output tokens/s of one `generate` of N requests of
   --prompt-len random tokens and --output-len greedy tokens (after a short warm-up), the wall time
-  being the slowest rank's. Under pipelined PP the engine keeps P batches of disjoint requests in
-  flight; under DP the requests are split over the replicas. The same pass measures each rank's
+  being the slowest rank's. Under pipelined PP the engine keeps P + 1 batches in flight (P disjoint
+  ones with `disjoint`); under DP the requests are split over the replicas. The same pass measures each rank's
   GPU idle fraction: CUDA events around every forward (after the PP receive is queued, before the
   send) give its busy time; 1 - busy / (first start .. last end) is the share of the run the GPU
   did not compute, which under PP is the pipeline bubble (receives waited for, stages starved).
@@ -49,7 +51,7 @@ from pathlib import Path
 from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker, run_worlds, write_result
 
 PROMPT_LEN = 32  # the default --prompt-len
-_NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(sync|lockdbo|lock)?$")
+_NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(sync|disjoint|lockdbo|lock)?$")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    mode: str = ""  # "", "sync" (PP not pipelined), "lock" or "lockdbo" (lockstep DP)
+    mode: str = ""  # "", "sync" (PP not pipelined), "disjoint" (PP without placeholders), "lock", "lockdbo"
 
     @property
     def world_size(self) -> int:
@@ -76,13 +78,13 @@ def parse_layout(name: str) -> Layout:
     m = _NAME.match(name)
     if not name or m is None or not any(m.group(i) for i in (1, 2, 3, 4)):
         raise ValueError(f"config {name!r}: expected sizes tpN, ppN, dpN (in that order, or dpNtpN) "
-                         "and an optional mode sync, lock or lockdbo, e.g. tp2pp2, pp4sync, dp2lock")
+                         "and an optional mode sync, disjoint, lock or lockdbo, e.g. tp2pp2, pp4sync, dp2lock")
     tp, pp, dp, tp_after, mode = m.groups()
     if tp and tp_after:
         raise ValueError(f"config {name!r}: tp given twice")
     layout = Layout(name, int(tp or tp_after or 1), int(pp or 1), int(dp or 1), mode or "")
-    if layout.mode == "sync" and layout.pp == 1:
-        raise ValueError(f"config {name!r}: 'sync' (PP not pipelined) needs pp > 1")
+    if layout.mode in ("sync", "disjoint") and layout.pp == 1:
+        raise ValueError(f"config {name!r}: '{layout.mode}' (a PP mode) needs pp > 1")
     if layout.lockstep and layout.dp == 1:
         raise ValueError(f"config {name!r}: '{layout.mode}' (lockstep DP) needs dp > 1")
     return layout
@@ -111,6 +113,7 @@ def _llm(args, layout: Layout, model: str):
         enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes,
         compile_backend=args.compile_backend, collective_timeout_s=args.timeout, seed=0,
         data_parallel_lockstep=layout.lockstep, enable_prefix_caching=False,  # warm-up and timed runs share prompts
+        pp_token_placeholders=layout.mode not in ("sync", "disjoint"),
         **(dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=args.dbo_prefill_token_threshold) if dbo else {}),
     )
@@ -186,10 +189,10 @@ def _instrument_bubble(llm) -> dict:
     waits: dict[str, list[float]] = {"recv_hidden_s": [], "recv_tokens_s": []}
     orig_before, orig_exchange = hooks.before_forward, hooks._exchange_sampled
 
-    def before_forward(n):
+    def before_forward(*a, **k):
         _synchronize()
         t = time.perf_counter()
-        orig_before(n)
+        orig_before(*a, **k)
         _synchronize()
         if hooks.stage.hidden_in is not None:
             waits["recv_hidden_s"].append(time.perf_counter() - t)
