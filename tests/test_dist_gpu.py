@@ -81,7 +81,8 @@ def _check(references, tmp_path, layout: dict) -> dict:
 
 TWO_GPU_LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
-    "pp2": dict(pipeline_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2),  # token placeholders: stage 0 applies due tokens on the device
+    "pp2-disjoint": dict(pipeline_parallel_size=2, pp_token_placeholders=False),
     "dp2": dict(data_parallel_size=2),
     "tp2-FULL": dict(tensor_parallel_size=2, cudagraph_mode="FULL"),
     "tp2-PIECEWISE": dict(tensor_parallel_size=2, cudagraph_mode="PIECEWISE"),
@@ -119,8 +120,8 @@ def test_four_gpu_layouts_match_one_gpu(references, tmp_path, name: str) -> None
     layout = FOUR_GPU_LAYOUTS[name]
     info = _check(references, tmp_path, layout)
     pp = layout.get("pipeline_parallel_size", 1)
-    if pp > 1:  # the pipelined engine keeps up to P batches in flight
-        assert info["keep_in_flight"] == pp - 1, info
+    if pp > 1:  # the pipelined engine keeps up to P + 1 batches in flight (P disjoint ones without placeholders)
+        assert info["keep_in_flight"] == pp - 1 + layout.get("pp_token_placeholders", True), info
     # Lockstep DP: the replica whose requests end first keeps stepping with dummies; independent: never.
     assert (info["dummy_steps"] > 0) == layout.get("data_parallel_lockstep", False), info
 

@@ -96,7 +96,7 @@ def test_take_for_applies_up_to_the_newest_receive_holding_the_rows():
     assert first.take_for(np.array([5])) == []  # no queued receive holds row 5
     taken = first.take_for(np.array([2, 5]))
     assert [got.rows.tolist() for got, _ in taken] == [[0, 1], [2]]
-    assert [every.tolist() for _, every in taken] == [[1, 2], [11]]
+    assert [every.get().tolist() for _, every in taken] == [[1, 2], [11]]
     assert first.num_pending == 1
     got, every = first.take_oldest()
-    assert got.rows.tolist() == [3] and every.tolist() == [21]
+    assert got.rows.tolist() == [3] and every.get().tolist() == [21]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from graphrunner.distributed.row_generations import RowGenerations
 
-__all__ = ["PPHandler", "ReceivedTokens", "RowGenerations"]
+__all__ = ["PPHandler", "ReceivedTokens", "RowGenerations", "StepTokens"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,23 @@ class ReceivedTokens:
                 raise ValueError("write_into(all_token_ids=...) needs positions, but none were given at receive time")
             pos = torch.from_numpy(self.positions).to(device, non_blocking=True)
             all_token_ids.index_put_((rows, pos), tokens.to(all_token_ids.dtype))
+
+
+@dataclass
+class StepTokens:
+    """Every real row's token of one received step, for that step's output: `get()` gives
+    [R] (or [R, W]) int32 on the CPU. On CUDA it is a pinned host copy enqueued on the broadcast
+    stream right behind the broadcast, so `get()` waits for that broadcast only, never for the
+    forwards the main stream has been given since (a plain `.cpu()` would wait for them all,
+    starving the stage while the host waits). Elsewhere it is a copy, ready at once."""
+
+    values: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.values
 
 
 class _Inflight:
@@ -159,6 +176,7 @@ class _Pending:
     gen: np.ndarray  # [n] int64 generation snapshot
     positions: np.ndarray | None
     num_padded: int
+    host: torch.Tensor | None = None  # CUDA: the pinned copy of the wire, made behind the broadcast
 
 
 @dataclass
@@ -339,18 +357,18 @@ class PPHandler:
                 out.append(got)
         return out
 
-    def take_oldest(self) -> tuple[ReceivedTokens | None, torch.Tensor]:
+    def take_oldest(self) -> tuple[ReceivedTokens | None, StepTokens]:
         """The oldest queued receive, whatever its age: a runner that resolves its steps in
         order (pipelined PP) takes each step's tokens when the engine asks for that step.
 
         Returns (its live rows as `consume` gives them, or None when every row changed hands,
-        and [R] (or [R, W]) int32: every real row's token, a copy, for the step's output).
+        and every real row's token for the step's output, `StepTokens`).
         """
         if not self._queue:
             raise RuntimeError("take_oldest(): no PP receive is queued (every stage must post_sample each step)")
         return self._take(self._queue.popleft())
 
-    def take_for(self, rows: np.ndarray) -> list[tuple[ReceivedTokens | None, torch.Tensor]]:
+    def take_for(self, rows: np.ndarray) -> list[tuple[ReceivedTokens | None, StepTokens]]:
         """Before a step of these request rows ([R] int64) prepares its inputs: the queued receives,
         oldest first, up to the newest one holding a token for any of them (`take_oldest`'s pairs;
         none when no queued receive does). A first stage that runs a request again while its last
@@ -361,13 +379,15 @@ class PPHandler:
                 last = i
         return [self._take(self._queue.popleft()) for _ in range(last + 1)]
 
-    def _take(self, p: _Pending) -> tuple[ReceivedTokens | None, torch.Tensor]:
+    def _take(self, p: _Pending) -> tuple[ReceivedTokens | None, StepTokens]:
         got = self._finish(p)
         assert self._ring is not None
         R, W = len(p.rows), self.width
+        if p.host is not None:  # ready with the broadcast's event (recorded after the copy)
+            values = p.host[: R * W].view(R, W) if W > 1 else p.host[:R]
+            return got, StepTokens(values, p.inflight.event)
         wire = self._ring.buffers[p.slot]
-        every = wire[: R * W].view(R, W).clone() if W > 1 else wire[:R].clone()
-        return got, every
+        return got, StepTokens(wire[: R * W].view(R, W).clone() if W > 1 else wire[:R].clone())
 
     def drain(self) -> list[ReceivedTokens]:
         """Everything still pending, whatever its age (shutdown, or the engine needs tokens now).
@@ -408,8 +428,8 @@ class PPHandler:
             prev.wait(what, self.timeout_s)
         return slot, ring.buffers[slot]
 
-    def _launch(self, buf: torch.Tensor) -> _Inflight:
-        """Broadcast `buf` from the last stage, asynchronously."""
+    def _launch(self, buf: torch.Tensor, host: torch.Tensor | None = None) -> _Inflight:
+        """Broadcast `buf` from the last stage, asynchronously (CUDA, `host`: then copy it there)."""
         if self._hub is not None:
             return self._hub.join(self.pp_rank, buf, self.is_last_rank)
         if self._stream is not None:
@@ -417,6 +437,8 @@ class PPHandler:
             self._stream.wait_stream(main)  # the tokens (sender) / last readers of the slot (receiver)
             with torch.cuda.stream(self._stream):
                 dist.broadcast(buf, src=self.src, group=self.group)
+                if host is not None:
+                    host.copy_(buf, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return _Inflight(None, event)
@@ -448,11 +470,13 @@ class PPHandler:
         what = f"PP sampled-token broadcast of step {step} (receive)"
         slot, buf = self._take_slot(what)
         wire = buf[: num_reqs_padded * self.width + 1]
-        inflight = self._launch(wire)
+        # A fresh pinned block each step (the caching host allocator recycles it once its copy is done).
+        host = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=True) if self._stream is not None else None
+        inflight = self._launch(wire, host)
         assert self._ring is not None
         self._ring.inflight[slot] = inflight
         gen = self.generations.snapshot(rows)
-        self._queue.append(_Pending(step, slot, inflight, rows, keep, gen, positions, num_reqs_padded))
+        self._queue.append(_Pending(step, slot, inflight, rows, keep, gen, positions, num_reqs_padded, host))
 
     def _finish(self, p: _Pending) -> ReceivedTokens | None:
         p.inflight.wait(f"PP sampled-token broadcast of step {p.step} (receive)", self.timeout_s)

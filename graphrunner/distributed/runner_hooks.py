@@ -89,7 +89,7 @@ class ParallelHooks:
         # Pipelined PP (no speculation): a non-last stage applies a step's tokens when its output
         # is taken, not in the step, so it can run the next batches meanwhile (module docstring).
         self.defers_tokens = groups.pp_size > 1 and spec is None and not self.is_last_stage
-        self._taken: deque[torch.Tensor] = deque()  # tokens applied early (`before_forward`), for their outputs
+        self._taken: deque[Any] = deque()  # StepTokens applied early (`before_forward`), for their outputs
         if groups.pp_size > 1:
             from graphrunner.distributed.pp_handler import PPHandler
 
@@ -291,17 +291,16 @@ class ParallelHooks:
         from graphrunner.async_output import AsyncOutput
 
         def resolve(_host: dict | None = None) -> Any:
-            every = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids)
-            if every is None:  # nothing sampled (prefill chunks only)
-                every = torch.zeros(pending.batch.num_reqs, dtype=torch.int32)
+            taken = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids)
+            # [R] int32 on the host (waits for the step's broadcast only); nothing sampled: prefill chunks only
+            every = taken.get() if taken is not None else torch.zeros(pending.batch.num_reqs, dtype=torch.int32)
             return build(pending, {"sampled": every})
 
         return AsyncOutput(None, -1, {}, resolve, None) if async_output else resolve()
 
-    def take_tokens(self, produces: np.ndarray, last_sampled: torch.Tensor,
-                    all_token_ids: torch.Tensor) -> torch.Tensor | None:
+    def take_tokens(self, produces: np.ndarray, last_sampled: torch.Tensor, all_token_ids: torch.Tensor) -> Any:
         """A deferred (non-last stage) step's tokens, in step order: applied to the request rows
-        that still hold their request; returns [R] int32 every entry's token (None: nothing sampled)."""
+        that still hold their request; returns every entry's token (`StepTokens`; None: nothing sampled)."""
         if not produces.any():
             return None
         if self._taken:  # applied before a later step's forward (`before_forward`): older than any queued
