@@ -166,6 +166,8 @@ def _decode_pass(llm, bs: int, decode_steps: int, prompt_len: int) -> dict:
 
     rng = np.random.default_rng(bs)
     prompts = rng.integers(0, llm.vocab_size, size=(bs, prompt_len)).tolist()
+    # Warm-up: the first steps of a world set up NCCL's connections (seconds under PP), not a token's cost.
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     orig = _timed_steps(llm, record)
     start = time.perf_counter()
     try:
