@@ -316,3 +316,50 @@ def test_gpu_flat_full_vocab_rows_take_tier_minus_one_and_replay_deterministical
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, tokens)
+
+
+def _gpu_mixed_rows(rows=128, vocab=151936):
+    """Peaked rows (randn x 3, the bench's: the guess) and flat ones (bf16 randn x 0.5: tier -1 or the
+    refinement) alternating, a greedy row in eight, top-p 0.95, top-k 50 on a peaked row in two, min-p 0.05
+    on a row in five, on the GPU."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(rows, vocab, generator=g) * 3.0  # [R, V]
+    x[1::2] = (torch.randn(rows // 2, vocab, generator=g) * 0.5).bfloat16().float()
+    i = torch.arange(rows)
+    temperature = torch.where(i % 8 == 0, 0.0, 0.8)
+    top_k = torch.where(i % 4 == 2, 50, 0).to(torch.int32)
+    min_p = torch.where(i % 5 == 0, 0.05, 0.0)
+    return tuple(t.cuda() for t in (x, temperature, rng.row_keys(i, i), top_k, torch.full((rows,), 0.95), min_p))
+
+
+@pytest.mark.gpu
+def test_gpu_guess_rows_never_run_tier_minus_one_and_flat_rows_take_it(poisoned):
+    # Full vocabulary, garbage scratch: the tokens of the tiers without tier -1; tier -1's scratch of
+    # every row the guess serves is never written; most flat rows are served by their draw.
+    batch = _gpu_mixed_rows()
+    off = _sample(*batch, ALL, False)
+    tokens, thr, tiers = _sample(*batch, ALL, True)
+    _same_but_tier_minus_one((tokens, thr, tiers), off, batch[1])
+    guess = tiers == TIER_GUESS
+    assert int(guess[0::2].sum()) >= 32, tiers  # most peaked rows are the guess's
+    for name in ("draw", "draw_idx", "reject_cnt", "reject_mass"):
+        buf = poisoned[name][guess].float()
+        assert bool(buf.isnan().all() if poisoned[name].dtype == torch.float32 else (buf == 2**30 + 7).all()), name
+    flat = tiers[1::2]  # every flat row is sampled (greedy rows are even)
+    assert int((flat == TIER_REJECT).sum()) >= 0.8 * flat.numel(), flat
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_on_new_logits_give_the_eager_tokens():
+    # No memset in the graph: a replay on other logits (rows rolled: peaked <-> flat) finds the last
+    # replay's flags, counts and draws in its scratch, and must still give the eager call's tokens.
+    x, *rest = _gpu_mixed_rows(rows=64)
+    static_x = x.clone()
+    out, thr = torch.empty(64, dtype=torch.int64, device="cuda"), torch.empty(64, device="cuda")
+    graph = capture_cuda_graph(lambda: pivot_sample_triton(static_x, *rest, *ALL, out, thr, reject=True))
+    for shift in (0, 1, 0, 3):
+        static_x.copy_(x.roll(shift, 0))
+        graph.replay()
+        want, want_thr, _ = _sample(x.roll(shift, 0), *rest, ALL, True)
+        assert torch.equal(out, want), shift
+        assert torch.equal(thr.isnan(), want_thr.isnan()) and torch.equal(thr.nan_to_num(), want_thr.nan_to_num())
