@@ -2,9 +2,7 @@
 
 The exact threshold of filters.filter_threshold and the Gumbel-max token of
 triton_sampling.gumbel_argmax, without a sort: rows are split over R x S programs.
-Tier -1 (pivot_reject.py): the unfiltered Gumbel-max draw, computed by the stats pass (DRAW),
-serves every row where it is proven kept (flag -1, threshold NaN); the later tiers skip those rows.
-Tier 0, the guess (every other row):
+Tier 0, the guess (every row):
 1. stats (R x S): max of s = x / T (NaN skipped) and its first id, the first NaN id
    (greedy rows: torch.argmax), sum and count of finite x, and bucket maxima (the maxima
    of disjoint token groups: k of them >= t prove k tokens >= t). On x, divided at the end.
@@ -16,8 +14,11 @@ Tier 0, the guess (every other row):
    keys, masses in 2**-40 fixed point (integer sums: the racy candidate order cannot
    change a seeded draw), and the draw (rng.py's noise, bit for bit). It serves a row only
    if provably exact: <= GUESS_CAPACITY candidates, >= k of them (or g = t_min_p), their
-   mass >= top_p * Z', threshold >= g; else flag 1.
-Tier 1, the pivots (rows flagged 1; other programs return at once): counts and masses at
+   mass >= top_p * Z', threshold >= g; else flag 1. It writes every row's flag: no memset.
+Tier -1 (pivot_reject.py; `reject`), rows flagged 1 only (other programs return at once): the
+unfiltered Gumbel-max draw (pass A), proven kept (pass B) or not; an accepted row takes it (flag
+-1, threshold NaN), bit for bit the token the tiers below would draw; the others stay flagged 1.
+Tier 1, the pivots (rows still flagged 1; other programs return at once): counts and masses at
 P pivots (min-p, a ladder `M - spread * j / (P-2)` with spread = M - mean, -inf) give
 windows holding the k-th value and the final threshold; the compaction appends those
 tokens and draws among the tokens above them (kept for sure); select finishes as above.
@@ -36,6 +37,7 @@ mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums ove
 depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
 NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
 Flags ([R] int32, returned as the tiers): -1 and 0-3 as above; 4 marks a row pending refinement.
+No scratch buffer is zero-filled (no memset node in the graph): the plan zeroes the candidate counts.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample import triton_sampling as ts
 from graphrunner.sample.pivot_refine import NUM_PIVOTS, TIER_FALLBACK, TIER_REFINE, count_and_refine
-from graphrunner.sample.pivot_reject import REJECT_DEFAULT, TIER_REJECT, check_draws
+from graphrunner.sample.pivot_reject import REJECT_DEFAULT, serve_draws
 
 __all__ = ["DEFAULT_CAPACITY", "GUESS_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
 
@@ -71,10 +73,12 @@ if HAS_TRITON:
         _greedy,
         _gumbel_score,
         _key_to_float,
+        _lane_best,
         _lift,
         _ordered_key,
         _row_params,
         _scaled,
+        _store_best,
         _x_bound,
     )
 
@@ -84,35 +88,19 @@ if HAS_TRITON:
     _SLACK = tl.constexpr(_GUESS_SLACK)
     _REFINED = tl.constexpr(TIER_REFINE)
     _FALLBACK = tl.constexpr(TIER_FALLBACK)
-    _REJECTED = tl.constexpr(TIER_REJECT)
-
-    @triton.jit
-    def _lane_best(val, v, best, best_idx):  # per lane: the larger score and its id (a tie keeps the first id)
-        better = val > best
-        return tl.where(better, val, best), tl.where(better, v, best_idx)
-
-    @triton.jit
-    def _store_best(best_ptr, best_idx_ptr, at, best, best_idx):  # the best score, the smallest id reaching it
-        peak = tl.max(best, 0)
-        tl.store(best_ptr + at, peak)
-        tl.store(best_idx_ptr + at, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr,
-                      bmax_ptr, draw_ptr, draw_idx_ptr, vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr,
-                      DRAW: tl.constexpr):
+    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr,
+                      vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
         # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
         # first NaN id (greedy rows take it, as torch.argmax), sum, count and min of finite x (the
         # spread's mean, refinement's lowest bound), the maxima of NB disjoint lane groups (the plan's).
-        # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T).
-        # DRAW (pivot_reject's pass A): also the Gumbel max over all of a sampled row's tokens.
+        # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T). No noise here:
+        # tier -1's draw (pivot_reject's pass A) runs later, for the rows tier 0 turns down only.
         row, split = tl.program_id(0), tl.program_id(1)
         out = row * tl.num_programs(1) + split
         temp = tl.load(temp_ptr + row)
         t = tl.where(temp == 0.0, 1.0, temp)
-        key = tl.load(keys_ptr + row).to(tl.uint32)
-        best = tl.full([BLOCK], _NEG_INF, tl.float32)
-        best_idx = split * chunk + tl.arange(0, BLOCK)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
         lo = split * chunk
@@ -134,13 +122,6 @@ if HAS_TRITON:
             total += tl.where(finite, x, 0.0)
             count += finite.to(tl.int32)
             low = tl.minimum(low, tl.where(finite, x, _POS_INF))
-            if DRAW:
-                if temp != 0.0:  # (uniform per row) the noise costs a hash and two logs per token
-                    s = tl.math.div_rn(x, t)
-                    best, best_idx = _lane_best(tl.where(s == s, _gumbel_score(s, v, key), _NEG_INF), v, best,
-                                                best_idx)
-        if DRAW:
-            _store_best(draw_ptr, draw_idx_ptr, out, best, best_idx)
         top = tl.max(peak, 0)
         tl.store(max_ptr + out, tl.math.div_rn(top, t))
         tl.store(arg_ptr + out, tl.min(tl.where(peak == top, arg, 2147483647), 0))  # greedy rows: T = 1
@@ -153,13 +134,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, piv_ptr,
-                     vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-                     S_PAD: tl.constexpr, P: tl.constexpr, NB: tl.constexpr):
+                     n_ptr, vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                     USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, NB: tl.constexpr):
         # Program row: plan[row] = (g, mode). Kept tokens have s >= t_min_p and >= the k-th largest
         # bucket max (proven bounds: mode 1); top-p-only rows guess g from the buckets' mass (mode 2:
         # the guess pass sums the total mass too); mode 3: no filter, draw all; 0: tier 1 serves it.
-        # Also stores tier 1's pivots, which every later kernel reads (the same float32 everywhere).
+        # Also stores tier 1's pivots, which every later kernel reads (the same float32 everywhere), and
+        # zeroes the row's candidate count, which the guess pass appends to (no memset node in the graph).
         row = tl.program_id(0)
+        tl.store(n_ptr + row, 0)
         m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
         tl.store(piv_ptr + row * P + tl.arange(0, P), piv)
         k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
@@ -189,7 +172,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
     def _guess_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, plan_ptr, n_ptr,
                       cand_x_ptr, cand_v_ptr, best_ptr, best_idx_ptr, part_z_ptr, vocab_size, chunk, num_splits,
-                      capacity, flag_ptr, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
+                      capacity, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
                       BLOCK: tl.constexpr):
         # Program (row, split), tier 0: appends its tokens with s >= g (as x >= bound(g): no division)
         # as (raw x, id); mode 2 also sums exp(s - M), mode 3 draws over all (best s + gumbel, first id).
@@ -197,7 +180,6 @@ if HAS_TRITON:
         m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
         m = tl.where(ok, m, 0.0)
         mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
-        mode = tl.where(tl.load(flag_ptr + row) == _REJECTED, 0, mode)  # served by tier -1: no pass
         t = tl.load(temp_ptr + row)
         t = tl.where(t == 0.0, 1.0, t)
         x0 = tl.where(mode == 3, _POS_INF, _x_bound(tl.load(plan_ptr + 2 * row), t))  # mode 3: no candidates
@@ -292,10 +274,11 @@ if HAS_TRITON:
         # Program row: the exact threshold and token from the candidates (greedy rows: argmax). Tier 0 serves
         # every row it can prove (else flag 1, count reset); TIER 1 finishes tiers 1 and 2 (3: the fallback).
         row = tl.program_id(0)
-        flag = tl.load(flag_ptr + row)
-        if TIER == 0:
-            active = flag != _REJECTED  # (tier -1 wrote every row's flag: -1 served, else 0)
+        if TIER == 0:  # every row (tier 0 runs first): its _store_flag writes every row's flag, so no memset
+            flag = tl.zeros([], tl.int32)
+            active = flag == 0
         else:
+            flag = tl.load(flag_ptr + row)
             active = _finishes(flag)
         if active:
             m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
@@ -407,10 +390,10 @@ def pivot_sample_triton(
     if capacity < 16 or capacity & (capacity - 1):
         raise ValueError(f"capacity={capacity} must be a power of two >= 16")
     blk, chunk, num_splits = _layout(x, block, splits)
-    flags = torch.zeros(num_rows, dtype=torch.int32, device=x.device)  # [R]: tier 0 for every row unless tier -1
-    fast = torch.empty(num_rows, dtype=torch.int32, device=x.device)  # [R]
-    _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, fast,
-                  flags, blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject)
+    bufs = _scratch(num_rows, num_splits, _buckets(blk, num_splits), capacity, x.device)
+    flags, fast = bufs["flags"], bufs["fast"]  # [R] each: written for every row by tier 0's select
+    _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, bufs,
+                  blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
                               block=block, flags=flags, min_flag=TIER_FALLBACK)
@@ -420,48 +403,59 @@ def pivot_sample_triton(
     return flags
 
 
-def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, fast, flags, blk, chunk, num_splits,
-                  capacity, reject) -> None:
-    """The kernels of the module docstring; their scratch buffers are sized by R, S, C only."""
-    num_rows, vocab_size = x.shape
-    dev, f32, i32 = x.device, torch.float32, torch.int32
-    nb = _buckets(blk, num_splits)
+def _scratch(num_rows: int, num_splits: int, nb: int, capacity: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    """The tiers' buffers, sized by R, S, C only; none is zero-filled (no memset node in the graph): each
+    is written before it is read, by a kernel that runs for every row or by the tier that reads it."""
+    f32, i32 = torch.float32, torch.int32
     kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, low=f32, best=f32, best_idx=i32, z=f32, draw=f32,
                  draw_idx=i32)
-    part = {name: torch.empty(num_rows, num_splits, dtype=dt, device=dev) for name, dt in kinds.items()}  # [R, S]
-    bucket_max = torch.empty(num_rows, num_splits * nb, dtype=f32, device=dev)  # [R, S * NB]
-    plan = torch.empty(num_rows, 2, dtype=f32, device=dev)  # [R, (g, mode)]
-    piv = torch.empty(num_rows, NUM_PIVOTS, dtype=f32, device=dev)  # [R, P]: tier 1's, then tier 2's
-    cnt = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=i32, device=dev)  # [R, S, P]
-    mass = torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=f32, device=dev)  # [R, S, P]
-    num_cand = torch.zeros(num_rows, dtype=i32, device=dev)  # [R]: appended by atomics
-    cand_s = torch.empty(num_rows, capacity, dtype=f32, device=dev)  # [R, C]: x in tier 0, x / T in tier 1
-    cand_v = torch.empty(num_rows, capacity, dtype=i32, device=dev)  # [R, C]
+    bufs = {name: torch.empty(num_rows, num_splits, dtype=dt, device=dev) for name, dt in kinds.items()}  # [R, S]
+    return bufs | dict(
+        bucket_max=torch.empty(num_rows, num_splits * nb, dtype=f32, device=dev),  # [R, S * NB]
+        plan=torch.empty(num_rows, 2, dtype=f32, device=dev),  # [R, (g, mode)]
+        piv=torch.empty(num_rows, NUM_PIVOTS, dtype=f32, device=dev),  # [R, P]: tier 1's, then tier 2's
+        cnt=torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=i32, device=dev),  # [R, S, P]
+        mass=torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=f32, device=dev),  # [R, S, P]
+        reject_cnt=torch.empty(num_rows, num_splits, 2, dtype=i32, device=dev),  # [R, S, (>, min-p)]: tier -1
+        reject_mass=torch.empty(num_rows, num_splits, 3, dtype=f32, device=dev),  # [R, S, (>, >=, min-p)]
+        num_cand=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: zeroed by the plan, appended by atomics
+        cand_s=torch.empty(num_rows, capacity, dtype=f32, device=dev),  # [R, C]: x in tier 0, x / T in tier 1
+        cand_v=torch.empty(num_rows, capacity, dtype=i32, device=dev),  # [R, C]
+        flags=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: the tiers (module docstring)
+        fast=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: the tiers' token
+    )
+
+
+def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, b, blk, chunk, num_splits, capacity,
+                  reject) -> None:
+    """The kernels of the module docstring, in its order; b: the buffers of _scratch."""
+    num_rows, vocab_size = x.shape
+    nb = _buckets(blk, num_splits)
+    flags, num_cand, cand_s, cand_v, piv, cnt, mass = (b[n] for n in ("flags", "num_cand", "cand_s", "cand_v", "piv",
+                                                                      "cnt", "mass"))
     log_min_p = torch.log(min_p)  # [R]: in torch, bit-identical to filters.min_p_threshold
-    row_args = (part["max"], part["sum"], part["num"], log_min_p)
+    row_args = (b["max"], b["sum"], b["num"], log_min_p)
     flt = dict(USE_TOP_K=use[0], USE_TOP_P=use[1], USE_MIN_P=use[2])
     shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
     grid = (num_rows, num_splits)
-    draws = (part["best"], part["best_idx"])
-    select = (temperature, keys, part["arg"], part["nan"], *row_args, top_k, top_p, piv, cnt, mass, plan, part["z"],
-              num_cand, cand_s, cand_v, *draws, threshold, fast, flags, vocab_size, num_splits, capacity)
-    # Pass A of tier -1 (the Gumbel max of every sampled row) rides on the stats' read.
-    _stats_kernel[grid](x, x.stride(0), temperature, keys, part["max"], part["arg"], part["nan"], part["sum"],
-                        part["num"], part["low"], bucket_max, part["draw"], part["draw_idx"], vocab_size, chunk,
-                        BLOCK=blk, NB=nb, DRAW=reject, num_warps=_NUM_WARPS)
-    _plan_kernel[(num_rows,)](*row_args, bucket_max, top_k, top_p, plan, piv, vocab_size, num_splits, NB=nb,
-                              num_warps=_NUM_WARPS, **flt, **shape)
-    if reject:  # tier -1: rows whose unfiltered draw is proven kept take it (flag -1), the others flag 0
-        check_draws(x, temperature, row_args, part["nan"], plan, (part["draw"], part["draw_idx"]), top_k, top_p,
-                    flags, fast, threshold, chunk, num_splits, blk, flt)
-    # Tier 0, the guess: every row; its select flags 1 the rows it cannot prove.
-    _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, plan, num_cand, cand_s, cand_v, *draws, part["z"],
-                        vocab_size, chunk, num_splits, capacity, flags, USE_MIN_P=use[2], BLOCK=blk,
+    draws = (b["best"], b["best_idx"])
+    select = (temperature, keys, b["arg"], b["nan"], *row_args, top_k, top_p, piv, cnt, mass, b["plan"], b["z"],
+              num_cand, cand_s, cand_v, *draws, threshold, b["fast"], flags, vocab_size, num_splits, capacity)
+    _stats_kernel[grid](x, x.stride(0), temperature, b["max"], b["arg"], b["nan"], b["sum"], b["num"], b["low"],
+                        b["bucket_max"], vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+    _plan_kernel[(num_rows,)](*row_args, b["bucket_max"], top_k, top_p, b["plan"], piv, num_cand, vocab_size,
+                              num_splits, NB=nb, num_warps=_NUM_WARPS, **flt, **shape)
+    # Tier 0, the guess: every row; its select writes every row's flag: 0 proven, else 1.
+    _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, b["plan"], num_cand, cand_s, cand_v, *draws,
+                        b["z"], vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], BLOCK=blk,
                         num_warps=_NUM_WARPS, **shape)
     _select_kernel[(num_rows,)](*select, TIER=0, CAP=min(capacity, GUESS_CAPACITY), num_warps=_NUM_WARPS, **flt,
                                 **shape)
-    # Tiers 1 and 2, the pivots and their refinement: flagged rows only (other programs return at once).
-    count_and_refine(x, temperature, row_args, part["low"], top_k, top_p, piv, cnt, mass, flags, chunk, num_splits,
+    if reject:  # tier -1, rows flagged 1 only: those whose unfiltered draw is proven kept take it (flag -1)
+        serve_draws(x, temperature, keys, row_args, b["nan"], b["plan"], top_k, top_p, flags, b["fast"], threshold,
+                    (b["draw"], b["draw_idx"], b["reject_cnt"], b["reject_mass"]), chunk, num_splits, blk, flt)
+    # Tiers 1 and 2, the pivots and their refinement: rows still flagged 1 only (other programs return at once).
+    count_and_refine(x, temperature, row_args, b["low"], top_k, top_p, piv, cnt, mass, flags, chunk, num_splits,
                      capacity, blk, flt)
     _compact_kernel[grid](x, x.stride(0), temperature, keys, *row_args, top_k, top_p, piv, cnt, mass, flags, num_cand,
                           cand_s, cand_v, *draws, vocab_size, chunk, num_splits, capacity, BLOCK=blk,

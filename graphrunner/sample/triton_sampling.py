@@ -226,6 +226,17 @@ if HAS_TRITON:
         return tl.where(tok == 2147483647, 0, tok)  # nothing kept (min_p > 1): token 0, like argmax
 
     @triton.jit
+    def _lane_best(val, v, best, best_idx):  # per lane: the larger score and its id (a tie keeps the first id)
+        better = val > best
+        return tl.where(better, val, best), tl.where(better, v, best_idx)
+
+    @triton.jit
+    def _store_best(best_ptr, best_idx_ptr, at, best, best_idx):  # the best score, the smallest id reaching it
+        peak = tl.max(best, 0)
+        tl.store(best_ptr + at, peak)
+        tl.store(best_idx_ptr + at, tl.min(tl.where(best == peak, best_idx, 2147483647), 0))
+
+    @triton.jit
     def _pick_kernel(val_ptr, idx_ptr, flag_ptr, temp_ptr, fast_ptr, out_ptr, num_splits, MIN_FLAG: tl.constexpr,
                      S_PAD: tl.constexpr):
         # Row: the first id of the best split's draw for flagged sampled rows, else fast[row].

@@ -8,8 +8,8 @@ batch the benchmark builds, CUDA kernel time per op, largest first. `--logits fl
 weight-like rows: bf16 randn * 0.5 at T 0.8, 95% of the mass in ~80% of the vocabulary) or
 `peaked` (randn * 3) profiles pivot_sample_triton alone on such rows instead, prints the mean
 time per call (CUDA events) and which tier served the rows; `--module` loads pivot_select from
-another file (a saved copy) to compare before / after in one run. GRAPHRUNNER_SAMPLER_REJECT=1 in
-the environment turns tier -1 (pivot_reject.py, off by default) on, here and in `bench sampler` (A/B).
+another file (a saved copy) to compare before / after in one run. GRAPHRUNNER_SAMPLER_REJECT=0 in
+the environment turns tier -1 (pivot_reject.py, on by default) off, here and in `bench sampler` (A/B).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Generates a few tokens greedily, keeps the logits of the last step, and runs `pi
 on them with the given filters: per row, the probability of the top token, how many tokens hold
 the top-p mass, and the tier (-1 reject: the unfiltered draw, proven kept; 0 guess, 1 pivots,
 2 refine: pivots narrowed inside an overflowing window, 3 the one-program fallback). Tier -1 runs as
-the runtime's does (off unless GRAPHRUNNER_SAMPLER_REJECT=1); --reject or --no-reject override. The synthetic
+the runtime's does (on unless GRAPHRUNNER_SAMPLER_REJECT=0); --reject or --no-reject override. The synthetic
 logits of `bench sampler` and a trained model's can land in different tiers; this tells which
 one an end-to-end run pays for (on a CPU the kernels run under TRITON_INTERPRET=1).
 """

@@ -53,7 +53,7 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
                "(alone, or fused with the rotary embedding)"),
     FamilyRule("sampling",
                r"^_(gumbel_argmax|threshold|pick|stats|plan|guess|pivot|compact|select|partial|combine|dense|sparse"
-               r"|refresh|bitmask|refine|stream|reject_count|reject_decide)_kernel$",
+               r"|refresh|bitmask|refine|stream|reject_draw|reject_count|reject_decide)_kernel$",
                "graphrunner/sample: Triton sampling, the sort-free select, the split-row argmax, one-pass logprobs, "
                "the fused processors, token bitmasks"),
     FamilyRule("step inputs",
