@@ -37,6 +37,7 @@ from graphrunner.sample.processors import (
     apply_penalties,
     token_counts,
 )
+from graphrunner.sample.rng_keys import row_keys
 from graphrunner.sample.triton_sampling import gumbel_argmax_triton, sampling_threshold_triton
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.sampling import SamplingStates
@@ -308,7 +309,7 @@ class Sampler:
         x = x.contiguous().float()  # no-op for the sampler's fp32 logits
         temperature = temperature.float().contiguous()
         threshold = torch.empty(num_rows, dtype=torch.float32, device=x.device)  # [R]
-        keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
+        keys = row_keys(s.seed, positions, rows)  # [R]: one kernel for rng.row_keys(seed[rows], positions)
         sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
         if self.filter_impl == "bisect":
             # Threshold and draw in three reads of x (pivot_select.py); greedy rows get argmax(x).

@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner.sample import rng
+from graphrunner.sample.rng_keys import row_keys
 
 __all__ = ["ACCEPT_SALT", "PAD_TOKEN_ID", "RESIDUAL_SALT", "rejection_sample"]
 
@@ -243,8 +244,8 @@ def rejection_sample(
         return
     if not all_greedy or synthetic:
         temp = torch.where(is_greedy, 1.0, temperature)  # [R]
-        keys = rng.row_keys(seeds[:, None].expand(num_rows, k + 1).reshape(-1),
-                            (positions[:, None] + slots[None, :]).reshape(-1)).view(num_rows, k + 1)
+        keys = row_keys(seeds[:, None].expand(num_rows, k + 1).reshape(-1),
+                        (positions[:, None] + slots[None, :]).reshape(-1)).view(num_rows, k + 1)  # one kernel on CUDA
     if synthetic_acceptance_rate is not None:
         u = rng.uniform(rng.hash32(keys[:, :k].reshape(-1) ^ SYNTHETIC_SALT), 1).view(num_rows, k)  # [R, k]
         accept = u < synthetic_acceptance_rate
