@@ -85,11 +85,9 @@ class ReceivedTokens:
 
 @dataclass
 class StepTokens:
-    """Every real row's token of one received step, for that step's output: `get()` gives
-    [R] (or [R, W]) int32 on the CPU. On CUDA it is a pinned host copy enqueued on the broadcast
-    stream right behind the broadcast, so `get()` waits for that broadcast only, never for the
-    forwards the main stream has been given since (a plain `.cpu()` would wait for them all,
-    starving the stage while the host waits). Elsewhere it is a copy, ready at once."""
+    """Every real row's token of one received step, for its output: `get()` gives [R] (or [R, W])
+    int32 on the CPU. On CUDA a pinned copy enqueued right behind the broadcast, so `get()` waits
+    for that broadcast only, not for the forwards launched since (as `.cpu()` would)."""
 
     values: torch.Tensor
     ready: torch.cuda.Event | None = None
@@ -370,9 +368,8 @@ class PPHandler:
 
     def take_for(self, rows: np.ndarray) -> list[tuple[ReceivedTokens | None, StepTokens]]:
         """Before a step of these request rows ([R] int64) prepares its inputs: the queued receives,
-        oldest first, up to the newest one holding a token for any of them (`take_oldest`'s pairs;
-        none when no queued receive does). A first stage that runs a request again while its last
-        token is still coming round the pipeline applies that token here, on the device."""
+        oldest first, up to the newest one holding a token for any of them (`take_oldest`'s pairs).
+        A stage that runs a request while its last token is still on its way applies it from here."""
         last = -1
         for i, p in enumerate(self._queue):
             if np.isin(p.rows[p.keep], rows).any():
