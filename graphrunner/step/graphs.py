@@ -180,8 +180,8 @@ class StepGraphs:
             work += [(d, None) for d in descriptors if self.split.serves(d)]
         free_before = self.pool.free_bytes()
         start = time.perf_counter()
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # garbage's device memory back before the pool takes its own (CPU: none)
+            gc.collect()
             torch.cuda.empty_cache()
         try:
             if self.body.compiled is not None:
@@ -246,8 +246,8 @@ class StepGraphs:
         """After a failed capture: no graph survives to replay, the scratch row is neutral again."""
         self.release()
         self.body.reset_scratch_row()
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the released graphs' device memory back (CPU: none to return)
+            gc.collect()
             torch.cuda.empty_cache()
 
     def _capture_one(self, desc: BatchExecutionDescriptor, variant: SamplingFeatures | None, label: str,
