@@ -28,7 +28,10 @@ def make_runner(model: str = "builtin:tiny-llama", *, max_num_seqs=4, max_num_ba
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
         speculative=SpeculativeConfig.from_dict(speculative),
-        compilation=compilation if compilation is not None else CompilationConfig(),
+        # Default: the eager compile backend. Uncaptured steps still run the PIECEWISE path,
+        # compiled at the first step: inductor's codegen there cost ~10 s (cold) for what every
+        # such test checks; inductor has its own test (test_piecewise.test_inductor_backend).
+        compilation=compilation if compilation is not None else CompilationConfig(compile_backend="eager"),
         dtype=dtype,
     )
     runner = ModelRunner(config, device)
