@@ -201,7 +201,11 @@ class StepGraphs:
                      report: CaptureReport, inspect_nodes: bool, progress: bool, free_before: int) -> None:
         """The capture loop; a failure names the graph (descriptor[variant]) it was capturing."""
         assert self.pool is not None
-        gc.freeze()  # a GC pass during capture would walk (and time) every frozen object
+        # A GC pass during capture would walk (and time) every frozen object. A caller that froze
+        # its heap already (gc.freeze at start-up) keeps its freeze: unfreeze would undo it.
+        froze = gc.get_freeze_count() == 0
+        if froze:
+            gc.freeze()
         bar = _progress(work, progress)
         try:
             for i, (desc, variant) in enumerate(bar):
@@ -221,7 +225,8 @@ class StepGraphs:
                     raise
                 self.body.reset_scratch_row()
         finally:
-            gc.unfreeze()
+            if froze:
+                gc.unfreeze()
             if hasattr(bar, "close"):
                 bar.close()
 
