@@ -1,6 +1,7 @@
 """Run a function in a gloo world of N CPU processes (test helper).
 
     results = run_world(2, fn, arg1, arg2, timeout_s=30)   # [fn's return on rank 0, on rank 1]
+    world = start_world(2, fn, ...); ...; results = world.wait()   # several worlds side by side
 
 Each child: OMP_NUM_THREADS=1 and torch.set_num_threads(1) (a 2-core CI machine runs
 several ranks), the torchrun env variables set, joins a gloo world on a free localhost
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["EIGHT_HEADS", "WorldError", "free_port", "register_eight_heads", "run_world"]
+__all__ = ["EIGHT_HEADS", "World", "WorldError", "free_port", "register_eight_heads", "run_world", "start_world"]
 
 
 class WorldError(RuntimeError):
@@ -104,6 +105,21 @@ def run_world(
     `init_distributed`, from the torchrun variables RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*
     that every child has set either way).
     """
+    return start_world(world_size, fn, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
+                       allow_hang=allow_hang, init_pg=init_pg).wait()
+
+
+def start_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = 60.0,
+    pg_timeout_s: float = 30.0,
+    allow_hang: frozenset[int] = frozenset(),
+    init_pg: bool = True,
+) -> World:
+    """`run_world` without waiting: the ranks start now, `World.wait()` returns (or raises) what
+    `run_world` does. Worlds that mostly wait (out a timeout) can run side by side."""
     method = os.environ.get("GRAPHRUNNER_TEST_START", "fork")
     ctx = mp.get_context(method)
     port = free_port()
@@ -116,43 +132,55 @@ def run_world(
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
+    return World(procs, conns, timeout_s, allow_hang, time.monotonic() + timeout_s)
 
-    results: list[Any] = [None] * world_size
-    failures: dict[int, str] = {}
-    pending = set(range(world_size)) - set(allow_hang)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while pending and time.monotonic() < deadline:
-            left = max(0.0, deadline - time.monotonic())
-            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=left)
-            for conn in ready:
-                rank = conns.index(conn)
-                pending.discard(rank)
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    procs[rank].join(5)
-                    failures[rank] = f"exited without a result (exit code {procs[rank].exitcode})"
-                    continue
-                if status == "ok":
-                    results[rank] = payload
-                else:
-                    failures[rank] = payload
-        for rank in pending:
-            failures[rank] = f"no result within timeout_s={timeout_s} (hung); killed"
-    finally:
-        for rank, p in enumerate(procs):
-            # Ranks that reported are on their way out; give them a moment, then kill.
-            if p.is_alive() and rank not in allow_hang and rank not in failures:
-                p.join(2)
-            if p.is_alive():
-                p.kill()  # SIGKILL to this child's pid only
-            p.join(5)
-        for c in conns:
-            c.close()
-    if failures:
-        raise WorldError(failures)
-    return results
+
+class World:
+    """The ranks of a started world (`start_world`)."""
+
+    def __init__(self, procs: list, conns: list, timeout_s: float, allow_hang: frozenset[int],
+                 deadline: float) -> None:
+        self.procs, self.conns, self.timeout_s = procs, conns, timeout_s
+        self.allow_hang, self.deadline = allow_hang, deadline
+
+    def wait(self) -> list[Any]:
+        """The ranks' return values; `WorldError` naming each rank that failed or hung."""
+        procs, conns = self.procs, self.conns
+        results: list[Any] = [None] * len(procs)
+        failures: dict[int, str] = {}
+        pending = set(range(len(procs))) - set(self.allow_hang)
+        try:
+            while pending and time.monotonic() < self.deadline:
+                left = max(0.0, self.deadline - time.monotonic())
+                ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=left)
+                for conn in ready:
+                    rank = conns.index(conn)
+                    pending.discard(rank)
+                    try:
+                        status, payload = conn.recv()
+                    except EOFError:
+                        procs[rank].join(5)
+                        failures[rank] = f"exited without a result (exit code {procs[rank].exitcode})"
+                        continue
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        failures[rank] = payload
+            for rank in pending:
+                failures[rank] = f"no result within timeout_s={self.timeout_s} (hung); killed"
+        finally:
+            for rank, p in enumerate(procs):
+                # Ranks that reported are on their way out; give them a moment, then kill.
+                if p.is_alive() and rank not in self.allow_hang and rank not in failures:
+                    p.join(2)
+                if p.is_alive():
+                    p.kill()  # SIGKILL to this child's pid only
+                p.join(5)
+            for c in conns:
+                c.close()
+        if failures:
+            raise WorldError(failures)
+        return results
 
 
 EIGHT_HEADS = "builtin:tiny-llama-8h"  # 8 query / 4 KV heads: TP4 (tiny-llama's 2 KV heads do not split in 4)

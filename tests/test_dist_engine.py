@@ -22,7 +22,7 @@ from graphrunner.config import ParallelConfig
 from graphrunner.distributed.groups import ParallelGroups, coordinates, group_ranks, init_distributed
 from graphrunner.distributed.launch import launch
 from graphrunner.models.llama import pp_layer_range
-from tests.dist_utils import run_world
+from tests.dist_utils import WorldError, run_world, start_world
 
 PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(4)] + [[7] * 20, [3, 4]]
 MAX_TOKENS = [6, 3, 8, 2, 6, 4]  # skewed: one DP replica runs out of work first
@@ -194,9 +194,40 @@ def _dead_or_stalled_peer(rank: int, world: int, how: str) -> dict:
     return {"raised": False, "seconds": time.monotonic() - start, "msg": ""}
 
 
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def stalled_worlds() -> dict[str, list | WorldError]:
+    """Every stall case's world, run side by side: each mostly waits out its collective timeout
+    (4 or 5 s), which their tests used to do one after another. name -> results or the error."""
+    hang = frozenset({1})
+    worlds = {"peer": start_world(2, _dead_or_stalled_peer, "stall", timeout_s=40, allow_hang=hang)}
+    for name, layout in LAYOUTS.items():
+        worlds[name] = start_world(2, _engine_with_dead_peer, *layout, "stall", timeout_s=90, allow_hang=hang)
+    results: dict[str, list | WorldError] = {}
+    for name, world in worlds.items():
+        try:
+            results[name] = world.wait()
+        except WorldError as e:
+            results[name] = e
+    return results
+
+
+def _dead_or_stalled(request, name: str, how: str, run) -> list:
+    """A stall case's results from the shared fixture (its error re-raised); a kill case's own run."""
+    if how != "stall":
+        return run()
+    result = request.getfixturevalue("stalled_worlds")[name]
+    if isinstance(result, WorldError):
+        raise result
+    return result
+
+
 @pytest.mark.parametrize("how", ["kill", "stall"])
-def test_dead_or_stalled_rank_raises_within_timeout(how: str) -> None:
-    info, _ = run_world(2, _dead_or_stalled_peer, how, timeout_s=40, allow_hang=frozenset({1}))
+def test_dead_or_stalled_rank_raises_within_timeout(request, how: str) -> None:
+    info, _ = _dead_or_stalled(request, "peer", how, lambda: run_world(2, _dead_or_stalled_peer, how, timeout_s=40,
+                                                                        allow_hang=frozenset({1})))
     assert info["raised"], info
     assert info["seconds"] < 4.0 + 10.0, info
 
@@ -227,10 +258,12 @@ def _engine_with_dead_peer(rank: int, world: int, tp: int, pp: int, dp: int, how
 
 @pytest.mark.parametrize("how", ["kill", "stall"])
 @pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
-def test_engine_rank_dead_or_stalled_fails_within_timeout(tp: int, pp: int, dp: int, how: str) -> None:
+def test_engine_rank_dead_or_stalled_fails_within_timeout(request, tp: int, pp: int, dp: int, how: str) -> None:
     """In every parallel mode a lost peer ends the survivor's step with an error within the
     collective timeout (5 s here) plus slack, instead of a hang."""
-    info, _ = run_world(2, _engine_with_dead_peer, tp, pp, dp, how, timeout_s=90, allow_hang=frozenset({1}))
+    name = {v: k for k, v in LAYOUTS.items()}[(tp, pp, dp)]
+    info, _ = _dead_or_stalled(request, name, how, lambda: run_world(2, _engine_with_dead_peer, tp, pp, dp, how,
+                                                                      timeout_s=90, allow_hang=frozenset({1})))
     assert info["raised"], info
     assert info["seconds"] < 5.0 + 15.0, info
     # The error names the exchange, this rank's place and the timeout (not only the transport's words).
