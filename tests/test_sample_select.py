@@ -117,10 +117,36 @@ def _check_against_reference(batch, **kw):
 
 
 @given(batch=batches(), capacity=st.sampled_from([16, 64, 1024]), block=st.sampled_from([None, 64]),
-       splits=st.sampled_from([None, 1, 3]))
+       splits=st.sampled_from([None, 1, 3]), segment=st.sampled_from([None, 1, 2]))
 @settings(deadline=None)
-def test_kept_set_equals_the_sort_reference(batch, capacity, block, splits):
-    _check_against_reference(batch, capacity=capacity, block=block, splits=splits)
+def test_kept_set_equals_the_sort_reference(batch, capacity, block, splits, segment):
+    # segment 1-2 at block 64: min-p rows take the one-pass stats (their candidates in the first read)
+    _check_against_reference(batch, capacity=capacity, block=block, splits=splits, segment=segment)
+
+
+@pytest.mark.parametrize("ascending", [False, True])
+def test_one_pass_rows_are_served_by_the_guess_tier_exactly(ascending):
+    # Min-p rows over 32 tiles of 64 with a bound update every 2 tiles: tier 0 serves them from the
+    # stats pass's candidates, with the sort reference's kept set and the same tokens and thresholds
+    # as the two-pass guess (segment 64: no one-pass). Ascending logits (adversarial: every token is
+    # above the segments before it, so all are candidates) overflow tier 0: the tiers below stay exact.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2048, generator=g) * 3.0
+    if ascending:
+        x = x.sort(dim=-1).values + torch.linspace(0, 2, 2048)
+    temperature = torch.tensor([0.8, 1.0, 0.5, 0.0])
+    keys = rng.row_keys(torch.arange(4), torch.arange(4))
+    top_k = torch.tensor([50, 0, 5, 50], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.95, 1.0, 0.9])
+    min_p = torch.tensor([0.05, 0.1, 0.02, 0.05])
+    want, clear = sort_reference(x, temperature, top_k, top_p, min_p)
+    assert all(clear)
+    one = _run(x, temperature, keys, top_k, top_p, min_p, block=64, splits=1, segment=2)
+    two = _run(x, temperature, keys, top_k, top_p, min_p, block=64, splits=1, segment=64)
+    assert one[2][:3].tolist() == [TIER_PIVOTS if ascending else TIER_GUESS] * 3
+    s = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+    assert torch.equal(s[:3] >= one[1][:3, None], want[:3])
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1][:3], two[1][:3])
 
 
 def test_each_tier_serves_its_rows():

@@ -6,10 +6,14 @@ Tier 0, the guess (every row):
 1. stats (R x S): max of s = x / T (NaN skipped) and its first id, the first NaN id
    (greedy rows: torch.argmax), sum and count of finite x, and bucket maxima (the maxima
    of disjoint token groups: k of them >= t prove k tokens >= t). On x, divided at the end.
-2. plan (R): g <= the final threshold: t_min_p, raised to the k-th largest bucket max for
-   top-k; top-p-only rows aim g at a mass share of the bucket maxima (a guess, checked).
-3. guess (R x S): tokens with x >= bound(g) (so s >= g, no division) are appended (x, id)
-   to the row's candidates; top-p-only rows also sum exp(s - M); no-filter rows draw.
+   Min-p rows ("one-pass" rows) also append their tier-0 candidates here: every finite token with
+   s >= M' + log(min_p), M' the running max (<= M), a superset of the tokens min-p keeps.
+2. plan (R): g <= the final threshold: t_min_p (one-pass rows stop here), raised to the k-th
+   largest bucket max for top-k; top-p-only rows aim g at a mass share of the bucket maxima
+   (a guess, checked).
+3. guess (R x S), rows other than one-pass rows: tokens with x >= bound(g) (so s >= g, no
+   division) are appended (x, id) to the row's candidates; top-p-only rows also sum
+   exp(s - M); no-filter rows draw. A batch of min-p rows reads the logits once in tier 0.
 4. select (R): exact thresholds from the candidates by binary lifting over int32 order
    keys, masses in 2**-40 fixed point (integer sums: the racy candidate order cannot
    change a seeded draw), and the draw (rng.py's noise, bit for bit). It serves a row only
@@ -37,7 +41,7 @@ mass is within rounding (~1e-6 relative) of top_p * Z', and the float32 sums ove
 depend on S, so in such a tie a seeded row's top-p boundary can depend on the batch size.
 NaN entries are skipped. Sized by R, V and `capacity`, no host sync: graph-safe.
 Flags ([R] int32, returned as the tiers): -1 and 0-3 as above; 4 marks a row pending refinement.
-No scratch buffer is zero-filled (no memset node in the graph): the plan zeroes the candidate counts.
+One scratch buffer is zero-filled (one memset node): the candidate counts, before the stats pass.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ _GUESS_SLACK = 0.25  # top-p-only guess: the bucket maxima's mass share 1 - (1 -
 _BLOCK = 1024  # vocab entries per loop step of the streaming kernels (H100, 256 rows: 2048 +4%, 4096 +11%)
 _PROGRAMS_PER_SM = 2  # streaming programs per SM (H100, 256 rows, guess tier: 2 180 us, 4 213, 8 183)
 _NUM_WARPS = 8
+_SEGMENT = 8  # one-pass stats: tiles per bound update (the first segment is read twice)
 
 if HAS_TRITON:
     import triton
@@ -89,15 +94,52 @@ if HAS_TRITON:
     _REFINED = tl.constexpr(TIER_REFINE)
     _FALLBACK = tl.constexpr(TIER_FALLBACK)
 
-    @triton.jit(do_not_specialize=["vocab_size", "chunk"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, max_ptr, arg_ptr, nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr,
-                      vocab_size, chunk, BLOCK: tl.constexpr, NB: tl.constexpr):
+    @triton.jit
+    def _one_pass(row, log_min_p_ptr, ONE_PASS: tl.constexpr):
+        # A row whose tier-0 candidates the stats pass collects (min-p on): its guess pass is skipped.
+        if ONE_PASS:
+            return tl.load(log_min_p_ptr + row) > _NEG_INF
+        return tl.zeros([], tl.int1)
+
+    @triton.jit
+    def _one_pass_bound(peak, t, lmp):
+        # x0 <= every float32 x with div_rn(x, t) >= max(peak) / T + log(min_p) =: b (t > 0): b * t less
+        # a margin above the two roundings (2**-24 relative each, and absolute below the normal range
+        # for t < 1e15); no bound (-inf) when b * t overflows. Looser than _x_bound's bisection, no loop.
+        bt = (tl.math.div_rn(tl.max(peak, 0), t) + lmp) * t
+        x0 = bt - tl.abs(bt) * 9.5367431640625e-07 - 1e-30  # 2**-20
+        return tl.where(x0 == x0, x0, _NEG_INF)
+
+    @triton.jit
+    def _stats_tile(base, v, hi, peak, arg, first_nan, total, count, low):
+        # One tile of the stats pass: -> (x, and the accumulators updated).
+        x = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
+        better = x > peak  # strict: the first id of a tie within a lane
+        peak = tl.where(better, x, peak)
+        arg = tl.where(better, v, arg)
+        first_nan = tl.minimum(first_nan, tl.where(x != x, v, 2147483647))
+        finite = (x > _NEG_INF) & (x < _POS_INF)
+        total += tl.where(finite, x, 0.0)
+        count += finite.to(tl.int32)
+        low = tl.minimum(low, tl.where(finite, x, _POS_INF))
+        return x, peak, arg, first_nan, total, count, low
+
+    @triton.jit(do_not_specialize=["vocab_size", "chunk", "capacity"])
+    def _stats_kernel(x_ptr, x_stride, temp_ptr, log_min_p_ptr, n_ptr, cand_x_ptr, cand_v_ptr, max_ptr, arg_ptr,
+                      nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr, vocab_size, chunk, capacity,
+                      ONE_PASS: tl.constexpr, SEGMENT: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
         # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
         # first NaN id (greedy rows take it, as torch.argmax), sum, count and min of finite x (the
         # spread's mean, refinement's lowest bound), the maxima of NB disjoint lane groups (the plan's).
         # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T). No noise here:
         # tier -1's draw (pivot_reject's pass A) runs later, for the rows tier 0 turns down only.
+        # One-pass rows (min-p on, ONE_PASS: chunks of >= 2 segments) also append tier 0's candidates:
+        # every finite token with s >= M' + log(min_p), M' the max of s over the segments before its
+        # own (<= M), a superset of the kept tokens (s >= t_min_p), in the same read. The bound moves
+        # once per SEGMENT tiles (a block-wide max, a barrier: once per tile would cost ~2.5x); the
+        # first segment has none, so it is read twice (the second time from L2).
         row, split = tl.program_id(0), tl.program_id(1)
+        one_pass = _one_pass(row, log_min_p_ptr, ONE_PASS)
         out = row * tl.num_programs(1) + split
         temp = tl.load(temp_ptr + row)
         t = tl.where(temp == 0.0, 1.0, temp)
@@ -111,17 +153,25 @@ if HAS_TRITON:
         total = tl.zeros([BLOCK], tl.float32)
         count = tl.zeros([BLOCK], tl.int32)
         low = tl.full([BLOCK], _POS_INF, tl.float32)
-        for start in range(lo, hi, BLOCK):
-            v = start + offs
-            x = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
-            better = x > peak  # strict: the first id of a tie within a lane
-            peak = tl.where(better, x, peak)
-            arg = tl.where(better, v, arg)
-            first_nan = tl.minimum(first_nan, tl.where(x != x, v, 2147483647))
-            finite = (x > _NEG_INF) & (x < _POS_INF)
-            total += tl.where(finite, x, 0.0)
-            count += finite.to(tl.int32)
-            low = tl.minimum(low, tl.where(finite, x, _POS_INF))
+        mid = tl.where(one_pass, tl.minimum(lo + SEGMENT * BLOCK, hi), hi)
+        for start in range(lo, mid, BLOCK):
+            x, peak, arg, first_nan, total, count, low = _stats_tile(base, start + offs, hi, peak, arg, first_nan,
+                                                                     total, count, low)
+        if ONE_PASS:
+            if one_pass:  # (uniform per row) the first segment again, against its own max
+                lmp = tl.load(log_min_p_ptr + row)
+                x0 = _one_pass_bound(peak, t, lmp)
+                for start in range(lo, mid, BLOCK):
+                    v = start + offs
+                    x = tl.load(base + v, mask=v < mid, other=_NEG_INF).to(tl.float32)
+                    _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, (x >= x0) & (x > _NEG_INF))
+                for seg in range(mid, hi, SEGMENT * BLOCK):  # empty for other rows (mid = hi)
+                    x0 = _one_pass_bound(peak, t, lmp)
+                    for start in range(seg, tl.minimum(seg + SEGMENT * BLOCK, hi), BLOCK):
+                        v = start + offs
+                        x, peak, arg, first_nan, total, count, low = _stats_tile(base, v, hi, peak, arg, first_nan,
+                                                                                 total, count, low)
+                        _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, (x >= x0) & (x > _NEG_INF))
         top = tl.max(peak, 0)
         tl.store(max_ptr + out, tl.math.div_rn(top, t))
         tl.store(arg_ptr + out, tl.min(tl.where(peak == top, arg, 2147483647), 0))  # greedy rows: T = 1
@@ -134,15 +184,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, piv_ptr,
-                     n_ptr, vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
-                     USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr, NB: tl.constexpr):
+                     vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                     USE_MIN_P: tl.constexpr, ONE_PASS: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
+                     NB: tl.constexpr):
         # Program row: plan[row] = (g, mode). Kept tokens have s >= t_min_p and >= the k-th largest
         # bucket max (proven bounds: mode 1); top-p-only rows guess g from the buckets' mass (mode 2:
         # the guess pass sums the total mass too); mode 3: no filter, draw all; 0: tier 1 serves it.
-        # Also stores tier 1's pivots, which every later kernel reads (the same float32 everywhere), and
-        # zeroes the row's candidate count, which the guess pass appends to (no memset node in the graph).
+        # Also stores tier 1's pivots, which every later kernel reads (the same float32 everywhere).
+        # One-pass rows (min-p on) take g = t_min_p: the stats pass appended every token above it.
         row = tl.program_id(0)
-        tl.store(n_ptr + row, 0)
         m, ok, piv = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
         tl.store(piv_ptr + row * P + tl.arange(0, P), piv)
         k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
@@ -154,9 +204,10 @@ if HAS_TRITON:
         low = _ordered_key(tl.maximum(t_min_p, _NEG_INF)).to(tl.int64)  # g >= t_min_p anyway
         top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1
         g = t_min_p
+        one_pass = _one_pass(row, log_min_p_ptr, ONE_PASS)  # g = t_min_p: its candidates hold s >= t_min_p
         if USE_TOP_K:  # a lower bound of the k-th bucket max (exact to ~2**-20 of the key range)
-            g = tl.maximum(g, tl.where(k_on, _key_to_float(_bisect_keys(key, on.to(tl.int32), low, top, k, 20)),
-                                       _NEG_INF))
+            g = tl.maximum(g, tl.where(k_on & ~one_pass,
+                                       _key_to_float(_bisect_keys(key, on.to(tl.int32), low, top, k, 20)), _NEG_INF))
         use_p = p_on & (g == _NEG_INF)
         if USE_TOP_P:
             if use_p:
@@ -172,22 +223,29 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["vocab_size", "chunk", "num_splits"])
     def _guess_kernel(x_ptr, x_stride, temp_ptr, keys_ptr, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, plan_ptr, n_ptr,
                       cand_x_ptr, cand_v_ptr, best_ptr, best_idx_ptr, part_z_ptr, vocab_size, chunk, num_splits,
-                      capacity, USE_MIN_P: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      capacity, USE_MIN_P: tl.constexpr, ONE_PASS: tl.constexpr, S_PAD: tl.constexpr,
+                      P: tl.constexpr, BLOCK: tl.constexpr):
         # Program (row, split), tier 0: appends its tokens with s >= g (as x >= bound(g): no division)
         # as (raw x, id); mode 2 also sums exp(s - M), mode 3 draws over all (best s + gumbel, first id).
         row, split = tl.program_id(0), tl.program_id(1)
-        m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
-        m = tl.where(ok, m, 0.0)
         mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
-        t = tl.load(temp_ptr + row)
-        t = tl.where(t == 0.0, 1.0, t)
-        x0 = tl.where(mode == 3, _POS_INF, _x_bound(tl.load(plan_ptr + 2 * row), t))  # mode 3: no candidates
+        # One-pass rows have their candidates (the stats pass): this pass skips them (mode 1 there).
+        live = (mode > 0) & ~_one_pass(row, log_min_p_ptr, ONE_PASS)
+        lo = split * chunk
+        hi = lo
+        m = tl.zeros([], tl.float32)
+        t = tl.full([], 1.0, tl.float32)
+        x0 = tl.full([], _POS_INF, tl.float32)  # mode 3: no candidates
+        if live:
+            m, ok, _ = _row_pivots(row, max_ptr, sum_ptr, num_ptr, log_min_p_ptr, num_splits, USE_MIN_P, S_PAD, P)
+            m = tl.where(ok, m, 0.0)
+            t = tl.load(temp_ptr + row)
+            t = tl.where(t == 0.0, 1.0, t)
+            x0 = tl.where(mode == 3, _POS_INF, _x_bound(tl.load(plan_ptr + 2 * row), t))
+            hi = tl.minimum(lo + chunk, vocab_size)
         key = tl.load(keys_ptr + row).to(tl.uint32)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
-        lo = split * chunk
-        hi = tl.where(mode > 0, tl.minimum(lo + chunk, vocab_size), lo)
         best = tl.full([BLOCK], _NEG_INF, tl.float32)
         best_idx = lo + offs
         total = tl.zeros([BLOCK], tl.float32)
@@ -243,7 +301,7 @@ if HAS_TRITON:
             _store_best(best_ptr, best_idx_ptr, row * num_splits + split, best, best_idx)
 
     @triton.jit
-    def _select_windows(row, m, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
+    def _select_windows(row, m, piv, s, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on,
                         flag, TIER: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr):
         # -> (c, hi, a_lo, a_hi, a_on, cnt_above, fixed-point masses above A, of s >= t_min_p, above
         # hi, mode). Tier 0: A = [g, +inf), every token >= g is a candidate, none above; mass(s >=
@@ -253,7 +311,9 @@ if HAS_TRITON:
             mode = tl.load(plan_ptr + 2 * row + 1).to(tl.int32)
             j = tl.arange(0, S_PAD)
             total = tl.sum(tl.load(part_z_ptr + row * num_splits + j, mask=j < num_splits, other=0.0), 0)
-            min_p_fx = tl.where(mode == 2, (total * _FIXED).to(tl.int64), tl.sum(e, 0))
+            # (one-pass rows also hold candidates below t_min_p, appended under a lower running max)
+            t_min_p = _at(tl.arange(0, P), 0, piv)
+            min_p_fx = tl.where(mode == 2, (total * _FIXED).to(tl.int64), tl.sum(tl.where(s >= t_min_p, e, 0), 0))
             above_fx, hi_fx, a_on, cnt_above = tl.zeros([], tl.int64), tl.zeros([], tl.int64), k_on, 0
             hi, a_lo = tl.where(mode == 3, _NEG_INF, _POS_INF), tl.where(k_on, c, _POS_INF)
             a_hi = tl.full([], _POS_INF, tl.float32)
@@ -297,8 +357,8 @@ if HAS_TRITON:
             # which the compaction appended the candidates, so seeded draws are deterministic.
             e = (tl.where(s == s, tl.exp(s - tl.where(ok, m, 0.0)), 0.0) * _FIXED).to(tl.int64)
             c, hi, a_lo, a_hi, a_on, cnt_above, above_fx, min_p_fx, hi_fx, mode = _select_windows(
-                row, m, piv, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, flag, TIER,
-                S_PAD, P)
+                row, m, piv, s, e, plan_ptr, part_z_ptr, cnt_ptr, mass_ptr, num_splits, k, k_on, top_p, p_on, flag,
+                TIER, S_PAD, P)
             top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1  # every candidate's key is below
             # k-th largest: count(s >= t) = cnt_above + count of A-candidates in [t, a_hi).
             in_a = (s >= a_lo) & (s < a_hi)
@@ -371,14 +431,15 @@ def pivot_sample_triton(
     block: int | None = None,
     splits: int | None = None,
     reject: bool | None = None,
+    segment: int | None = None,
 ) -> torch.Tensor:  # [R] int32: which tier served the row: -1 reject, 0 guess, 1 pivots, 2 refined, 3 fallback
     """Sample `argmax(x/T >= threshold ? x/T + gumbel : -inf)` with the filters' exact threshold.
 
     The threshold of triton_sampling.sampling_threshold and the token of gumbel_argmax with
     it (greedy rows: torch.argmax(x)), tier by tier (module docstring). Returns the tiers.
     A row served by tier -1 (pivot_reject.py; `reject`, default REJECT_DEFAULT) gets the same
-    token without its threshold: NaN there. `capacity` (a power of two), `block` and `splits`
-    are exposed for tests.
+    token without its threshold: NaN there. `capacity` (a power of two), `block`, `splits` and
+    `segment` (tiles per bound update of the one-pass stats, default _SEGMENT) are exposed for tests.
     """
     ts._require_triton()
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
@@ -393,7 +454,8 @@ def pivot_sample_triton(
     bufs = _scratch(num_rows, num_splits, _buckets(blk, num_splits), capacity, x.device)
     flags, fast = bufs["flags"], bufs["fast"]  # [R] each: written for every row by tier 0's select
     _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, bufs,
-                  blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject)
+                  blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject,
+                  _SEGMENT if segment is None else segment)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
                               block=block, flags=flags, min_flag=TIER_FALLBACK)
@@ -404,8 +466,8 @@ def pivot_sample_triton(
 
 
 def _scratch(num_rows: int, num_splits: int, nb: int, capacity: int, dev: torch.device) -> dict[str, torch.Tensor]:
-    """The tiers' buffers, sized by R, S, C only; none is zero-filled (no memset node in the graph): each
-    is written before it is read, by a kernel that runs for every row or by the tier that reads it."""
+    """The tiers' buffers, sized by R, S, C only; only num_cand is zero-filled (one memset node): each
+    other is written before it is read, by a kernel that runs for every row or by the tier that reads it."""
     f32, i32 = torch.float32, torch.int32
     kinds = dict(max=f32, arg=i32, nan=i32, sum=f32, num=i32, low=f32, best=f32, best_idx=i32, z=f32, draw=f32,
                  draw_idx=i32)
@@ -418,7 +480,7 @@ def _scratch(num_rows: int, num_splits: int, nb: int, capacity: int, dev: torch.
         mass=torch.empty(num_rows, num_splits, NUM_PIVOTS, dtype=f32, device=dev),  # [R, S, P]
         reject_cnt=torch.empty(num_rows, num_splits, 2, dtype=i32, device=dev),  # [R, S, (>, min-p)]: tier -1
         reject_mass=torch.empty(num_rows, num_splits, 3, dtype=f32, device=dev),  # [R, S, (>, >=, min-p)]
-        num_cand=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: zeroed by the plan, appended by atomics
+        num_cand=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: zeroed first, appended by atomics
         cand_s=torch.empty(num_rows, capacity, dtype=f32, device=dev),  # [R, C]: x in tier 0, x / T in tier 1
         cand_v=torch.empty(num_rows, capacity, dtype=i32, device=dev),  # [R, C]
         flags=torch.empty(num_rows, dtype=i32, device=dev),  # [R]: the tiers (module docstring)
@@ -427,7 +489,7 @@ def _scratch(num_rows: int, num_splits: int, nb: int, capacity: int, dev: torch.
 
 
 def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, b, blk, chunk, num_splits, capacity,
-                  reject) -> None:
+                  reject, segment) -> None:
     """The kernels of the module docstring, in its order; b: the buffers of _scratch."""
     num_rows, vocab_size = x.shape
     nb = _buckets(blk, num_splits)
@@ -441,14 +503,19 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, b, 
     draws = (b["best"], b["best_idx"])
     select = (temperature, keys, b["arg"], b["nan"], *row_args, top_k, top_p, piv, cnt, mass, b["plan"], b["z"],
               num_cand, cand_s, cand_v, *draws, threshold, b["fast"], flags, vocab_size, num_splits, capacity)
-    _stats_kernel[grid](x, x.stride(0), temperature, b["max"], b["arg"], b["nan"], b["sum"], b["num"], b["low"],
-                        b["bucket_max"], vocab_size, chunk, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
-    _plan_kernel[(num_rows,)](*row_args, b["bucket_max"], top_k, top_p, b["plan"], piv, num_cand, vocab_size,
-                              num_splits, NB=nb, num_warps=_NUM_WARPS, **flt, **shape)
-    # Tier 0, the guess: every row; its select writes every row's flag: 0 proven, else 1.
+    # One pass for min-p rows where each program has >= 2 segments (few rows, many splits: a segment's
+    # max over a short chunk is a loose bound, too many candidates; those rows take the guess pass).
+    one_pass = use[2] and chunk // blk >= 2 * segment
+    num_cand.zero_()  # [R]: the stats pass (one-pass rows) and the guess pass append to it
+    _stats_kernel[grid](x, x.stride(0), temperature, log_min_p, num_cand, cand_s, cand_v, b["max"], b["arg"],
+                        b["nan"], b["sum"], b["num"], b["low"], b["bucket_max"], vocab_size, chunk, capacity,
+                        ONE_PASS=one_pass, SEGMENT=segment, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+    _plan_kernel[(num_rows,)](*row_args, b["bucket_max"], top_k, top_p, b["plan"], piv, vocab_size,
+                              num_splits, NB=nb, ONE_PASS=one_pass, num_warps=_NUM_WARPS, **flt, **shape)
+    # Tier 0, the guess: every row but one-pass rows; its select writes every row's flag: 0 proven, else 1.
     _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, b["plan"], num_cand, cand_s, cand_v, *draws,
-                        b["z"], vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], BLOCK=blk,
-                        num_warps=_NUM_WARPS, **shape)
+                        b["z"], vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], ONE_PASS=one_pass,
+                        BLOCK=blk, num_warps=_NUM_WARPS, **shape)
     _select_kernel[(num_rows,)](*select, TIER=0, CAP=min(capacity, GUESS_CAPACITY), num_warps=_NUM_WARPS, **flt,
                                 **shape)
     if reject:  # tier -1, rows flagged 1 only: those whose unfiltered draw is proven kept take it (flag -1)

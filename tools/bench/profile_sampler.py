@@ -1,7 +1,7 @@
 """Which kernels the sampler spends its GPU time in (torch.profiler).
 
     python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--variant all_on] [--filter bisect]
-        [--vocab 151936] [--logits bench|flat|peaked] [--top-p 0.95] [--top-k 0] [--module PATH]
+        [--vocab 151936] [--logits bench|flat|peaked] [--top-p 0.95] [--top-k 0] [--min-p 0] [--module PATH]
 
 A diagnostic beside `graphrunner bench sampler`: one eager call per iteration of the same
 batch the benchmark builds, CUDA kernel time per op, largest first. `--logits flat` (random-
@@ -49,15 +49,15 @@ def _rows_call(args, device: torch.device):
     temperature = torch.full((rows,), 0.8, device=device)
     keys = rng.row_keys(torch.arange(rows), torch.arange(rows)).to(device)
     top_k = torch.full((rows,), args.top_k, dtype=torch.int32, device=device)
-    top_p, min_p = torch.full((rows,), args.top_p, device=device), torch.zeros(rows, device=device)
+    top_p, min_p = torch.full((rows,), args.top_p, device=device), torch.full((rows,), args.min_p, device=device)
     out = torch.empty(rows, dtype=torch.int64, device=device)
     thr = torch.empty(rows, device=device)
     sample = _pivot_module(args.module).pivot_sample_triton
     tiers: list[torch.Tensor] = []
 
     def call():
-        tiers[:] = [sample(x, temperature, keys, top_k, top_p, min_p, args.top_k > 0, args.top_p < 1.0, False, out,
-                           thr)]
+        tiers[:] = [sample(x, temperature, keys, top_k, top_p, min_p, args.top_k > 0, args.top_p < 1.0,
+                           args.min_p > 0, out, thr)]
 
     return call, lambda: Counter(tiers[0].tolist())
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bench: the Sampler on the benchmark's batch; flat / peaked: pivot_sample_triton alone")
     ap.add_argument("--top-p", type=float, default=0.95, help="flat / peaked rows only")
     ap.add_argument("--top-k", type=int, default=0, help="flat / peaked rows only")
+    ap.add_argument("--min-p", type=float, default=0.0, help="flat / peaked rows only")
     ap.add_argument("--module", default=None, help="flat / peaked: load pivot_select from this file")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
