@@ -36,14 +36,18 @@ if HAS_TRITON:
         return x ^ (x >> 16)
 
     @triton.jit
+    def row_key(seed, pos):  # rng.row_keys of int64 lanes
+        key = _hash32((seed & _MASK32) ^ _hash32(((seed >> 32) & _MASK32) + _GOLDEN))
+        return _hash32(key ^ _hash32(pos + 2 * _GOLDEN))
+
+    @triton.jit
     def _row_keys_kernel(seed_ptr, index_ptr, pos_ptr, out_ptr, n, GATHER: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         at = tl.load(index_ptr + i, mask=live, other=0).to(tl.int64) if GATHER else i
         seed = tl.load(seed_ptr + at, mask=live, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + i, mask=live, other=0).to(tl.int64)
-        key = _hash32((seed & _MASK32) ^ _hash32(((seed >> 32) & _MASK32) + _GOLDEN))
-        tl.store(out_ptr + i, _hash32(key ^ _hash32(pos + 2 * _GOLDEN)), mask=live)
+        tl.store(out_ptr + i, row_key(seed, pos), mask=live)
 
 
 def row_keys_triton(seeds: torch.Tensor, positions: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:

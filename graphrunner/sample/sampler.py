@@ -38,6 +38,7 @@ from graphrunner.sample.processors import (
     token_counts,
 )
 from graphrunner.sample.rng_keys import row_keys
+from graphrunner.sample.row_params import gather_row_params
 from graphrunner.sample.triton_sampling import gumbel_argmax_triton, sampling_threshold_triton
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.sampling import SamplingStates
@@ -146,10 +147,11 @@ class Sampler:
             if out_logprobs.shape[1] < k + 1 or out_logprob_ids.shape[1] < k + 1:
                 raise ValueError(f"logprob buffers have {out_logprobs.shape[1]} columns, need >= {k + 1}")
 
-        rows = idx_mapping.long()  # [R]
-        x = self._process(logits, rows, positions, features, all_token_ids)
-        if features.any_random:
-            out.copy_(self._sample_random(x, rows, positions, features))
+        x = self._process(logits, idx_mapping, positions, features, all_token_ids)
+        if features.any_random and self._use_triton(x) and self.filter_impl == "bisect":
+            self._sample_pivot(x, idx_mapping, positions, features, out)
+        elif features.any_random:
+            out.copy_(self._sample_random(x, idx_mapping.long(), positions, features))
         else:
             argmax_rows(x, out=out)  # torch.argmax's indices; split over many programs per row on CUDA
         if want_logprobs:
@@ -198,7 +200,7 @@ class Sampler:
     def _process(
         self,
         logits: torch.Tensor,  # [R, V] float32 raw logits
-        rows: torch.Tensor,  # [R] int64 state rows
+        rows: torch.Tensor,  # [R] int32 | int64 state rows
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
         all_token_ids: torch.Tensor | None,  # a history to count instead of the persistent counts
@@ -220,6 +222,7 @@ class Sampler:
         stages = (has_mask, features.any_logit_bias, features.any_min_tokens, has_penalties)
         if not any(stages):
             return logits
+        rows = rows.long()  # [R] (a no-op for int64; the sampled-only step has no stage and no copy)
         drafts = None
         if has_penalties and all_token_ids is None:
             drafts = self._current_counts(logits, rows, positions, slots)
@@ -285,14 +288,30 @@ class Sampler:
     ) -> torch.Tensor:  # [R] int64
         s = self.states
         temperature = s.temperature[rows]  # [R]
-        is_greedy = temperature == 0.0
         if self._use_triton(x):
             return self._sample_random_triton(x, rows, positions, features, temperature)
+        is_greedy = temperature == 0.0
         greedy = argmax_rows(x)  # [R] int64
         scaled = self._scaled_and_filtered(x, rows, features)  # [R, V]
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
         sampled = (scaled + rng.gumbel(keys, x.shape[-1])).argmax(dim=-1)  # [R]
         return torch.where(is_greedy, greedy, sampled)
+
+    def _sample_pivot(
+        self,
+        x: torch.Tensor,  # [R, V] float32 processed logits
+        idx_mapping: torch.Tensor,  # [R] int32 | int64 state rows
+        positions: torch.Tensor,  # [R]
+        features: SamplingFeatures,
+        out: torch.Tensor,  # [R] int32 | int64, written in place
+    ) -> None:
+        """The "bisect" filter on the Triton kernels: the rows' settings and keys in one gather
+        (row_params.py), then threshold and draw in one or two reads of x (pivot_select.py);
+        greedy rows get argmax(x). The token goes straight into `out`."""
+        p = gather_row_params(self.states, idx_mapping, positions)
+        threshold = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # [R]
+        pivot_sample_triton(x.contiguous().float(), p.temperature, p.keys, p.top_k, p.top_p, p.min_p,
+                            features.any_top_k, features.any_top_p, features.any_min_p, out, threshold)
 
     def _sample_random_triton(
         self,
@@ -302,8 +321,8 @@ class Sampler:
         features: SamplingFeatures,
         temperature: torch.Tensor,  # [R] float32
     ) -> torch.Tensor:  # [R] int64
-        """`_sample_random` with the Triton kernels (same tokens): pivot_select for "bisect"
-        (greedy rows included), else a threshold (or the sort) and one fused Gumbel-max pass."""
+        """`_sample_random` with the Triton kernels (same tokens) for the "sort" and "bisect-serial"
+        filters: a threshold (or the sort) and one fused Gumbel-max pass ("bisect": _sample_pivot)."""
         s = self.states
         num_rows = x.shape[0]
         x = x.contiguous().float()  # no-op for the sampler's fp32 logits
@@ -311,13 +330,6 @@ class Sampler:
         threshold = torch.empty(num_rows, dtype=torch.float32, device=x.device)  # [R]
         keys = row_keys(s.seed, positions, rows)  # [R]: one kernel for rng.row_keys(seed[rows], positions)
         sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
-        if self.filter_impl == "bisect":
-            # Threshold and draw in three reads of x (pivot_select.py); greedy rows get argmax(x).
-            pivot_sample_triton(
-                x, temperature, keys, s.top_k[rows], s.top_p[rows], s.min_p[rows],
-                features.any_top_k, features.any_top_p, features.any_min_p, sampled, threshold,
-            )
-            return sampled
         greedy = x.argmax(dim=-1)  # [R]
         if self.filter_impl == "bisect-serial":
             sampling_threshold_triton(
