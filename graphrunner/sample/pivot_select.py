@@ -206,8 +206,8 @@ if HAS_TRITON:
         g = t_min_p
         one_pass = _one_pass(row, log_min_p_ptr, ONE_PASS)  # g = t_min_p: its candidates hold s >= t_min_p
         if USE_TOP_K:  # a lower bound of the k-th bucket max (exact to ~2**-20 of the key range)
-            g = tl.maximum(g, tl.where(k_on & ~one_pass,
-                                       _key_to_float(_bisect_keys(key, on.to(tl.int32), low, top, k, 20)), _NEG_INF))
+            if k_on & ~one_pass:  # (a branch, not a where: one-pass rows skip the bisection)
+                g = tl.maximum(g, _key_to_float(_bisect_keys(key, on.to(tl.int32), low, top, k, 20)))
         use_p = p_on & (g == _NEG_INF)
         if USE_TOP_P:
             if use_p:
