@@ -453,12 +453,13 @@ def pivot_sample_triton(
     blk, chunk, num_splits = _layout(x, block, splits)
     bufs = _scratch(num_rows, num_splits, _buckets(blk, num_splits), capacity, x.device)
     flags, fast = bufs["flags"], bufs["fast"]  # [R] each: written for every row by tier 0's select
-    _launch_tiers(x, temperature, keys, top_k, top_p, min_p, (use_top_k, use_top_p, use_min_p), threshold, bufs,
+    log_min_p = torch.log(min_p)  # [R]: in torch, bit-identical to filters.min_p_threshold
+    _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, (use_top_k, use_top_p, use_min_p), threshold, bufs,
                   blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject,
                   _SEGMENT if segment is None else segment)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,
-                              block=block, flags=flags, min_flag=TIER_FALLBACK)
+                              block=block, flags=flags, min_flag=TIER_FALLBACK, log_min_p=log_min_p)
     # out: the fallback's draw for rows flagged 3 (not greedy), the tiers' token for the others.
     ts.gumbel_argmax_triton(x, temperature, keys, threshold, out, block=block, flags=flags, min_flag=TIER_FALLBACK,
                             fast=fast)
@@ -488,14 +489,13 @@ def _scratch(num_rows: int, num_splits: int, nb: int, capacity: int, dev: torch.
     )
 
 
-def _launch_tiers(x, temperature, keys, top_k, top_p, min_p, use, threshold, b, blk, chunk, num_splits, capacity,
+def _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, use, threshold, b, blk, chunk, num_splits, capacity,
                   reject, segment) -> None:
     """The kernels of the module docstring, in its order; b: the buffers of _scratch."""
     num_rows, vocab_size = x.shape
     nb = _buckets(blk, num_splits)
     flags, num_cand, cand_s, cand_v, piv, cnt, mass = (b[n] for n in ("flags", "num_cand", "cand_s", "cand_v", "piv",
                                                                       "cnt", "mass"))
-    log_min_p = torch.log(min_p)  # [R]: in torch, bit-identical to filters.min_p_threshold
     row_args = (b["max"], b["sum"], b["num"], log_min_p)
     flt = dict(USE_TOP_K=use[0], USE_TOP_P=use[1], USE_MIN_P=use[2])
     shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)

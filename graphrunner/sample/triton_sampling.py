@@ -486,11 +486,13 @@ def sampling_threshold_triton(
     block: int | None = None,
     flags: torch.Tensor | None = None,
     min_flag: int = 2,
+    log_min_p: torch.Tensor | None = None,
 ) -> None:
     """Triton implementation of `sampling_threshold` (R programs; up to ~67 passes per row).
 
     With `flags` ([R] int32), only rows whose flag >= min_flag get a threshold; the
-    others keep what `out` holds (pivot_select's exact fallback).
+    others keep what `out` holds (pivot_select's exact fallback). `log_min_p`: torch.log(min_p)
+    when the caller has it already (one launch less).
     """
     _require_triton()
     num_rows, vocab_size = _check_logits(x)
@@ -501,7 +503,7 @@ def sampling_threshold_triton(
             out.fill_(float("-inf"))  # a Python scalar: no host-to-device copy while capturing
         return
     # log in torch, so that min-p's threshold is bit-identical to filters.min_p_threshold.
-    log_min_p = torch.log(min_p)  # [R]
+    log_min_p = torch.log(min_p) if log_min_p is None else log_min_p  # [R]
     _threshold_kernel[(num_rows,)](
         x, x.stride(0), temperature, top_k, top_p, log_min_p, out, out if flags is None else flags, vocab_size,
         USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, USE_MIN_P=use_min_p,
