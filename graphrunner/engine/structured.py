@@ -238,10 +238,12 @@ class StructuredOutputs:
         self.pending.pop(req_id, None)
         self.broken.discard(req_id)
 
-    def grammar_output(self, so: SchedulerOutput, device: Any = None) -> GrammarOutput | None:
+    def grammar_output(self, so: SchedulerOutput, device: Any = None, block: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
         1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first).
-        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA)."""
+        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA):
+        `block(num_rows, words)`'s (the runner's persistent staging, `ModelRunner.grammar_block`;
+        valid until the block after next) or a fresh one."""
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
         if not ids:
             return None
@@ -249,7 +251,8 @@ class StructuredOutputs:
             self._flush(ids)
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in ids] if spec else []
-        staged = host_buffer((len(ids) + sum(map(len, drafts)), self.words), torch.int32, device or "cpu")
+        shape = (len(ids) + sum(map(len, drafts)), self.words)
+        staged = block(*shape) if block is not None else host_buffer(shape, torch.int32, device or "cpu")
         mask = staged.numpy()  # every row is written whole below
         matchers = [self.matchers[rid] for rid in ids]
         fill_many = getattr(self.backend, "fill_many", None)
@@ -319,7 +322,8 @@ class StructuredOutputs:
 
     def sample(self, runner: Any, so: SchedulerOutput, async_output: bool = False) -> Any:
         """`runner.sample_tokens` with the step's masks (None when it has no constrained request)."""
-        grammar = self.grammar_output(so, getattr(runner, "device", None)) if self.matchers else None
+        grammar = (self.grammar_output(so, getattr(runner, "device", None), getattr(runner, "grammar_block", None))
+                   if self.matchers else None)
         if grammar is None:  # the plain call: engines and wrappers that know no grammar see no change
             return runner.sample_tokens(async_output=async_output)
         return runner.sample_tokens(async_output=async_output, grammar_output=grammar)

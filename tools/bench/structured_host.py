@@ -5,7 +5,8 @@
 
 xgrammar JSON matchers (engine_bench's schema) over engine_bench's synthetic tokenizer walk fixed
 token paths (random allowed tokens, none completing the JSON); each step times
-`StructuredOutputs.grammar_output` (the masks: filled while the step's forward runs), the runner
+`StructuredOutputs.grammar_output` (the masks, filled in the runner's staging block as
+`StructuredOutputs.sample` does: while the step's forward runs), the runner
 side `SamplingStates.write_grammar` (the upload; on --device cuda its launches, not the copy) and
 `after_output` (between two steps). One engine per `--threads` value (XGrammarBackend fill_threads),
 steps interleaved across them; the masks must agree. Prints the median ms per step of each call.
@@ -86,7 +87,7 @@ def run(args) -> dict[str, dict[str, float]]:
         for t in threads[step % len(threads):] + threads[: step % len(threads)]:  # rotate who goes first
             engine, states = engines[t]
             a = time.perf_counter()
-            grammar = engine.grammar_output(so, args.device)
+            grammar = engine.grammar_output(so, args.device, states.grammar_block)  # the runner's staging
             b = time.perf_counter()
             states.write_grammar(rows, ids, grammar)
             c = time.perf_counter()
