@@ -193,3 +193,9 @@ def test_cuda_steps_match_the_cpu_while_the_host_runs_ahead(driver) -> None:
     torch.cuda.synchronize()
     for i, (want, got) in enumerate(snapshots):
         assert torch.equal(got.cpu(), want), f"step {i}"
+
+
+def test_an_upload_before_any_block_allocates_the_slots() -> None:
+    staging = GrammarStaging("cpu", WORDS)
+    index, rows = staging.upload(None, None, np.zeros(0, dtype=np.int64))
+    assert staging.rows > 0 and index.shape == (0,) and rows.shape == (0, WORDS)

@@ -144,7 +144,7 @@ class GrammarStaging:
     def _ensure(self, num_rows: int, num_index: int) -> bool:
         """Grow every slot (and the device block) to hold `num_rows` rows and `num_index` index
         entries; True if it grew (after waiting for every copy that reads the old slots)."""
-        if num_rows <= self.rows and num_index <= self.head:
+        if self._host and num_rows <= self.rows and num_index <= self.head:
             return False
         rows = max(_MIN_ROWS, self.rows)
         while rows < num_rows:
