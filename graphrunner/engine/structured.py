@@ -90,7 +90,8 @@ class XGrammarBackend:
         # A matcher (terminate_without_stop_token=False) completes only by accepting one of these.
         self.stop_token_ids = frozenset(info.stop_token_ids)
         self._batch = xgr.BatchGrammarMatcher(fill_threads)
-        self._batch_fill = self._batch._handle.batch_fill_next_token_bitmask  # (handles, out, rows, debug)
+        batch: Any = self._batch._handle
+        self._batch_fill = batch.batch_fill_next_token_bitmask  # (handles, out, rows, debug_print)
 
     def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int] | None = None) -> None:
         """out[rows[i]] = matchers[i]'s mask (rows None: out[i]), in one call into xgrammar: at 64
@@ -301,11 +302,11 @@ class StructuredOutputs:
         pending, matchers, broken = self._pending, self.matchers, self.broken
         if len(self.unsorted) == 1 and not pending:  # one step's tokens: accepted as they come
             (req_ids, sampled), wanted = self.unsorted.pop(), set(ids)
-            for rid, tokens in zip(req_ids, sampled, strict=True):
-                if tokens and rid in matchers:
+            for rid, step_tokens in zip(req_ids, sampled, strict=True):
+                if step_tokens and rid in matchers:
                     if rid not in wanted:
-                        pending[rid] = list(tokens)
-                    elif not all(map(matchers[rid].accept_token, tokens)):
+                        pending[rid] = list(step_tokens)
+                    elif not all(map(matchers[rid].accept_token, step_tokens)):
                         broken.add(rid)
             return
         if self.unsorted:

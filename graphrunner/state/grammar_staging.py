@@ -86,7 +86,7 @@ class GrammarStaging:
             slot = None  # grown: the engine's block lives in the old slots, copied below
         if slot is None:
             slot = self._take()
-            if num_rows:
+            if mask is not None and num_rows:
                 self._copy_in(slot, mask)
         head, words = self.head, self.words
         self._index_np[slot][head - k :] = index
@@ -182,6 +182,7 @@ class GrammarStaging:
         """Copy int32 words [lo, hi) of the slot to the device block, then mark the slot busy."""
         if not self.is_cuda or hi <= lo:
             return
+        assert self._device_block is not None
         if self._driver is not None:
             stream = self._stream_of(self.device.index)
             dst, src = self._device_block.data_ptr(), self._host[slot].data_ptr()
