@@ -73,14 +73,21 @@ def _destinations(state_rows: np.ndarray, first: np.ndarray, width: np.ndarray,
 
 
 def _placement(grammar: GrammarOutput | None, rows: np.ndarray, mine: np.ndarray, req_ids: list[str],
-               width: np.ndarray, slots: int, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               width: np.ndarray, slots: int, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(fill, dest, src): state rows whose every slot allows every token first ([n]), then bitmask
-    row src[i] into flat slot dest[i] ([m] each). A grammar entry needs the fill when the output
-    does not list it or its rows do not cover its slots. ValueError on a bad layout."""
+    row src[i] into flat slot dest[i] ([m] each; src None: row i into dest[i], every row). A grammar
+    entry needs the fill when the output does not list it or its rows do not cover its slots.
+    ValueError on a bad layout."""
     empty = np.zeros(0, dtype=np.int64)
-    mine_rows = rows[mine].astype(np.int64)  # [N]
     if grammar is None:
-        return mine_rows, empty, empty
+        return rows[mine].astype(np.int64), empty, empty
+    mask = grammar.grammar_bitmask
+    if (slots == 1 and len(mine) == len(rows) and mask.shape[1] <= words
+            and grammar.structured_output_request_ids == req_ids and int(width.sum()) == len(mask)):
+        # The engine's step without speculation (every entry a grammar row, listed in batch order, one
+        # row each: all that grammar_firsts would check and find): no per-entry arithmetic.
+        return empty, rows.astype(np.int64), None
+    mine_rows = rows[mine].astype(np.int64)  # [N]
     first = grammar_firsts(grammar, req_ids, width, words)[mine]  # [N]
     mine_width = width[mine]
     listed = first >= 0
@@ -104,14 +111,17 @@ def place_grammar(grammar_mask: torch.Tensor, rows: np.ndarray, mine: np.ndarray
     flat = grammar_mask.view(-1, words)  # [rows * S, W]
     gather = mask is None or m != len(mask)  # some bitmask rows go nowhere (ids not in the step)
     if not gather:  # each bitmask row has its slot: dest in the rows' order, no gather
-        order = np.empty(m, dtype=np.int64)
-        order[src] = dest
-        if not n and m and bool((np.diff(order) == 1).all()):  # consecutive slots: copied in place
+        order = dest
+        if src is not None:
+            order = np.empty(m, dtype=np.int64)
+            order[src] = dest
+        if not n and m and bool((order[1:] - order[:-1] == 1).all()):  # consecutive slots: copied in place
             assert mask is not None
             staging.send_rows(mask, pinned, flat, int(order[0]))
             return
         index = np.concatenate([fill, order])
     else:
+        assert src is not None
         index = np.concatenate([fill, dest, src])
     device_index, device_rows = staging.upload(mask if m else None, pinned, index)  # [K] int64, [M, W] int32
     if n:
