@@ -33,8 +33,8 @@ class CudaDriverError(RuntimeError):
 
 
 class CudaDriver:
-    """Thin, checked wrappers over cuEventRecord, cuStreamWaitEvent, cuMemcpyDtoHAsync
-    and cuGraphLaunch. Handles are ints (torch's `.cuda_stream`, `.cuda_event`,
+    """Thin, checked wrappers over cuEventRecord, cuStreamWaitEvent, cuMemcpyDtoHAsync,
+    cuMemcpyHtoDAsync and cuGraphLaunch. Handles are ints (torch's `.cuda_stream`, `.cuda_event`,
     `CUDAGraph.raw_cuda_graph_exec()`); pointers are ints (`data_ptr()`)."""
 
     _instance: CudaDriver | None = None
@@ -46,6 +46,7 @@ class CudaDriver:
         self._event_record = self._bind("cuEventRecord", [vp, vp])
         self._stream_wait_event = self._bind("cuStreamWaitEvent", [vp, vp, u])
         self._memcpy_dtoh = self._bind("cuMemcpyDtoHAsync_v2", [vp, ctypes.c_uint64, sz, vp])
+        self._memcpy_htod = self._bind("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, sz, vp])
         self._graph_launch = self._bind("cuGraphLaunch", [vp, vp])
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -91,6 +92,13 @@ class CudaDriver:
         r = self._memcpy_dtoh(dst_host, src_device, nbytes, stream)
         if r:
             self._check(r, f"cuMemcpyDtoHAsync({nbytes} bytes)")
+
+    def memcpy_htod_async(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
+        """Asynchronous only from pinned memory; the caller keeps `src_host` unchanged until the
+        copy has completed (no caching-allocator bookkeeping here, unlike torch's copy_)."""
+        r = self._memcpy_htod(dst_device, src_host, nbytes, stream)
+        if r:
+            self._check(r, f"cuMemcpyHtoDAsync({nbytes} bytes)")
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
         r = self._graph_launch(graph_exec, stream)

@@ -267,9 +267,9 @@ class ModelRunner(RunnerReadouts):
             self.parallel.idle_step(graphs, self.body)  # DP: an idle replica joins the step's collectives
             return
         batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
-        # Structured outputs (a grammar row implies the logit-bias feature: a cheap gate first): the masks come with
-        if batch.sampling_features.any_logit_bias and state.sampling.grammar_np[batch.idx_mapping_np].any():
-            pair = graphs.split_pair(desc, state.sampling.features_after_masks(batch.idx_mapping_np))
+        masked = state.sampling.masked_features(batch.idx_mapping_np, batch.sampling_features)  # None: no grammar
+        if masked is not None:  # structured outputs: the masks come with sample_tokens
+            pair = graphs.split_pair(desc, masked)
             if pair is not None:  # the forward now, while the engine computes the masks
                 self.body.current_batch = batch
                 self.output_ring.guard_next_step()

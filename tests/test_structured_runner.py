@@ -138,6 +138,24 @@ def test_split_steps_give_the_whole_steps_tokens(temperature) -> None:
     assert not any("after masks" in k for k in _split_replays(whole))  # (the whole runner has none)
 
 
+@given(settings_of=st.lists(st.sampled_from(["grammar", "bias", "random", "allowed", "plain"]), min_size=1,
+                           max_size=8), pick=st.lists(st.integers(0, 7), min_size=1, max_size=8))
+def test_the_step_gate_reuses_the_batch_features(settings_of, pick) -> None:
+    """`masked_features(rows, batch features)` (the runner's per-step check, no recomputed features):
+    None without a grammar row, else exactly `features_after_masks(rows)`."""
+    from graphrunner.state.sampling import SamplingStates
+
+    states = SamplingStates(9, torch.device("cpu"), vocab_size=64)
+    for row, kind in enumerate(settings_of):
+        params = {"grammar": dict(structured_outputs=CHOICE), "bias": dict(logit_bias={3: 1.0}),
+                  "random": dict(temperature=0.7, top_k=5), "allowed": dict(allowed_token_ids=[1, 2]),
+                  "plain": {}}[kind]
+        states.add_request(row, f"r{row}", SamplingParams(**params), 64)
+    rows = np.array([p % len(settings_of) for p in pick], dtype=np.int32)
+    want = states.features_after_masks(rows) if states.grammar_np[rows].any() else None
+    assert states.masked_features(rows, states.features(rows)) == want
+
+
 def test_grammar_output_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="one row per request id"):
         GrammarOutput(["a", "b"], np.zeros((1, 4), dtype=np.int32))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -89,12 +90,13 @@ class XGrammarBackend:
         # A matcher (terminate_without_stop_token=False) completes only by accepting one of these.
         self.stop_token_ids = frozenset(info.stop_token_ids)
         self._batch = xgr.BatchGrammarMatcher(fill_threads)
+        batch: Any = self._batch._handle
+        self._batch_fill = batch.batch_fill_next_token_bitmask  # (handles, out, rows, debug_print)
 
     def fill_many(self, matchers: Sequence[GrammarMatcher], out: np.ndarray, rows: list[int] | None = None) -> None:
         """out[rows[i]] = matchers[i]'s mask (rows None: out[i]), in one call into xgrammar: at 64
         requests of a 152k vocabulary several times faster than a Python loop over the matchers."""
-        inner = [m._matcher for m in matchers]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(inner, out, rows)
+        self._batch_fill([m._handle for m in matchers], out, rows, False)  # type: ignore[attr-defined]
         words = -(-self.vocab_size // 32)
         if words < out.shape[1]:
             out[list(range(len(matchers))) if rows is None else rows, words:] = 0
@@ -127,7 +129,7 @@ class _XGrammarMatcher:
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
-        handle = matcher._handle
+        self._handle = handle = matcher._handle
         self._accept, self._terminated, self._rollback = handle.accept_token, handle.is_terminated, handle.rollback
         self._words = bitmask_words(vocab_size)
 
@@ -197,6 +199,9 @@ def _fill_each(matchers: list[GrammarMatcher], drafts: Sequence[Sequence[int]], 
         fill_many([m for _, m in batched], mask, [row for row, _ in batched])
 
 
+_MAX_UNSORTED = 8  # deferred steps kept as they came (`after_output`); more are sorted into `pending`
+
+
 class StructuredOutputs:
     """The engine's matchers: one per live constrained request."""
 
@@ -210,9 +215,19 @@ class StructuredOutputs:
         self.terminated: set[str] = set()
         # Sampled tokens not yet accepted (`after_output`), accepted before the request's next mask
         # or drafts; `broken`: a deferred token was refused (never under its masks): it ends next output.
-        self.pending: dict[str, list[int]] = {}
+        self._pending: dict[str, list[int]] = {}
         self.broken: set[str] = set()
+        # Steps whose tokens are all deferred, as they came ((req_ids, sampled_token_ids) each): their
+        # sorting into `pending` is left to the next `grammar_output` too (`_flush`), off the gap between steps.
+        self.unsorted: list[tuple[list[str], list[list[int]]]] = []
         self._stops: frozenset[int] | None = getattr(backend, "stop_token_ids", None)
+
+    @property
+    def pending(self) -> dict[str, list[int]]:
+        """Request id -> its sampled tokens not yet accepted, in order (the deferred steps sorted in)."""
+        if self.unsorted:
+            self._sort_unsorted()
+        return self._pending
 
     def check(self, req_id: str, params: StructuredOutputsParams | None) -> None:
         """ValueError naming the request when it asks for a grammar this engine cannot compile."""
@@ -225,6 +240,8 @@ class StructuredOutputs:
         if params is None:
             return
         self.check(req_id, params)
+        if self.unsorted:  # a finished request's deferred tokens never reach a new one of the same id
+            self._sort_unsorted()
         assert self.backend is not None
         try:
             self.matchers[req_id] = self.backend.compile(params)
@@ -235,21 +252,24 @@ class StructuredOutputs:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
         self.terminated.discard(req_id)
-        self.pending.pop(req_id, None)
+        self._pending.pop(req_id, None)
         self.broken.discard(req_id)
 
-    def grammar_output(self, so: SchedulerOutput, device: Any = None) -> GrammarOutput | None:
+    def grammar_output(self, so: SchedulerOutput, device: Any = None, block: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
         1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first).
-        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA)."""
+        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA):
+        `block(num_rows, words)`'s (the runner's persistent staging, `ModelRunner.grammar_block`;
+        valid until the block after next) or a fresh one."""
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
         if not ids:
             return None
-        if self.pending:
+        if self._pending or self.unsorted:
             self._flush(ids)
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in ids] if spec else []
-        staged = host_buffer((len(ids) + sum(map(len, drafts)), self.words), torch.int32, device or "cpu")
+        shape = (len(ids) + sum(map(len, drafts)), self.words)
+        staged = block(*shape) if block is not None else host_buffer(shape, torch.int32, device or "cpu")
         mask = staged.numpy()  # every row is written whole below
         matchers = [self.matchers[rid] for rid in ids]
         fill_many = getattr(self.backend, "fill_many", None)
@@ -265,7 +285,9 @@ class StructuredOutputs:
         matcher = self.matchers.get(req_id)
         if matcher is None:
             return False
-        deferred = self.pending.pop(req_id, None)
+        if self.unsorted:
+            self._sort_unsorted()
+        deferred = self._pending.pop(req_id, None)
         for token in tokens if deferred is None else [*deferred, *tokens]:
             if not matcher.accept_token(token):
                 return True
@@ -277,13 +299,31 @@ class StructuredOutputs:
     def _flush(self, ids: Sequence[str]) -> None:
         """Accept the deferred tokens of `ids` (before their masks or drafts). None is a stop token,
         so none completes a grammar: no is_terminated() to ask."""
-        pending, matchers = self.pending, self.matchers
+        pending, matchers, broken = self._pending, self.matchers, self.broken
+        if len(self.unsorted) == 1 and not pending:  # one step's tokens: accepted as they come
+            (req_ids, sampled), wanted = self.unsorted.pop(), set(ids)
+            for rid, step_tokens in zip(req_ids, sampled, strict=True):
+                if step_tokens and rid in matchers:
+                    if rid not in wanted:
+                        pending[rid] = list(step_tokens)
+                    elif not all(map(matchers[rid].accept_token, step_tokens)):
+                        broken.add(rid)
+            return
+        if self.unsorted:
+            self._sort_unsorted()
         for rid in ids:
             tokens = pending.pop(rid, None)
-            if tokens is not None:
-                accept = matchers[rid].accept_token
-                if not all(accept(token) for token in tokens):
-                    self.broken.add(rid)
+            if tokens is not None and not all(map(matchers[rid].accept_token, tokens)):
+                broken.add(rid)
+
+    def _sort_unsorted(self) -> None:
+        """The deferred steps' tokens into `pending`, per request, in step order."""
+        steps, self.unsorted = self.unsorted, []
+        pending, matchers = self._pending, self.matchers
+        for req_ids, sampled in steps:
+            for rid, tokens in zip(req_ids, sampled, strict=True):
+                if tokens and rid in matchers:
+                    pending[rid] = [*pending[rid], *tokens] if rid in pending else list(tokens)
 
     # ---- the engine's seams ---------------------------------------------------------------
     def wants_drafts(self, scheduler: Any) -> bool:
@@ -301,7 +341,7 @@ class StructuredOutputs:
         if taken is not None:
             self.drafts.update((rid, list(ids)) for rid, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True)
                                if rid in self.matchers)
-        if self.pending:
+        if self._pending or self.unsorted:
             self._flush([rid for rid in so.num_scheduled_tokens if rid in self.matchers])
         cached = so.scheduled_cached_reqs
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))  # before the step
@@ -319,7 +359,8 @@ class StructuredOutputs:
 
     def sample(self, runner: Any, so: SchedulerOutput, async_output: bool = False) -> Any:
         """`runner.sample_tokens` with the step's masks (None when it has no constrained request)."""
-        grammar = self.grammar_output(so, getattr(runner, "device", None)) if self.matchers else None
+        grammar = (self.grammar_output(so, getattr(runner, "device", None), getattr(runner, "grammar_block", None))
+                   if self.matchers else None)
         if grammar is None:  # the plain call: engines and wrappers that know no grammar see no change
             return runner.sample_tokens(async_output=async_output)
         return runner.sample_tokens(async_output=async_output, grammar_output=grammar)
@@ -330,11 +371,31 @@ class StructuredOutputs:
 
         With a backend's `stop_token_ids`, tokens that cannot complete a grammar are only recorded:
         the matchers accept them in the next `grammar_output` (or `place_drafts`), which runs while
-        the step's forward does, instead of here, between two steps, where the device waits."""
+        the step's forward does, instead of here, between two steps, where the device waits. A step
+        without any stop token (the usual one) is recorded whole, in one append: even sorting its
+        tokens per request waits for `grammar_output`."""
         if not self.matchers:
             return []
-        ended, stops, matchers, pending = [], self._stops, self.matchers, self.pending
-        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+        ended: list[RequestOutput] = []
+        stops, sampled = self._stops, runner_output.sampled_token_ids
+        if stops is not None and not self.broken and stops.isdisjoint(chain.from_iterable(sampled)):
+            self.unsorted.append((runner_output.req_ids, sampled))  # no token can complete a grammar: all deferred
+            if len(self.unsorted) > _MAX_UNSORTED:  # steps without a constrained request: no masks come to sort
+                self._sort_unsorted()
+        else:
+            self._advance(runner_output.req_ids, sampled, scheduler, ended)
+        requests = scheduler.requests
+        for rid in [r for r in self.matchers if r not in requests]:
+            self.remove(rid)
+        return ended
+
+    def _advance(self, req_ids: list[str], sampled: list[list[int]], scheduler: Any,
+                 ended: list[RequestOutput]) -> None:
+        """`after_output` request by request: defer what cannot complete a grammar, accept the rest."""
+        if self.unsorted:  # earlier steps' tokens first
+            self._sort_unsorted()
+        stops, matchers, pending = self._stops, self.matchers, self._pending
+        for rid, tokens in zip(req_ids, sampled, strict=True):
             if not tokens or rid not in matchers:
                 continue
             if stops is not None and stops.isdisjoint(tokens) and rid not in self.broken:
@@ -343,9 +404,6 @@ class StructuredOutputs:
                 out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 if out is not None:  # (EOS already ended it inside the step's output)
                     ended.append(out)
-        for rid in [r for r in self.matchers if r not in scheduler.requests]:
-            self.remove(rid)
-        return ended
 
 
 def can_compile_grammars(tokenizer: Any) -> bool:

@@ -51,6 +51,7 @@ from graphrunner.state.features import (
     round_logprobs,
 )
 from graphrunner.state.grammar_masks import place_grammar
+from graphrunner.state.grammar_staging import GrammarStaging
 from graphrunner.state.staging import StagedWrites
 from graphrunner.structured_outputs import GrammarOutput
 
@@ -149,6 +150,8 @@ class SamplingStates:
         # (`write_grammar`).
         self.grammar_mask = (torch.zeros(num_rows, self.grammar_slots, words, dtype=i32, device=device)
                              if words else None)
+        # Host blocks the engine fills with a step's masks, uploaded with their placement in one copy.
+        self.grammar_staging = GrammarStaging(device, words) if words else None
 
     def _allocate_counts(self, num_rows: int, device: torch.device) -> None:
         """Penalty counts and the processed-logits buffer (see the module docstring)."""
@@ -317,10 +320,19 @@ class SamplingStates:
         consecutive bitmask rows, row j for slot j (an id not in the step takes one row, unused).
         Slots past them, and rows of requests `grammar` does not list, allow every token. Runs on
         the current stream, outside graphs. ValueError, with nothing written, on a bad layout."""
-        assert self.grammar_mask is not None  # validate() refuses structured outputs without the bitmask
+        # validate() refuses structured outputs without the bitmask
+        assert self.grammar_mask is not None and self.grammar_staging is not None
         width = 1 + (np.zeros(len(req_ids), dtype=np.int64) if num_drafts is None else np.asarray(num_drafts))
         place_grammar(self.grammar_mask, np.asarray(rows), np.flatnonzero(self.grammar_np[rows]), req_ids, grammar,
-                      width)
+                      width, self.grammar_staging)
+
+    def grammar_block(self, num_rows: int, words: int) -> torch.Tensor:
+        """[num_rows, words] int32 host memory for a step's masks (the engine fills it, the next
+        `write_grammar` uploads it without a host copy: `GrammarStaging.block`). Valid until the
+        block after next is taken."""
+        if self.grammar_staging is None:
+            raise ValueError("grammar masks need SamplingStates(vocab_size=...); this runner was built without it")
+        return self.grammar_staging.block(num_rows, words)
 
     def apply_staged_writes(self) -> None:
         """Commit the staging (all of it: with the runner's shared staging, every holder's)."""
@@ -344,11 +356,22 @@ class SamplingStates:
             num_logprobs=round_logprobs(k, self.max_logprobs),
         )
 
-    def features_after_masks(self, rows: np.ndarray) -> SamplingFeatures:
-        """`features` once the token masks (allowed ids, grammars) are applied in place beforehand
-        (step/split.py): the logit-bias stage is needed only for rows with a real logit_bias."""
+    def features_after_masks(self, rows: np.ndarray, features: SamplingFeatures | None = None) -> SamplingFeatures:
+        """`features` (default: `self.features(rows)`) once the token masks (allowed ids, grammars) are
+        applied in place beforehand (step/split.py): the logit-bias stage is needed only for rows with
+        a real logit_bias."""
         rows = np.asarray(rows, dtype=np.int64)
-        return dataclasses.replace(self.features(rows), any_logit_bias=bool(self.logit_bias_np[rows].any()))
+        base = self.features(rows) if features is None else features
+        return dataclasses.replace(base, any_logit_bias=bool(self.logit_bias_np[rows].any()))
+
+    def masked_features(self, rows: np.ndarray, features: SamplingFeatures) -> SamplingFeatures | None:
+        """A step's `features_after_masks`, None when none of its rows has a grammar (the runner's
+        per-step check). `features`: the batch's, `self.features(rows)` as planned (the mirrors
+        change only at admissions, which plan anew), reused instead of recomputed (~15 us)."""
+        # A grammar row implies the logit-bias feature: a cheap gate first.
+        if not features.any_logit_bias or not self.grammar_np[rows].any():
+            return None
+        return self.features_after_masks(rows, features)
 
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""

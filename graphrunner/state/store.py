@@ -103,6 +103,9 @@ class StateStore:
         """The step's grammar masks (`SamplingStates.write_grammar`), before its host mirrors advance:
         a decoding entry scheduled q > 1 tokens verifies q - 1 draft slots and takes q bitmask rows.
         rows, query_lens: [R] the batch's state rows and scheduled tokens."""
+        if not (query_lens > 1).any():  # nothing verifies drafts (every decode without speculation)
+            self.sampling.write_grammar(rows, req_ids, grammar)
+            return
         r = self.requests
         verifying = (query_lens > 1) & (r.num_computed_np[rows] >= r.prefill_len_np[rows])  # [R]
         self.sampling.write_grammar(rows, req_ids, grammar, np.where(verifying, query_lens - 1, 0))

@@ -1,12 +1,15 @@
 """RunnerReadouts: what engines and tools read from a `ModelRunner`, kept out of runner.py.
 
 A mixin of read-only properties over the runner's parts (buffers, state, limits); the
-runner class inherits it, so `runner.vocab_size` and friends stay where users look.
+runner class inherits it, so `runner.vocab_size` and friends stay where users look. Also
+`grammar_block`: the host memory an engine fills with a step's grammar masks.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from capture.descriptor import BatchExecutionDescriptor
@@ -53,6 +56,12 @@ class RunnerReadouts:
     @property
     def num_kv_blocks(self) -> int:
         return self.state.block_tables.num_kv_blocks if self.state.block_tables is not None else 0
+
+    def grammar_block(self, num_rows: int, words: int) -> torch.Tensor:
+        """[num_rows, words] int32 host memory (pinned on CUDA) to fill with the next step's
+        `GrammarOutput` masks (pass it as `pinned`): uploaded with their placement in one copy,
+        without a host copy. Valid until the block after next is taken (the runner reuses it)."""
+        return self.state.sampling.grammar_block(num_rows, words)
 
     @property
     def last_descriptor(self) -> BatchExecutionDescriptor | None:

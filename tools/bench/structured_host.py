@@ -1,14 +1,20 @@
 """Host time of a constrained step's engine calls, without a model (issue #18's structured outputs).
 
     python -m graphrunner_tools.bench.structured_host [--requests 64 --steps 100 --vocab 151936
-        --threads 1,auto --device cpu|cuda]
+        --threads 1,auto --device cpu|cuda --rows consecutive|shuffled]
 
 xgrammar JSON matchers (engine_bench's schema) over engine_bench's synthetic tokenizer walk fixed
 token paths (random allowed tokens, none completing the JSON); each step times
-`StructuredOutputs.grammar_output` (the masks: filled while the step's forward runs), the runner
-side `SamplingStates.write_grammar` (the upload; on --device cuda its launches, not the copy) and
-`after_output` (between two steps). One engine per `--threads` value (XGrammarBackend fill_threads),
+`StructuredOutputs.grammar_output` (the deferred accepts and the masks, filled in the runner's
+staging block as `StructuredOutputs.sample` does: while the step's forward runs), the runner side
+`SamplingStates.write_grammar` (the upload; on --device cuda its launches, not the copy),
+`after_output` (between two steps) and the runner's per-step grammar gate in `execute_model`
+(`SamplingStates.masked_features`). One engine per `--threads` value (XGrammarBackend fill_threads),
 steps interleaved across them; the masks must agree. Prints the median ms per step of each call.
+
+--rows: the requests' state rows in batch order. consecutive (0, 1, ...: requests admitted together)
+lets the upload copy the masks straight into place; shuffled (a fixed permutation: rows reused after
+churn) takes the scatter path (`state/grammar_masks.py`).
 """
 
 from __future__ import annotations
@@ -57,10 +63,10 @@ class _Scheduler:
         raise AssertionError(f"{req_id} completed: the paths never do")
 
 
-def _engine(tokenizer, vocab: int, threads, ids: list[str], device: str):
+def _engine(tokenizer, vocab: int, threads, ids: list[str], rows: np.ndarray, device: str):
     engine = StructuredOutputs(XGrammarBackend(tokenizer, vocab, threads), vocab)
     states = SamplingStates(len(ids) + 1, torch.device(device), vocab_size=vocab)
-    for row, rid in enumerate(ids):
+    for row, rid in zip(rows.tolist(), ids, strict=True):
         engine.add(rid, PARAMS)
         states.add_request(row, rid, SamplingParams(temperature=0.0, structured_outputs=PARAMS), vocab)
     states.apply_staged_writes()
@@ -73,9 +79,13 @@ def run(args) -> dict[str, dict[str, float]]:
     ids = [f"r{i}" for i in range(args.requests)]
     threads = [engine_bench.fill_threads(t) for t in args.threads.split(",")]
     paths = token_paths(XGrammarBackend(tokenizer, args.vocab), args.requests, args.steps, args.vocab)
-    engines = {t: _engine(tokenizer, args.vocab, t, ids, args.device) for t in threads}
+    rows = np.arange(len(ids))
+    if args.rows == "shuffled":
+        rows = np.random.default_rng(1).permutation(rows)
+    engines = {t: _engine(tokenizer, args.vocab, t, ids, rows, args.device) for t in threads}
     times: dict[object, list[list[float]]] = {t: [] for t in threads}
-    rows, scheduler = np.arange(len(ids)), _Scheduler(ids)
+    scheduler = _Scheduler(ids)
+    features = engines[threads[0]][1].features(rows)  # the batch's, as the planner computes them
     sync = torch.cuda.synchronize if "cuda" in args.device else None
     for step in range(args.steps):
         so = SchedulerOutput()
@@ -86,17 +96,19 @@ def run(args) -> dict[str, dict[str, float]]:
         for t in threads[step % len(threads):] + threads[: step % len(threads)]:  # rotate who goes first
             engine, states = engines[t]
             a = time.perf_counter()
-            grammar = engine.grammar_output(so, args.device)
+            grammar = engine.grammar_output(so, args.device, states.grammar_block)  # the runner's staging
             b = time.perf_counter()
             states.write_grammar(rows, ids, grammar)
             c = time.perf_counter()
             engine.after_output(out, scheduler)
-            times[t].append([b - a, c - b, time.perf_counter() - c])
+            d = time.perf_counter()
+            assert states.masked_features(rows, features) is not None
+            times[t].append([b - a, c - b, d - c, time.perf_counter() - d])
             masks.append(grammar.grammar_bitmask if grammar is not None else None)
             if sync is not None:
                 sync()
         assert all(np.array_equal(m, masks[0]) for m in masks), f"step {step}: the fill threads disagree"
-    calls = ("grammar_output", "write_grammar", "after_output")
+    calls = ("grammar_output", "write_grammar", "after_output", "gate")
     return {str(t): dict(zip(calls, np.median(np.array(v) * 1e3, axis=0).tolist(), strict=True))
             for t, v in times.items()}
 
@@ -108,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=151936, help="qwen2.5's")
     p.add_argument("--threads", default="1,auto", help="comma-separated XGrammarBackend fill_threads values")
     p.add_argument("--device", default="cpu", help="where the runner's grammar masks live (write_grammar)")
+    p.add_argument("--rows", choices=("consecutive", "shuffled"), default="consecutive",
+                   help="the requests' state rows in batch order (see the module docstring)")
     args = p.parse_args(argv)
     if "cuda" not in args.device:
         torch.set_num_threads(1)  # CPU masks: small copies, where intra-op threads only wait on a busy host
-    print(f"| fill threads | grammar_output ms | write_grammar ms | after_output ms |  ({args.requests} requests, "
-          f"vocab {args.vocab}, {args.steps} steps, --device {args.device})")
-    print("|---|---:|---:|---:|")
+    print(f"| fill threads | grammar_output ms | write_grammar ms | after_output ms | gate ms |  ({args.requests} "
+          f"requests, vocab {args.vocab}, {args.steps} steps, --device {args.device}, --rows {args.rows})")
+    print("|---|---:|---:|---:|---:|")
     for t, ms in run(args).items():
-        print(f"| {t} | {ms['grammar_output']:.3f} | {ms['write_grammar']:.3f} | {ms['after_output']:.3f} |")
+        print(f"| {t} | {ms['grammar_output']:.3f} | {ms['write_grammar']:.3f} | {ms['after_output']:.3f} | "
+              f"{ms['gate']:.3f} |")
     return 0
 
 
