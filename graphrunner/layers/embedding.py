@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.distributed.comm import TPComm
+from graphrunner.layers.decode_linear import linear
 
 
 class _VocabParallel(nn.Module):
@@ -50,7 +51,7 @@ class _VocabParallel(nn.Module):
         """Project onto the (gathered) vocabulary: every TP rank gets the full logits."""
         if self.tp.size == 1:
             return lm_logits(hidden, self.weight)
-        local = F.linear(hidden, self.weight)  # [R, Vp] in the model dtype, as HF
+        local = linear(hidden, self.weight)  # [R, Vp] in the model dtype, as HF
         return self.tp.gather_last_dim(local)[:, : self.vocab_size].float()
 
 
@@ -82,4 +83,4 @@ class LMHead(_VocabParallel):
 
 def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # The matmul runs in the model dtype (as HF); the sampler gets fp32 logits.
-    return F.linear(hidden, weight).float()
+    return linear(hidden, weight).float()

@@ -1,6 +1,7 @@
 """Linear layers with a tensor-parallel seam.
 
-Each class is a plain `F.linear` today (tp_size=1), but already knows how its weight is
+Each class is a plain linear (`decode_linear.linear`: F.linear, or a one-launch GEMV for a
+single token row on CUDA) at tp_size=1, but already knows how its weight is
 split across tensor-parallel ranks and how to load its share from a full Hugging Face
 tensor. Turning on tensor parallelism later means passing `tp_size`/`tp_rank` and an
 `all_reduce` for `RowLinear`; the model file does not change.
@@ -18,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from graphrunner.layers.decode_linear import linear
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -52,7 +54,7 @@ class _LinearBase(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # a one-launch GEMV for T = 1 on CUDA (decode_linear.py)
 
     def _param(self, name: str) -> nn.Parameter:
         param = getattr(self, name, None)
@@ -216,9 +218,9 @@ class RowLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out]
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
-        out = self.all_reduce(F.linear(x, self.weight))
+        out = self.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard_id=None) -> tuple[int, ...]:

@@ -1,0 +1,115 @@
+"""`y = x @ W^T (+ b)` with a one-launch GEMV for a single token row on CUDA (decode at batch 1).
+
+At M = 1 a projection is a pure read of W. cuBLAS picks split-K GEMMs there (often with a
+separate reduce kernel); a row-blocked GEMV measured faster on every decode projection of
+qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b on an H100, 1.08-1.6x, the LM head included
+(docs/bench/decode_fusion/gemv_s12_h100.txt). Program j owns BLOCK_N (1 or 2) output rows,
+reads those rows of W once over the full K in BLOCK_K steps, accumulates the fp32 products
+elementwise and sums them once at the end: no split-K, no reduce kernel, no memset, and with
+~N programs each SM keeps many loads in flight. x (a few KiB) is re-read from L2.
+
+Rows > 1 (prefills, batched decode) keep `F.linear`: this kernel would read W once per row.
+The results differ from cuBLAS's by the summation order only (fp32 accumulation, one rounding
+to the output dtype), as cuBLAS's own split-K choices do between shapes.
+
+`linear(x, weight, bias)` is what the layers call. Eagerly it dispatches on the row count in
+Python. Under torch.compile (the PIECEWISE pieces and the FULL graph bodies) it is the opaque
+custom op `graphrunner::decode_linear`, which chooses at run time on the real shapes, so one
+compiled graph serves every size. `GRAPHRUNNER_DECODE_GEMV=0` (read once at import) keeps
+`F.linear` everywhere, for comparisons. CPU tensors always take `F.linear`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from graphrunner.kernels import HAS_TRITON
+
+__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_triton", "linear"]
+
+DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K.
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            if EVEN_K:
+                x = tl.load(x_ptr + ks)
+                w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+                w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep of `.. gemv_s12_h100.txt`: long rows
+    (K >= 4096) one per program in 2048-wide steps, shorter ones two per program in 1024-wide
+    steps; 8 warps for the mid-length rows of down projections (4096 < K < 12288)."""
+    del N  # the sweep's winners did not depend on it
+    if K >= 4096:
+        return 1, 2048, 8 if 4096 < K < 12288 else 4
+    return 2, 1024, 4
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                block: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in x's dtype (one launch).
+
+    `block` = (BLOCK_N, BLOCK_K, num_warps) overrides `gemv_plan` (tests)."""
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if m != 1 or k != k_w:
+        raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be [1, K] with K = weight's {k_w}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)  # [1, N]
+    block_n, block_k, warps = gemv_plan(n, k) if block is None else block
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
+    return y
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.shape[0] == 1 and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(-1) == 1
+            and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
+
+
+@torch.library.custom_op("graphrunner::decode_linear", mutates_args=())
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with gemv_triton for a single row: the choice made on the real shapes at run time."""
+    if _gemv_fits(x, weight, bias):
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@decode_linear.register_fake
+def _decode_linear_fake(x, weight, bias=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, N]: F.linear, or on CUDA for T = 1 the one-launch GEMV (module docstring)."""
+    if not (DECODE_GEMV and HAS_TRITON and x.is_cuda and x.dim() == 2):
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return decode_linear(x, weight, bias)
+    return gemv_triton(x, weight, bias) if _gemv_fits(x, weight, bias) else F.linear(x, weight, bias)

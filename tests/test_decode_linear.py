@@ -1,0 +1,86 @@
+"""layers/decode_linear: the one-launch GEMV of a single token row against F.linear (an independent
+reference: torch's own GEMM), under the Triton interpreter on CPU (hypothesis over N, K, block
+shapes, bias, the masked and the even-K paths) and natively on GPU in bf16 (decode projection
+shapes, in a CUDA graph replay); the dispatch (`linear`) and the custom op under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.layers.decode_linear import decode_linear, gemv_plan, gemv_triton, linear
+from tests.cuda_graphs import capture_cuda_graph
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
+
+
+@needs_triton
+@given(n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31),
+       block=st.sampled_from([(1, 64, 4), (2, 64, 4), (2, 128, 2), (4, 32, 4)]), with_bias=st.booleans())
+def test_gemv_equals_f_linear(n, k, seed, block, with_bias):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    got = gemv_triton(x, w, bias, block=block)
+    assert got.shape == (1, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs_triton
+def test_gemv_rejects_what_it_cannot_serve():
+    with pytest.raises(ValueError, match=r"must be \[1, K\]"):
+        gemv_triton(torch.zeros(2, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="unit stride"):
+        gemv_triton(torch.zeros(1, 8), torch.zeros(8, 4).t())
+
+
+def test_plan_follows_the_row_length():
+    assert gemv_plan(4096, 14336) == (1, 2048, 4)
+    assert gemv_plan(2048, 8192) == (1, 2048, 8)
+    assert gemv_plan(1152, 896) == (2, 1024, 4)
+
+
+def test_cpu_dispatch_is_f_linear():
+    x, w, b = torch.randn(1, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # CPU tensors never take the GEMV
+    x3 = torch.randn(3, 16)
+    assert torch.equal(linear(x3, w), F.linear(x3, w))
+
+
+@needs_triton
+def test_custom_op_under_compile_serves_every_row_count():
+    w, b = torch.randn(8, 16), torch.randn(8)
+    compiled = torch.compile(lambda x: decode_linear(x, w, b), backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (1, 3, 1):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(compiled(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,with_bias", [(1152, 896, True), (4096, 4864, False), (3072, 2048, False),
+                                           (8192, 4096, False)])
+def test_gpu_bf16_gemv_matches_f_linear_and_replays(n, k, with_bias):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if with_bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # fp32 reference
+    got = linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    # One bf16 rounding of an fp32 sum: within bf16's half ulp of the fp32 result, like cuBLAS's.
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=1e-3)
+    cublas_err = (F.linear(x, w, b).float() - ref).abs().max()
+    assert (got.float() - ref).abs().max() <= 2 * cublas_err + 1e-3
+    out = torch.empty_like(got)
+    graph = capture_cuda_graph(lambda: out.copy_(linear(x, w, b)))
+    x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g))  # same address, new row
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()),
+                               rtol=8e-3, atol=1e-3)
