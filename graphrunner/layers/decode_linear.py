@@ -61,7 +61,8 @@ if HAS_TRITON:
 
 
 def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep of `.. gemv_s12_h100.txt`: long rows
+    """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep (docs/bench/decode_fusion/gemv_s12_h100.txt,
+    42 configurations per shape, tools in gemv_s12_sweep.py beside it): long rows
     (K >= 4096) one per program in 2048-wide steps, shorter ones two per program in 1024-wide
     steps; 8 warps for the mid-length rows of down projections (4096 < K < 12288)."""
     del N  # the sweep's winners did not depend on it

@@ -3,7 +3,9 @@
 A measured alternative, not used by the model: `gemv_bench` (docs/bench/README.md) found
 cuBLAS faster on every decode projection but the smallest (qwen2.5-0.5b q|k|v and o, by
 about 0.5 µs of 4), and the SwiGLU-prologue down projection slower than cuBLAS's three
-kernels. It stays here, with its tests, as the candidate the benchmark compares.
+kernels. It stays here, with its tests, as the candidate the benchmark compares. The model's
+single-row projections use graphrunner/layers/decode_linear.py instead (one or two output rows
+per program and many programs, which this design's wide column tiles lack: 1.08-1.6x cuBLAS).
 
 Why (issue #17, item 5): at M = 1..16 cuBLAS picks split-K GEMMs followed by a separate
 `splitKreduce` kernel, and SwiGLU's `silu(gate) * up` is one more elementwise kernel
