@@ -70,6 +70,7 @@ if HAS_TRITON:
 
     # Shared with the fused kernels, so the noise and the keys are the same code.
     from graphrunner.sample.pivot_refine import _finishes, _pivot_sums, _row_pivots, _windows
+    from graphrunner.sample.pivot_stats import _one_pass, _stats_kernel
     from graphrunner.sample.triton_sampling import (
         _append,
         _at,
@@ -93,94 +94,6 @@ if HAS_TRITON:
     _SLACK = tl.constexpr(_GUESS_SLACK)
     _REFINED = tl.constexpr(TIER_REFINE)
     _FALLBACK = tl.constexpr(TIER_FALLBACK)
-
-    @triton.jit
-    def _one_pass(row, log_min_p_ptr, ONE_PASS: tl.constexpr):
-        # A row whose tier-0 candidates the stats pass collects (min-p on): its guess pass is skipped.
-        if ONE_PASS:
-            return tl.load(log_min_p_ptr + row) > _NEG_INF
-        return tl.zeros([], tl.int1)
-
-    @triton.jit
-    def _one_pass_bound(peak, t, lmp):
-        # x0 <= every float32 x with div_rn(x, t) >= max(peak) / T + log(min_p) =: b (t > 0): b * t less
-        # a margin above the two roundings (2**-24 relative each, and absolute below the normal range
-        # for t < 1e15); no bound (-inf) when b * t overflows. Looser than _x_bound's bisection, no loop.
-        bt = (tl.math.div_rn(tl.max(peak, 0), t) + lmp) * t
-        x0 = bt - tl.abs(bt) * 9.5367431640625e-07 - 1e-30  # 2**-20
-        return tl.where(x0 == x0, x0, _NEG_INF)
-
-    @triton.jit
-    def _stats_tile(base, v, hi, peak, arg, first_nan, total, count, low):
-        # One tile of the stats pass: -> (x, and the accumulators updated).
-        x = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
-        better = x > peak  # strict: the first id of a tie within a lane
-        peak = tl.where(better, x, peak)
-        arg = tl.where(better, v, arg)
-        first_nan = tl.minimum(first_nan, tl.where(x != x, v, 2147483647))
-        finite = (x > _NEG_INF) & (x < _POS_INF)
-        total += tl.where(finite, x, 0.0)
-        count += finite.to(tl.int32)
-        low = tl.minimum(low, tl.where(finite, x, _POS_INF))
-        return x, peak, arg, first_nan, total, count, low
-
-    @triton.jit(do_not_specialize=["vocab_size", "chunk", "capacity"])
-    def _stats_kernel(x_ptr, x_stride, temp_ptr, log_min_p_ptr, n_ptr, cand_x_ptr, cand_v_ptr, max_ptr, arg_ptr,
-                      nan_ptr, sum_ptr, num_ptr, low_ptr, bmax_ptr, vocab_size, chunk, capacity,
-                      ONE_PASS: tl.constexpr, SEGMENT: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-        # Program (row, split), over its tile: max of s = x / T (NaN skipped) and its first id, the
-        # first NaN id (greedy rows take it, as torch.argmax), sum, count and min of finite x (the
-        # spread's mean, refinement's lowest bound), the maxima of NB disjoint lane groups (the plan's).
-        # On x, divided once at the end: div_rn is monotone, so max(x) / T is max(x / T). No noise here:
-        # tier -1's draw (pivot_reject's pass A) runs later, for the rows tier 0 turns down only.
-        # One-pass rows (min-p on, ONE_PASS: chunks of >= 2 segments) also append tier 0's candidates:
-        # every finite token with s >= M' + log(min_p), M' the max of s over the segments before its
-        # own (<= M), a superset of the kept tokens (s >= t_min_p), in the same read. The bound moves
-        # once per SEGMENT tiles (a block-wide max, a barrier: once per tile would cost ~2.5x); the
-        # first segment has none, so it is read twice (the second time from L2).
-        row, split = tl.program_id(0), tl.program_id(1)
-        one_pass = _one_pass(row, log_min_p_ptr, ONE_PASS)
-        out = row * tl.num_programs(1) + split
-        temp = tl.load(temp_ptr + row)
-        t = tl.where(temp == 0.0, 1.0, temp)
-        base = x_ptr + row.to(tl.int64) * x_stride
-        offs = tl.arange(0, BLOCK)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, vocab_size)
-        peak = tl.full([BLOCK], _NEG_INF, tl.float32)
-        arg = lo + offs
-        first_nan = tl.full([BLOCK], 2147483647, tl.int32)
-        total = tl.zeros([BLOCK], tl.float32)
-        count = tl.zeros([BLOCK], tl.int32)
-        low = tl.full([BLOCK], _POS_INF, tl.float32)
-        mid = tl.where(one_pass, tl.minimum(lo + SEGMENT * BLOCK, hi), hi)
-        for start in range(lo, mid, BLOCK):
-            x, peak, arg, first_nan, total, count, low = _stats_tile(base, start + offs, hi, peak, arg, first_nan,
-                                                                     total, count, low)
-        if ONE_PASS:
-            if one_pass:  # (uniform per row) the first segment again, against its own max
-                lmp = tl.load(log_min_p_ptr + row)
-                x0 = _one_pass_bound(peak, t, lmp)
-                for start in range(lo, mid, BLOCK):
-                    v = start + offs
-                    x = tl.load(base + v, mask=v < mid, other=_NEG_INF).to(tl.float32)
-                    _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, (x >= x0) & (x > _NEG_INF))
-                for seg in range(mid, hi, SEGMENT * BLOCK):  # empty for other rows (mid = hi)
-                    x0 = _one_pass_bound(peak, t, lmp)
-                    for start in range(seg, tl.minimum(seg + SEGMENT * BLOCK, hi), BLOCK):
-                        v = start + offs
-                        x, peak, arg, first_nan, total, count, low = _stats_tile(base, v, hi, peak, arg, first_nan,
-                                                                                 total, count, low)
-                        _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, (x >= x0) & (x > _NEG_INF))
-        top = tl.max(peak, 0)
-        tl.store(max_ptr + out, tl.math.div_rn(top, t))
-        tl.store(arg_ptr + out, tl.min(tl.where(peak == top, arg, 2147483647), 0))  # greedy rows: T = 1
-        tl.store(nan_ptr + out, tl.min(first_nan, 0))
-        tl.store(sum_ptr + out, tl.math.div_rn(tl.sum(total, 0), t))
-        tl.store(num_ptr + out, tl.sum(count, 0))
-        tl.store(low_ptr + out, tl.math.div_rn(tl.min(low, 0), t))
-        bucket = tl.max(tl.reshape(peak, [NB, BLOCK // NB]), 1)  # [NB]
-        tl.store(bmax_ptr + out * NB + tl.arange(0, NB), tl.math.div_rn(bucket, t))
 
     @triton.jit
     def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, piv_ptr,
