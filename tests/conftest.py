@@ -15,6 +15,13 @@ except Exception:  # pragma: no cover - torch is a hard dependency
     _HAS_CUDA = False
 
 if not _HAS_CUDA:
+    # The tests' CPU tensors are tiny (a 128-wide model, a few rows of logits): intra-op threads
+    # gain nothing there, and on a 2-core machine with anything else running their spin-waits
+    # made each op several times slower (a tiny-llama step 5-8x). Processes the tests start
+    # (gloo ranks, launched workers) set their own thread counts as before.
+    torch.set_num_threads(1)
+
+if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.triton_interp import install

@@ -307,7 +307,7 @@ def plans(draw):
     return so
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(plans())
 def test_vectorized_validation_accepts_exactly_what_the_reference_accepts(live_runner, so):
     try:

@@ -109,7 +109,7 @@ requests = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(deadline=None)
 @given(requests, st.integers(8, 24), st.integers(1, 16))
 def test_async_scheduler_matches_sync(reqs, num_blocks, budget):
     expected, _ = _run(reqs, async_scheduling=False, num_blocks=num_blocks, budget=budget)

@@ -65,7 +65,7 @@ workloads = st.lists(
 )
 
 
-@settings(max_examples=4, deadline=None)
+@settings(deadline=None)
 @given(workloads)
 def test_async_scheduling_matches_sync(pairs, workload):
     prompts = [w[0] for w in workload]

@@ -403,7 +403,7 @@ def test_padding_does_not_change_real_rows(backend):
 
 
 @needs_triton
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None)
 @given(
     qlens=st.lists(st.integers(0, 40), min_size=0, max_size=12),
     pad_tokens=st.integers(0, 40),

@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,16 +28,6 @@ def make_llm(**kw) -> LLM:
     kw = {"device": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64,
           "num_kv_blocks": 64, "block_size": 4, **kw}
     return LLM(MODEL, **kw)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from intra-op threads, and on a busy 2-core machine
-    their spin-waiting makes each step up to 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,7 @@ def _tiny_model(tied: bool):
     return config, model
 
 
-@settings(deadline=None, max_examples=10)
+@settings(deadline=None)
 @given(tied=st.booleans(), num_tokens=st.integers(1, 5000))
 def test_weight_bytes_match_parameter_count(tied, num_tokens):
     config, model = _tiny_model(tied)
@@ -305,7 +305,7 @@ def _ours_and_peer(case: str):
 
 @needs_transformers
 @pytest.mark.parametrize("case", ["tiny-llama", "qwen2.5-like", "llama3.2-like", "qwen3"])
-@settings(deadline=None, max_examples=3)
+@settings(deadline=None)
 @given(num_tokens=st.integers(1, 12), offset=st.integers(0, 300), seed=st.integers(0, 2**16))
 def test_hf_peer_holds_our_weights(case, num_tokens, offset, seed):
     ours, hf = _ours_and_peer(case)

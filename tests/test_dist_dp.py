@@ -71,7 +71,7 @@ def worlds(draw):
 
 
 # ---- the pure core ------------------------------------------------------------------------------
-@settings(deadline=None, max_examples=150)
+@settings(deadline=None)
 @given(worlds(), st.randoms(use_true_random=False))
 def test_decision_invariants(world, rnd):
     table, reports = world
@@ -124,7 +124,7 @@ def test_decision_invariants(world, rnd):
     assert all(p >= 0 for p in d.padding_tokens)
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None)
 @given(tables(), st.data())
 def test_single_rank_decision_is_the_local_dispatch(table, data):
     n, t, q, _, _ = data.draw(rank_batch(table).filter(lambda b: b[1] > 0))

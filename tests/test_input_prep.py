@@ -330,7 +330,7 @@ def simulate(impls: str, seed: int, device="cpu", max_num_reqs: int = 6, L: int 
                 del history[r], done[r]
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None)
 @given(seed=st.integers(0, 2**16))
 def test_simulation_torch(seed):
     simulate("torch", seed)
@@ -364,7 +364,7 @@ def test_gpu_triton_matches_torch_large(seed, max_num_reqs):
 
 
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=3)
+@settings(deadline=None)
 @given(seed=st.integers(0, 2**16))
 def test_gpu_simulation_triton(seed):
     simulate("triton", seed, device="cuda", max_num_reqs=32, L=256, steps=20)

@@ -281,7 +281,7 @@ def _model_and_weights(checkpoints, arch="llama"):
     return model, dict(iter_checkpoint_weights(folder))
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None)
 @given(data=st.data())
 def test_missing_tensor_names_it(checkpoints, data):
     model, weights = _model_and_weights(checkpoints, data.draw(st.sampled_from(ARCHS)))
@@ -291,7 +291,7 @@ def test_missing_tensor_names_it(checkpoints, data):
         model.load_weights(weights.items())
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None)
 @given(data=st.data())
 def test_misshaped_tensor_names_it_and_shapes(checkpoints, data):
     model, weights = _model_and_weights(checkpoints, data.draw(st.sampled_from(ARCHS)))

@@ -230,7 +230,7 @@ def test_preemption_resumes_with_the_same_outputs():
     requests must resume and finish exactly as without preemption."""
     preemptions: list[int] = []
 
-    @settings(deadline=None, max_examples=25)
+    @settings(deadline=None)
     @given(workloads(chunked=True), st.integers(0, 2))
     def run(workload, extra_blocks):
         cfg, requests = workload

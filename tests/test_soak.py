@@ -27,7 +27,7 @@ LIMITS = soak._Limits(vocab=2048, max_model_len=64, eos_ids=(2,), max_logit_bias
 def test_soak_passes_with_preemptions_aborts_and_matching_probe(tmp_path, capsys):
     out, md = tmp_path / "soak.json", tmp_path / "soak.md"
     # A high abort fraction: aborts happen within the first steps even on a loaded 2-core machine.
-    argv = ["bench", "soak", "--minutes", "0.1", "--report-every-s", "2", "--abort-fraction", "0.6", *SMALL,
+    argv = ["bench", "soak", "--minutes", "0.04", "--report-every-s", "1", "--abort-fraction", "0.6", *SMALL,
             "--json", str(out), "--markdown", str(md)]
     rc = main(argv)
     data = json.loads(out.read_text())

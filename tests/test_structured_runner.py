@@ -35,12 +35,25 @@ def _mask(vocab: int, allowed: list[int]) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view("<u4").view(np.int32)[None, :]
 
 
+class _Runners(dict):
+    """The module's runners by kind, each built (and captured) once, when first asked for:
+    every test leaves them without live requests."""
+
+    def __missing__(self, kind: str):
+        r = self[kind] = make_runner(compilation={"eager": None, "graphs": GRAPHS, "split": SPLIT}[kind])
+        if kind != "eager":
+            r.capture_model(progress=False)
+        return r
+
+
+@pytest.fixture(scope="module")
+def runners() -> _Runners:
+    return _Runners()
+
+
 @pytest.fixture(scope="module", params=["eager", "graphs", "split"])
-def runner(request):
-    r = make_runner(compilation={"eager": None, "graphs": GRAPHS, "split": SPLIT}[request.param])
-    if request.param != "eager":
-        r.capture_model(progress=False)
-    return r
+def runner(request, runners):
+    return runners[request.param]
 
 
 def _run(runner, allowed_per_step: list[list[int]], params: SamplingParams) -> tuple[list[int], list[int]]:
@@ -81,13 +94,15 @@ def test_a_single_allowed_token_is_forced(runner) -> None:
     assert constrained == [11, 1999, 0, 7]
 
 
-def test_missing_grammar_output_leaves_the_row_unconstrained() -> None:
-    runner = make_runner()
+def test_missing_grammar_output_leaves_the_row_unconstrained(runners) -> None:
+    runner = runners["eager"]
     d = Driver(runner)
     d.add("c", [2, 7, 1, 8], SamplingParams(temperature=0.0, structured_outputs=CHOICE))
     for _ in range(3):
         d.step()
-    assert d.reqs["c"].outputs == _unconstrained(runner, 3)
+    constrained = d.reqs["c"].outputs
+    d.finish("c")
+    assert constrained == _unconstrained(runner, 3)
 
 
 def test_speculative_decodes_take_a_mask_per_draft_slot() -> None:
@@ -110,32 +125,30 @@ def test_speculative_decodes_take_a_mask_per_draft_slot() -> None:
         d.step(grammar=lambda so: GrammarOutput(["c"], _mask(V, [11])))
 
 
-def _split_replays(runner) -> list[str]:
-    """Record which split graphs replay (their keys), by wrapping each graph's replay."""
+def _split_replays(runner, monkeypatch) -> list[str]:
+    """Record which split graphs replay (their keys), by wrapping each graph's replay (until the test ends)."""
     seen: list[str] = []
     for graph in runner.graphs.split_graphs.values():
         def replay(graph=graph, inner=graph.replay):
             seen.append(graph.key)
             inner()
-        graph.replay = replay
+        monkeypatch.setattr(graph, "replay", replay)
     return seen
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_split_steps_give_the_whole_steps_tokens(temperature) -> None:
+def test_split_steps_give_the_whole_steps_tokens(runners, monkeypatch, temperature) -> None:
     """With structured_output_graphs a constrained decode replays its forward graph from
     execute_model and its sampling graph (masks applied in place) from sample_tokens; the
     tokens equal those of the whole-step graphs (the all-features variant), greedy and seeded."""
-    whole, split = make_runner(compilation=GRAPHS), make_runner(compilation=SPLIT)
-    for r in (whole, split):
-        r.capture_model(progress=False)
-    seen = _split_replays(split)
+    whole, split = runners["graphs"], runners["split"]
+    seen = _split_replays(split, monkeypatch)
     rng = np.random.default_rng(1)
     allowed = [rng.choice(2048, size=int(rng.integers(1, 300)), replace=False).tolist() for _ in range(6)]
     params = SamplingParams(temperature=temperature, seed=11, max_tokens=8)
     assert _run(split, allowed, params) == _run(whole, allowed, params)
     assert any("forward" in k for k in seen) and any("after masks" in k for k in seen), seen
-    assert not any("after masks" in k for k in _split_replays(whole))  # (the whole runner has none)
+    assert not any("after masks" in k for k in _split_replays(whole, monkeypatch))  # (the whole runner has none)
 
 
 @given(settings_of=st.lists(st.sampled_from(["grammar", "bias", "random", "allowed", "plain"]), min_size=1,
@@ -181,7 +194,7 @@ def test_grammar_masks_in_full_cuda_graphs() -> None:
 
 
 @pytest.mark.gpu
-def test_split_steps_in_cuda_graphs_match_whole_steps() -> None:
+def test_split_steps_in_cuda_graphs_match_whole_steps(monkeypatch) -> None:
     """Real CUDA graphs: the split forward / sampling graphs give the whole-step graphs' tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -190,7 +203,7 @@ def test_split_steps_in_cuda_graphs_match_whole_steps() -> None:
                for split in (False, True)]
     for r in runners:
         r.capture_model(progress=False)
-    seen = _split_replays(runners[1])
+    seen = _split_replays(runners[1], monkeypatch)
     rng = np.random.default_rng(2)
     allowed = [rng.choice(2048, size=int(rng.integers(1, 500)), replace=False).tolist() for _ in range(6)]
     for temperature in (0.0, 0.8):

@@ -16,6 +16,9 @@ before. A nested helper that sees a module not yet patched (triton.language.stan
 never restores such a nested patch either, so later calls would find it in place. Nothing
 else changes; where the interpreter lacks these internals (another Triton version)
 `install()` does nothing.
+
+It also memoizes the interpreter's `_get_np_dtype` (a pure lookup that rebuilt its table on
+every call) and, per module, which language modules a helper's globals hold.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def install() -> bool:
         from triton.runtime import interpreter
     except Exception:  # pragma: no cover - no triton: nothing to patch
         return False
+    _install_np_dtype(interpreter, tl)
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if patch_lang is None or scope_type is None:
@@ -39,8 +43,16 @@ def install() -> bool:
         return True
     local = threading.local()
 
+    seen: dict[int, tuple[dict, int, frozenset[int]]] = {}  # id(globals) -> (globals, its size, langs)
+
     def langs_of(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        # Walked again only when fn's module globals changed size (the walk was ~7% of a kernel's time).
+        g = fn.__globals__
+        entry = seen.get(id(g))
+        if entry is None or entry[0] is not g or entry[1] != len(g):
+            langs = frozenset(id(v) for v in g.values() if inspect.ismodule(v) and v in (tl, tl.core))
+            entry = seen[id(g)] = (g, len(g), langs)
+        return entry[2]
 
     def patch_lang_once(fn):
         active = getattr(local, "langs", None)
@@ -64,3 +76,29 @@ def install() -> bool:
     patch_lang_once._graphrunner_once = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_lang_once
     return True
+
+
+def _install_np_dtype(interpreter, tl) -> None:
+    """`_get_np_dtype` memoized: upstream builds its 19-entry dtype table on every call (each
+    op's result and cast asks it, ~10% of an interpreted kernel's time). Same answers: pointers
+    (and blocks of them) are uint64, a block is its element's type, the rest comes from upstream
+    once per dtype (an unknown dtype still raises upstream's KeyError, and is not remembered)."""
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "_graphrunner_memo", False):
+        return
+    pointer, block = tl.pointer_type, tl.block_type
+    u64 = original(pointer(tl.int8))
+    memo: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, block):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, pointer):
+            return u64
+        np_dtype = memo.get(tt_dtype)
+        if np_dtype is None:
+            np_dtype = memo[tt_dtype] = original(tt_dtype)
+        return np_dtype
+
+    get_np_dtype._graphrunner_memo = True  # type: ignore[attr-defined]
+    interpreter._get_np_dtype = get_np_dtype
