@@ -64,9 +64,12 @@ def gather_row_params(
         return RowParams(states.temperature[rows], row_keys(states.seed, positions, rows), states.top_k[rows],
                          states.top_p[rows], states.min_p[rows])
     dev = idx_mapping.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    out = RowParams(torch.empty(n, **f32), torch.empty(n, dtype=torch.int64, device=dev),
-                    torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, **f32), torch.empty(n, **f32))
+
+    def empty(dtype: torch.dtype) -> torch.Tensor:  # [R]
+        return torch.empty(n, dtype=dtype, device=dev)
+
+    out = RowParams(empty(torch.float32), empty(torch.int64), empty(torch.int32), empty(torch.float32),
+                    empty(torch.float32))
     block = 128
     _gather_kernel[(triton.cdiv(n, block),)](
         idx_mapping, positions.contiguous(), states.temperature, states.top_k, states.top_p, states.min_p,

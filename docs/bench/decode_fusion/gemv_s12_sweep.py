@@ -1,69 +1,82 @@
-"""Session 12 experiment (#17 item 5): a row-blocked M=1 GEMV (many programs, full K each, no split-K)
-against cuBLAS F.linear on the decode projections; weights cycled over > L2; CUDA-graph timing."""
-import itertools, statistics, sys
-import torch, torch.nn.functional as F
-import triton, triton.language as tl
+"""Session 12 sweep behind layers/decode_linear.py (#17 item 5): a row-blocked M = 1 GEMV (many
+programs, the full K each, no split-K) against cuBLAS on the decode projections. bf16, weights cycled
+over > 3x L2, CUDA-graph medians (the recorded run used an inline copy of the same kernel, before it
+moved into the library). Run on the device from the repository root:
 
-@triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + ks)
-            w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
+    python3 docs/bench/decode_fusion/gemv_s12_sweep.py > gemv_s12_h100.txt
+"""
 
-def gemv(x, w, y, bn, bk, warps):
-    N, K = w.shape
-    gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=warps)
+import itertools
+import statistics
 
-def graph_us(fn, calls=40, replays=15):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3): fn(i)
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls): fn(i)
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(ts)
+import torch
+import torch.nn.functional as F
+import triton
+
+from graphrunner.layers.decode_linear import gemv_triton
 
 SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
           "1b qkv": (3072, 2048), "1b o": (2048, 2048), "1b gate_up": (16384, 2048), "1b down": (2048, 8192),
-          "qwen qkv": (1152, 896), "qwen gate_up": (9728, 896), "qwen down": (896, 4864), "8b lm_head": (128256, 4096)}
-CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (2, 4, 8)) if bn * bk <= 8192 and bn * bk >= 512]
-dev = "cuda"; dt = torch.bfloat16
-l2 = torch.cuda.get_device_properties(0).L2_cache_size
-print(torch.cuda.get_device_name(), "configs", len(CONFIGS))
-for name, (N, K) in SHAPES.items():
-    copies = max(1, -(-3 * l2 // (N * K * 2)))
-    ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
-    x = torch.randn(1, K, device=dev, dtype=dt)
-    y = torch.empty(1, N, device=dev, dtype=dt)
-    ref = F.linear(x, ws[0]).float()
-    cub = graph_us(lambda i: torch.mm(x, ws[i % copies].t(), out=y))
+          "qwen qkv": (1152, 896), "qwen gate_up": (9728, 896), "qwen down": (896, 4864),
+          "8b lm_head": (128256, 4096)}
+CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (2, 4, 8))
+           if 512 <= bn * bk <= 8192]
+
+
+def graph_us(fn, calls: int = 40, replays: int = 15) -> float:
+    """Median microseconds per call of `fn(i)`, `calls` of them captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def sweep_shape(name: str, n: int, k: int, l2: int) -> None:
+    copies = max(1, -(-3 * l2 // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, weights[0]).float()
+    cublas = graph_us(lambda i: torch.mm(x, weights[i % copies].t(), out=y))
     best = None
-    for bn, bk, warps in CONFIGS:
-        if bk > triton.next_power_of_2(K) : continue
-        try:
-            gemv(x, ws[0], y, bn, bk, warps); torch.cuda.synchronize()
-            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-            us = graph_us(lambda i: gemv(x, ws[i % copies], y, bn, bk, warps))
-        except Exception as e:  # noqa
-            print(name, (bn, bk, warps), "failed", type(e).__name__); continue
-        if best is None or us < best[0]: best = (us, (bn, bk, warps), err)
-    floor = N * K * 2 / 3.0e12 * 1e6
-    print(f"{name:14s} N={N:6d} K={K:5d} cuBLAS {cub:7.2f} us  best triton {best[0]:7.2f} us {best[1]} relerr {best[2]:.1e}  ratio {cub/best[0]:.3f}  floor@3TB/s {floor:6.2f}", flush=True)
+    for block in CONFIGS:
+        if block[1] > triton.next_power_of_2(k):
+            continue
+        got = gemv_triton(x, weights[0], block=block).float()
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        us = graph_us(lambda i, block=block: gemv_triton(x, weights[i % copies], block=block))
+        if best is None or us < best[0]:
+            best = (us, block, err)
+    assert best is not None
+    floor = n * k * 2 / 3.0e12 * 1e6
+    print(f"{name:14s} N={n:6d} K={k:5d} cuBLAS {cublas:7.2f} us  best triton {best[0]:7.2f} us {best[1]} "
+          f"relerr {best[2]:.1e}  ratio {cublas / best[0]:.3f}  floor@3TB/s {floor:6.2f}", flush=True)
+
+
+def main() -> None:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name(), "configs", len(CONFIGS))
+    for name, (n, k) in SHAPES.items():
+        sweep_shape(name, n, k, l2)
+
+
+if __name__ == "__main__":
+    main()
