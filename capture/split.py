@@ -3,7 +3,8 @@
 `split_at_ops` cuts the FX graph so that every call of a split op (attention) is a piece
 of its own; `compile_pieces` propagates dynamo's fake tensors (symbolic token count)
 through the split module and compiles every other piece with them: one compile per
-piece serves every size. capture/piecewise.py wraps the result in graph-capturing pieces.
+piece serves every size (the eager backend keeps the pieces as they are: nothing to
+propagate). capture/piecewise.py wraps the result in graph-capturing pieces.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def compile_pieces(
     split: fx.GraphModule, is_split: dict[str, bool], backend: str | Callable, example_inputs: list[Any]
 ) -> dict[str, Callable]:
     """Piece name -> its compiled callable, for every piece that is not a split op."""
+    if backend == "eager":  # compile_piece keeps each piece as it is: no fake inputs to propagate
+        return {name: getattr(split, name) for name, alone in is_split.items() if not alone}
     fake_mode = detect_fake_mode(example_inputs)
     fake_args = [
         fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and fake_mode is not None else a

@@ -6,6 +6,7 @@ here, at import time of the first conftest, whenever no GPU is present.
 
 import gc
 import os
+import sys
 
 try:
     import torch
@@ -48,12 +49,23 @@ def pytest_collection_finish(session):
     _freeze_survivors()
 
 
+_MANY_NEW_MODULES = 100  # a test that imported this many modules (dynamo, transformers, xgrammar on first use)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     result = yield
     if nextitem is not None and getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_survivors()
+    elif len(sys.modules) >= _frozen_at["modules"] + _MANY_NEW_MODULES:
+        # The rest of the module would walk the new imports at every collection (~0.1 s each,
+        # dozens in a bench module). What its fixtures hold is frozen too: it is freed by
+        # reference counting as before, only a reference cycle in it would stay allocated.
+        _freeze_survivors()
     return result
+
+
+_frozen_at = {"modules": 0}
 
 
 def _freeze_survivors():
@@ -67,6 +79,7 @@ def _freeze_survivors():
     """
     gc.collect()
     gc.freeze()
+    _frozen_at["modules"] = len(sys.modules)
 
 
 def pytest_collection_modifyitems(config, items):

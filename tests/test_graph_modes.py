@@ -102,12 +102,12 @@ def _poison(runner, value=-7777):
         t.fill_(value)
 
 
-def test_poisoned_buffers_are_rewritten_by_replay():
+def test_poisoned_buffers_are_rewritten_by_replay(llms, monkeypatch):
     """After capture every derived buffer is poisoned; replays must rewrite all they read."""
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    eager = [o.token_ids for o in _llm("NONE").generate(prompts, params)]
-    llm = _llm("FULL", debug_cudagraphs=True)
+    eager = [o.token_ids for o in llms["NONE"].generate(prompts, params)]
+    llm = llms["FULL"]  # debug_cudagraphs=True, as the module's property tests run it
     runner = llm.runner
     original = runner.input_buffers.upload
 
@@ -115,7 +115,7 @@ def test_poisoned_buffers_are_rewritten_by_replay():
         _poison(runner)
         return original(*args, **kwargs)
 
-    runner.input_buffers.upload = poisoned_upload
+    monkeypatch.setattr(runner.input_buffers, "upload", poisoned_upload)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == eager
 
