@@ -28,10 +28,13 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.kv_write import check_kv_args, write_kv_torch
 from graphrunner.kernels import HAS_TRITON, use_triton
+from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from graphrunner.kernels.pdl import pdl_wait
 
     @triton.jit
     def _rope_write_kv_kernel(
@@ -48,8 +51,10 @@ if HAS_TRITON:
         H_PAD: tl.constexpr,
         HKV_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL (graphrunner.kernels.pdl): wait before the first access
     ):
         t = tl.program_id(0).to(tl.int64)
+        pdl_wait(GDC)
         pos = tl.load(pos_ptr + t)
         j = tl.arange(0, HALF_PAD)
         j_ok = j < HALF
@@ -152,6 +157,8 @@ def rope_write_kv_triton(
         H_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        GDC=pdl_enabled(q.device),
+        **pdl_launch(q.device),
     )
     return q_rot
 
