@@ -13,6 +13,7 @@ CUDA = torch.cuda.is_available()
 
 
 def test_off_on_cpu_and_when_disabled(monkeypatch):
+    monkeypatch.setattr(pdl_mod, "PDL", True)
     assert pdl_mod.pdl_launch(torch.device("cpu")) == {}
     assert not pdl_mod.pdl_enabled(torch.device("cpu"))
     monkeypatch.setattr(pdl_mod, "PDL", False)
@@ -53,9 +54,13 @@ def _chain(value, mid, out, gdc: bool, launch: dict):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-def test_consumer_sees_producer_in_graph_replays():
+def test_consumer_sees_producer_in_graph_replays(monkeypatch):
     dev = torch.device("cuda")
-    gdc, launch = pdl_mod.pdl_enabled(dev), pdl_mod.pdl_launch(dev)
+    monkeypatch.setattr(pdl_mod, "PDL", True)  # on whatever GRAPHRUNNER_PDL says
+    if not pdl_mod.pdl_enabled(dev):
+        pytest.skip("PDL needs compute capability >= 9.0")
+    gdc, launch = True, pdl_mod.pdl_launch(dev)
+    assert launch == {"launch_pdl": True}
     value = torch.ones(1, device=dev)
     mid = torch.empty(1 << 22, device=dev)
     out = torch.empty_like(mid)
@@ -71,3 +76,31 @@ def test_consumer_sees_producer_in_graph_replays():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(out, 16.0 * step)), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_step_with_pdl_gives_the_same_tokens(monkeypatch, mode):
+    """The whole decode step (GEMV, add + norm, rope / KV write, attention and its split merge
+    launched with PDL) against the same runner without it: identical greedy and seeded tokens,
+    batch 1 and mixed batches, eager warm-up and graph replays."""
+    from graphrunner import LLM, SamplingParams
+
+    if not pdl_mod._device_has_pdl(torch.cuda.current_device()):
+        pytest.skip("PDL needs compute capability >= 9.0")
+    prompts = [[(11 * i + j) % 2000 for j in range(2 + 13 * i)] for i in range(5)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)] * 2
+    params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160,
+              block_size=16, num_kv_blocks=64, enforce_eager=False, cudagraph_mode=mode)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl_mod, "PDL", on)
+        llm = LLM("builtin:tiny-llama", **kw)
+        tokens[on] = [o.token_ids for o in llm.generate(prompts, params)]
+        tokens[on, "single"] = llm.generate([prompts[3]], params[0])[0].token_ids
+        del llm
+    assert tokens[True] == tokens[False]
+    assert tokens[True, "single"] == tokens[False, "single"]

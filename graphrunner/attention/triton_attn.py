@@ -42,6 +42,7 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
 # for rows that have seen no visible key yet.
@@ -54,6 +55,8 @@ _LN2 = 0.6931471805599453
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from graphrunner.kernels.pdl import pdl_wait
 
     _NEG_BIG_C: tl.constexpr = tl.constexpr(_NEG_BIG)
     _LN2_C: tl.constexpr = tl.constexpr(_LN2)
@@ -118,10 +121,12 @@ if HAS_TRITON:
         COMPUTE_FP32: tl.constexpr,
         STORE_LSE: tl.constexpr,
         IS_DCP: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        pdl_wait(GDC)
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
 
         b = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
@@ -236,9 +241,11 @@ if HAS_TRITON:
         D_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         STORE_LSE: tl.constexpr,
+        GDC: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
+        pdl_wait(GDC)
         g = tl.arange(0, G_PAD)
         g_ok = g < GROUP
         head = kvh * GROUP + g
@@ -370,6 +377,7 @@ def paged_attention_triton(
     lse = out_lse if out_lse is not None else out  # unused by the kernel unless STORE_LSE
     lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
+    gdc, launch = pdl_enabled(q.device), pdl_launch(q.device)
     _paged_attn_kernel[(plan["num_tiles"], num_kv_heads, splits)](
         q,
         kv_cache,
@@ -401,8 +409,10 @@ def paged_attention_triton(
         COMPUTE_FP32=compute_fp32,
         STORE_LSE=store_lse,
         IS_DCP=dcp is not None,
+        GDC=gdc,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](
@@ -420,6 +430,8 @@ def paged_attention_triton(
             D_PAD=d_pad,
             NUM_SPLITS=splits,
             STORE_LSE=store_lse,
+            GDC=gdc,
+            **launch,
         )
     return out
 

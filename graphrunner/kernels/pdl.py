@@ -8,9 +8,10 @@ result bit-identical, eager and replayed from a graph). Hopper lets a kernel lau
 the programmatic-serialization attribute start while its predecessor is still running:
 
 - `pdl_launch(device)` gives the launch keyword (`launch_pdl=True`) on a GPU that has
-  PDL (compute capability >= 9.0), else nothing; `GRAPHRUNNER_PDL=0` turns it off
-  everywhere (read once at import). Stream capture records the attribute as a
-  programmatic edge, so captured graphs keep the overlap.
+  PDL (compute capability >= 9.0) when `GRAPHRUNNER_PDL=1` (read once at import), else
+  nothing. Stream capture records the attribute as a programmatic edge, so captured graphs
+  keep the overlap. Off by default until the whole decode step has been measured and
+  GPU-tested with it (the probe above is a kernel chain, not the step).
 - `pdl_wait(GDC)` must run in such a kernel before it reads anything an earlier kernel
   wrote and before its first store (the earlier kernels may still be reading what it
   overwrites): it lets the next kernel start launching (`griddepcontrol.launch_dependents`)
@@ -20,7 +21,9 @@ the programmatic-serialization attribute start while its predecessor is still ru
   predecessor's tail.
 
 A kernel compiled with GDC=True but launched without the attribute waits for nothing (the
-instructions are no-ops then), so the launch keyword alone decides. Non-Triton kernels
+instructions are no-ops then). Users: the GEMV (layers/decode_linear.py), the fused
+add + RMSNorm (layers/norm.py), rope + KV write (attention/rope_kv.py) and the paged
+attention with its split merge (attention/triton_attn.py). Non-Triton kernels
 (cuBLAS, inductor's) are launched without it and keep the full dependency. GDC is False on
 CPU (the interpreter cannot run the instructions).
 """
@@ -36,7 +39,7 @@ from graphrunner.kernels import HAS_TRITON
 
 __all__ = ["PDL", "pdl_enabled", "pdl_launch", "pdl_wait"]
 
-PDL = os.environ.get("GRAPHRUNNER_PDL", "1") != "0"
+PDL = os.environ.get("GRAPHRUNNER_PDL", "0") == "1"
 _MIN_CAPABILITY = (9, 0)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
 
 __all__ = ["DECODE_GEMV", "gemv_plan", "gemv_triton", "linear"]
 
@@ -37,23 +38,42 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from graphrunner.kernels.pdl import pdl_wait
+
+    @triton.jit
+    def _tile_product(x_ptr, w_rows, ok, ks, K, EVEN_K: tl.constexpr):
+        # [BLOCK_N, BLOCK_K] fp32 products of the rows' W tile at columns ks with x's.
+        if EVEN_K:
+            x = tl.load(x_ptr + ks)
+            w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
+        return w.to(tl.float32) * x.to(tl.float32)[None, :]
+
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr):
         # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K.
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        ks0 = tl.arange(0, BLOCK_K)  # [BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_start = 0
+        if GDC:
+            # Launched with PDL (graphrunner.kernels.pdl): the weights are no kernel's output, so the
+            # first W tile is read while the previous kernel finishes; x only after the wait.
             if EVEN_K:
-                x = tl.load(x_ptr + ks)
-                w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+                w0 = tl.load(w_rows + ks0[None, :], mask=ok[:, None], other=0.0)
             else:
-                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-                w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+                w0 = tl.load(w_rows + ks0[None, :], mask=ok[:, None] & (ks0[None, :] < K), other=0.0)
+            pdl_wait(GDC)
+            x0 = tl.load(x_ptr + ks0, mask=ks0 < K, other=0.0)
+            acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
+            k_start = BLOCK_K
+        for k0 in range(k_start, K, BLOCK_K):
+            acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
@@ -85,7 +105,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_n, block_k, warps = gemv_plan(n, k) if block is None else block
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=pdl_enabled(x.device),
+        num_warps=warps, **pdl_launch(x.device))
     return y
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from graphrunner.kernels import HAS_TRITON, use_triton
+from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
 
 FUSED_ADD_RMS_NORM = "graphrunner::fused_add_rms_norm"
 
@@ -65,10 +66,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from graphrunner.kernels.pdl import pdl_wait
+
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps, stride_x, stride_r,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, GDC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        pdl_wait(GDC)  # launched with PDL: wait for the kernels before (graphrunner.kernels.pdl)
         i = tl.arange(0, BLOCK)
         ok = i < hidden
         ty = out_ptr.dtype.element_ty
@@ -101,7 +105,8 @@ def add_rms_norm_triton(
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
-                                            residual.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                            residual.stride(0), BLOCK=block, GDC=pdl_enabled(x.device),
+                                            num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
     return out, res_out
 
 
