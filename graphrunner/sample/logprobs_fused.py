@@ -14,9 +14,9 @@ scratch (never the graph pool):
 
 After sampling, `logprobs_from_stats` runs two small kernels:
 
-1. rank (R x T programs, one per tile): the sampled token's rank is 1 + the number of raw
+1. rank (R x T / 8 programs, 8 tiles each): the sampled token's rank is 1 + the number of raw
    logits strictly above the chosen one, and only a group whose max is above it can hold
-   one, so a program rereads just those of its tile's groups (the others' loads are masked
+   one, so a program rereads just those of its tiles' groups (the others' loads are masked
    off and cost no memory traffic). A sampled token near the top of its row (the usual
    case: top-k / top-p keep the head) rereads a few groups; a token deep in a flat row
    rereads up to the whole row, no worse than the stream it replaces. Exact: the count is
@@ -46,6 +46,9 @@ __all__ = ["GROUP", "TILE", "LogprobStats", "logprobs_from_stats"]
 
 TILE = 2048  # raw logits per program of the dense pass (fused_process._BLOCK): one stats partial each
 GROUP = 128  # entries per group, as logprobs_triton: a warp's row of a [TILE / GROUP, GROUP] fp32 tile
+# Tiles per rank program: 10 programs per row at 151,936 (R x T programs of one tile each spent 29 us
+# at 256 rows on an H200 waiting on dependent loads, not on memory).
+_RANK_TILES = 8
 _G_TILE = 2048  # group keys per step of the select program (logprobs_triton._GROUP_TILE)
 
 
@@ -117,17 +120,28 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["vocab_size", "num_tiles", "num_groups"])
     def _rank_kernel(x_ptr, x_stride, tok_ptr, tok_stride, gkey_ptr, cnt_ptr, vocab_size, num_tiles, num_groups,
-                     GROUPS: tl.constexpr, GROUP: tl.constexpr):
-        # Program (row, tile): raw logits above the chosen one, in the tile's groups whose max is above it.
-        row, tile = tl.program_id(0), tl.program_id(1)
+                     TILES: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+        # Program (row, part) over TILES tiles: raw logits above the chosen one, in the groups whose
+        # max is above it. Its count goes to the part's first tile slot, zeros to the others. Few, fat
+        # programs: each waits on the chosen logit's two dependent loads once, and the unrolled loop
+        # issues its group-key loads together (masked-off group loads cost nothing).
+        row, part = tl.program_id(0), tl.program_id(1)
         x_row = x_ptr + row.to(tl.int64) * x_stride
+        gkey_row = gkey_ptr + row.to(tl.int64) * num_groups
         _, chosen = _chosen_logit(x_row, tok_ptr, tok_stride, row, vocab_size)
-        v = tile * GROUPS * GROUP + tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        gid = tl.min(v, 1) // GROUP  # [GROUPS]
-        key = tl.load(gkey_ptr + row.to(tl.int64) * num_groups + gid, mask=gid < num_groups, other=_LOW)
-        over = (_key_value(key) > chosen) & (gid < num_groups)  # NaN chosen: no group (rank 1)
-        s = tl.load(x_row + v, mask=over[:, None] & (v < vocab_size), other=_NEG_INF)
-        tl.store(cnt_ptr + row * num_tiles + tile, tl.sum(tl.sum((s > chosen).to(tl.int32), 1), 0))
+        offs = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
+        cnt = tl.zeros([GROUPS, GROUP], tl.int32)
+        for t in tl.static_range(TILES):
+            v = (part * TILES + t) * (GROUPS * GROUP) + offs
+            gid = tl.min(v, 1) // GROUP  # [GROUPS]
+            key = tl.load(gkey_row + gid, mask=gid < num_groups, other=_LOW)
+            over = (_key_value(key) > chosen) & (gid < num_groups)  # NaN chosen: no group (rank 1)
+            s = tl.load(x_row + v, mask=over[:, None] & (v < vocab_size), other=_NEG_INF)
+            cnt += (s > chosen).to(tl.int32)
+        j = tl.arange(0, TILES)
+        total = tl.sum(tl.sum(cnt, 1), 0)
+        tl.store(cnt_ptr + row * num_tiles + part * TILES + j, tl.where(j == 0, total, 0),
+                 mask=part * TILES + j < num_tiles)
 
 
 def logprobs_from_stats(
@@ -147,9 +161,9 @@ def logprobs_from_stats(
     if rows == 0:
         return
     num_tiles, num_groups, group = stats.num_tiles, stats.num_groups, stats.group
-    _rank_kernel[(rows, num_tiles)](
+    _rank_kernel[(rows, triton.cdiv(num_tiles, _RANK_TILES))](
         logits, logits.stride(0), token_ids, token_ids.stride(0), stats.group_keys, stats.tile_cnt, vocab, num_tiles,
-        num_groups, GROUPS=stats.tile // group, GROUP=group, num_warps=4)
+        num_groups, TILES=_RANK_TILES, GROUPS=stats.tile // group, GROUP=group, num_warps=4)
     _select_kernel[(rows,)](
         stats.tile_m, stats.tile_acc, stats.tile_nan, stats.tile_cnt, stats.group_keys, logits, logits.stride(0),
         token_ids, token_ids.stride(0), out_logprobs, out_logprobs.stride(0), out_logprobs.stride(1), out_ids,
