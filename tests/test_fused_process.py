@@ -79,26 +79,11 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-def history_counts(s: SamplingStates, idx: torch.Tensor, known: torch.Tensor) -> None:
-    """Counts as the runner keeps them: each row's token_counts of its history below the smallest
-    `known` of its entries (so no entry's counts hold an id from at or past its own position)."""
-    assert s.counts is not None and s.all_token_ids is not None
-    dev = s.counts.device
-    for r in range(s.num_rows):
-        ks = known[idx.long() == r]
-        k = torch.tensor([int(ks.min()) if len(ks) else 0], device=dev)
-        row = torch.tensor([r], device=dev)
-        s.counts[r] = token_counts(s.all_token_ids, row, s.prompt_len[row].long(), k, s.vocab_size)[0]
-
-
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**31), num=st.integers(1, 6), vocab=st.sampled_from([1, 7, 33, 64, 100, 2049]),
        slots=st.sampled_from([1, 3]), stages=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       target=st.booleans(), touch_max=st.sampled_from([0, 0, 5, 8192]))
-def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, stages, target, touch_max):
-    """touch_max 0: every row reads its whole counts row (random counts: any id may be counted);
-    else rows with histories up to touch_max read only their history's counts (counts as the runner
-    keeps them; with 5, rows of longer histories in the same batch keep the dense read)."""
+       target=st.booleans())
+def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, stages, target):
     g = torch.Generator().manual_seed(seed)
     rows, max_model_len = 5, 12
     s = random_states(g, rows, vocab, max_model_len, slots)
@@ -108,10 +93,7 @@ def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, s
     slot = torch.randint(0, slots, (num,), generator=g) if target else None
     base = torch.randint(0, max_model_len - slots + 1, (num,), generator=g)
     positions = base + (slot if slot is not None else 0)
-    if touch_max:
-        history_counts(s, idx, base)
-    fused = Sampler(s, kernel_impl="triton", penalty_history_max=touch_max)
-    torch_impl = Sampler(s, kernel_impl="torch")
+    fused, torch_impl = Sampler(s, kernel_impl="triton"), Sampler(s, kernel_impl="torch")
     if target:
         got = fused.target_logits(logits, idx, positions, features, slot).clone()
         want = torch_impl.target_logits(logits, idx, positions, features, slot)
@@ -123,24 +105,6 @@ def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, s
     fused(logits, idx, positions, features, out_fused)
     torch_impl(logits, idx, positions, features, out_torch)
     assert torch.equal(out_fused, out_torch)
-
-
-def test_short_and_long_histories_in_one_batch_read_their_counts_each_their_way():
-    """touch_max 5: entries of history <= 5 read only their history's counts, longer ones the whole
-    row; every row penalized, counts as the runner keeps them, so any miss changes a logit."""
-    g = torch.Generator().manual_seed(7)
-    s = random_states(g, 4, 97, 12, 1)
-    s.repetition_penalty.fill_(1.3), s.frequency_penalty.fill_(0.5), s.presence_penalty.fill_(-1.0)
-    s.prompt_len.copy_(torch.tensor([2, 3, 0, 4], dtype=torch.int32))
-    idx = torch.tensor([0, 1, 2, 3, 1], dtype=torch.int32)
-    positions = torch.tensor([5, 11, 3, 10, 11])  # history max(prompt_len, position): 5, 11, 3, 10, 11
-    history_counts(s, idx, positions)
-    features = SamplingFeatures(any_penalties=True)
-    logits = random_logits(g, 5, 97)
-    for touch_max in (5, 10):
-        got = Sampler(s, kernel_impl="triton", penalty_history_max=touch_max)._process(
-            logits, idx.long(), positions, features, None).clone()
-        assert_same(got, Sampler(s, kernel_impl="torch")._process(logits, idx.long(), positions, features, None))
 
 
 def test_fused_processing_of_a_neutral_batch_is_the_identity():
@@ -298,14 +262,10 @@ def test_native_fused_processing_matches_torch_and_replays_in_a_cuda_graph():
     positions = torch.randint(2, max_model_len, (num,), generator=g).cuda()
     slot = torch.randint(0, 3, (num,), generator=g).cuda()
     logits = random_logits(g, num, vocab).cuda()
-    torch_impl = Sampler(s, kernel_impl="torch")
-    for touch_max in (0, 8192):  # random counts read whole, then counts as the runner keeps them
-        if touch_max:
-            history_counts(s, idx, positions - slot)
-        fused = Sampler(s, kernel_impl="triton", penalty_history_max=touch_max)
-        for args in ((None,), (slot,)):
-            got = fused._process(logits, idx.long(), positions, features, None, *args).clone()
-            assert_same(got, torch_impl._process(logits, idx.long(), positions, features, None, *args))
+    fused, torch_impl = Sampler(s, kernel_impl="triton"), Sampler(s, kernel_impl="torch")
+    for args in ((None,), (slot,)):
+        got = fused._process(logits, idx.long(), positions, features, None, *args).clone()
+        assert_same(got, torch_impl._process(logits, idx.long(), positions, features, None, *args))
     out = torch.empty(num, dtype=torch.int32, device="cuda")
     fused(logits, idx, positions, features, out)  # warm-up (compiles) outside the graph
     graph = torch.cuda.CUDAGraph()

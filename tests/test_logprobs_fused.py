@@ -27,7 +27,7 @@ from graphrunner.sample.logprobs_fused import LogprobStats, logprobs_from_stats
 from graphrunner.sample.logprobs_triton import logprobs_triton
 from graphrunner.sample.sampler import Sampler
 from graphrunner.state.features import SamplingFeatures
-from tests.test_fused_process import assert_same, history_counts, random_states
+from tests.test_fused_process import assert_same, random_states
 from tests.test_logprobs_triton import BAD_KINDS, KINDS, close, make_logits, run
 
 pytestmark = [
@@ -152,7 +152,6 @@ def test_sampler_logprobs_from_the_fused_pass_equal_the_torch_path(seed, kinds, 
     n = len(kinds)
     idx = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32)
     pos = torch.randint(0, 12, (n,), generator=g)
-    history_counts(states, idx, pos)  # penalties of short histories read only their ids' counts
     fused = Sampler(states, kernel_impl="triton")
     fused._stats = LogprobStats.allocate(n, vocab, x.device, tile=tile)
     used: list[int] = []
@@ -192,7 +191,6 @@ def test_gpu_all_features_logprobs_at_scale_and_in_a_cuda_graph():
     x = make_logits(0, kinds, vocab, device="cuda")
     idx = torch.randperm(rows, generator=g)[:n].to(torch.int32).cuda()
     pos = torch.randint(2, 64, (n,), generator=g).cuda()
-    history_counts(states, idx, pos)
     features = SamplingFeatures.all_on()
     fused, ref = Sampler(states, kernel_impl="triton"), Sampler(states, kernel_impl="torch")
     bufs = [torch.zeros(n, dtype=torch.int32, device="cuda"), torch.zeros(n, k + 1, device="cuda"),

@@ -16,17 +16,6 @@ step. Here (Triton, CUDA; CPU tests under TRITON_INTERPRET=1):
   reference (NaN where it gives NaN). With `stats` (a batch that returns logprobs) the dense
   kernel also writes the raw logits' logsumexp partials and group maxima of its tile
   (logprobs_fused.tile_stats), so the logprobs need no second read of the logits.
-- Penalties of short histories (`touched`, `touch_max`): the counts row is a full [V] read
-  (156 MB at 256 x 151,936, a third of the dense pass's bytes), yet only ids of the row's
-  history are nonzero. For an entry whose history, max(prompt_len, position), is at most
-  `touch_max` long, `_touch_kernel` first sets one bit per id at those positions (atomic_or
-  into a cleared persistent [R, V / 32] bitmask), and the dense pass loads the counts only
-  where the bit is set (0 elsewhere, which is what the counts hold there): at 4,096 tokens
-  about a fifth of the counts' sectors. Longer histories (most sectors touched anyway) read
-  the whole row. The choice is per entry, on the device. Exact given the runner's invariant
-  that the counts hold only ids of the history before the sampled position (drafts of
-  speculative verification are added from the history as before); the sparse kernel reads
-  the counts of its few ids directly.
 - `refresh_counts`: rows flagged stale (admitted since) rebuilt from their token history,
   one program per batch entry that returns at once unless its row is stale.
 
@@ -100,10 +89,9 @@ if HAS_TRITON:
     def _dense_kernel(x_ptr, x_stride, out_ptr, out_stride, rows_ptr, vocab_size, use_allowed_ptr, allowed_ptr,
                       allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride, slot_stride, slots_ptr, rep_ptr,
                       freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
-                      max_model_len, m_ptr, acc_ptr, nan_ptr, num_tiles, gkey_ptr, num_groups, touched_ptr,
-                      touched_stride, pos_ptr, prompt_len_ptr, HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                      HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, STATS: tl.constexpr, GROUPS: tl.constexpr,
-                      GROUP: tl.constexpr, TOUCHED: tl.constexpr, TOUCH_MAX: tl.constexpr):
+                      max_model_len, m_ptr, acc_ptr, nan_ptr, num_tiles, gkey_ptr, num_groups,
+                      HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_DRAFTS: tl.constexpr,
+                      MAX_AHEAD: tl.constexpr, STATS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
         # Program (entry, tile) over a [GROUPS, GROUP] block of the row (the logprob stats' groups).
         e = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -117,32 +105,9 @@ if HAS_TRITON:
             x = _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
                       grammar_stride, slot_stride, slots_ptr)
         if HAS_PENALTIES:
-            need = m  # the counts to load: all, or for a short history only its ids' (the rest are 0)
-            if TOUCHED:
-                # The bitmask load needs only e, so it overlaps the row's loads (one dependent
-                # load fewer before the counts); a long history's (unset) bits are ignored.
-                w = tl.load(touched_ptr + e * touched_stride + ids // 32, mask=m, other=0)
-                n = tl.maximum(tl.load(prompt_len_ptr + row).to(tl.int64), tl.load(pos_ptr + e).to(tl.int64))
-                need = m & ((((w >> (ids % 32)) & 1) != 0) | (n > TOUCH_MAX))
-            x = _penalize(x, ids, need, row, e, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
+            x = _penalize(x, ids, m, row, e, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
                           hist_stride, base_ptr, ahead_ptr, max_model_len, HAS_DRAFTS, MAX_AHEAD)
         tl.store(out_ptr + e * out_stride + ids, x, mask=m)
-
-    @triton.jit
-    def _touch_kernel(touched_ptr, touched_stride, rows_ptr, pos_ptr, prompt_len_ptr, hist_ptr, hist_stride,
-                      max_model_len, rep_ptr, freq_ptr, pres_ptr, TOUCH_MAX: tl.constexpr, HBLOCK: tl.constexpr):
-        # Program (entry, part): set the bit of every id at history positions [part * HBLOCK, ...) below
-        # max(prompt_len, position), for a penalized entry whose history is at most TOUCH_MAX long.
-        e = tl.program_id(0).to(tl.int64)
-        row = tl.load(rows_ptr + e).to(tl.int64)
-        n = tl.maximum(tl.load(prompt_len_ptr + row).to(tl.int64), tl.load(pos_ptr + e).to(tl.int64))
-        penalized = (tl.load(rep_ptr + row) != 1.0) | (tl.load(freq_ptr + row) != 0.0) | (tl.load(pres_ptr + row)
-                                                                                        != 0.0)
-        if penalized & (n <= TOUCH_MAX):
-            p = tl.program_id(1) * HBLOCK + tl.arange(0, HBLOCK)
-            on = p < tl.minimum(n, max_model_len)
-            tok = tl.load(hist_ptr + row * hist_stride + p, mask=on, other=0)
-            tl.atomic_or(touched_ptr + e * touched_stride + tok // 32, (1 << (tok % 32)).to(tl.int32), mask=on)
 
     @triton.jit
     def _sparse_kernel(x_ptr, x_stride, out_ptr, out_stride, rows_ptr, pos_ptr, use_allowed_ptr, allowed_ptr,
@@ -251,8 +216,6 @@ def process_logits_triton(
     slots: torch.Tensor | None = None,  # [R] int64 grammar slot of each entry; None: slot 0
     drafts: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # (base [R], ahead [R], max_ahead)
     stats: LogprobStats | None = None,  # filled with the raw logits' partials (logprobs_fused) when given
-    touched: torch.Tensor | None = None,  # [>= R, >= cdiv(V, 32)] int32 scratch: penalties of short histories
-    touch_max: int = 0,  # ... read only their history's counts when max(prompt_len, position) <= touch_max
 ) -> torch.Tensor:  # out
     """Every enabled processor in one dense pass plus a sparse fix-up (see the module docstring)."""
     s = states
@@ -278,14 +241,7 @@ def process_logits_triton(
                  any_int, 1)
     flags = dict(HAS_MASK=has_mask, HAS_PENALTIES=has_penalties, HAS_DRAFTS=has_penalties and max_ahead > 0,
                  MAX_AHEAD=max_ahead)
-    use_touched = has_penalties and touched is not None and touch_max > 0
-    if use_touched:
-        assert touched is not None
-        _touch(touched, idx_mapping, positions, s, touch_max)
-        touch = (touched, touched.stride(0), positions, s.prompt_len)
-    else:
-        touch = (any_int, 0, any_int, any_int)
-    _dense(logits, out, idx_mapping, masks, penal, flags, stats, touch, touch_max if use_touched else 0)
+    _dense(logits, out, idx_mapping, masks, penal, flags, stats)
     num_bias = s.bias_ids.shape[1] if has_bias else 0
     num_stop = s.stop_ids.shape[1] if has_stop else 0
     if num_bias + num_stop > 0:
@@ -296,23 +252,8 @@ def process_logits_triton(
     return out
 
 
-def _touch(touched: torch.Tensor, idx_mapping: torch.Tensor, positions: torch.Tensor, s: SamplingStates,
-           touch_max: int) -> None:
-    """Clear the batch's touched bits, then set those of every id in each short history (graph-safe:
-    the grid covers touch_max positions, programs past an entry's history return at once)."""
-    assert s.all_token_ids is not None
-    num_reqs = idx_mapping.shape[0]
-    touched[:num_reqs].zero_()
-    history = s.all_token_ids
-    parts = triton.cdiv(min(touch_max, history.shape[1]), _HISTORY_BLOCK)
-    _touch_kernel[(num_reqs, parts)](touched, touched.stride(0), idx_mapping, positions, s.prompt_len, history,
-                                     history.stride(0), history.shape[1], s.repetition_penalty,
-                                     s.frequency_penalty, s.presence_penalty, TOUCH_MAX=touch_max,
-                                     HBLOCK=_HISTORY_BLOCK)
-
-
 def _dense(logits: torch.Tensor, out: torch.Tensor, idx_mapping: torch.Tensor, masks: tuple, penal: tuple,
-           flags: dict, stats: LogprobStats | None, touch: tuple, touch_max: int) -> None:
+           flags: dict, stats: LogprobStats | None) -> None:
     """Launch the dense kernel over [R, cdiv(V, tile)] programs; with `stats`, its tile is the scratch's."""
     num_reqs, vocab_size = logits.shape
     if stats is not None:
@@ -325,5 +266,5 @@ def _dense(logits: torch.Tensor, out: torch.Tensor, idx_mapping: torch.Tensor, m
         scratch = (logits, logits, idx_mapping, 1, idx_mapping, 1)  # never written (STATS off)
     grid = (num_reqs, triton.cdiv(vocab_size, tile))
     _dense_kernel[grid](logits, logits.stride(0), out, out.stride(0), idx_mapping, vocab_size, *masks, *penal,
-                        *scratch, *touch, **flags, STATS=stats is not None, GROUPS=tile // group, GROUP=group,
-                        TOUCHED=touch_max > 0, TOUCH_MAX=touch_max, enable_fp_fusion=False)
+                        *scratch, **flags, STATS=stats is not None, GROUPS=tile // group, GROUP=group,
+                        enable_fp_fusion=False)

@@ -50,11 +50,6 @@ __all__ = ["Sampler", "apply_top_k_top_p"]
 # "bisect-serial": the previous Triton threshold kernel (one program per row, 32-step
 # bisections over V), kept as a benchmark baseline; on the torch path it is "bisect".
 FILTER_IMPLS = ("bisect", "sort", "bisect-serial")
-# Penalized rows whose history (max(prompt_len, position)) is at most this long read only the
-# counts of the ids in it (a bitmask built from the history, fused_process._touch_kernel), not
-# their whole [V] counts row: at 4,096 tokens of 151,936 ids about a fifth of the counts' 32-byte
-# sectors. Longer histories touch most sectors anyway and keep the dense read.
-PENALTY_HISTORY_MAX = 8192
 # "auto": the fused Triton kernels (triton_sampling.py) for CUDA logits when triton
 # imports, else torch. "triton" forces them (on CPU only under TRITON_INTERPRET=1: tests).
 KERNEL_IMPLS = ("auto", "torch", "triton")
@@ -100,11 +95,6 @@ class Sampler:
             program per row; on the torch path the same as "bisect").
         kernel_impl: how the random rows are sampled: "auto" (default; the fused Triton
             kernels on CUDA when triton imports, else torch), "torch" or "triton".
-        penalty_history_max: on the fused pass, penalized rows whose history is at most this
-            long load only the counts of their history's ids (0: every row its whole counts
-            row). Exact when the counts hold only ids of the row's history before its sampled
-            position, `max(prompt_len, position)`, as the runner keeps them (SamplingStates);
-            a caller with other counts (tests of the kernels on random counts) passes 0.
 
     Non-finite logits (a faulty model or kernel) are not detected (that would cost a host
     sync) but are contained: every stage works row by row, so NaN or +-inf in one row never
@@ -118,8 +108,7 @@ class Sampler:
     or +-inf, their token ids and rank in range.
     """
 
-    def __init__(self, states: SamplingStates, filter_impl: str = "bisect", kernel_impl: str = "auto",
-                 penalty_history_max: int = PENALTY_HISTORY_MAX):
+    def __init__(self, states: SamplingStates, filter_impl: str = "bisect", kernel_impl: str = "auto"):
         if filter_impl not in FILTER_IMPLS:
             raise ValueError(f"filter_impl={filter_impl!r} not in {FILTER_IMPLS}")
         if kernel_impl not in KERNEL_IMPLS:
@@ -129,11 +118,6 @@ class Sampler:
         self.states = states
         self.filter_impl = filter_impl
         self.kernel_impl = kernel_impl
-        if penalty_history_max < 0:
-            raise ValueError(f"penalty_history_max={penalty_history_max} must be >= 0")
-        self.penalty_history_max = penalty_history_max
-        # [rows, cdiv(V, 32)] int32: the fused pass's bitmask of the ids in each short history.
-        self._touched: torch.Tensor | None = None
         # Persistent scratch of the fused pass's logprob statistics (logprobs_fused), allocated up
         # front on CUDA, where graphs are captured; elsewhere on first use.
         self._stats: LogprobStats | None = None
@@ -141,8 +125,6 @@ class Sampler:
                 torch.empty(0, device=states.device)):
             self._stats = LogprobStats.allocate(states.num_rows * states.grammar_slots, states.vocab_size,
                                                 states.device)
-            if states.counts is not None and penalty_history_max > 0:
-                self._touched_ids(torch.empty(0, states.vocab_size, device=states.device))
 
     def _use_triton(self, x: torch.Tensor) -> bool:
         if self.kernel_impl == "auto":
@@ -259,9 +241,7 @@ class Sampler:
             drafts = self._current_counts(logits, rows, positions, slots)
         if self._fuses(logits, stages, all_token_ids):
             out = s.processed_logits(logits.shape[0], logits.shape[1])  # [R, V] persistent
-            touched = self._touched_ids(logits) if stages[3] and self.penalty_history_max > 0 else None
-            return process_logits_triton(logits, out, s, rows, positions, stages, slots, drafts, stats, touched,
-                                         self.penalty_history_max)
+            return process_logits_triton(logits, out, s, rows, positions, stages, slots, drafts, stats)
         return self._process_torch(logits, rows, positions, stages, all_token_ids, drafts, slots)
 
     def _stages(self, features: SamplingFeatures,
@@ -292,16 +272,6 @@ class Sampler:
             rows = max(num, self.states.num_rows * self.states.grammar_slots)
             self._stats = LogprobStats.allocate(rows, vocab_size, logits.device)
         return self._stats
-
-    def _touched_ids(self, logits: torch.Tensor) -> torch.Tensor:  # [>= R, cdiv(V, 32)] int32 persistent
-        """The fused pass's touched-ids scratch, allocated on first use (before any graph capture)."""
-        num, words = logits.shape[0], -(-logits.shape[1] // 32)
-        if self._touched is None or self._touched.shape[0] < num or self._touched.shape[1] != words:
-            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"touched-ids scratch for {num} x {logits.shape[1]} must exist before graph capture")
-            rows = max(num, self.states.num_rows * self.states.grammar_slots)
-            self._touched = torch.empty(rows, words, dtype=torch.int32, device=logits.device)
-        return self._touched
 
     def _current_counts(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                         slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
