@@ -44,9 +44,13 @@ from graphrunner.sample.logprobs_triton import MAX_TOPK, check_logprob_args
 
 __all__ = ["GROUP", "TILE", "LogprobStats", "logprobs_from_stats"]
 
-TILE = 2048  # raw logits per program of the dense pass (fused_process._BLOCK): one stats partial each
+# Raw logits per program of the dense pass (fused_process._BLOCK): one stats partial each. 1024, not
+# 2048: with the stats the dense pass is no longer purely a stream, and the smaller tile's twice as
+# many programs hide its latency better (Sampler._process on the all_on bench batch, 256 x 151,936,
+# one H100: 230.7 us at 1024, 266.2 at 2048, 321.4 at 4096).
+TILE = 1024
 GROUP = 128  # entries per group, as logprobs_triton: a warp's row of a [TILE / GROUP, GROUP] fp32 tile
-# Tiles per rank program: 10 programs per row at 151,936 (R x T programs of one tile each spent 29 us
+# Tiles per rank program: 19 programs per row at 151,936 (R x T programs of one tile each spent 29 us
 # at 256 rows on an H200 waiting on dependent loads, not on memory).
 _RANK_TILES = 8
 _G_TILE = 2048  # group keys per step of the select program (logprobs_triton._GROUP_TILE)
