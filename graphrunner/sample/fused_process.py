@@ -13,7 +13,9 @@ step. Here (Triton, CUDA; CPU tests under TRITON_INTERPRET=1):
   per stop slot, then the penalties. Duplicate ids in a row compute the same value, so their
   writes agree. Order and formulas are those of processors.py; the division is IEEE
   (`div_rn`) and FMA contraction is off, so the result is bit-identical to the torch
-  reference (NaN where it gives NaN).
+  reference (NaN where it gives NaN). With `stats` (a batch that returns logprobs) the dense
+  kernel also writes the raw logits' logsumexp partials and group maxima of its tile
+  (logprobs_fused.tile_stats), so the logprobs need no second read of the logits.
 - `refresh_counts`: rows flagged stale (admitted since) rebuilt from their token history,
   one program per batch entry that returns at once unless its row is stale.
 
@@ -26,11 +28,12 @@ from __future__ import annotations
 import torch
 
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.sample.logprobs_fused import GROUP, TILE, LogprobStats
 from graphrunner.sample.processors import PROMPT_FLAG, refresh_counts_torch
 from graphrunner.state.sampling import SamplingStates
 
 _COUNT_MASK = PROMPT_FLAG - 1
-_BLOCK = 2048  # vocab entries per program of the dense kernel
+_BLOCK = TILE  # vocab entries per program of the dense kernel (a [_BLOCK / GROUP, GROUP] tile)
 _SPARSE_BLOCK = 128  # bias / stop slots per program of the sparse kernel
 _HISTORY_BLOCK = 1024  # history positions per loop iteration of the rebuild
 
@@ -38,6 +41,8 @@ _HISTORY_BLOCK = 1024  # history positions per loop iteration of the rebuild
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from graphrunner.sample.logprobs_fused import tile_stats
 
     _FLAG = tl.constexpr(PROMPT_FLAG)  # prompt presence bit of a packed count
     _OUTPUT = tl.constexpr(_COUNT_MASK)  # the output-count bits
@@ -84,13 +89,18 @@ if HAS_TRITON:
     def _dense_kernel(x_ptr, x_stride, out_ptr, out_stride, rows_ptr, vocab_size, use_allowed_ptr, allowed_ptr,
                       allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride, slot_stride, slots_ptr, rep_ptr,
                       freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
-                      max_model_len, HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                      HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, BLOCK: tl.constexpr):
+                      max_model_len, m_ptr, acc_ptr, nan_ptr, num_tiles, gkey_ptr, num_groups,
+                      HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_DRAFTS: tl.constexpr,
+                      MAX_AHEAD: tl.constexpr, STATS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+        # Program (entry, tile) over a [GROUPS, GROUP] block of the row (the logprob stats' groups).
         e = tl.program_id(0).to(tl.int64)
-        ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        tile = tl.program_id(1)
+        ids = tile * (GROUPS * GROUP) + tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         m = ids < vocab_size
         row = tl.load(rows_ptr + e).to(tl.int64)
-        x = tl.load(x_ptr + e * x_stride + ids, mask=m, other=0.0)  # [BLOCK] raw logits
+        x = tl.load(x_ptr + e * x_stride + ids, mask=m, other=0.0)  # [GROUPS, GROUP] raw logits
+        if STATS:  # the raw logits' logsumexp partials and group maxima, for logprobs_fused
+            tile_stats(x, m, ids, e, tile, m_ptr, acc_ptr, nan_ptr, num_tiles, gkey_ptr, num_groups, GROUP)
         if HAS_MASK:
             x = _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
                       grammar_stride, slot_stride, slots_ptr)
@@ -205,6 +215,7 @@ def process_logits_triton(
     stages: tuple[bool, bool, bool, bool],  # (mask, bias, min_tokens, penalties) the pass applies
     slots: torch.Tensor | None = None,  # [R] int64 grammar slot of each entry; None: slot 0
     drafts: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # (base [R], ahead [R], max_ahead)
+    stats: LogprobStats | None = None,  # filled with the raw logits' partials (logprobs_fused) when given
 ) -> torch.Tensor:  # out
     """Every enabled processor in one dense pass plus a sparse fix-up (see the module docstring)."""
     s = states
@@ -230,9 +241,7 @@ def process_logits_triton(
                  any_int, 1)
     flags = dict(HAS_MASK=has_mask, HAS_PENALTIES=has_penalties, HAS_DRAFTS=has_penalties and max_ahead > 0,
                  MAX_AHEAD=max_ahead)
-    grid = (num_reqs, triton.cdiv(vocab_size, _BLOCK))
-    _dense_kernel[grid](logits, logits.stride(0), out, out.stride(0), idx_mapping, vocab_size, *masks, *penal,
-                        **flags, BLOCK=_BLOCK, enable_fp_fusion=False)
+    _dense(logits, out, idx_mapping, masks, penal, flags, stats)
     num_bias = s.bias_ids.shape[1] if has_bias else 0
     num_stop = s.stop_ids.shape[1] if has_stop else 0
     if num_bias + num_stop > 0:
@@ -241,3 +250,21 @@ def process_logits_triton(
                              s.bias_ids, s.bias_values, num_bias, s.stop_ids, num_stop, s.prompt_len, s.min_tokens,
                              **flags, BLOCK=_SPARSE_BLOCK, enable_fp_fusion=False)
     return out
+
+
+def _dense(logits: torch.Tensor, out: torch.Tensor, idx_mapping: torch.Tensor, masks: tuple, penal: tuple,
+           flags: dict, stats: LogprobStats | None) -> None:
+    """Launch the dense kernel over [R, cdiv(V, tile)] programs; with `stats`, its tile is the scratch's."""
+    num_reqs, vocab_size = logits.shape
+    if stats is not None:
+        if not stats.fits(num_reqs, vocab_size):
+            raise ValueError(f"stats scratch {tuple(stats.tile_m.shape)} does not cover {num_reqs} x {vocab_size}")
+        tile, group = stats.tile, stats.group
+        scratch = (stats.tile_m, stats.tile_acc, stats.tile_nan, stats.num_tiles, stats.group_keys, stats.num_groups)
+    else:
+        tile, group = _BLOCK, GROUP
+        scratch = (logits, logits, idx_mapping, 1, idx_mapping, 1)  # never written (STATS off)
+    grid = (num_reqs, triton.cdiv(vocab_size, tile))
+    _dense_kernel[grid](logits, logits.stride(0), out, out.stride(0), idx_mapping, vocab_size, *masks, *penal,
+                        *scratch, **flags, STATS=stats is not None, GROUPS=tile // group, GROUP=group,
+                        enable_fp_fusion=False)

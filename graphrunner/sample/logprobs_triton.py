@@ -59,7 +59,7 @@ import torch
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample.argmax import ChunkPlan, chunk_plan
 
-__all__ = ["MAX_TOPK", "logprobs_plan", "logprobs_triton", "triton_fits"]
+__all__ = ["MAX_TOPK", "check_logprob_args", "logprobs_plan", "logprobs_triton", "triton_fits"]
 
 MAX_TOPK = 32  # the select program holds [K_PAD] group keys and [K_PAD, GROUP] candidates in registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -288,7 +288,7 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _check(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks) -> None:
+def check_logprob_args(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks) -> None:
     if not triton_fits(logits, num_logprobs):
         raise ValueError(f"logits have shape {tuple(logits.shape)}, dtype {logits.dtype}, strides {logits.stride()} "
                          f"with K={num_logprobs}: expected [R, V] with 0 < V < {_MAX_VOCAB}, unit stride in V, "
@@ -327,7 +327,7 @@ def logprobs_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not importable; use compute_logprobs, which falls back to torch")
-    _check(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks)
+    check_logprob_args(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks)
     rows, vocab = logits.shape
     if rows == 0:
         return

@@ -5,7 +5,8 @@ Order (vLLM's), per batch entry:
   2. penalties (repetition over prompt+output, frequency/presence over output), from the
      persistent per-row counts (SamplingStates.counts); on CUDA 1-2 are one fused pass
      (fused_process.py) into a persistent buffer
-  3. logprobs are of the RAW logits (before 1-2), written after sampling
+  3. logprobs are of the RAW logits (before 1-2), written after sampling; when 1-2 ran as
+     the fused pass, from the raw-logit statistics it left (logprobs_fused.py)
   4. greedy rows: argmax of the processed logits (after 1-2)
   5. random rows: temperature -> min-p -> top-k -> top-p -> Gumbel-max, with noise
      from a stateless hash of (seed, position, token id), so a seeded request's tokens
@@ -28,6 +29,7 @@ from graphrunner.sample.argmax import argmax_rows
 from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
 from graphrunner.sample.fused_process import process_logits_triton, refresh_counts
 from graphrunner.sample.logprobs import compute_logprobs
+from graphrunner.sample.logprobs_fused import LogprobStats, logprobs_from_stats, stats_usable
 from graphrunner.sample.pivot_select import pivot_sample_triton
 from graphrunner.sample.processors import (
     add_draft_counts,
@@ -116,6 +118,13 @@ class Sampler:
         self.states = states
         self.filter_impl = filter_impl
         self.kernel_impl = kernel_impl
+        # Persistent scratch of the fused pass's logprob statistics (logprobs_fused), allocated up
+        # front on CUDA, where graphs are captured; elsewhere on first use.
+        self._stats: LogprobStats | None = None
+        if states.device.type == "cuda" and states.vocab_size is not None and self._use_triton(
+                torch.empty(0, device=states.device)):
+            self._stats = LogprobStats.allocate(states.num_rows * states.grammar_slots, states.vocab_size,
+                                                states.device)
 
     def _use_triton(self, x: torch.Tensor) -> bool:
         if self.kernel_impl == "auto":
@@ -147,7 +156,11 @@ class Sampler:
             if out_logprobs.shape[1] < k + 1 or out_logprob_ids.shape[1] < k + 1:
                 raise ValueError(f"logprob buffers have {out_logprobs.shape[1]} columns, need >= {k + 1}")
 
-        x = self._process(logits, idx_mapping, positions, features, all_token_ids)
+        # With logprobs, a fused processing pass also leaves the raw logits' statistics
+        # (logprobs_fused), so the logprobs need no second read of the logits.
+        fused = self._fuses(logits, self._stages(features, all_token_ids), all_token_ids)
+        stats = self._logprob_stats(logits, k) if want_logprobs and fused else None
+        x = self._process(logits, idx_mapping, positions, features, all_token_ids, stats=stats)
         if features.any_random and self._use_triton(x) and self.filter_impl == "bisect":
             self._sample_pivot(x, idx_mapping, positions, features, out)
         elif features.any_random:
@@ -156,7 +169,10 @@ class Sampler:
             argmax_rows(x, out=out)  # torch.argmax's indices; split over many programs per row on CUDA
         if want_logprobs:
             assert out_logprobs is not None and out_logprob_ids is not None and out_ranks is not None
-            compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
+            if stats is not None:  # the fused pass filled it
+                logprobs_from_stats(logits, out, k, out_logprobs, out_logprob_ids, out_ranks, stats)
+            else:
+                compute_logprobs(logits, out, k, out_logprobs, out_logprob_ids, out_ranks)
         return out
 
     def target_logits(
@@ -205,6 +221,7 @@ class Sampler:
         features: SamplingFeatures,
         all_token_ids: torch.Tensor | None,  # a history to count instead of the persistent counts
         slots: torch.Tensor | None = None,  # [R] int64 sampled slot of each row (grammar mask); None: slot 0
+        stats: LogprobStats | None = None,  # the fused pass fills it (logprobs_fused); others leave it alone
     ) -> torch.Tensor:  # [R, V] float32
         """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off).
 
@@ -215,22 +232,46 @@ class Sampler:
         the j drafts before it; an explicit `all_token_ids` is counted instead (the reference).
         """
         s = self.states
-        has_mask = features.any_logit_bias and s.allowed_mask is not None and s.grammar_mask is not None
-        # Without counts validate() rejects every request with penalties, so skipping them is
-        # exact (this keeps the all-features variant usable on such runners).
-        has_penalties = features.any_penalties and (all_token_ids is not None or s.counts is not None)
-        stages = (has_mask, features.any_logit_bias, features.any_min_tokens, has_penalties)
+        stages = self._stages(features, all_token_ids)
         if not any(stages):
             return logits
         rows = rows.long()  # [R] (a no-op for int64; the sampled-only step has no stage and no copy)
         drafts = None
-        if has_penalties and all_token_ids is None:
+        if stages[3] and all_token_ids is None:
             drafts = self._current_counts(logits, rows, positions, slots)
-        fused = all_token_ids is None and logits.dtype == torch.float32 and logits.stride(-1) == 1
-        if fused and self._use_triton(logits):
+        if self._fuses(logits, stages, all_token_ids):
             out = s.processed_logits(logits.shape[0], logits.shape[1])  # [R, V] persistent
-            return process_logits_triton(logits, out, s, rows, positions, stages, slots, drafts)
+            return process_logits_triton(logits, out, s, rows, positions, stages, slots, drafts, stats)
         return self._process_torch(logits, rows, positions, stages, all_token_ids, drafts, slots)
+
+    def _stages(self, features: SamplingFeatures,
+                all_token_ids: torch.Tensor | None) -> tuple[bool, bool, bool, bool]:
+        """(mask, bias, min_tokens, penalties): the processors `_process` applies."""
+        s = self.states
+        has_mask = features.any_logit_bias and s.allowed_mask is not None and s.grammar_mask is not None
+        # Without counts validate() rejects every request with penalties, so skipping them is
+        # exact (this keeps the all-features variant usable on such runners).
+        has_penalties = features.any_penalties and (all_token_ids is not None or s.counts is not None)
+        return has_mask, features.any_logit_bias, features.any_min_tokens, has_penalties
+
+    def _fuses(self, logits: torch.Tensor, stages: tuple[bool, bool, bool, bool],
+               all_token_ids: torch.Tensor | None) -> bool:
+        """Whether `_process` runs the fused Triton pass (which can fill logprob stats)."""
+        fits = all_token_ids is None and logits.dtype == torch.float32 and logits.stride(-1) == 1
+        return any(stages) and fits and self._use_triton(logits)
+
+    def _logprob_stats(self, logits: torch.Tensor, num_logprobs: int) -> LogprobStats | None:
+        """The persistent stats scratch for these logits, when the fused pass can fill it (Triton, fp32,
+        K within the select kernel's limit); allocated on first use, which must precede graph capture."""
+        if not (self._use_triton(logits) and stats_usable(logits, num_logprobs)):
+            return None
+        num, vocab_size = logits.shape
+        if self._stats is None or not self._stats.fits(num, vocab_size):
+            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"logprob stats scratch for {num} x {vocab_size} must exist before graph capture")
+            rows = max(num, self.states.num_rows * self.states.grammar_slots)
+            self._stats = LogprobStats.allocate(rows, vocab_size, logits.device)
+        return self._stats
 
     def _current_counts(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                         slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
