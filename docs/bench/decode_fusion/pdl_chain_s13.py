@@ -1,10 +1,19 @@
 """Does programmatic dependent launch (PDL) survive CUDA-graph capture and cut per-node cost?
-A qwen2.5-0.5b-shaped batch-1 layer chain (4 GEMVs + 4 small elementwise kernels) x 24 layers."""
-import torch, triton, triton.language as tl
+
+A qwen2.5-0.5b-shaped batch-1 layer chain (4 GEMVs + 4 one-program elementwise kernels) x 24
+layers, plain vs PDL vs PDL with the first weight tile read before the wait; every variant is
+checked bit-equal to the plain chain, eagerly and replayed from a graph (python3 pdl_chain_s13.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
+
 @triton.jit
-def gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr):
+def gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
+         PREFETCH: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
@@ -26,6 +35,7 @@ def gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
 
+
 @triton.jit
 def small(x_ptr, y_ptr, N, BLOCK: tl.constexpr, GDC: tl.constexpr):
     if GDC:
@@ -35,43 +45,56 @@ def small(x_ptr, y_ptr, N, BLOCK: tl.constexpr, GDC: tl.constexpr):
     v = tl.load(x_ptr + o, mask=o < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + o, (v * 0.03125).to(y_ptr.dtype.element_ty), mask=o < N)
 
-torch.manual_seed(0)
-dev, dt = "cuda", torch.bfloat16
-H, I, L = 896, 4864, 24
-shapes = [(1152, H), (H, H), (2 * I, H), (H, I)]
-Ws = [[torch.randn(n, k, device=dev, dtype=dt) * 0.05 for n, k in shapes] for _ in range(L)]
-x0 = torch.randn(H, device=dev, dtype=dt)
-bufs = {n: torch.empty(n, device=dev, dtype=dt) for n in (1152, H, 2 * I, I)}
-xa, xb = torch.empty(H, device=dev, dtype=dt), torch.empty(I, device=dev, dtype=dt)
 
-def step(gdc, prefetch, smalls=True):
-    kw = dict(launch_pdl=True) if gdc else {}
-    x = x0
-    for l in range(L):
-        for j, (n, k) in enumerate(shapes):
-            bn, bk = (1, 2048) if k >= 4096 else (2, 1024)
-            y = bufs[n]
-            gemv[(triton.cdiv(n, bn),)](x, Ws[l][j], y, n, k, BLOCK_N=bn, BLOCK_K=bk, GDC=gdc, PREFETCH=prefetch, num_warps=8 if k > 4096 else 4, **kw)
-            nxt = shapes[(j + 1) % 4][1]
-            dst = xa if nxt == H else xb
-            if smalls:
-                small[(1,)](y, dst, min(n, nxt), BLOCK=triton.next_power_of_2(nxt), GDC=gdc, num_warps=4, **kw)
-            x = dst
-    return x.clone()
+HIDDEN, INTER, LAYERS = 896, 4864, 24
+SHAPES = [(1152, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
-ref = step(False, False)
-for name, (g, p, s) in {"plain": (False, False, True), "pdl": (True, False, True), "pdl+prefetch": (True, True, True),
-                        "plain gemv-only": (False, False, False), "pdl+prefetch gemv-only": (True, True, False)}.items():
-    try:
-        out = step(g, p, s)
-        same = bool(torch.equal(out, ref)) if s else "n/a"
-        # correctness inside a graph: capture, replay, compare
-        gph = torch.cuda.CUDAGraph(); torch.cuda.synchronize()
-        with torch.cuda.graph(gph):
-            gout = step(g, p, s)
-        gph.replay(); torch.cuda.synchronize()
-        gsame = bool(torch.equal(gout, ref)) if s else "n/a"
-        us = do_bench_cudagraph(lambda: step(g, p, s), rep=300) * 1000
-        print(f"{name:24s} {us:8.1f} us per 24-layer chain ({us / L:.2f} per layer)  eager==ref {same}  graph==ref {gsame}", flush=True)
-    except Exception as e:
-        print(name, "FAILED", repr(e)[:300], flush=True)
+
+class Chain:
+    def __init__(self, dev: str, dt: torch.dtype) -> None:
+        self.ws = [[torch.randn(n, k, device=dev, dtype=dt) * 0.05 for n, k in SHAPES] for _ in range(LAYERS)]
+        self.x0 = torch.randn(HIDDEN, device=dev, dtype=dt)
+        self.bufs = {n: torch.empty(n, device=dev, dtype=dt) for n in (1152, HIDDEN, 2 * INTER, INTER)}
+        self.xa = torch.empty(HIDDEN, device=dev, dtype=dt)
+        self.xb = torch.empty(INTER, device=dev, dtype=dt)
+
+    def step(self, gdc: bool, prefetch: bool, smalls: bool = True) -> torch.Tensor:
+        kw = {"launch_pdl": True} if gdc else {}
+        x = self.x0
+        for layer in range(LAYERS):
+            for j, (n, k) in enumerate(SHAPES):
+                bn, bk = (1, 2048) if k >= 4096 else (2, 1024)
+                y = self.bufs[n]
+                gemv[(triton.cdiv(n, bn),)](x, self.ws[layer][j], y, n, k, BLOCK_N=bn, BLOCK_K=bk, GDC=gdc,
+                                            PREFETCH=prefetch, num_warps=8 if k > 4096 else 4, **kw)
+                nxt = SHAPES[(j + 1) % 4][1]
+                dst = self.xa if nxt == HIDDEN else self.xb
+                if smalls:
+                    small[(1,)](y, dst, min(n, nxt), BLOCK=triton.next_power_of_2(nxt), GDC=gdc, num_warps=4, **kw)
+                x = dst
+        return x.clone()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    chain = Chain("cuda", torch.bfloat16)
+    ref = chain.step(False, False)
+    variants = {"plain": (False, False, True), "pdl": (True, False, True), "pdl+prefetch": (True, True, True),
+                "plain gemv-only": (False, False, False), "pdl+prefetch gemv-only": (True, True, False)}
+    for name, (gdc, prefetch, smalls) in variants.items():
+        out = chain.step(gdc, prefetch, smalls)
+        same = bool(torch.equal(out, ref)) if smalls else "n/a"
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            graph_out = chain.step(gdc, prefetch, smalls)
+        graph.replay()
+        torch.cuda.synchronize()
+        graph_same = bool(torch.equal(graph_out, ref)) if smalls else "n/a"
+        t = do_bench_cudagraph(lambda g=gdc, p=prefetch, s=smalls: chain.step(g, p, s), rep=300) * 1000
+        print(f"{name:24s} {t:8.1f} us per 24-layer chain ({t / LAYERS:.2f} per layer)  eager==ref {same}  "
+              f"graph==ref {graph_same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
