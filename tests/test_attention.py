@@ -362,6 +362,39 @@ def test_triton_matches_torch_reference(
 
 
 @needs_triton
+@settings(deadline=None)
+@given(
+    # Queries up to 40 tokens: at G_PAD 4 a prefill tile holds 16, so requests span several tiles.
+    reqs=request_lists(max_reqs=4, max_ctx=24, max_qlen=40, max_tokens=48),
+    hk=heads,
+    pad_reqs=st.integers(0, 1),
+    pad_tokens=st.integers(0, 2),
+    splits=st.sampled_from([1, 2, 3]),
+    with_lse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_grid_equals_the_search_grid(reqs, hk, pad_reqs, pad_tokens, splits, with_lse, seed):
+    """Program-per-request (each loops over its tiles) computes every tile as the searching grid
+    does: the same bits, padded rows zero, LSE included, for any batch (not only decodes)."""
+    num_heads, num_kv_heads = hk
+    batch = make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4,
+                       pad_reqs=pad_reqs, pad_tokens=pad_tokens, dtype=torch.float32, seed=seed)
+    scale = 0.25
+    TorchReferenceBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)  # the write
+    results = []
+    for by_request in (False, True):
+        out = torch.full_like(batch.q, float("nan"))
+        lse = torch.full(batch.q.shape[:2], float("nan")) if with_lse else None
+        paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, scale, out, lse, num_kv_splits=splits,
+                               decode_grid=by_request)
+        results.append((out, lse))
+    (want, want_lse), (got, got_lse) = results
+    assert torch.equal(got, want)
+    assert not with_lse or torch.equal(got_lse, want_lse)
+    assert torch.equal(got[batch.num_real_tokens:], torch.zeros_like(got[batch.num_real_tokens:]))
+
+
+@needs_triton
 @pytest.mark.parametrize("splits", [1, 2])
 def test_triton_backend_forward_mixed_batch(splits):
     """Decode + prefill chunk with context + fresh prefill, GQA 4/2, through the backend API."""
@@ -472,9 +505,10 @@ def test_gpu_triton_matches_reference(head_dim, hk, num_decodes, prefills):
     out = TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, scale)
     assert torch.equal(batch.kv_cache, want_cache)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-    for splits in (1, 4):
+    for splits, by_request in ((1, False), (4, False), (1, True), (4, True)):
         out2 = paged_attention_triton(
-            batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(out), num_kv_splits=splits
+            batch.q, batch.kv_cache, batch.metadata, scale, torch.empty_like(out), num_kv_splits=splits,
+            decode_grid=by_request,
         )
         torch.testing.assert_close(out2.float(), ref, atol=3e-2, rtol=3e-2)
 

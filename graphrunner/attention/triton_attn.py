@@ -18,6 +18,12 @@ programs cover every tile of every request plus the padded tokens after
 come out as zeros). Programs left over inside a request's range find an empty tile and
 store nothing.
 
+Decode grid (`decode_grid`, plan field): program b serves request b's tiles in a loop
+(b = num_reqs: the padded tokens), so no program searches for its request and none is empty.
+Correct for any batch; for a decode batch (one token per request) every program has one tile,
+where the search grid has num_tokens // BLOCK_Q + num_reqs + 1 programs (a third empty at
+BLOCK_Q = 2) that each run an 8-step binary search before their first key load.
+
 Keys are read page by page through the block table, `BLOCK_N` at a time, up to the
 tile's causal limit read from `seq_lens` at runtime, with an online softmax in fp32
 (base 2). Query token i of a request with `seq_len` keys and `query_len` tokens sees
@@ -78,18 +84,21 @@ if HAS_TRITON:
             hi = tl.where(start <= pid, hi, mid - 1)
         return lo
 
-    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
-    def _paged_attn_kernel(
+    @triton.jit
+    def _attend_tile(
+        tok0,  # the tile's first token
+        b,  # its request (num_reqs: the padded tokens' pseudo-request)
+        q_end,  # the request's end token
+        seq_len,  # its key count (0 for the pseudo-request)
+        kvh,
+        split,
         q_ptr,
         kv_ptr,
         out_ptr,
         lse_ptr,  # [T, H] fp32 (STORE_LSE only)
-        qsl_ptr,
-        seq_lens_ptr,
         bt_ptr,
         part_o_ptr,  # [S, T, H, D_PAD] fp32 scratch (split-KV only)
         part_ml_ptr,  # [S, T, H, 2] fp32 scratch: running max (base 2) and denominator
-        num_reqs,
         num_tokens,
         block_size,
         qk_scale,  # softmax scale * log2(e)
@@ -121,21 +130,9 @@ if HAS_TRITON:
         COMPUTE_FP32: tl.constexpr,
         STORE_LSE: tl.constexpr,
         IS_DCP: tl.constexpr,
-        GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        pdl_wait(GDC)
+        """One (tile, kv head, split) of the module docstring: rows tok0 .. tok0 + BLOCK_Q - 1."""
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-
-        b = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
-        is_req = b < num_reqs
-        q_start = tl.load(qsl_ptr + b)
-        # b == num_reqs: the padded tokens, a pseudo-request with no keys.
-        q_end = tl.where(is_req, tl.load(qsl_ptr + b + 1, mask=is_req, other=0), num_tokens)
-        seq_len = tl.load(seq_lens_ptr + b, mask=is_req, other=0)
-        tok0 = q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
         tile_end = tl.minimum(tok0 + BLOCK_Q, q_end)
         # Keys visible to the tile's last token (<= 0 for an empty tile or padding).
         kv_hi = tl.maximum(seq_len - q_end + tile_end, 0)
@@ -221,6 +218,86 @@ if HAS_TRITON:
             tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+    @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
+    def _paged_attn_kernel(
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        lse_ptr,  # [T, H] fp32 (STORE_LSE only)
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        part_o_ptr,  # [S, T, H, D_PAD] fp32 scratch (split-KV only)
+        part_ml_ptr,  # [S, T, H, 2] fp32 scratch: running max (base 2) and denominator
+        num_reqs,
+        num_tokens,
+        block_size,
+        qk_scale,  # softmax scale * log2(e)
+        dcp_size,  # decode context parallelism (IS_DCP): the cache holds this rank's share of each sequence
+        dcp_rank,
+        dcp_interleave,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lt,
+        stride_lh,
+        stride_c_kv,
+        stride_c_blk,
+        stride_c_off,
+        stride_c_h,
+        stride_c_d,
+        stride_bt,
+        NUM_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        COMPUTE_FP32: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+        IS_DCP: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
+        DECODE_GRID: tl.constexpr,  # program b serves request b's tiles (attention_launch_plan)
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        pdl_wait(GDC)
+        if DECODE_GRID:
+            b = pid  # no search; the grid has num_reqs + 1 programs per kv head and split
+        else:
+            b = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+        is_req = b < num_reqs
+        q_start = tl.load(qsl_ptr + b)
+        # b == num_reqs: the padded tokens, a pseudo-request with no keys.
+        q_end = tl.where(is_req, tl.load(qsl_ptr + b + 1, mask=is_req, other=0), num_tokens)
+        seq_len = tl.load(seq_lens_ptr + b, mask=is_req, other=0)
+        if DECODE_GRID:
+            for tok0 in range(q_start, q_end, BLOCK_Q):  # one tile per decode request
+                _attend_tile(
+                    tok0, b, q_end, seq_len, kvh, split,
+                    q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size,
+                    qk_scale, dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot,
+                    stride_oh, stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
+                    stride_c_d, stride_bt, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS,
+                    COMPUTE_FP32, STORE_LSE, IS_DCP,
+                )
+        else:
+            _attend_tile(
+                q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q, b, q_end, seq_len, kvh, split,
+                q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size, qk_scale,
+                dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
+                stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
+                stride_bt, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS, COMPUTE_FP32,
+                STORE_LSE, IS_DCP,
+            )
 
     @triton.jit(do_not_specialize=['num_tokens'])
     def _merge_splits_kernel(
@@ -314,6 +391,9 @@ def attention_launch_plan(
         "g_pad": g_pad,
         "d_pad": d_pad,
         "num_tiles": num_tiles,
+        # Decode grid (module docstring): correct for any batch, planned for none by default until
+        # measured against the search grid (tools/bench/attn_sweep.py --decode-grid).
+        "decode_grid": False,
         "num_kv_splits": num_kv_splits,
         "block_n": block_n,
         "num_warps": num_warps,
@@ -334,6 +414,7 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     dcp: tuple[int, int, int] | None = None,
+    decode_grid: bool | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
 
@@ -345,7 +426,8 @@ def paged_attention_triton(
     `attention_launch_plan` (tests, tuning); they must stay fixed for a captured graph.
     `dcp` = (size, rank, interleave): the cache holds only this DCP rank's tokens (local
     positions, graphrunner.kernels.dcp); `seq_lens` stay global and each key is masked by
-    its global position. Works on CPU tensors under TRITON_INTERPRET=1.
+    its global position. `decode_grid` overrides the plan's grid (module docstring). Works on CPU
+    tensors under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
@@ -378,7 +460,9 @@ def paged_attention_triton(
     lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
     gdc, launch = pdl_enabled(q.device), pdl_launch(q.device)
-    _paged_attn_kernel[(plan["num_tiles"], num_kv_heads, splits)](
+    by_request = plan["decode_grid"] if decode_grid is None else decode_grid
+    num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]
+    _paged_attn_kernel[(num_programs, num_kv_heads, splits)](
         q,
         kv_cache,
         out,
@@ -410,6 +494,7 @@ def paged_attention_triton(
         STORE_LSE=store_lse,
         IS_DCP=dcp is not None,
         GDC=gdc,
+        DECODE_GRID=by_request,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,

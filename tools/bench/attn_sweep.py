@@ -2,7 +2,8 @@
 
 For decode batches (one query token per request, `--context` cached tokens each) of a
 model's head shape, times `paged_attention_triton` with its default launch plan and with
-every (block_n, num_warps, num_stages, num_kv_splits) of a small grid, each as a CUDA graph
+every (block_n, num_warps, num_stages, num_kv_splits) of a small grid (`--decode-grid both`:
+each with the search grid and with one program per request), each as a CUDA graph
 of `--calls` back-to-back launches (what a FULL graph sees), and prints the KV-read floor
 (K and V bytes at the measured copy bandwidth). Used to tune `attention_launch_plan`.
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--decode-grid", choices=("plan", "both"), default="plan",
+                   help="both: every configuration with the search grid and with one program per request")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attn_sweep needs a CUDA device")
@@ -66,8 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         call = functools.partial(paged_attention_triton, q, cache, md, 0.125, out)
         default = time_graph(call, args.calls)
         results = []
-        for block_n, warps, stages, splits in itertools.product((64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4)):
-            kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_kv_splits=splits)
+        grids = (False, True) if args.decode_grid == "both" else (plan["decode_grid"],)
+        if args.decode_grid == "both":
+            for by_request in grids:
+                us = time_graph(functools.partial(call, decode_grid=by_request), args.calls)
+                print(f"bs={bs}: default plan, decode_grid={by_request}: {us:.1f} us ({100 * floor / us:.0f}%)")
+        for block_n, warps, stages, splits, by_request in itertools.product((64, 128), (2, 4, 8), (2, 3, 4),
+                                                                            (1, 2, 4), grids):
+            kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_kv_splits=splits,
+                      decode_grid=by_request)
             try:
                 us = time_graph(functools.partial(call, **kw), args.calls)
             except Exception as e:  # a config that does not compile (shared memory) is skipped
