@@ -84,3 +84,35 @@ def test_gpu_bf16_gemv_matches_f_linear_and_replays(n, k, with_bias):
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()),
                                rtol=8e-3, atol=1e-3)
+
+
+@needs_triton
+@given(n=st.integers(1, 40), k=st.integers(1, 200), seed=st.integers(0, 2**31))
+def test_gemv_writes_the_fp32_sum_when_asked(n, k, seed):
+    """out_dtype=float32 (the LM head): the fp32 accumulator itself, not its rounding to x's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1, k, generator=g).half(), torch.randn(n, k, generator=g).half()
+    got = gemv_triton(x, w, block=(2, 64, 4), out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (1, n)
+    ref = F.linear(x.float(), w.float())  # exact products of fp16 values, summed in fp32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    half = gemv_triton(x, w, block=(2, 64, 4))
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half, got.half(), rtol=0, atol=0)  # the same sum, rounded once
+
+
+@pytest.mark.gpu
+def test_gpu_one_row_lm_head_is_fp32_gemv_like_batched():
+    """lm_logits: one row (GEMV) and several rows (cuBLAS, fp32 out) both return the fp32 accumulator."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from graphrunner.layers.embedding import lm_logits
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(3, 896, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    ref = F.linear(h.float(), w.float())
+    one, many = lm_logits(h[:1], w), lm_logits(h, w)
+    assert one.dtype == many.dtype == torch.float32
+    torch.testing.assert_close(one, ref[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(many, ref, rtol=1e-4, atol=1e-4)

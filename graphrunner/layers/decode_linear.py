@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
 
-__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_triton", "linear"]
+__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -92,22 +92,29 @@ def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                block: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in x's dtype (one launch).
+                block: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's; one launch).
 
-    `block` = (BLOCK_N, BLOCK_K, num_warps) overrides `gemv_plan` (tests)."""
+    The fp32 sum is rounded once, to `out_dtype`: the LM head asks for float32 and gets the
+    accumulator itself, with no cast kernel after. `block` = (BLOCK_N, BLOCK_K, num_warps)
+    overrides `gemv_plan` (tests)."""
     (m, k), (n, k_w) = x.shape, weight.shape
     if m != 1 or k != k_w:
         raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be [1, K] with K = weight's {k_w}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)  # [1, N]
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
     block_n, block_k, warps = gemv_plan(n, k) if block is None else block
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=pdl_enabled(x.device),
         num_warps=warps, **pdl_launch(x.device))
     return y
+
+
+def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` would run x [T, K] . weight^T as the one-launch GEMV (eagerly)."""
+    return DECODE_GEMV and HAS_TRITON and x.is_cuda and x.dim() == 2 and _gemv_fits(x, weight, None)
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

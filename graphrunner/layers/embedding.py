@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.distributed.comm import TPComm
-from graphrunner.layers.decode_linear import linear
+from graphrunner.layers.decode_linear import gemv_serves, gemv_triton, linear
 
 
 class _VocabParallel(nn.Module):
@@ -92,9 +92,12 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [R
     read it back and wrote it again (at 256 rows x 151,936 that cast alone took 121 µs of a
     2.97 ms qwen2.5-0.5b step on an H100). The logits are then the fp32 accumulator itself,
     not its rounding to the model dtype (HF rounds; the difference is within that rounding).
-    One row keeps the one-launch GEMV (module decode_linear) and its tiny cast; CPU and fp32
-    models the model-dtype matmul, as HF.
+    One row: the one-launch GEMV (module decode_linear) writing fp32 the same way, so batch 1
+    and larger batches round alike. CPU and fp32 models: the model-dtype matmul, as HF.
     """
-    if hidden.is_cuda and hidden.shape[0] > 1 and hidden.dtype in _HALF and weight.dtype == hidden.dtype:
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    if hidden.is_cuda and hidden.dtype in _HALF and weight.dtype == hidden.dtype:
+        if hidden.shape[0] == 1 and gemv_serves(hidden, weight) and not torch.compiler.is_compiling():
+            return gemv_triton(hidden, weight, out_dtype=torch.float32)
+        if hidden.shape[0] > 1:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     return linear(hidden, weight).float()
