@@ -20,7 +20,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample import sampler as sampler_module
 from graphrunner.sample.fused_process import process_logits_triton
 from graphrunner.sample.logprobs_fused import LogprobStats, logprobs_from_stats
@@ -28,15 +27,9 @@ from graphrunner.sample.logprobs_triton import logprobs_triton
 from graphrunner.sample.sampler import Sampler
 from graphrunner.state.features import SamplingFeatures
 from tests.test_fused_process import assert_same, random_states
-from tests.test_logprobs_triton import BAD_KINDS, KINDS, close, make_logits, run
+from tests.test_logprobs_triton import BAD_KINDS, INTERPRETER_MARKS, KINDS, close, make_logits, run
 
-pytestmark = [
-    pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-]
+pytestmark = INTERPRETER_MARKS
 ALL_STAGES = (True, True, True, True)
 
 

@@ -28,7 +28,7 @@ from graphrunner.sample import logprobs_triton as kernels_module
 from graphrunner.sample.logprobs import compute_logprobs, time_logprobs
 from graphrunner.sample.logprobs_triton import MAX_TOPK, logprobs_plan, logprobs_triton
 
-pytestmark = [
+INTERPRETER_MARKS = [  # also the marks of tests/test_logprobs_fused.py
     pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable"),
     # The Triton interpreter converts 1-element arrays to ints (numpy >= 1.25 warns, per call),
     # and evaluates -inf - -inf in numpy (the kernels mask that NaN out on purpose).
@@ -37,6 +37,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
+pytestmark = INTERPRETER_MARKS
 
 NAN, INF = float("nan"), float("inf")
 KINDS = ("randn", "ties", "neg_inf", "mostly_neg_inf", "all_neg_inf", "huge", "tiny", "signed_zeros")

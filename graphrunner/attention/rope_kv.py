@@ -28,7 +28,7 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.kv_write import check_kv_args, write_kv_torch
 from graphrunner.kernels import HAS_TRITON, use_triton
-from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
+from graphrunner.kernels.pdl import pdl_launch
 
 if HAS_TRITON:
     import triton
@@ -145,6 +145,7 @@ def rope_write_kv_triton(
     if num_tokens == 0:
         return q_rot
     num_kv_heads = k.shape[1]
+    launch = pdl_launch(q.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, q_rot, kv_cache,
         kv_cache.shape[2],
@@ -157,8 +158,8 @@ def rope_write_kv_triton(
         H_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        GDC=pdl_enabled(q.device),
-        **pdl_launch(q.device),
+        GDC=bool(launch),
+        **launch,
     )
     return q_rot
 

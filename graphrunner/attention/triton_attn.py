@@ -48,7 +48,7 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
+from graphrunner.kernels.pdl import pdl_launch
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
 # for rows that have seen no visible key yet.
@@ -459,7 +459,8 @@ def paged_attention_triton(
     lse = out_lse if out_lse is not None else out  # unused by the kernel unless STORE_LSE
     lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
-    gdc, launch = pdl_enabled(q.device), pdl_launch(q.device)
+    launch = pdl_launch(q.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    gdc = bool(launch)
     by_request = plan["decode_grid"] if decode_grid is None else decode_grid
     num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]
     _paged_attn_kernel[(num_programs, num_kv_heads, splits)](

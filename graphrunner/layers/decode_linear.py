@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
+from graphrunner.kernels.pdl import pdl_launch
 
 __all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
 
@@ -105,10 +105,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
     block_n, block_k, warps = gemv_plan(n, k) if block is None else block
+    launch = pdl_launch(x.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=pdl_enabled(x.device),
-        num_warps=warps, **pdl_launch(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch),
+        num_warps=warps, **launch)
     return y
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from graphrunner.kernels import HAS_TRITON, use_triton
-from graphrunner.kernels.pdl import pdl_enabled, pdl_launch
+from graphrunner.kernels.pdl import pdl_launch
 
 FUSED_ADD_RMS_NORM = "graphrunner::fused_add_rms_norm"
 
@@ -104,9 +104,10 @@ def add_rms_norm_triton(
     out, res_out = _two_like(x)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
+        launch = pdl_launch(x.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
         _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
-                                            residual.stride(0), BLOCK=block, GDC=pdl_enabled(x.device),
-                                            num_warps=min(16, max(1, block // 256)), **pdl_launch(x.device))
+                                            residual.stride(0), BLOCK=block, GDC=bool(launch),
+                                            num_warps=min(16, max(1, block // 256)), **launch)
     return out, res_out
 
 

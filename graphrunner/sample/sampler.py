@@ -158,9 +158,10 @@ class Sampler:
 
         # With logprobs, a fused processing pass also leaves the raw logits' statistics
         # (logprobs_fused), so the logprobs need no second read of the logits.
-        fused = self._fuses(logits, self._stages(features, all_token_ids), all_token_ids)
+        stages = self._stages(features, all_token_ids)
+        fused = self._fuses(logits, stages, all_token_ids)
         stats = self._logprob_stats(logits, k) if want_logprobs and fused else None
-        x = self._process(logits, idx_mapping, positions, features, all_token_ids, stats=stats)
+        x = self._process(logits, idx_mapping, positions, features, all_token_ids, stats=stats, stages=stages)
         if features.any_random and self._use_triton(x) and self.filter_impl == "bisect":
             self._sample_pivot(x, idx_mapping, positions, features, out)
         elif features.any_random:
@@ -222,6 +223,7 @@ class Sampler:
         all_token_ids: torch.Tensor | None,  # a history to count instead of the persistent counts
         slots: torch.Tensor | None = None,  # [R] int64 sampled slot of each row (grammar mask); None: slot 0
         stats: LogprobStats | None = None,  # the fused pass fills it (logprobs_fused); others leave it alone
+        stages: tuple[bool, bool, bool, bool] | None = None,  # `_stages(features, all_token_ids)`, if known
     ) -> torch.Tensor:  # [R, V] float32
         """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off).
 
@@ -232,7 +234,8 @@ class Sampler:
         the j drafts before it; an explicit `all_token_ids` is counted instead (the reference).
         """
         s = self.states
-        stages = self._stages(features, all_token_ids)
+        if stages is None:
+            stages = self._stages(features, all_token_ids)
         if not any(stages):
             return logits
         rows = rows.long()  # [R] (a no-op for int64; the sampled-only step has no stage and no copy)
