@@ -14,11 +14,20 @@ CUDA = torch.cuda.is_available()
 
 def test_off_on_cpu_and_when_disabled(monkeypatch):
     monkeypatch.setattr(pdl_mod, "PDL", True)
-    assert pdl_mod.pdl_launch(torch.device("cpu")) == {}
+    assert pdl_mod.pdl_launch(torch.device("cpu"), 1) == {}
     assert not pdl_mod.pdl_enabled(torch.device("cpu"))
     monkeypatch.setattr(pdl_mod, "PDL", False)
     assert not pdl_mod.pdl_enabled(torch.device("cuda", 0))
-    assert pdl_mod.pdl_launch(torch.device("cuda", 0)) == {}
+    assert pdl_mod.pdl_launch(torch.device("cuda", 0), 1) == {}
+
+
+def test_launch_only_up_to_max_rows(monkeypatch):
+    """PDL applies to launches of at most PDL_MAX_ROWS rows; larger ones keep the full
+    dependency (measured slower with it: the module's comment)."""
+    monkeypatch.setattr(pdl_mod, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(pdl_mod, "PDL_MAX_ROWS", 4)
+    dev = torch.device("cuda", 0)
+    assert [bool(pdl_mod.pdl_launch(dev, rows)) for rows in (1, 4, 5, 256)] == [True, True, False, False]
 
 
 if HAS_TRITON:
@@ -59,7 +68,7 @@ def test_consumer_sees_producer_in_graph_replays(monkeypatch):
     monkeypatch.setattr(pdl_mod, "PDL", True)  # on whatever GRAPHRUNNER_PDL says
     if not pdl_mod.pdl_enabled(dev):
         pytest.skip("PDL needs compute capability >= 9.0")
-    gdc, launch = True, pdl_mod.pdl_launch(dev)
+    gdc, launch = True, pdl_mod.pdl_launch(dev, 1)
     assert launch == {"launch_pdl": True}
     value = torch.ones(1, device=dev)
     mid = torch.empty(1 << 22, device=dev)

@@ -145,7 +145,7 @@ def rope_write_kv_triton(
     if num_tokens == 0:
         return q_rot
     num_kv_heads = k.shape[1]
-    launch = pdl_launch(q.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, q_rot, kv_cache,
         kv_cache.shape[2],

@@ -459,7 +459,7 @@ def paged_attention_triton(
     lse = out_lse if out_lse is not None else out  # unused by the kernel unless STORE_LSE
     lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
-    launch = pdl_launch(q.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
     gdc = bool(launch)
     by_request = plan["decode_grid"] if decode_grid is None else decode_grid
     num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]

@@ -105,7 +105,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
     block_n, block_k, warps = gemv_plan(n, k) if block is None else block
-    launch = pdl_launch(x.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    launch = pdl_launch(x.device, 1)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch),

@@ -104,7 +104,7 @@ def add_rms_norm_triton(
     out, res_out = _two_like(x)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
-        launch = pdl_launch(x.device)  # {} unless PDL is on (graphrunner.kernels.pdl)
+        launch = pdl_launch(x.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
         _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
                                             residual.stride(0), BLOCK=block, GDC=bool(launch),
                                             num_warps=min(16, max(1, block // 256)), **launch)
