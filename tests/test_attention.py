@@ -588,3 +588,21 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
         ref = dense_reference(batch, scale)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
         assert torch.equal(static.kv_cache, want_cache)
+
+
+@pytest.mark.parametrize("num_reqs, num_tokens, splits, by_request", [
+    (1, 1, 32, False),     # batch-1 decode: many splits, the search grid (measured faster there)
+    (8, 8, 16, False),
+    (64, 64, 2, True),     # (request, KV head) pairs fill the GPU: one program per request
+    (256, 256, 1, True),
+    (4, 64, 16, False),    # prefill-shaped: the search grid spreads long queries over tiles
+])
+def test_plan_uses_the_decode_grid_once_requests_fill_the_gpu(monkeypatch, num_reqs, num_tokens, splits, by_request):
+    """The plan's grid choice on a 132-SM GPU (the H100's count, faked) for a 14/2 x 64 model."""
+
+    class _Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props())
+    plan = attention_launch_plan(num_tokens, num_reqs, 14, 2, 64, torch.device("cuda", 0))
+    assert (plan["num_kv_splits"], plan["decode_grid"]) == (splits, by_request)

@@ -391,9 +391,11 @@ def attention_launch_plan(
         "g_pad": g_pad,
         "d_pad": d_pad,
         "num_tiles": num_tiles,
-        # Decode grid (module docstring): correct for any batch, planned for none by default until
-        # measured against the search grid (tools/bench/attn_sweep.py --decode-grid).
-        "decode_grid": False,
+        # Decode grid (module docstring) once (request, KV head) pairs alone fill the GPU (at most
+        # two splits): on an H100, 14/2 x 64 heads, context 1024 (tools/bench/attn_sweep.py
+        # --decode-grid both), batch 256 55.2 -> 52.5 µs and batch 64 16.7 -> 15.1 µs; at batch 1
+        # (32 splits) the search grid stays ahead, 5.6 vs 5.9 µs.
+        "decode_grid": decode_like and num_kv_splits <= 2,
         "num_kv_splits": num_kv_splits,
         "block_n": block_n,
         "num_warps": num_warps,
