@@ -32,10 +32,10 @@ INF = float("inf")
 
 
 def random_states(g: torch.Generator, rows: int, vocab: int, max_model_len: int, slots: int,
-                  device: str = "cpu") -> SamplingStates:
+                  device: str = "cpu", max_bias: int = 5) -> SamplingStates:
     """States with every per-row setting random (written directly: the kernels' inputs, not validation)."""
     history = torch.randint(0, vocab, (rows, max_model_len), dtype=torch.int32, generator=g)
-    s = SamplingStates(rows, torch.device("cpu"), vocab_size=vocab, all_token_ids=history, max_logit_bias=5,
+    s = SamplingStates(rows, torch.device("cpu"), vocab_size=vocab, all_token_ids=history, max_logit_bias=max_bias,
                        max_stop_ids=4, grammar_slots=slots)
 
     def pick(values, n):
@@ -47,7 +47,7 @@ def random_states(g: torch.Generator, rows: int, vocab: int, max_model_len: int,
     s.allowed_mask.copy_(torch.randint(-2**31, 2**31 - 1, s.allowed_mask.shape, generator=g, dtype=torch.int32))
     s.grammar_mask.copy_(torch.randint(-2**31, 2**31 - 1, s.grammar_mask.shape, generator=g, dtype=torch.int32))
     for r in range(rows):  # distinct ids within a row (may repeat across rows), unused slots (0, +0.0)
-        n = int(torch.randint(0, 6, (1,), generator=g))
+        n = int(torch.randint(0, max_bias + 1, (1,), generator=g))
         ids = torch.randperm(vocab, generator=g)[:n]
         s.bias_ids[r, : len(ids)] = ids
         s.bias_values[r, : len(ids)] = torch.randn(len(ids), generator=g) * 4
@@ -82,11 +82,12 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 @settings(deadline=None)
 @given(seed=st.integers(0, 2**31), num=st.integers(1, 6), vocab=st.sampled_from([1, 7, 33, 64, 100, 2049]),
        slots=st.sampled_from([1, 3]), stages=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       target=st.booleans())
-def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, stages, target):
+       target=st.booleans(), max_bias=st.sampled_from([5, 40]))
+def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, stages, target, max_bias):
+    """max_bias 40 spans two of the sparse kernel's bias chunks."""
     g = torch.Generator().manual_seed(seed)
     rows, max_model_len = 5, 12
-    s = random_states(g, rows, vocab, max_model_len, slots)
+    s = random_states(g, rows, vocab, max_model_len, slots, max_bias=max_bias)
     features = SamplingFeatures(any_logit_bias=stages[0], any_min_tokens=stages[1], any_penalties=stages[2])
     logits = random_logits(g, num, vocab)
     idx = torch.randint(0, rows, (num,), generator=g, dtype=torch.int32)  # repeats allowed
@@ -105,6 +106,41 @@ def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, s
     fused(logits, idx, positions, features, out_fused)
     torch_impl(logits, idx, positions, features, out_torch)
     assert torch.equal(out_fused, out_torch)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("max_bias", [3, 40])
+def test_bias_and_stop_keep_the_sign_of_zero_like_scatter_add(max_bias, device):
+    """Zeros at biased ids, id 0 biased beside the unused (0, +0.0) slots, biases of -0.0 and
+    +0.0, a row with every slot used: the chunked match gives scatter_add's bits, signs of
+    zero included (max_bias 40 spans two of the sparse kernel's bias chunks)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    vocab, rows = 70, 4
+    s = random_states(torch.Generator().manual_seed(1), rows, vocab, 8, 1, max_bias=max_bias)
+    s.use_allowed.fill_(False), s.use_grammar.fill_(False)
+    s.repetition_penalty.fill_(1.0), s.frequency_penalty.zero_(), s.presence_penalty.zero_()
+    s.bias_ids.zero_(), s.bias_values.zero_()
+    biased = {0: ([0, 5], [-0.0, 2.0]), 1: ([5, 0], [-0.0, 0.0]), 2: ([0] * (max_bias - 1) + [9], [0.0] * max_bias),
+              3: (list(range(1, max_bias + 1)), [-0.0] * max_bias)}  # row 2: id 9 in the last slot
+    for r, (ids, values) in biased.items():
+        s.bias_ids[r, : len(ids)] = torch.tensor(ids)
+        s.bias_values[r, : len(values)] = torch.tensor(values)
+    s.stop_ids.copy_(torch.tensor([[60, 60, 61, 5]] * rows))  # min_tokens 0: adds 0.0 at id 5 only
+    s.min_tokens.fill_(0)
+    logits = torch.randn(rows, vocab)
+    logits[:, [0, 5, 9, 1]] = -0.0
+    if device == "cuda":
+        for name, value in list(vars(s).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(s, name, value.cuda())
+        s.device, logits = torch.device("cuda"), logits.cuda()
+    idx, positions = torch.arange(rows, device=device), torch.full((rows,), 6, device=device)
+    features = SamplingFeatures(any_logit_bias=True, any_min_tokens=True, any_penalties=False)
+    got = Sampler(s, kernel_impl="triton")._process(logits, idx, positions, features, None).clone()
+    want = Sampler(s, kernel_impl="torch")._process(logits, idx, positions, features, None)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 def test_fused_processing_of_a_neutral_batch_is_the_identity():
@@ -256,7 +292,7 @@ def test_native_fused_processing_matches_torch_and_replays_in_a_cuda_graph():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator().manual_seed(1)
     rows, vocab, num, max_model_len = 9, 151_936, 8, 64
-    s = random_states(g, rows, vocab, max_model_len, 3, device="cuda")
+    s = random_states(g, rows, vocab, max_model_len, 3, device="cuda", max_bias=40)  # two bias chunks
     features = SamplingFeatures(any_logit_bias=True, any_min_tokens=True, any_penalties=True)
     idx = torch.randperm(rows, generator=g)[:num].to(torch.int32).cuda()
     positions = torch.randint(2, max_model_len, (num,), generator=g).cuda()

@@ -34,7 +34,8 @@ from graphrunner.state.sampling import SamplingStates
 
 _COUNT_MASK = PROMPT_FLAG - 1
 _BLOCK = TILE  # vocab entries per program of the dense kernel (a [_BLOCK / GROUP, GROUP] tile)
-_SPARSE_BLOCK = 128  # bias / stop slots per program of the sparse kernel
+_SPARSE_BLOCK = 64  # bias / stop slots per program of the sparse kernel
+_BIAS_CHUNK = 32  # bias slots compared per vector load ([_SPARSE_BLOCK, _BIAS_CHUNK] matches in registers)
 _HISTORY_BLOCK = 1024  # history positions per loop iteration of the rebuild
 
 
@@ -115,7 +116,8 @@ if HAS_TRITON:
                        freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
                        max_model_len, bias_ids_ptr, bias_values_ptr, num_bias, stop_ids_ptr, num_stop,
                        prompt_len_ptr, min_tokens_ptr, HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                       HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, BLOCK: tl.constexpr,
+                       BIAS_CHUNK: tl.constexpr, STOP_PAD: tl.constexpr):
         # Slot j of the row's combined list [bias slots | stop slots] recomputes its element.
         e = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -130,14 +132,31 @@ if HAS_TRITON:
         if HAS_MASK:
             x = _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
                       grammar_stride, slot_stride, slots_ptr)
-        for s in range(0, num_bias):  # scatter_add of every slot, unused (0, +0.0) slots included
-            sid = tl.load(bias_ids_ptr + row * num_bias + s)
-            x = tl.where(ids == sid, x + tl.load(bias_values_ptr + row * num_bias + s), x)
+        # scatter_add of every slot, unused (0, +0.0) slots included, BIAS_CHUNK slots per vector
+        # load (one dependent load per chunk, not two per slot: at 300 slots that serial chain
+        # was the kernel's whole time). Used ids are distinct, so a lane matches at most one
+        # nonzero value v and otherwise zeros; scatter_add's one-by-one additions then give
+        # x + v, else x + 0.0 if a +0.0 matched (it turns -0.0 into +0.0), else x (only -0.0
+        # matched). Written that way, not as a sum, whose sign of zero depends on the reduction.
+        slot = tl.arange(0, BIAS_CHUNK)
+        for c in range(0, num_bias, BIAS_CHUNK):
+            used = c + slot < num_bias
+            sid = tl.load(bias_ids_ptr + row * num_bias + c + slot, mask=used, other=-1)  # [BIAS_CHUNK]
+            val = tl.load(bias_values_ptr + row * num_bias + c + slot, mask=used, other=0.0)
+            hit = ids[:, None] == sid[None, :]  # [BLOCK, BIAS_CHUNK]
+            nonzero = hit & (val[None, :] != 0.0)  # NaN values count as nonzero
+            plus_zero = hit & ((val == 0.0) & (val.to(tl.int32, bitcast=True) >= 0))[None, :]  # +0.0, sign bit clear
+            v = tl.sum(tl.where(nonzero, val[None, :], 0.0), 1)  # [BLOCK]: the one nonzero value, exactly
+            x = tl.where(tl.max(nonzero.to(tl.int32), 1) > 0, x + v,
+                         tl.where(tl.max(plus_zero.to(tl.int32), 1) > 0, x + 0.0, x))
         if num_stop > 0:
             num_output = tl.maximum(tl.load(pos_ptr + e).to(tl.int64) - tl.load(prompt_len_ptr + row), 0)
             add = tl.where(num_output < tl.load(min_tokens_ptr + row), float("-inf"), 0.0)
-            for s in range(0, num_stop):
-                x = tl.where(ids == tl.load(stop_ids_ptr + row * num_stop + s), x + add, x)
+            # Repeated stop slots add the same -inf or 0.0 again, which changes nothing: one addition.
+            stop_slot = tl.arange(0, STOP_PAD)
+            sid = tl.load(stop_ids_ptr + row * num_stop + stop_slot, mask=stop_slot < num_stop, other=-1)
+            hit = tl.max((ids[:, None] == sid[None, :]).to(tl.int32), 1) > 0  # [BLOCK]
+            x = tl.where(hit, x + add, x)
         if HAS_PENALTIES:
             x = _penalize(x, ids, m, row, e, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
                           hist_stride, base_ptr, ahead_ptr, max_model_len, HAS_DRAFTS, MAX_AHEAD)
@@ -248,7 +267,8 @@ def process_logits_triton(
         grid = (num_reqs, triton.cdiv(num_bias + num_stop, _SPARSE_BLOCK))
         _sparse_kernel[grid](logits, logits.stride(0), out, out.stride(0), idx_mapping, positions, *masks, *penal,
                              s.bias_ids, s.bias_values, num_bias, s.stop_ids, num_stop, s.prompt_len, s.min_tokens,
-                             **flags, BLOCK=_SPARSE_BLOCK, enable_fp_fusion=False)
+                             **flags, BLOCK=_SPARSE_BLOCK, BIAS_CHUNK=_BIAS_CHUNK,
+                             STOP_PAD=triton.next_power_of_2(max(num_stop, 1)), enable_fp_fusion=False)
     return out
 
 
