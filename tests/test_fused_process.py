@@ -121,8 +121,9 @@ def test_bias_and_stop_keep_the_sign_of_zero_like_scatter_add(max_bias, device):
     s.use_allowed.fill_(False), s.use_grammar.fill_(False)
     s.repetition_penalty.fill_(1.0), s.frequency_penalty.zero_(), s.presence_penalty.zero_()
     s.bias_ids.zero_(), s.bias_values.zero_()
-    biased = {0: ([0, 5], [-0.0, 2.0]), 1: ([5, 0], [-0.0, 0.0]), 2: ([0] * (max_bias - 1) + [9], [0.0] * max_bias),
-              3: (list(range(1, max_bias + 1)), [-0.0] * max_bias)}  # row 2: id 9 in the last slot
+    biased = {0: ([0, 5], [-0.0, 2.0]), 1: ([5, 0], [-0.0, 0.0]),
+              2: ([0] * (max_bias - 1) + [9], [1.5] + [0.0] * (max_bias - 1)),  # id 0 biased, unused slots, id 9
+              3: (list(range(1, max_bias + 1)), [-0.0] * max_bias)}
     for r, (ids, values) in biased.items():
         s.bias_ids[r, : len(ids)] = torch.tensor(ids)
         s.bias_values[r, : len(values)] = torch.tensor(values)

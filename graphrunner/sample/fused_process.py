@@ -34,8 +34,6 @@ from graphrunner.state.sampling import SamplingStates
 
 _COUNT_MASK = PROMPT_FLAG - 1
 _BLOCK = TILE  # vocab entries per program of the dense kernel (a [_BLOCK / GROUP, GROUP] tile)
-_SPARSE_BLOCK = 64  # bias / stop slots per program of the sparse kernel
-_BIAS_CHUNK = 32  # bias slots compared per vector load ([_SPARSE_BLOCK, _BIAS_CHUNK] matches in registers)
 _HISTORY_BLOCK = 1024  # history positions per loop iteration of the rebuild
 
 
@@ -111,56 +109,78 @@ if HAS_TRITON:
         tl.store(out_ptr + e * out_stride + ids, x, mask=m)
 
     @triton.jit
+    def _plus_zero(v):
+        return (v == 0.0) & (v.to(tl.int32, bitcast=True) >= 0)  # +0.0: zero with the sign bit clear
+
+    @triton.jit
+    def _sparse_lanes(ids, m, v, nonzero, plus_zero, stop_ids, add, e, row, x_ptr, x_stride, out_ptr, out_stride,
+                      use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride,
+                      slot_stride, slots_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
+                      hist_stride, base_ptr, ahead_ptr, max_model_len, HAS_MASK: tl.constexpr,
+                      HAS_PENALTIES: tl.constexpr, HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr):
+        """Recompute and store the elements `ids` (lanes `m`) of entry e: mask, bias, stop, penalties.
+
+        The bias is given per lane as scatter_add's net effect: used ids are distinct, so an id
+        matches at most one nonzero value v and otherwise zeros, and the one-by-one additions
+        give x + v, else x + 0.0 if a +0.0 matched (it turns -0.0 into +0.0), else x. Repeated
+        stop slots add the same -inf or 0.0 again, which changes nothing: one addition."""
+        x = tl.load(x_ptr + e * x_stride + ids, mask=m, other=0.0)
+        if HAS_MASK:
+            x = _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
+                      grammar_stride, slot_stride, slots_ptr)
+        x = tl.where(nonzero, x + v, tl.where(plus_zero, x + 0.0, x))
+        x = tl.where(tl.max((ids[:, None] == stop_ids[None, :]).to(tl.int32), 1) > 0, x + add, x)
+        if HAS_PENALTIES:
+            x = _penalize(x, ids, m, row, e, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
+                          hist_stride, base_ptr, ahead_ptr, max_model_len, HAS_DRAFTS, MAX_AHEAD)
+        tl.store(out_ptr + e * out_stride + ids, x, mask=m)
+
+    @triton.jit
     def _sparse_kernel(x_ptr, x_stride, out_ptr, out_stride, rows_ptr, pos_ptr, use_allowed_ptr, allowed_ptr,
                        allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride, slot_stride, slots_ptr, rep_ptr,
                        freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
                        max_model_len, bias_ids_ptr, bias_values_ptr, num_bias, stop_ids_ptr, num_stop,
                        prompt_len_ptr, min_tokens_ptr, HAS_MASK: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                       HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, BLOCK: tl.constexpr,
-                       BIAS_CHUNK: tl.constexpr, STOP_PAD: tl.constexpr):
-        # Slot j of the row's combined list [bias slots | stop slots] recomputes its element.
+                       HAS_DRAFTS: tl.constexpr, MAX_AHEAD: tl.constexpr, BIAS_PAD: tl.constexpr,
+                       STOP_PAD: tl.constexpr):
+        # Program e: every bias slot and every stop slot of its row, each lane recomputing its
+        # element in full (so lanes sharing an id store the same value). The row's slots come in
+        # with one vector load each: no loop of dependent per-slot loads.
         e = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         row = tl.load(rows_ptr + e).to(tl.int64)
-        in_bias = j < num_bias
-        in_stop = (j >= num_bias) & (j < num_bias + num_stop)
-        m = in_bias | in_stop
-        bias_id = tl.load(bias_ids_ptr + row * num_bias + j, mask=in_bias, other=0)
-        stop_id = tl.load(stop_ids_ptr + row * num_stop + (j - num_bias), mask=in_stop, other=0)
-        ids = tl.where(in_bias, bias_id, stop_id).to(tl.int64)  # [BLOCK]
-        x = tl.load(x_ptr + e * x_stride + ids, mask=m, other=0.0)
-        if HAS_MASK:
-            x = _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
-                      grammar_stride, slot_stride, slots_ptr)
-        # scatter_add of every slot, unused (0, +0.0) slots included, BIAS_CHUNK slots per vector
-        # load (one dependent load per chunk, not two per slot: at 300 slots that serial chain
-        # was the kernel's whole time). Used ids are distinct, so a lane matches at most one
-        # nonzero value v and otherwise zeros; scatter_add's one-by-one additions then give
-        # x + v, else x + 0.0 if a +0.0 matched (it turns -0.0 into +0.0), else x (only -0.0
-        # matched). Written that way, not as a sum, whose sign of zero depends on the reduction.
-        slot = tl.arange(0, BIAS_CHUNK)
-        for c in range(0, num_bias, BIAS_CHUNK):
-            used = c + slot < num_bias
-            sid = tl.load(bias_ids_ptr + row * num_bias + c + slot, mask=used, other=-1)  # [BIAS_CHUNK]
-            val = tl.load(bias_values_ptr + row * num_bias + c + slot, mask=used, other=0.0)
-            hit = ids[:, None] == sid[None, :]  # [BLOCK, BIAS_CHUNK]
-            nonzero = hit & (val[None, :] != 0.0)  # NaN values count as nonzero
-            plus_zero = hit & ((val == 0.0) & (val.to(tl.int32, bitcast=True) >= 0))[None, :]  # +0.0, sign bit clear
-            v = tl.sum(tl.where(nonzero, val[None, :], 0.0), 1)  # [BLOCK]: the one nonzero value, exactly
-            x = tl.where(tl.max(nonzero.to(tl.int32), 1) > 0, x + v,
-                         tl.where(tl.max(plus_zero.to(tl.int32), 1) > 0, x + 0.0, x))
-        if num_stop > 0:
-            num_output = tl.maximum(tl.load(pos_ptr + e).to(tl.int64) - tl.load(prompt_len_ptr + row), 0)
-            add = tl.where(num_output < tl.load(min_tokens_ptr + row), float("-inf"), 0.0)
-            # Repeated stop slots add the same -inf or 0.0 again, which changes nothing: one addition.
-            stop_slot = tl.arange(0, STOP_PAD)
-            sid = tl.load(stop_ids_ptr + row * num_stop + stop_slot, mask=stop_slot < num_stop, other=-1)
-            hit = tl.max((ids[:, None] == sid[None, :]).to(tl.int32), 1) > 0  # [BLOCK]
-            x = tl.where(hit, x + add, x)
-        if HAS_PENALTIES:
-            x = _penalize(x, ids, m, row, e, rep_ptr, freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr,
-                          hist_stride, base_ptr, ahead_ptr, max_model_len, HAS_DRAFTS, MAX_AHEAD)
-        tl.store(out_ptr + e * out_stride + ids, x, mask=m)
+        b = tl.arange(0, BIAS_PAD)
+        bias_on = b < num_bias
+        bias_ids = tl.load(bias_ids_ptr + row * num_bias + b, mask=bias_on, other=-1).to(tl.int64)  # [BIAS_PAD]
+        bias_values = tl.load(bias_values_ptr + row * num_bias + b, mask=bias_on, other=0.0)
+        k = tl.arange(0, STOP_PAD)
+        stop_on = k < num_stop
+        stop_ids = tl.load(stop_ids_ptr + row * num_stop + k, mask=stop_on, other=-1).to(tl.int64)  # [STOP_PAD]
+        num_output = tl.maximum(tl.load(pos_ptr + e).to(tl.int64) - tl.load(prompt_len_ptr + row), 0)
+        add = tl.where(num_output < tl.load(min_tokens_ptr + row), float("-inf"), 0.0)
+        nonzero = bias_values != 0.0  # NaN counts as nonzero
+        plus_zero = _plus_zero(bias_values)
+        # Id 0 is the one id several slots can hold (the unused (0, +0.0) slots): its net bias.
+        zero = bias_ids == 0
+        zero_v = tl.sum(tl.where(zero & nonzero, bias_values, 0.0), 0)  # the one nonzero value, exactly
+        zero_nonzero = tl.max((zero & nonzero).to(tl.int32), 0) > 0
+        zero_plus_zero = tl.max((zero & plus_zero).to(tl.int32), 0) > 0
+        _sparse_lanes(bias_ids, bias_on, tl.where(zero, zero_v, bias_values),
+                      tl.where(zero, zero_nonzero, nonzero), tl.where(zero, zero_plus_zero, plus_zero),
+                      stop_ids, add,
+                      e, row, x_ptr, x_stride, out_ptr, out_stride, use_allowed_ptr, allowed_ptr,
+                      allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride, slot_stride, slots_ptr, rep_ptr,
+                      freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
+                      max_model_len, HAS_MASK, HAS_PENALTIES, HAS_DRAFTS, MAX_AHEAD)
+        # Stop lanes look their id up among the bias slots ([STOP_PAD, BIAS_PAD] matches).
+        hit = stop_ids[:, None] == bias_ids[None, :]
+        hit_nonzero = hit & nonzero[None, :]
+        _sparse_lanes(stop_ids, stop_on, tl.sum(tl.where(hit_nonzero, bias_values[None, :], 0.0), 1),
+                      tl.max(hit_nonzero.to(tl.int32), 1) > 0,
+                      tl.max((hit & plus_zero[None, :]).to(tl.int32), 1) > 0, stop_ids, add,
+                      e, row, x_ptr, x_stride, out_ptr, out_stride, use_allowed_ptr, allowed_ptr,
+                      allowed_stride, use_grammar_ptr, grammar_ptr, grammar_stride, slot_stride, slots_ptr, rep_ptr,
+                      freq_ptr, pres_ptr, counts_ptr, counts_stride, hist_ptr, hist_stride, base_ptr, ahead_ptr,
+                      max_model_len, HAS_MASK, HAS_PENALTIES, HAS_DRAFTS, MAX_AHEAD)
 
     @triton.jit
     def _refresh_kernel(counts_ptr, counts_stride, stale_ptr, rows_ptr, hist_ptr, hist_stride, prompt_len_ptr,
@@ -264,11 +284,11 @@ def process_logits_triton(
     num_bias = s.bias_ids.shape[1] if has_bias else 0
     num_stop = s.stop_ids.shape[1] if has_stop else 0
     if num_bias + num_stop > 0:
-        grid = (num_reqs, triton.cdiv(num_bias + num_stop, _SPARSE_BLOCK))
-        _sparse_kernel[grid](logits, logits.stride(0), out, out.stride(0), idx_mapping, positions, *masks, *penal,
-                             s.bias_ids, s.bias_values, num_bias, s.stop_ids, num_stop, s.prompt_len, s.min_tokens,
-                             **flags, BLOCK=_SPARSE_BLOCK, BIAS_CHUNK=_BIAS_CHUNK,
-                             STOP_PAD=triton.next_power_of_2(max(num_stop, 1)), enable_fp_fusion=False)
+        _sparse_kernel[(num_reqs,)](  # one program per entry: all its bias and stop slots
+            logits, logits.stride(0), out, out.stride(0), idx_mapping, positions, *masks, *penal, s.bias_ids,
+            s.bias_values, num_bias, s.stop_ids, num_stop, s.prompt_len, s.min_tokens, **flags,
+            BIAS_PAD=triton.next_power_of_2(max(num_bias, 1)), STOP_PAD=triton.next_power_of_2(max(num_stop, 1)),
+            enable_fp_fusion=False)
     return out
 
 
