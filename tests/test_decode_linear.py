@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.layers.decode_linear import decode_linear, gemv_plan, gemv_rows_plan, gemv_triton, linear
+from graphrunner.layers.decode_linear import decode_linear, gemv_plan, gemv_triton, linear
 from tests.cuda_graphs import capture_cuda_graph
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
@@ -31,33 +31,9 @@ def test_gemv_equals_f_linear(n, k, seed, block, with_bias):
 
 
 @needs_triton
-@given(m=st.integers(2, 8), n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31),
-       block=st.sampled_from([None, (1, 64, 4), (2, 64, 4), (2, 128, 2), (4, 32, 4)]), with_bias=st.booleans(),
-       strided=st.booleans())
-def test_gemv_of_several_rows_equals_f_linear(m, n, k, seed, block, with_bias, strided):
-    """The multi-row kernel: every row against F.linear, K ragged or not, rows of x strided."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k + 5 if strided else k, generator=g)[:, :k]
-    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if with_bias else None
-    got = gemv_triton(x, w, bias, block=block)
-    assert got.shape == (m, n) and got.dtype == x.dtype
-    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
-
-
-def test_rows_plan_bounds_the_products_per_thread():
-    for m in range(2, 9):
-        for n, k in ((1152, 896), (896, 4864), (6144, 4096), (4096, 14336)):
-            block_n, block_k, warps = gemv_rows_plan(m, n, k)
-            assert block_n == gemv_plan(n, k)[0] and 64 <= block_k <= gemv_plan(n, k)[1]
-            assert (1 << (m - 1).bit_length()) * block_n * block_k <= 64 * 32 * warps
-
-
-@needs_triton
 def test_gemv_rejects_what_it_cannot_serve():
-    with pytest.raises(ValueError, match=r"must be \[M, K\] with 1 <= M <= 8"):
-        gemv_triton(torch.zeros(9, 8), torch.zeros(4, 8))
-    with pytest.raises(ValueError, match=r"K = weight's 8"):
-        gemv_triton(torch.zeros(2, 7), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"must be \[1, K\]"):
+        gemv_triton(torch.zeros(2, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match="unit stride"):
         gemv_triton(torch.zeros(1, 8), torch.zeros(8, 4).t())
 
@@ -85,14 +61,13 @@ def test_custom_op_under_compile_serves_every_row_count():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,k,with_bias", [(1152, 896, True), (4096, 4864, False), (3072, 2048, False),
                                            (8192, 4096, False)])
-def test_gpu_bf16_gemv_matches_f_linear_and_replays(n, k, with_bias, m):
+def test_gpu_bf16_gemv_matches_f_linear_and_replays(n, k, with_bias):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if with_bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # fp32 reference
@@ -104,7 +79,7 @@ def test_gpu_bf16_gemv_matches_f_linear_and_replays(n, k, with_bias, m):
     assert (got.float() - ref).abs().max() <= 2 * cublas_err + 1e-3
     out = torch.empty_like(got)
     graph = capture_cuda_graph(lambda: out.copy_(linear(x, w, b)))
-    x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g))  # same address, new rows
+    x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g))  # same address, new row
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()),

@@ -1,4 +1,4 @@
-"""`y = x @ W^T (+ b)` with a one-launch GEMV for a few token rows on CUDA (decode at small batches).
+"""`y = x @ W^T (+ b)` with a one-launch GEMV for a single token row on CUDA (decode at batch 1).
 
 At M = 1 a projection is a pure read of W. cuBLAS picks split-K GEMMs there (often with a
 separate reduce kernel); a row-blocked GEMV measured faster on every decode projection of
@@ -8,12 +8,9 @@ reads those rows of W once over the full K in BLOCK_K steps, accumulates the fp3
 elementwise and sums them once at the end: no split-K, no reduce kernel, no memset, and with
 ~N programs each SM keeps many loads in flight. x (a few KiB) is re-read from L2.
 
-Up to GEMV_MAX_ROWS rows (default 8, `GRAPHRUNNER_GEMV_MAX_ROWS`) a second kernel does the
-same with each W tile applied to all M rows ([M_PAD, BLOCK_N, BLOCK_K] products, summed per
-K step), so W is still read once: at batch 8 cuBLAS runs M = 8 tiles of its GEMMs plus a
-split-K reduce. More rows (prefills, larger batches) keep `F.linear`. The results differ
-from cuBLAS's by the summation order only (fp32 accumulation, one rounding to the output
-dtype), as cuBLAS's own split-K choices do between shapes.
+Rows > 1 (prefills, batched decode) keep `F.linear`: this kernel would read W once per row.
+The results differ from cuBLAS's by the summation order only (fp32 accumulation, one rounding
+to the output dtype), as cuBLAS's own split-K choices do between shapes.
 
 `linear(x, weight, bias)` is what the layers call. Eagerly it dispatches on the row count in
 Python. Under torch.compile (the PIECEWISE pieces and the FULL graph bodies) it is the opaque
@@ -32,11 +29,9 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["DECODE_GEMV", "GEMV_MAX_ROWS", "gemv_plan", "gemv_rows_plan", "gemv_serves", "gemv_triton", "linear"]
+__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
-# Row counts up to this take the GEMV (one read of W for all rows); more take F.linear.
-GEMV_MAX_ROWS = int(os.environ.get("GRAPHRUNNER_GEMV_MAX_ROWS", "8"))
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
@@ -84,38 +79,6 @@ if HAS_TRITON:
             y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def _rows_tile_product(x_rows, m_ok, w, ks, K):
-        # [M_PAD, BLOCK_N] fp32 sums over the columns ks of x's rows times the W tile w [BLOCK_N, BLOCK_K].
-        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K), other=0.0)  # [M_PAD, BLOCK_K]
-        return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-    @triton.jit
-    def _gemv_rows_kernel(x_ptr, stride_xm, w_ptr, b_ptr, y_ptr, stride_ym, M, N, K, stride_wn,
-                          HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GDC: tl.constexpr):
-        # Program j: y[:M, j*BLOCK_N : (j+1)*BLOCK_N] = x . W[those rows]^T over the full K; each W
-        # tile is read once and used for all M rows (the [M_PAD, BLOCK_N] sums reduced per K step).
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        ok = rows < N
-        ms = tl.arange(0, M_PAD)  # [M_PAD]
-        m_ok = ms < M
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
-        ks0 = tl.arange(0, BLOCK_K)
-        # Launched with PDL: the first W tile (no kernel's output) is read before the wait.
-        w = tl.load(w_rows + ks0[None, :], mask=ok[:, None] & (ks0[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
-        pdl_wait(GDC)
-        acc = _rows_tile_product(x_rows, m_ok, w, ks0, K)  # [M_PAD, BLOCK_N]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            ks = k0 + ks0
-            w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-            acc += _rows_tile_product(x_rows, m_ok, w, ks, K)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & ok[None, :])
-
 
 def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep (docs/bench/decode_fusion/gemv_s12_h100.txt,
@@ -128,44 +91,25 @@ def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
     return 2, 1024, 4
 
 
-def gemv_rows_plan(M: int, N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the multi-row kernel: gemv_plan's rows per program, with
-    the K step cut so that a thread holds at most 64 of the [M_PAD, BLOCK_N, BLOCK_K] fp32
-    products (M_PAD x BLOCK_N x BLOCK_K <= 64 x 32 x num_warps)."""
-    block_n, block_k, warps = gemv_plan(N, K)
-    budget = 64 * 32 * warps // ((1 << (M - 1).bit_length()) * block_n)
-    return block_n, max(64, min(block_k, budget)), warps
-
-
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] (unit stride along K, 1 <= M <= GEMV_MAX_ROWS) . weight [N, K]^T (+ bias [N]) -> [M, N]
-    in `out_dtype` (default x's; one launch).
+    """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's; one launch).
 
     The fp32 sum is rounded once, to `out_dtype`: the LM head asks for float32 and gets the
     accumulator itself, with no cast kernel after. `block` = (BLOCK_N, BLOCK_K, num_warps)
-    overrides `gemv_plan` / `gemv_rows_plan` (tests)."""
+    overrides `gemv_plan` (tests)."""
     (m, k), (n, k_w) = x.shape, weight.shape
-    if not 1 <= m <= GEMV_MAX_ROWS or k != k_w:
-        raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be [M, K] with 1 <= M <= {GEMV_MAX_ROWS} "
-                         f"and K = weight's {k_w}")
+    if m != 1 or k != k_w:
+        raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be [1, K] with K = weight's {k_w}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)  # [M, N]
-    launch = pdl_launch(x.device, m)  # {} unless PDL is on (graphrunner.kernels.pdl)
-    b = bias if bias is not None else weight
-    if m == 1:
-        block_n, block_k, warps = gemv_plan(n, k) if block is None else block
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch),
-            num_warps=warps, **launch)
-        return y
-    block_n, block_k, warps = gemv_rows_plan(m, n, k) if block is None else block
-    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), weight, b, y, y.stride(0), m, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, GDC=bool(launch), num_warps=warps,
-        **launch)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
+    block_n, block_k, warps = gemv_plan(n, k) if block is None else block
+    launch = pdl_launch(x.device, 1)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch),
+        num_warps=warps, **launch)
     return y
 
 
@@ -175,8 +119,7 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype and x.dtype in _DTYPES
-            and x.stride(-1) == 1
+    return (x.shape[0] == 1 and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(-1) == 1
             and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
 
 
@@ -194,7 +137,7 @@ def _decode_linear_fake(x, weight, bias=None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] -> [T, N]: F.linear, or on CUDA for T <= GEMV_MAX_ROWS the one-launch GEMV (module docstring)."""
+    """x [T, K] -> [T, N]: F.linear, or on CUDA for T = 1 the one-launch GEMV (module docstring)."""
     if not (DECODE_GEMV and HAS_TRITON and x.is_cuda and x.dim() == 2):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
