@@ -84,7 +84,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
        slots=st.sampled_from([1, 3]), stages=st.tuples(st.booleans(), st.booleans(), st.booleans()),
        target=st.booleans(), max_bias=st.sampled_from([5, 40]))
 def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, stages, target, max_bias):
-    """max_bias 40 spans two of the sparse kernel's bias chunks."""
+    """max_bias 40: more bias slots than a power of two, so the sparse kernel masks the padding."""
     g = torch.Generator().manual_seed(seed)
     rows, max_model_len = 5, 12
     s = random_states(g, rows, vocab, max_model_len, slots, max_bias=max_bias)
@@ -112,12 +112,12 @@ def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, s
 @pytest.mark.parametrize("max_bias", [3, 40])
 def test_bias_and_stop_keep_the_sign_of_zero_like_scatter_add(max_bias, device):
     """Zeros at biased ids, id 0 biased beside the unused (0, +0.0) slots, biases of -0.0 and
-    +0.0, a row with every slot used: the chunked match gives scatter_add's bits, signs of
-    zero included (max_bias 40 spans two of the sparse kernel's bias chunks)."""
+    +0.0, a row with every slot used: the sparse kernel gives scatter_add's bits, signs of
+    zero included (max_bias 40: more slots than a power of two, the padding masked)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     vocab, rows = 70, 4
-    s = random_states(torch.Generator().manual_seed(1), rows, vocab, 8, 1, max_bias=max_bias)
+    s = random_states(torch.Generator().manual_seed(1), rows, vocab, 8, 1, device=device, max_bias=max_bias)
     s.use_allowed.fill_(False), s.use_grammar.fill_(False)
     s.repetition_penalty.fill_(1.0), s.frequency_penalty.zero_(), s.presence_penalty.zero_()
     s.bias_ids.zero_(), s.bias_values.zero_()
@@ -131,11 +131,7 @@ def test_bias_and_stop_keep_the_sign_of_zero_like_scatter_add(max_bias, device):
     s.min_tokens.fill_(0)
     logits = torch.randn(rows, vocab)
     logits[:, [0, 5, 9, 1]] = -0.0
-    if device == "cuda":
-        for name, value in list(vars(s).items()):
-            if isinstance(value, torch.Tensor):
-                setattr(s, name, value.cuda())
-        s.device, logits = torch.device("cuda"), logits.cuda()
+    logits = logits.to(device)
     idx, positions = torch.arange(rows, device=device), torch.full((rows,), 6, device=device)
     features = SamplingFeatures(any_logit_bias=True, any_min_tokens=True, any_penalties=False)
     got = Sampler(s, kernel_impl="triton")._process(logits, idx, positions, features, None).clone()
@@ -293,7 +289,7 @@ def test_native_fused_processing_matches_torch_and_replays_in_a_cuda_graph():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator().manual_seed(1)
     rows, vocab, num, max_model_len = 9, 151_936, 8, 64
-    s = random_states(g, rows, vocab, max_model_len, 3, device="cuda", max_bias=40)  # two bias chunks
+    s = random_states(g, rows, vocab, max_model_len, 3, device="cuda", max_bias=40)  # 40 of 64 padded slots
     features = SamplingFeatures(any_logit_bias=True, any_min_tokens=True, any_penalties=True)
     idx = torch.randperm(rows, generator=g)[:num].to(torch.int32).cuda()
     positions = torch.randint(2, max_model_len, (num,), generator=g).cuda()

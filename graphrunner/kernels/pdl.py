@@ -41,7 +41,8 @@ __all__ = ["PDL", "pdl_enabled", "pdl_launch", "pdl_wait"]
 
 PDL = os.environ.get("GRAPHRUNNER_PDL", "1") == "1"
 # Launches of more rows than this keep the full dependency. Measured on an H100
-# (docs/bench/decode_fusion/pdl_step_s14_h100.md, qwen2.5-0.5b FULL, context 1024): PDL
+# (docs/bench/decode_fusion/lat_qwen_pdl{0,1}_ungated_s14_h100.md, qwen2.5-0.5b FULL, context
+# 1024): PDL
 # everywhere took batch 1 from 0.959 to 0.883 ms but batch 8 from 1.218 to 1.259 and batch
 # 256 from 2.820 to 3.052: past one row the projections are cuBLAS GEMMs (no PDL), and the
 # Triton kernels launched early beside them only hold SM slots while they wait.
