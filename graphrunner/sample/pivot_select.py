@@ -46,6 +46,8 @@ One scratch buffer is zero-filled (one memset node): the candidate counts, befor
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor
@@ -63,6 +65,9 @@ _BLOCK = 1024  # vocab entries per loop step of the streaming kernels (H100, 256
 _PROGRAMS_PER_SM = 2  # streaming programs per SM (H100, 256 rows, guess tier: 2 180 us, 4 213, 8 183)
 _NUM_WARPS = 8
 _SEGMENT = 8  # one-pass stats: tiles per bound update (the first segment is read twice)
+# Stats-pass tiles loaded together per loop step (1, 2 or 4; a divisor of _SEGMENT). The
+# environment variable exists for the device A/B (docs/bench/README.md).
+_STATS_UNROLL = int(os.environ.get("GRAPHRUNNER_STATS_UNROLL", "4"))
 
 if HAS_TRITON:
     import triton
@@ -422,7 +427,8 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, use, threshold,
     num_cand.zero_()  # [R]: the stats pass (one-pass rows) and the guess pass append to it
     _stats_kernel[grid](x, x.stride(0), temperature, log_min_p, num_cand, cand_s, cand_v, b["max"], b["arg"],
                         b["nan"], b["sum"], b["num"], b["low"], b["bucket_max"], vocab_size, chunk, capacity,
-                        ONE_PASS=one_pass, SEGMENT=segment, BLOCK=blk, NB=nb, num_warps=_NUM_WARPS)
+                        ONE_PASS=one_pass, SEGMENT=segment, BLOCK=blk, NB=nb, UNROLL=_STATS_UNROLL,
+                        num_warps=_NUM_WARPS)
     _plan_kernel[(num_rows,)](*row_args, b["bucket_max"], top_k, top_p, b["plan"], piv, vocab_size,
                               num_splits, NB=nb, ONE_PASS=one_pass, num_warps=_NUM_WARPS, **flt, **shape)
     # Tier 0, the guess: every row but one-pass rows; its select writes every row's flag: 0 proven, else 1.
