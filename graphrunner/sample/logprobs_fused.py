@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.sample.logprobs_triton import MAX_TOPK, _group_tile, check_logprob_args
+from graphrunner.sample.logprobs_triton import MAX_TOPK, check_logprob_args
 
 __all__ = ["GROUP", "TILE", "LogprobStats", "logprobs_from_stats"]
 
@@ -53,6 +53,7 @@ GROUP = 128  # entries per group, as logprobs_triton: a warp's row of a [TILE / 
 # Tiles per rank program: 19 programs per row at 151,936 (R x T programs of one tile each spent 29 us
 # at 256 rows on an H200 waiting on dependent loads, not on memory).
 _RANK_TILES = 8
+_G_TILE = 2048  # group keys per step of the select program (logprobs_triton._GROUP_TILE)
 
 
 @dataclass
@@ -139,12 +140,8 @@ if HAS_TRITON:
             gid = tl.min(v, 1) // GROUP  # [GROUPS]
             key = tl.load(gkey_row + gid, mask=gid < num_groups, other=_LOW)
             over = (_key_value(key) > chosen) & (gid < num_groups)  # NaN chosen: no group (rank 1)
-            # A sampled token ranks high, so few groups lie above it: a tile with none skips its
-            # element work (uniform branch; per-element masked loads made this kernel compute-bound,
-            # H100 256 rows 29.5 us).
-            if tl.max(over.to(tl.int32), 0) > 0:
-                s = tl.load(x_row + v, mask=over[:, None] & (v < vocab_size), other=_NEG_INF)
-                cnt += (s > chosen).to(tl.int32)
+            s = tl.load(x_row + v, mask=over[:, None] & (v < vocab_size), other=_NEG_INF)
+            cnt += (s > chosen).to(tl.int32)
         j = tl.arange(0, TILES)
         total = tl.sum(tl.sum(cnt, 1), 0)
         tl.store(cnt_ptr + row * num_tiles + part * TILES + j, tl.where(j == 0, total, 0),
@@ -171,10 +168,10 @@ def logprobs_from_stats(
     _rank_kernel[(rows, triton.cdiv(num_tiles, _RANK_TILES))](
         logits, logits.stride(0), token_ids, token_ids.stride(0), stats.group_keys, stats.tile_cnt, vocab, num_tiles,
         num_groups, TILES=_RANK_TILES, GROUPS=stats.tile // group, GROUP=group, num_warps=4)
-    k_pad = triton.next_power_of_2(max(num_logprobs, 1))
     _select_kernel[(rows,)](
         stats.tile_m, stats.tile_acc, stats.tile_nan, stats.tile_cnt, stats.group_keys, logits, logits.stride(0),
         token_ids, token_ids.stride(0), out_logprobs, out_logprobs.stride(0), out_logprobs.stride(1), out_ids,
         out_ids.stride(0), out_ids.stride(1), out_ranks, out_ranks.stride(0), num_tiles, vocab, num_groups,
         C_PAD=triton.next_power_of_2(max(num_tiles, 2)), K=num_logprobs,
-        K_PAD=k_pad, GROUP=group, G_TILE=_group_tile(num_groups, k_pad), num_warps=4 if num_logprobs > 0 else 1)
+        K_PAD=triton.next_power_of_2(max(num_logprobs, 1)), GROUP=group,
+        G_TILE=min(_G_TILE, triton.next_power_of_2(num_groups)), num_warps=4 if num_logprobs > 0 else 1)

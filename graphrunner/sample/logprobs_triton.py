@@ -81,9 +81,10 @@ def _ordered_bits(value: float) -> int:
 
 
 # Top-K sort keys (int64, larger = better). -inf with the largest id V - 1 gives the
-# smallest real key, _EMPTY_KEY + 1: a key below it is no group's.
+# smallest real key, _EMPTY_KEY + 1; empty slots sit just below it, each its own key.
 _EMPTY_KEY = _ordered_bits(float("-inf")) << 32
-_LOW_KEY = -(1 << 63)  # off lanes: below everything
+_LOW_KEY = -(1 << 63)  # off lanes and taken candidates: below everything
+_PAD_KEY = (1 << 63) - 1  # slots K..K_PAD-1 of the list: never the worst
 
 
 def logprobs_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | None = None,
@@ -104,6 +105,7 @@ if HAS_TRITON:
     _NAN = tl.constexpr(float("nan"))
     _EMPTY = tl.constexpr(_EMPTY_KEY)
     _LOW = tl.constexpr(_LOW_KEY)
+    _PAD = tl.constexpr(_PAD_KEY)
 
     @triton.jit
     def _lse_update(s, m, acc):
@@ -133,6 +135,19 @@ if HAS_TRITON:
     @triton.jit
     def _key_id(k64):
         return (k64 - ((k64 >> 32) << 32)).to(tl.int32) ^ 0x7FFFFFFF
+
+    @triton.jit
+    def _merge_keys(k64, top, worst):
+        # The keys of k64 that beat the worst of the top-K list replace it, best first (so
+        # a better one prunes the rest): streaming "replace the worst" gives the exact top-K
+        # of a strict order whatever the arrival order. Keys are unique, so `top == worst`
+        # is one slot: empty slots have distinct keys below every real one.
+        best = tl.max(k64, 0)
+        while best > worst:
+            top = tl.where(top == worst, best, top)
+            worst = tl.min(top, 0)
+            best = tl.max(tl.where(k64 < best, k64, _LOW), 0)
+        return top, worst
 
     @triton.jit
     def _chosen_logit(x_row, tok_ptr, tok_stride, row, vocab_size):
@@ -205,40 +220,35 @@ if HAS_TRITON:
         return tl.where(any_nan > 0, _NAN, lse)
 
     @triton.jit
-    def _top(keys, K_PAD: tl.constexpr):
-        # The K_PAD largest of a 1-D tensor, largest first (tl.topk does not take k = 1).
-        if K_PAD == 1:
-            return tl.max(keys, 0, keep_dims=True)
-        return tl.topk(keys, K_PAD)
-
-    @triton.jit
-    def _best_groups(gkey_row, num_groups, K_PAD: tl.constexpr, G_TILE: tl.constexpr):
-        # The K_PAD best group keys of a row, best first ([K_PAD] int64; _LOW past the row's groups).
-        # tl.topk is a bitonic top-k: a fixed network of compare-exchanges, where a running
-        # "replace the worst" list took ~2K dependent block-wide reductions (H100: the select
-        # program, one per row, was ~35 us at 256 rows). Keys are unique, so the set is exact.
+    def _best_groups(gkey_row, num_groups, K: tl.constexpr, K_PAD: tl.constexpr, G_TILE: tl.constexpr):
+        # The K best group keys of a row ([K_PAD] int64; slots K.. are padding, and empty
+        # slots stay below every real key when the row has fewer than K groups).
+        slot = tl.arange(0, K_PAD)
+        top = tl.where(slot < K, (slot.to(tl.int64) + 1) * -1 + _EMPTY, _PAD)  # empty, then padding
+        worst = tl.min(top, 0)
         t = tl.arange(0, G_TILE)
-        top = _top(tl.load(gkey_row + t, mask=t < num_groups, other=_LOW), K_PAD)
-        for first in range(G_TILE, num_groups, G_TILE):  # vocabularies past G_TILE groups
-            keys = _top(tl.load(gkey_row + first + t, mask=first + t < num_groups, other=_LOW), K_PAD)
-            top = _top(tl.cat(top, keys, can_reorder=True), K_PAD)
+        for first in range(0, num_groups, G_TILE):
+            keys = tl.load(gkey_row + first + t, mask=first + t < num_groups, other=_LOW)
+            top, worst = _merge_keys(keys, top, worst)
         return top
 
     @triton.jit
     def _top_k_of_groups(x_row, top, lse, lp_row, lp_s1, id_row, id_s1, vocab_size, K: tl.constexpr,
                          K_PAD: tl.constexpr, GROUP: tl.constexpr):
-        # Reread the entries of the K best groups ([K_PAD, GROUP]) and write their top-K, best
-        # first. The K groups hold >= min(K, V) real entries, so no off lane (_LOW) is written.
-        j = tl.arange(0, K_PAD)
-        real = (j < K) & (top >= _EMPTY)
+        # Reread the entries of the K best groups ([K_PAD, GROUP]) and write their top-K.
+        real = (tl.arange(0, K_PAD) < K) & (top >= _EMPTY)
         gid = tl.where(real, _key_id(top), 0)
         v = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [K_PAD, GROUP] token ids
         on = real[:, None] & (v < vocab_size)
         s = tl.load(x_row + v, mask=on, other=_NEG_INF).to(tl.float32)
         keys = tl.where(on, _sort_key(tl.where(s != s, _NEG_INF, s), v), _LOW)
-        best = _top(tl.reshape(keys, [K_PAD * GROUP], can_reorder=True), K_PAD)  # [K_PAD], best first
-        tl.store(lp_row + (j + 1) * lp_s1, _key_value(best) - lse, mask=j < K)
-        tl.store(id_row + (j + 1) * id_s1, _key_id(best).to(id_row.dtype.element_ty), mask=j < K)
+        for col in range(1, K + 1):
+            # The best remaining key. The K groups hold >= min(K, V) real entries, so no
+            # masked lane (_LOW) is picked.
+            best = tl.max(keys)
+            tl.store(lp_row + col * lp_s1, _key_value(best) - lse)
+            tl.store(id_row + col * id_s1, _key_id(best).to(id_row.dtype.element_ty))
+            keys = tl.where(keys == best, _LOW, keys)
 
     @triton.jit(do_not_specialize=["num_chunks", "vocab_size", "num_groups"])
     def _select_kernel(m_ptr, acc_ptr, nan_ptr, cnt_ptr, gkey_ptr, x_ptr, x_stride, tok_ptr, tok_stride,
@@ -260,13 +270,8 @@ if HAS_TRITON:
         tl.store(id_row, tok.to(id_ptr.dtype.element_ty))
         tl.store(rank_ptr + row * rank_stride, rank.to(rank_ptr.dtype.element_ty))
         if K > 0:
-            top = _best_groups(gkey_ptr + row.to(tl.int64) * num_groups, num_groups, K_PAD, G_TILE)
+            top = _best_groups(gkey_ptr + row.to(tl.int64) * num_groups, num_groups, K, K_PAD, G_TILE)
             _top_k_of_groups(x_row, top, lse, lp_row, lp_s1, id_row, id_s1, vocab_size, K, K_PAD, GROUP)
-
-
-def _group_tile(num_groups: int, k_pad: int) -> int:
-    """Group keys per step of the select program's top-K: all of them up to _GROUP_TILE, >= K_PAD."""
-    return max(k_pad, min(_GROUP_TILE, triton.next_power_of_2(num_groups)))
 
 
 def triton_fits(logits: torch.Tensor, num_logprobs: int) -> bool:
@@ -348,5 +353,5 @@ def logprobs_triton(
         part_m, part_acc, part_nan, part_cnt, group_keys, logits, logits.stride(0), token_ids,
         token_ids.stride(0), out_logprobs, out_logprobs.stride(0), out_logprobs.stride(1), out_ids, out_ids.stride(0),
         out_ids.stride(1), out_ranks, out_ranks.stride(0), plan.num_chunks, vocab, num_groups, C_PAD=c_pad,
-        K=num_logprobs, K_PAD=k_pad, GROUP=group, G_TILE=_group_tile(num_groups, k_pad),
+        K=num_logprobs, K_PAD=k_pad, GROUP=group, G_TILE=min(_GROUP_TILE, triton.next_power_of_2(num_groups)),
         num_warps=4 if num_logprobs > 0 else 1)
