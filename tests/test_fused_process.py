@@ -23,6 +23,7 @@ from graphrunner.protocol import SamplingParams
 from graphrunner.sample.fused_process import refresh_counts
 from graphrunner.sample.processors import PROMPT_FLAG, token_counts
 from graphrunner.sample.sampler import Sampler
+from graphrunner.state.counts import allocate_counts, as_packed32, from_packed32
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.sampling import SamplingStates
 from tests.test_spec_decode import PARAMS, SpecDriver, build, ngram, repetitive
@@ -58,7 +59,8 @@ def random_states(g: torch.Generator, rows: int, vocab: int, max_model_len: int,
     s.frequency_penalty.copy_(pick([0.0, 0.5, -0.4], rows))
     s.presence_penalty.copy_(pick([0.0, 0.8, -1.0], rows))
     flags = (torch.rand(rows, vocab, generator=g) < 0.3).to(torch.int32) * PROMPT_FLAG
-    s.counts.copy_(flags + torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32))
+    s.counts.copy_(from_packed32(flags + torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32),
+                                 s.counts.dtype))
     if device != "cpu":
         for name, value in list(vars(s).items()):
             if isinstance(value, torch.Tensor):
@@ -154,12 +156,18 @@ def test_fused_processing_of_a_neutral_batch_is_the_identity():
 
 
 @settings(deadline=None)
-@given(seed=st.integers(0, 2**31), num=st.integers(1, 6), clear=st.booleans(), use_kernel=st.booleans())
-def test_refresh_rebuilds_exactly_the_stale_rows(seed, num, clear, use_kernel):
+@given(seed=st.integers(0, 2**31), num=st.integers(1, 6), clear=st.booleans(), use_kernel=st.booleans(),
+       width=st.sampled_from([16, 32]), vocab=st.sampled_from([40, 41]))
+def test_refresh_rebuilds_exactly_the_stale_rows(seed, num, clear, use_kernel, width, vocab):
+    # int16 counts (the width of max_model_len <= 32768, rows padded to an even stride) and int32
+    # ones; an odd vocabulary leaves the last token without a neighbour in its 32-bit word.
     g = torch.Generator().manual_seed(seed)
-    rows, vocab, max_model_len = 5, 40, 30
+    rows, max_model_len = 5, 30
     history = torch.randint(0, vocab, (rows, max_model_len), dtype=torch.int32, generator=g)
-    counts = torch.randint(0, 2**25, (rows, vocab), dtype=torch.int32, generator=g)
+    counts = allocate_counts(rows, vocab, 30 if width == 16 else 1 << 16, torch.device("cpu"))
+    flags = (torch.rand(rows, vocab, generator=g) < 0.5).to(torch.int32) * PROMPT_FLAG
+    counts.copy_(from_packed32(flags + torch.randint(0, 2**15, (rows, vocab), dtype=torch.int32, generator=g),
+                               counts.dtype))
     before = counts.clone()
     stale = torch.rand(rows, generator=g) < 0.5
     was_stale = stale.clone()
@@ -174,15 +182,15 @@ def test_refresh_rebuilds_exactly_the_stale_rows(seed, num, clear, use_kernel):
         if r in first and was_stale[r]:
             e = first[r]
             want = token_counts(history, torch.tensor([r]), prompt_len[r : r + 1].long(), known[e : e + 1], vocab)[0]
-            assert torch.equal(counts[r], want), r
+            assert torch.equal(as_packed32(counts[r]), want), r
             assert bool(stale[r]) == (not clear)
         else:
             assert torch.equal(counts[r], before[r]) and bool(stale[r]) == bool(was_stale[r]), r
 
 
 @settings(deadline=None)
-@given(seed=st.integers(0, 2**31), k=st.sampled_from([0, 1, 3]))
-def test_post_update_counts_the_appended_tokens(seed, k):
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([0, 1, 3]), width=st.sampled_from([16, 32]))
+def test_post_update_counts_the_appended_tokens(seed, k, width):
     """Both implementations of post_update vs a Python count: the new token, plus for a
     verifying entry its accepted drafts, never the rejected ones or positions past L."""
     g = torch.Generator().manual_seed(seed)
@@ -201,8 +209,10 @@ def test_post_update_counts_the_appended_tokens(seed, k):
     rejected = rejected.to(torch.int32) if k > 0 else None
     sampled = torch.randint(0, vocab, (num,), generator=g, **i32)
     history = torch.randint(0, vocab, (rows, max_model_len), generator=g, **i32)
-    counts = torch.randint(0, 5, (rows, vocab), generator=g, **i32)
-    want = counts.clone()
+    counts = allocate_counts(rows, vocab, max_model_len if width == 16 else 1 << 16, torch.device("cpu"))
+    flags = (torch.rand(rows, vocab, generator=g) < 0.5).to(torch.int32) * PROMPT_FLAG
+    counts.copy_(from_packed32(flags + torch.randint(0, 5, (rows, vocab), generator=g, **i32), counts.dtype))
+    want = as_packed32(counts).clone()
     after_history = history.clone()
     for e in range(num - 1):
         r, end = int(idx[e]), int(seq_lens[e]) - (int(rejected[e]) if rejected is not None else 0)
@@ -219,7 +229,7 @@ def test_post_update_counts_the_appended_tokens(seed, k):
         impl(idx, qsl, seq_lens, sampled, computed.clone(), prefill, torch.zeros(rows, **i32), h,
              rejected, c, k + 1)
         assert torch.equal(h, after_history), impl
-        assert torch.equal(c[: rows - 1], want[: rows - 1]), impl
+        assert c.dtype == counts.dtype and torch.equal(as_packed32(c[: rows - 1]), want[: rows - 1]), impl
 
 
 # --------------------------------------------------------------------------- through the runner
@@ -240,7 +250,7 @@ class CountingDriver(SpecDriver):
             if row is None or r.done or not r.params.uses_penalties:
                 continue
             known = r.known if r.computed >= r.prefill_len else r.prefill_len
-            got = sampling.counts[row].cpu()
+            got = as_packed32(sampling.counts[row].cpu())
             want = token_counts(requests.all_token_ids.cpu(), torch.tensor([row]), torch.tensor([len(r.prompt)]),
                                 torch.tensor([known]), vocab)[0]
             assert torch.equal(got, want), (rid, self.steps)

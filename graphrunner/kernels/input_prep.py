@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
+from graphrunner.state.counts import check_counts
 
 _I32 = (torch.int32,)
 _I64 = (torch.int64,)
@@ -124,7 +125,7 @@ def post_update_torch(
     last_sampled: torch.Tensor,  # [rows] int32
     all_token_ids: torch.Tensor,  # [rows, L] int32
     num_rejected: torch.Tensor | None = None,  # [R] int32
-    token_counts: torch.Tensor | None = None,  # [rows, V] int32
+    token_counts: torch.Tensor | None = None,  # [rows, V] int16 | int32 (state/counts.py)
     max_new_tokens: int = 1,
 ) -> None:
     """Torch reference of `post_update`.
@@ -159,7 +160,7 @@ def post_update_torch(
 
 
 def _count_appended_torch(
-    token_counts: torch.Tensor,  # [rows, V] int32, updated in place
+    token_counts: torch.Tensor,  # [rows, V] int16 | int32 (state/counts.py), updated in place
     all_token_ids: torch.Tensor,  # [rows, L] int32, the new tokens already written
     row: torch.Tensor,  # [R] int64
     end: torch.Tensor,  # [R] position of each entry's new token
@@ -175,7 +176,7 @@ def _count_appended_torch(
     rows2 = row[:, None].expand(pos.shape)
     tok = all_token_ids[rows2, pos.clamp(0, max_model_len - 1)].long()  # [R, K]
     # accumulate=True: duplicate (row, token) pairs (padded entries add 0) sum deterministically.
-    token_counts.index_put_((rows2, tok), use.to(torch.int32), accumulate=True)
+    token_counts.index_put_((rows2, tok), use.to(token_counts.dtype), accumulate=True)
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -183,6 +184,8 @@ def _count_appended_torch(
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from graphrunner.state.counts import add_count
 
     @triton.jit(do_not_specialize=['num_reqs', 'num_tokens'])
     def _positions_seq_lens_kernel(
@@ -305,7 +308,7 @@ if HAS_TRITON:
                     t = tok
                 else:
                     t = tl.load(tokens_ptr + row * tokens_stride + p, mask=use, other=0)
-                tl.atomic_add(counts_ptr + row * counts_stride + t, 1, mask=use)
+                add_count(counts_ptr + row * counts_stride, t, use)
 
 
 _TOKEN_BLOCK = 1024  # tokens per loop iteration of the per-entry kernels
@@ -541,7 +544,7 @@ def post_update(
     last_sampled: torch.Tensor,  # [rows] int32, updated in place
     all_token_ids: torch.Tensor,  # [rows, max_model_len] int32, updated in place
     num_rejected: torch.Tensor | None = None,  # [R_pad] int32: speculative decoding
-    token_counts: torch.Tensor | None = None,  # [rows, V] int32 packed penalty counts, updated in place
+    token_counts: torch.Tensor | None = None,  # [rows, V] int16 | int32 packed penalty counts (state/counts.py)
     max_new_tokens: int = 1,  # the most tokens an entry appends (1 + num_speculative_tokens)
 ) -> None:
     """Advance row state after a step, on the device.
@@ -575,7 +578,7 @@ def post_update(
             raise ValueError(
                 f"token_counts has shape {tuple(token_counts.shape)}, expected [{all_token_ids.shape[0]}, V]"
             )
-        check_tensor("token_counts", token_counts, tuple(token_counts.shape), _I32)
+        check_counts(token_counts)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     impl = post_update_triton if use_triton(all_token_ids) else post_update_torch

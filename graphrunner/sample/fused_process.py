@@ -30,6 +30,7 @@ import torch
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample.logprobs_fused import GROUP, TILE, LogprobStats
 from graphrunner.sample.processors import PROMPT_FLAG, refresh_counts_torch
+from graphrunner.state.counts import check_counts
 from graphrunner.state.sampling import SamplingStates
 
 _COUNT_MASK = PROMPT_FLAG - 1
@@ -42,9 +43,9 @@ if HAS_TRITON:
     import triton.language as tl
 
     from graphrunner.sample.logprobs_fused import tile_stats
+    from graphrunner.state.counts import add_count, load_counts, set_prompt_flag
 
-    _FLAG = tl.constexpr(PROMPT_FLAG)  # prompt presence bit of a packed count
-    _OUTPUT = tl.constexpr(_COUNT_MASK)  # the output-count bits
+    _OUTPUT = tl.constexpr(_COUNT_MASK)  # the output-count bits of the int32 form
 
     @triton.jit
     def _mask(x, ids, m, row, e, use_allowed_ptr, allowed_ptr, allowed_stride, use_grammar_ptr, grammar_ptr,
@@ -68,7 +69,7 @@ if HAS_TRITON:
         freq = tl.load(freq_ptr + row)
         pres = tl.load(pres_ptr + row)
         if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
-            c = tl.load(counts_ptr + row * counts_stride + ids, mask=m, other=0)
+            c = load_counts(counts_ptr + row * counts_stride, ids, m)  # int32 form (flag bit 24)
             if HAS_DRAFTS:
                 base = tl.load(base_ptr + e).to(tl.int64)
                 ahead = tl.load(ahead_ptr + e).to(tl.int64)
@@ -197,7 +198,7 @@ if HAS_TRITON:
             base = counts_ptr + row * counts_stride
             for v0 in range(0, vocab_size, BLOCK):
                 o = v0 + tl.arange(0, BLOCK)
-                tl.store(base + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < vocab_size)
+                tl.store(base + o, tl.zeros([BLOCK], dtype=base.dtype.element_ty), mask=o < vocab_size)
             tl.debug_barrier()  # the zeros land before any thread of this program counts
             prompt_len = tl.load(prompt_len_ptr + row).to(tl.int64)
             known = tl.load(known_ptr + e).to(tl.int64)
@@ -207,8 +208,8 @@ if HAS_TRITON:
                 is_prompt = p < prompt_len
                 is_output = (p >= prompt_len) & (p < known)
                 tok = tl.load(hist_ptr + row * hist_stride + p, mask=is_prompt | is_output, other=0).to(tl.int64)
-                tl.atomic_or(base + tok, _FLAG, mask=is_prompt)
-                tl.atomic_add(base + tok, 1, mask=is_output)
+                set_prompt_flag(base, tok, is_prompt)
+                add_count(base, tok, is_output)
             if CLEAR:
                 tl.debug_barrier()
                 tl.store(stale_ptr + row, 0)
@@ -220,7 +221,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def refresh_counts(
-    counts: torch.Tensor,  # [rows, V] int32, persistent, updated in place
+    counts: torch.Tensor,  # [rows, V] int16 | int32 (state/counts.py), persistent, updated in place
     stale: torch.Tensor,  # [rows] bool, persistent
     all_token_ids: torch.Tensor,  # [rows, L] int32
     idx_mapping: torch.Tensor,  # [R] int32 | int64 batch entry -> row
@@ -238,6 +239,7 @@ def refresh_counts(
         rows = idx_mapping.long()
         refresh_counts_torch(counts, stale, all_token_ids, rows, prompt_len[rows].long(), known_len.long(), clear)
         return
+    check_counts(counts)
     num_reqs = idx_mapping.shape[0]
     _refresh_kernel[(num_reqs,)](
         counts, counts.stride(0), _u8(stale), idx_mapping, all_token_ids, all_token_ids.stride(0), prompt_len,

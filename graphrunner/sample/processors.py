@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from graphrunner.state.counts import PACKED32_FLAG, as_packed32, from_packed32
+
 # Token counts pack prompt presence and output count in one int32 [R, V + 1] buffer:
 # a prompt occurrence sets bit 24, output occurrences add 1 each. Needs
-# max_model_len < 2**24 (checked) so the output count never reaches the flag.
-PROMPT_FLAG = 1 << 24
+# max_model_len < 2**24 (checked) so the output count never reaches the flag. The
+# persistent counts may be int16 (state/counts.py); these functions take either form.
+PROMPT_FLAG = PACKED32_FLAG
 _COUNT_MASK = PROMPT_FLAG - 1
 
 
@@ -83,13 +86,14 @@ def token_counts(
 
 def apply_penalties(
     x: torch.Tensor,  # [R, V] float32
-    counts: torch.Tensor,  # [R, V] int32 from token_counts
+    counts: torch.Tensor,  # [R, V] int32 from token_counts, or int16 (state/counts.py)
     repetition: torch.Tensor,  # [R] float32, 1 = off
     frequency: torch.Tensor,  # [R] float32, 0 = off
     presence: torch.Tensor,  # [R] float32, 0 = off
 ) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt+output tokens (divide positive logits,
     multiply negative ones), then frequency (x count) and presence over output tokens."""
+    counts = as_packed32(counts)
     output_count = (counts & _COUNT_MASK).to(x.dtype)  # [R, V]
     seen = counts > 0  # in the prompt or the output
     rep = torch.where(seen, repetition[:, None], 1.0)  # [R, V]
@@ -99,13 +103,13 @@ def apply_penalties(
 
 
 def add_draft_counts(
-    counts: torch.Tensor,  # [R, V] int32 packed counts of the history before `base`
+    counts: torch.Tensor,  # [R, V] int16 | int32 packed counts of the history before `base`
     all_token_ids: torch.Tensor,  # [rows, L] int32
     rows: torch.Tensor,  # [R] int64
     base: torch.Tensor,  # [R] int64: the first position the counts do not cover
     ahead: torch.Tensor,  # [R] int64: history positions base .. base + ahead - 1 to add as outputs
     max_ahead: int,  # static bound on `ahead` (the speculative k)
-) -> torch.Tensor:  # [R, V] int32
+) -> torch.Tensor:  # [R, V] int32 (int16 counts as they are when max_ahead is 0)
     """`counts` plus one output occurrence per token at positions [base, base + ahead).
 
     Speculative verification: the row of slot j sees the drafts 0..j-1 before it as earlier
@@ -122,7 +126,7 @@ def add_draft_counts(
     cols = torch.where(use, tokens, vocab_size)
     extra = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int32, device=counts.device)  # [R, V + 1]
     extra.scatter_add_(1, cols, torch.ones_like(cols, dtype=torch.int32))
-    return counts + extra[:, :vocab_size]
+    return as_packed32(counts) + extra[:, :vocab_size]
 
 
 def first_occurrence(rows: torch.Tensor) -> torch.Tensor:  # [R] int64
@@ -132,7 +136,7 @@ def first_occurrence(rows: torch.Tensor) -> torch.Tensor:  # [R] int64
 
 
 def refresh_counts_torch(
-    counts: torch.Tensor,  # [rows, V] int32, persistent, updated in place
+    counts: torch.Tensor,  # [rows, V] int16 | int32 (state/counts.py), persistent, updated in place
     stale: torch.Tensor,  # [rows] bool, persistent: rows whose counts are not current
     all_token_ids: torch.Tensor,  # [rows, L] int32
     rows: torch.Tensor,  # [R] int64 batch entry -> row
@@ -147,7 +151,8 @@ def refresh_counts_torch(
     rewritten with their own values. `clear` marks the rebuilt rows current.
     """
     first = first_occurrence(rows)  # [R]
-    rebuilt = token_counts(all_token_ids, rows, prompt_len, known_len, counts.shape[1])[first]  # [R, V]
+    rebuilt = token_counts(all_token_ids, rows, prompt_len, known_len, counts.shape[1])[first]  # [R, V] int32
+    rebuilt = from_packed32(rebuilt, counts.dtype)
     was_stale = stale[rows]  # [R]
     counts[rows] = torch.where(was_stale[:, None], rebuilt, counts[rows])
     if clear:

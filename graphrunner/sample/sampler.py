@@ -316,7 +316,7 @@ class Sampler:
                 counts = token_counts(all_token_ids, rows, prompt_len, seq_len, x.shape[-1])  # [R, V] int32
             else:
                 assert s.counts is not None and s.all_token_ids is not None
-                counts = s.counts[rows]  # [R, V] int32
+                counts = s.counts[rows]  # [R, V] int16 | int32 (state/counts.py)
                 if drafts is not None:
                     counts = add_draft_counts(counts, s.all_token_ids, rows, *drafts)
             x = apply_penalties(x, counts, s.repetition_penalty[rows], s.frequency_penalty[rows],

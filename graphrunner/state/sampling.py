@@ -19,8 +19,8 @@ Sparse per-request settings and how they are stored (rows ~ 257, V ~ 152k):
 - min_tokens stop ids: slots `[rows, max_stop_ids]` (stop_token_ids + EOS). Unused
   slots repeat the first real id, so every slot of a row masks a real id (duplicates
   are harmless, see `processors.apply_min_tokens`).
-- penalty counts: one persistent `[rows, V]` int32 (rows x V x 4 bytes: 156 MB at 257 x
-  152k), packed as processors.token_counts (bit 24: in the prompt; low bits: output count),
+- penalty counts: one persistent `[rows, V]` int16 (int32 past max_model_len 32768: rows x V x
+  2 bytes, 78 MB at 257 x 152k), a prompt flag and the output count packed (state/counts.py),
   allocated only where penalties can be served (`all_token_ids` and `vocab_size` given). Kept
   current instead of rebuilt from the history every step: a request admitted with penalties
   flags its row stale (`counts_stale`), the step body rebuilds stale rows of its batch from
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from graphrunner.protocol import SamplingParams
+from graphrunner.state.counts import allocate_counts
 from graphrunner.state.features import (
     DEFAULT_MAX_LOGPROBS,
     NO_LOGPROBS,
@@ -155,10 +156,10 @@ class SamplingStates:
 
     def _allocate_counts(self, num_rows: int, device: torch.device) -> None:
         """Penalty counts and the processed-logits buffer (see the module docstring)."""
-        self.counts: torch.Tensor | None = None  # [rows, V] int32, packed (processors.PROMPT_FLAG)
+        self.counts: torch.Tensor | None = None  # [rows, V] int16 | int32, packed (state/counts.py)
         self.counts_stale = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [rows]
         if self.all_token_ids is not None and self.vocab_size is not None:
-            self.counts = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32, device=device)
+            self.counts = allocate_counts(num_rows, self.vocab_size, self.all_token_ids.shape[1], device)
         # [rows * grammar_slots, V] float32: where the fused processing kernel writes (outside any
         # graph pool). Allocated up front on CUDA, where graphs are captured; elsewhere on first use.
         self._processed: torch.Tensor | None = None
