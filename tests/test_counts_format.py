@@ -102,3 +102,27 @@ def test_kernel_updates_equal_a_python_count_next_to_full_neighbours(width, voca
                         V_PAD=triton.next_power_of_2(vocab))
     assert torch.equal(out, want)
     assert torch.equal(as_packed32(counts[0]), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distinct", [64, 151_936])  # 64: most adds contend for the same few words
+def test_gpu_rebuild_of_int16_counts_equals_token_counts(distinct):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from graphrunner.sample.fused_process import refresh_counts
+    from graphrunner.sample.processors import token_counts
+
+    g = torch.Generator().manual_seed(distinct)
+    rows, vocab, max_model_len = 5, 151_936, 4096
+    history = torch.randint(0, distinct, (rows, max_model_len), generator=g, dtype=torch.int32)
+    prompt_len = torch.randint(0, max_model_len, (rows,), generator=g, dtype=torch.int32)
+    known = torch.randint(0, max_model_len + 1, (rows,), generator=g)
+    counts = allocate_counts(rows, vocab, max_model_len, torch.device("cuda"))
+    counts.fill_(-1)  # the rebuild must clear what was there
+    stale = torch.ones(rows, dtype=torch.bool, device="cuda")
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda")
+    refresh_counts(counts, stale, history.cuda(), idx, prompt_len.cuda(), known.cuda(), clear=True,
+                   use_triton_kernel=True)
+    want = token_counts(history, torch.arange(rows), prompt_len.long(), known, vocab)
+    assert counts.dtype == torch.int16 and not stale.any()
+    assert torch.equal(as_packed32(counts.cpu()), want)
