@@ -90,19 +90,25 @@ if HAS_TRITON:
     @triton.jit
     def load_counts(row_ptr, ids, mask):
         """A row's packed counts at `ids` as int32 in the int32 form (flag bit 24), 0 where off."""
+        # (one return after a static if/else: the compiler types every return of a function)
         c = tl.load(row_ptr + ids, mask=mask, other=0)
         if row_ptr.dtype.element_ty == tl.int16:
             half = c.to(tl.int32) & 0xFFFF
-            return (half & (_F16 - 1)) | tl.where(half >= _F16, _F32, 0)
-        return c
+            packed = (half & (_F16 - 1)) | tl.where(half >= _F16, _F32, 0)
+        else:
+            packed = c
+        return packed
 
     @triton.jit
     def _word(row_ptr, tok, bits):
         # (the 32-bit word holding tok's count, `bits` moved to tok's half of it)
         if row_ptr.dtype.element_ty == tl.int16:
             word = (row_ptr + (tok & ~1)).to(tl.pointer_type(tl.int32))
-            return word, bits << ((tok & 1) * 16).to(tl.int32)
-        return row_ptr + tok, bits
+            moved = bits << ((tok & 1) * 16).to(tl.int32)
+        else:
+            word = row_ptr + tok
+            moved = bits
+        return word, moved
 
     @triton.jit
     def add_count(row_ptr, tok, mask):
