@@ -44,6 +44,9 @@ def test_int16_form_round_trips_every_count_below_the_limit(flags, data):
     assert unsigned == [c + (1 << 15 if f else 0) for f, c in zip(flags, counts, strict=True)]  # bit 15 the flag
     assert torch.equal(as_packed32(half), packed)
     assert as_packed32(packed) is packed and from_packed32(packed, torch.int32) is packed
+    wide = packed.to(torch.int64) + 1  # a sum in the int32 form (draft counts added): already packed32
+    assert as_packed32(wide) is wide
+    assert as_packed32(half).dtype == torch.int32
 
 
 def test_conversion_and_layout_errors_name_the_limit():

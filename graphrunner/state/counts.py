@@ -59,12 +59,14 @@ def check_counts(counts: torch.Tensor) -> None:
                          f"{counts.stride(0)}, address {counts.data_ptr():#x}); allocate them with allocate_counts")
 
 
-def as_packed32(counts: torch.Tensor) -> torch.Tensor:  # int32, the PACKED32_FLAG form
-    """Counts of either form in the int32 form (a copy for int16, the tensor itself for int32)."""
-    if counts.dtype == torch.int32:
+def as_packed32(counts: torch.Tensor) -> torch.Tensor:  # the PACKED32_FLAG form
+    """int16 counts in the int32 form (a copy); counts already in it (int32, or wider sums of
+    them such as processors.add_draft_counts') are returned as they are."""
+    if counts.dtype != torch.int16:
         return counts
     half = counts.to(torch.int32) & 0xFFFF  # the unsigned 16-bit value
-    return (half & (PACKED16_FLAG - 1)) | torch.where(half >= PACKED16_FLAG, PACKED32_FLAG, 0)
+    flag = torch.where(half >= PACKED16_FLAG, PACKED32_FLAG, 0).to(torch.int32)
+    return (half & (PACKED16_FLAG - 1)) | flag
 
 
 def from_packed32(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
