@@ -23,7 +23,7 @@ SHAPES = {"qwen": (896, 4864), "llama-1b": (2048, 8192)}  # (H, I)
 
 
 @triton.jit
-def _down_silu_kernel(gu_ptr, gu_stride, w_ptr, part_ptr, M, H, I, k_per_split,
+def _down_silu_kernel(gu_ptr, gu_stride, w_ptr, part_ptr, M, H, inter, k_per_split,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -32,11 +32,12 @@ def _down_silu_kernel(gu_ptr, gu_stride, w_ptr, part_ptr, M, H, I, k_per_split,
     k0 = split * k_per_split
     for k in range(k0, k0 + k_per_split, BK):
         rk = k + tl.arange(0, BK)
-        on = (rm[:, None] < M) & (rk[None, :] < I)
+        on = (rm[:, None] < M) & (rk[None, :] < inter)
         g = tl.load(gu_ptr + rm[:, None] * gu_stride + rk[None, :], mask=on, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + rm[:, None] * gu_stride + I + rk[None, :], mask=on, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + rm[:, None] * gu_stride + inter + rk[None, :], mask=on, other=0.0).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g)) * u).to(w_ptr.dtype.element_ty)  # [BM, BK], rounded as stored unfused
-        w = tl.load(w_ptr + rn[None, :] * I + rk[:, None], mask=(rn[None, :] < H) & (rk[:, None] < I), other=0.0)
+        w_on = (rn[None, :] < H) & (rk[:, None] < inter)
+        w = tl.load(w_ptr + rn[None, :] * inter + rk[:, None], mask=w_on, other=0.0)  # [BK, BN]
         acc = tl.dot(a, w, acc)  # [BM, BK] x [BK, BN]
     tl.store(part_ptr + (split * M + rm[:, None]) * H + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < H))
 
@@ -96,14 +97,16 @@ def main() -> None:
             ws = [torch.randn(h, i, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             gu = torch.randn(m, 2 * i, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-            base = graph_us(lambda j: unfused(gu, ws[j]), copies)
+            base = graph_us(lambda j, gu=gu, ws=ws: unfused(gu, ws[j]), copies)
             ref = unfused(gu, ws[0]).float()
             floor = (h * i * 2 + m * 2 * i * 2 + m * h * 2) / 3.0e12 * 1e6
             best = (float("inf"), None)
             for cfg in configs:
                 part = torch.empty(cfg[0], m, h, device="cuda", dtype=torch.float32)
                 try:
-                    t = graph_us(lambda j, cfg=cfg, part=part: down_silu(gu, ws[j], part, out, *cfg), copies)
+                    def call(j, cfg=cfg, part=part, gu=gu, ws=ws, out=out):
+                        return down_silu(gu, ws[j], part, out, *cfg)
+                    t = graph_us(call, copies)
                 except Exception as e:  # noqa: BLE001 - a config the compiler refuses: report, go on
                     print(f"  {cfg} failed: {repr(e)[:120]}")
                     continue
