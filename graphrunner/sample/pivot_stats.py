@@ -37,8 +37,13 @@ if HAS_TRITON:
         return tl.where(x0 == x0, x0, _NEG_INF)
 
     @triton.jit
-    def _stats_update(x, v, peak, arg, first_nan, total, count, low):
-        # One loaded tile x (ids v) into the accumulators -> the accumulators updated.
+    def _load_tile(base, v, hi):
+        return tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
+
+    @triton.jit
+    def _stats_step(x, v, peak, arg, first_nan, total, count, low, n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x0,
+                    APPEND: tl.constexpr):
+        # One loaded tile x (ids v) into the accumulators (and, with APPEND, the candidates x >= x0).
         better = x > peak  # strict: the first id of a tie within a lane
         peak = tl.where(better, x, peak)
         arg = tl.where(better, v, arg)
@@ -47,16 +52,6 @@ if HAS_TRITON:
         total += tl.where(finite, x, 0.0)
         count += finite.to(tl.int32)
         low = tl.minimum(low, tl.where(finite, x, _POS_INF))
-        return peak, arg, first_nan, total, count, low
-
-    @triton.jit
-    def _load_tile(base, v, hi):
-        return tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
-
-    @triton.jit
-    def _stats_step(x, v, peak, arg, first_nan, total, count, low, n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x0,
-                    APPEND: tl.constexpr):
-        peak, arg, first_nan, total, count, low = _stats_update(x, v, peak, arg, first_nan, total, count, low)
         if APPEND:
             _append(n_ptr, cand_x_ptr, cand_v_ptr, row, capacity, x, v, (x >= x0) & (x > _NEG_INF))
         return peak, arg, first_nan, total, count, low

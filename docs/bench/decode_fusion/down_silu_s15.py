@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphrunner_tools.bench.gemv_bench import graph_time_us
+
 SHAPES = {"qwen": (896, 4864), "llama-1b": (2048, 8192)}  # (H, I)
 
 
@@ -66,26 +68,6 @@ def unfused(gu, w):
     return F.linear(F.silu(gu[:, :i]) * gu[:, i:], w)
 
 
-def graph_us(fn, copies: int, reps: int = 20) -> float:
-    """Median µs per call of fn(j) over a CUDA graph of `reps` calls (weight copy j % copies)."""
-    for j in range(3):
-        fn(j)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(reps):
-            fn(j % copies)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
@@ -97,16 +79,16 @@ def main() -> None:
             ws = [torch.randn(h, i, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             gu = torch.randn(m, 2 * i, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-            base = graph_us(lambda j, gu=gu, ws=ws: unfused(gu, ws[j]), copies)
+            base = graph_time_us(lambda j, gu=gu, ws=ws, c=copies: unfused(gu, ws[j % c]), 20, 10)
             ref = unfused(gu, ws[0]).float()
             floor = (h * i * 2 + m * 2 * i * 2 + m * h * 2) / 3.0e12 * 1e6
             best = (float("inf"), None)
             for cfg in configs:
                 part = torch.empty(cfg[0], m, h, device="cuda", dtype=torch.float32)
                 try:
-                    def call(j, cfg=cfg, part=part, gu=gu, ws=ws, out=out):
-                        return down_silu(gu, ws[j], part, out, *cfg)
-                    t = graph_us(call, copies)
+                    def call(j, cfg=cfg, part=part, gu=gu, ws=ws, out=out, c=copies):
+                        return down_silu(gu, ws[j % c], part, out, *cfg)
+                    t = graph_time_us(call, 20, 10)
                 except Exception as e:  # noqa: BLE001 - a config the compiler refuses: report, go on
                     print(f"  {cfg} failed: {repr(e)[:120]}")
                     continue

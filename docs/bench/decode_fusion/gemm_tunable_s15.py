@@ -18,28 +18,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from graphrunner_tools.bench.gemv_bench import graph_time_us
+
 SHAPES = {"q_qkv": (1152, 896, True), "q_o": (896, 896, False), "q_gu": (9728, 896, False),
           "q_down": (896, 4864, False), "l_qkv": (3072, 2048, False), "l_down": (2048, 8192, False)}
-
-
-def graph_us(fn, copies: int, reps: int = 20) -> float:
-    """Median µs per call of fn(j) over a CUDA graph of `reps` calls (weight copy j % copies)."""
-    for j in range(copies):
-        fn(j)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(reps):
-            fn(j % copies)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(m: int, name: str, n: int, k: int, has_bias: bool) -> dict[str, float]:
@@ -50,7 +32,7 @@ def measure(m: int, name: str, n: int, k: int, has_bias: bool) -> dict[str, floa
     ref = F.linear(x.float(), ws[0].float(), None if b is None else b.float())
 
     def call(j: int) -> torch.Tensor:
-        return F.linear(x, ws[j], b)
+        return F.linear(x, ws[j % copies], b)
 
     times = {}
     for label, library, tunable in (("cublas", "cublas", False), ("cublaslt", "cublaslt", False),
@@ -59,7 +41,7 @@ def measure(m: int, name: str, n: int, k: int, has_bias: bool) -> dict[str, floa
         torch.cuda.tunable.enable(tunable)
         torch.cuda.tunable.tuning_enable(tunable)
         err = (call(0).float() - ref).abs().max().item()
-        times[label] = graph_us(call, copies)
+        times[label] = graph_time_us(call, 20, 10)  # its warm-up call tunes the shape
         print(f"  M={m} {name} {label}: {times[label]:.2f} us (max err {err:.2e})", flush=True)
     torch.cuda.tunable.enable(False)
     torch.backends.cuda.preferred_blas_library("cublas")
