@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.layers.decode_linear import decode_linear, gemv_plan, gemv_triton, linear
+from graphrunner.layers.decode_linear import (
+    decode_linear,
+    decode_swiglu_linear,
+    gemv_plan,
+    gemv_triton,
+    linear,
+    swiglu,
+    swiglu_linear,
+)
 from tests.cuda_graphs import capture_cuda_graph
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
@@ -36,6 +44,43 @@ def test_gemv_rejects_what_it_cannot_serve():
         gemv_triton(torch.zeros(2, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match="unit stride"):
         gemv_triton(torch.zeros(1, 8), torch.zeros(8, 4).t())
+
+
+@needs_triton
+@given(n=st.integers(1, 24), k=st.integers(1, 200), seed=st.integers(0, 2**31),
+       block=st.sampled_from([(1, 64, 4), (2, 32, 4), (4, 16, 2)]), half=st.booleans())
+def test_swiglu_gemv_equals_silu_mul_then_f_linear(n, k, seed, block, half):
+    """x = [gate | up]: the product with silu(gate) * up, rounded once to x's dtype as stored unfused
+    (fp16 rows: the rounding is visible; fp32: exact up to the sum's order)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float16 if half else torch.float32
+    gate_up, w = (torch.randn(1, 2 * k, generator=g) * 3).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    got = gemv_triton(gate_up, w, bias, block=block, swiglu=True)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = (F.silu(gate) * up).to(dtype).float()  # the stored SiLU·mul, one rounding
+    want = F.linear(x, w.float(), bias.float())
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=1e-3 if half else 1e-5, atol=(1e-3 if half else 1e-5) * k)
+    with pytest.raises(ValueError, match=r"\[1, 2K\]"):
+        gemv_triton(gate_up[:, :-1], w, swiglu=True)
+
+
+def test_swiglu_linear_keeps_the_unfused_path_off_cuda_and_for_many_rows():
+    gate_up, w = torch.randn(3, 32), torch.randn(8, 16)
+    want = F.linear(F.silu(gate_up[:, :16]) * gate_up[:, 16:], w)
+    assert torch.equal(swiglu(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+    assert torch.equal(swiglu_linear(gate_up, w), want)
+    assert torch.equal(swiglu_linear(gate_up[:1], w), F.linear(swiglu(gate_up[:1]), w))  # one row on CPU: F.linear
+
+
+@needs_triton
+def test_swiglu_custom_op_under_compile():
+    w = torch.randn(8, 16)
+    compiled = torch.compile(lambda gu: decode_swiglu_linear(gu, w), backend="aot_eager", fullgraph=True)
+    for rows in (1, 3):
+        gu = torch.randn(rows, 32)
+        torch.testing.assert_close(compiled(gu), F.linear(swiglu(gu), w), rtol=1e-5, atol=1e-5)
 
 
 def test_plan_follows_the_row_length():
@@ -99,6 +144,32 @@ def test_gemv_writes_the_fp32_sum_when_asked(n, k, seed):
     half = gemv_triton(x, w, block=(2, 64, 4))
     assert half.dtype == torch.float16
     torch.testing.assert_close(half, got.half(), rtol=0, atol=0)  # the same sum, rounded once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(896, 4864), (2048, 8192), (4096, 14336)])
+def test_gpu_bf16_swiglu_gemv_matches_the_unfused_pair_and_replays(n, k):
+    """The down projections of qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b at batch 1."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g) * 2
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = (F.silu(gate) * up).bfloat16()  # SiLU·mul stored once, as the compiled step's fused kernel
+    ref = F.linear(x.float(), w.float())
+    got = swiglu_linear(gate_up, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=1e-3)
+    assert (got.float() - ref).abs().max() <= 2 * (F.linear(x, w).float() - ref).abs().max() + 1e-3
+    out = torch.empty_like(got)
+    graph = capture_cuda_graph(lambda: out.copy_(swiglu_linear(gate_up, w)))
+    gate_up.copy_(torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), F.linear((F.silu(gate) * up).bfloat16().float(), w.float()),
+                               rtol=8e-3, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,11 @@ Rows > 1 (prefills, batched decode) keep `F.linear`: this kernel would read W on
 The results differ from cuBLAS's by the summation order only (fp32 accumulation, one rounding
 to the output dtype), as cuBLAS's own split-K choices do between shapes.
 
+`swiglu_linear(gate_up, weight, bias)` is the MLP's down projection of silu(gate) * up: for a
+single row the GEMV forms each x tile from the gate and up halves as it loads them (SiLU in fp32,
+one rounding to the input dtype, as the compiled step's fused SiLU·mul), so batch-1 decode has no
+SiLU·mul kernel between the two projections; other row counts keep SiLU·mul, then `linear`.
+
 `linear(x, weight, bias)` is what the layers call. Eagerly it dispatches on the row count in
 Python. Under torch.compile (the PIECEWISE pieces and the FULL graph bodies) it is the opaque
 custom op `graphrunner::decode_linear`, which chooses at run time on the real shapes, so one
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
+__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear", "swiglu", "swiglu_linear"]
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,19 +46,37 @@ if HAS_TRITON:
     from graphrunner.kernels.pdl import pdl_wait
 
     @triton.jit
-    def _tile_product(x_ptr, w_rows, ok, ks, K, EVEN_K: tl.constexpr):
+    def _load_k(ptr, ks, K, EVEN_K: tl.constexpr):
+        # [BLOCK_K] elements at columns ks as fp32 (unmasked, so vectorized, when K is whole blocks).
+        if EVEN_K:
+            v = tl.load(ptr + ks)
+        else:
+            v = tl.load(ptr + ks, mask=ks < K, other=0.0)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+        # x at columns ks as fp32; with SWIGLU x_ptr holds [gate (K) | up (K)] and x = silu(gate) * up,
+        # computed in fp32 and rounded once to the input dtype (the unfused SiLU·mul's stored value).
+        if SWIGLU:
+            g = _load_k(x_ptr, ks, K, EVEN_K)
+            x = (g * tl.sigmoid(g) * _load_k(x_ptr + K, ks, K, EVEN_K)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = _load_k(x_ptr, ks, K, EVEN_K)
+        return x
+
+    @triton.jit
+    def _tile_product(x_ptr, w_rows, ok, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
         # [BLOCK_N, BLOCK_K] fp32 products of the rows' W tile at columns ks with x's.
         if EVEN_K:
-            x = tl.load(x_ptr + ks)
             w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)
         else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-        return w.to(tl.float32) * x.to(tl.float32)[None, :]
+        return w.to(tl.float32) * _x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)[None, :]
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr, SWIGLU: tl.constexpr):
         # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K.
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
@@ -69,11 +92,10 @@ if HAS_TRITON:
             else:
                 w0 = tl.load(w_rows + ks0[None, :], mask=ok[:, None] & (ks0[None, :] < K), other=0.0)
             pdl_wait(GDC)
-            x0 = tl.load(x_ptr + ks0, mask=ks0 < K, other=0.0)
-            acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
+            acc += w0.to(tl.float32) * _x_tile(x_ptr, ks0, K, False, SWIGLU)[None, :]
             k_start = BLOCK_K
         for k0 in range(k_start, K, BLOCK_K):
-            acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K)
+            acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K, SWIGLU)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
@@ -92,15 +114,18 @@ def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                block: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                block: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None,
+                swiglu: bool = False) -> torch.Tensor:
     """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's; one launch).
 
     The fp32 sum is rounded once, to `out_dtype`: the LM head asks for float32 and gets the
-    accumulator itself, with no cast kernel after. `block` = (BLOCK_N, BLOCK_K, num_warps)
+    accumulator itself, with no cast kernel after. With `swiglu`, x is [1, 2K] = [gate | up] and
+    the product is with silu(gate) * up (module docstring). `block` = (BLOCK_N, BLOCK_K, num_warps)
     overrides `gemv_plan` (tests)."""
-    (m, k), (n, k_w) = x.shape, weight.shape
-    if m != 1 or k != k_w:
-        raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be [1, K] with K = weight's {k_w}")
+    (m, k_x), (n, k) = x.shape, weight.shape
+    if m != 1 or k_x != (2 * k if swiglu else k):
+        want = "[1, 2K] (gate | up)" if swiglu else "[1, K]"
+        raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be {want} with K = weight's {k}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
@@ -108,7 +133,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     launch = pdl_launch(x.device, 1)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch), SWIGLU=swiglu,
         num_warps=warps, **launch)
     return y
 
@@ -143,3 +168,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         return decode_linear(x, weight, bias)
     return gemv_triton(x, weight, bias) if _gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """silu(gate) * up of the [gate | up] halves."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("graphrunner::decode_swiglu_linear", mutates_args=())
+def decode_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(swiglu(gate_up)), with the SwiGLU GEMV for a single row (chosen on the real shapes)."""
+    if _gemv_fits(gate_up, weight, bias):
+        return gemv_triton(gate_up, weight, bias, swiglu=True)
+    return F.linear(swiglu(gate_up), weight, bias)
+
+
+@decode_swiglu_linear.register_fake
+def _decode_swiglu_linear_fake(gate_up, weight, bias=None) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2K] -> [T, N]: linear(swiglu(gate_up), weight, bias); on CUDA for T = 1 one GEMV
+    launch that forms silu(gate) * up as it loads it (module docstring). Callers take this path for
+    one row only: elsewhere the compiled step fuses SiLU·mul itself."""
+    if not (DECODE_GEMV and HAS_TRITON and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] == 1):
+        return linear(swiglu(gate_up), weight, bias)
+    if torch.compiler.is_compiling():
+        return decode_swiglu_linear(gate_up, weight, bias)
+    if _gemv_fits(gate_up, weight, bias):
+        return gemv_triton(gate_up, weight, bias, swiglu=True)
+    return linear(swiglu(gate_up), weight, bias)
+

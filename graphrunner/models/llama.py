@@ -151,7 +151,10 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate | up
+        if gate_up.shape[0] == 1:  # decode at batch 1: SiLU·mul inside the down GEMV (no kernel between)
+            return self.down_proj.forward_swiglu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
