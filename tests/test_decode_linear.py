@@ -14,13 +14,11 @@ from hypothesis import strategies as st
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.decode_linear import (
     decode_linear,
-    decode_swiglu_linear,
     gemv_plan,
     gemv_triton,
     linear,
-    swiglu,
-    swiglu_linear,
 )
+from graphrunner.layers.swiglu import _swiglu_linear_op, silu_mul_triton, swiglu, swiglu_linear
 from tests.cuda_graphs import capture_cuda_graph
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
@@ -75,12 +73,27 @@ def test_swiglu_linear_keeps_the_unfused_path_off_cuda_and_for_many_rows():
 
 
 @needs_triton
-def test_swiglu_custom_op_under_compile():
+def test_swiglu_custom_op_under_compile_serves_every_row_count():
+    """One compiled graph, dynamic rows (the step's unbacked token count): the op chooses at run time."""
     w = torch.randn(8, 16)
-    compiled = torch.compile(lambda gu: decode_swiglu_linear(gu, w), backend="aot_eager", fullgraph=True)
-    for rows in (1, 3):
+    compiled = torch.compile(lambda gu: _swiglu_linear_op(gu, w), backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (1, 3, 1):
         gu = torch.randn(rows, 32)
-        torch.testing.assert_close(compiled(gu), F.linear(swiglu(gu), w), rtol=1e-5, atol=1e-5)
+        want = F.linear((F.silu(gu[:, :16]) * gu[:, 16:]), w)
+        torch.testing.assert_close(compiled(gu), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@given(rows=st.integers(0, 5), i=st.integers(1, 2100), seed=st.integers(0, 2**31), half=st.booleans())
+def test_silu_mul_kernel_rounds_once(rows, i, seed, half):
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float16 if half else torch.float32
+    gate_up = (torch.randn(rows, 2 * i, generator=g) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).to(dtype)  # fp32 math, one rounding
+    got = silu_mul_triton(gate_up)
+    assert got.shape == (rows, i) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3 if half else 1e-6, atol=1e-6)
 
 
 def test_plan_follows_the_row_length():

@@ -12,10 +12,8 @@ Rows > 1 (prefills, batched decode) keep `F.linear`: this kernel would read W on
 The results differ from cuBLAS's by the summation order only (fp32 accumulation, one rounding
 to the output dtype), as cuBLAS's own split-K choices do between shapes.
 
-`swiglu_linear(gate_up, weight, bias)` is the MLP's down projection of silu(gate) * up: for a
-single row the GEMV forms each x tile from the gate and up halves as it loads them (SiLU in fp32,
-one rounding to the input dtype, as the compiled step's fused SiLU·mul), so batch-1 decode has no
-SiLU·mul kernel between the two projections; other row counts keep SiLU·mul, then `linear`.
+`gemv_triton(..., swiglu=True)` takes x = [gate | up] and forms each x tile as silu(gate) * up
+while it loads it (layers/swiglu.py: the MLP's down projection at batch 1).
 
 `linear(x, weight, bias)` is what the layers call. Eagerly it dispatches on the row count in
 Python. Under torch.compile (the PIECEWISE pieces and the FULL graph bodies) it is the opaque
@@ -34,7 +32,7 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["DECODE_GEMV", "gemv_plan", "gemv_serves", "gemv_triton", "linear", "swiglu", "swiglu_linear"]
+__all__ = ["DECODE_GEMV", "gemv_fits", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,10 +138,10 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` would run x [T, K] . weight^T as the one-launch GEMV (eagerly)."""
-    return DECODE_GEMV and HAS_TRITON and x.is_cuda and x.dim() == 2 and _gemv_fits(x, weight, None)
+    return DECODE_GEMV and HAS_TRITON and x.is_cuda and x.dim() == 2 and gemv_fits(x, weight, None)
 
 
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (x.shape[0] == 1 and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(-1) == 1
             and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
 
@@ -151,7 +149,7 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @torch.library.custom_op("graphrunner::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with gemv_triton for a single row: the choice made on the real shapes at run time."""
-    if _gemv_fits(x, weight, bias):
+    if gemv_fits(x, weight, bias):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -167,37 +165,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return decode_linear(x, weight, bias)
-    return gemv_triton(x, weight, bias) if _gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """silu(gate) * up of the [gate | up] halves."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@torch.library.custom_op("graphrunner::decode_swiglu_linear", mutates_args=())
-def decode_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(swiglu(gate_up)), with the SwiGLU GEMV for a single row (chosen on the real shapes)."""
-    if _gemv_fits(gate_up, weight, bias):
-        return gemv_triton(gate_up, weight, bias, swiglu=True)
-    return F.linear(swiglu(gate_up), weight, bias)
-
-
-@decode_swiglu_linear.register_fake
-def _decode_swiglu_linear_fake(gate_up, weight, bias=None) -> torch.Tensor:
-    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
-
-
-def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up [T, 2K] -> [T, N]: linear(swiglu(gate_up), weight, bias); on CUDA for T = 1 one GEMV
-    launch that forms silu(gate) * up as it loads it (module docstring). Callers take this path for
-    one row only: elsewhere the compiled step fuses SiLU·mul itself."""
-    if not (DECODE_GEMV and HAS_TRITON and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] == 1):
-        return linear(swiglu(gate_up), weight, bias)
-    if torch.compiler.is_compiling():
-        return decode_swiglu_linear(gate_up, weight, bias)
-    if _gemv_fits(gate_up, weight, bias):
-        return gemv_triton(gate_up, weight, bias, swiglu=True)
-    return linear(swiglu(gate_up), weight, bias)
+    return gemv_triton(x, weight, bias) if gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
 

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from graphrunner.layers.decode_linear import linear, swiglu_linear
+from graphrunner.layers.decode_linear import linear
+from graphrunner.layers.swiglu import swiglu_linear
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -224,8 +225,8 @@ class RowLinear(_LinearBase):
         return out if self.bias is None else out + self.bias
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * in_local] -> [T, out]
-        """forward(silu(gate) * up) of gate_up's [gate | up] halves (decode_linear.swiglu_linear: one
-        GEMV launch for a single row on CUDA)."""
+        """forward(silu(gate) * up) of gate_up's [gate | up] halves (layers/swiglu.py: one GEMV launch
+        for a single row on CUDA, else one SiLU·mul kernel and the GEMM)."""
         if self.tp_size == 1:
             return swiglu_linear(gate_up, self.weight, self.bias)
         assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"

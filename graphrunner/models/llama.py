@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
@@ -151,11 +150,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate | up
-        if gate_up.shape[0] == 1:  # decode at batch 1: SiLU·mul inside the down GEMV (no kernel between)
-            return self.down_proj.forward_swiglu(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        # [T, 2I] gate | up -> [T, hidden]: at batch 1 SiLU·mul happens inside the down GEMV (layers/swiglu.py)
+        return self.down_proj.forward_swiglu(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
