@@ -200,3 +200,15 @@ def test_gpu_one_row_lm_head_is_fp32_gemv_like_batched():
     assert one.dtype == many.dtype == torch.float32
     torch.testing.assert_close(one, ref[:1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(many, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,i", [(256, 4864), (7, 8192), (1, 14336)])
+def test_gpu_silu_mul_kernel_rounds_once(rows, i):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gate_up = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16) * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    got = silu_mul_triton(gate_up)
+    assert got.shape == (rows, i) and got.dtype == torch.bfloat16
+    assert torch.equal(got, (F.silu(gate) * up).to(torch.bfloat16))  # fp32 math, one rounding
