@@ -36,6 +36,7 @@ from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from graphrunner.layers.norm import RMSNorm
+from graphrunner.layers.norm_linear import add_norm_project
 from graphrunner.layers.rotary import RotaryEmbedding
 from graphrunner.models.registry import check_architecture
 
@@ -102,7 +103,16 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hkv, D]; None in op mode
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # q: [T, H, D]; k, v: [T, Hkv, D] (views)
+        return self.forward_qkv(positions, self.qkv_proj(hidden), kv_cache, metadata)
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) D]: qkv_proj's output (DecoderLayer fuses the norm into it)
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self.qkv_proj.split_qkv(qkv)  # q: [T, H, D]; k, v: [T, Hkv, D] (views)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attend(positions, q, k, v, kv_cache, metadata)  # [T, H, D]
@@ -150,8 +160,11 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        # [T, 2I] gate | up -> [T, hidden]: at batch 1 SiLU·mul happens inside the down GEMV (layers/swiglu.py)
-        return self.down_proj.forward_swiglu(self.gate_up_proj(x))
+        return self.forward_gate_up(self.gate_up_proj(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate_up_proj's) -> [T, hidden]
+        # At batch 1 SiLU·mul happens inside the down GEMV (layers/swiglu.py).
+        return self.down_proj.forward_swiglu(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -185,13 +198,16 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (block output, residual), both [T, hidden]
+        # Each half enters through add_norm_project: residual add, RMSNorm and the half's
+        # first projection, one launch at one row on CUDA (layers/norm_linear.py).
+        attn = self.self_attn
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, qkv = hidden, attn.qkv_proj(self.input_layernorm(hidden))
         else:
-            hidden, residual = self.input_layernorm.add_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
-        return self.mlp(hidden), residual
+            qkv, residual = add_norm_project(self.input_layernorm, hidden, residual, attn.qkv_proj)
+        hidden = attn.forward_qkv(positions, qkv, kv_cache, metadata)
+        gate_up, residual = add_norm_project(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
+        return self.mlp.forward_gate_up(gate_up), residual
 
 
 def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
