@@ -21,6 +21,7 @@ are all-gathered before the write, decode context parallelism's own write).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.kv_write import check_kv_args, write_kv_torch
 from graphrunner.kernels import HAS_TRITON, use_triton
 from graphrunner.kernels.pdl import pdl_launch
+
+# GRAPHRUNNER_ATTN_ROPE=0 keeps decode batches on the separate rotary + KV-write kernel (read once).
+ATTN_ROPE = os.environ.get("GRAPHRUNNER_ATTN_ROPE", "1") != "0"
 
 if HAS_TRITON:
     import triton
@@ -183,6 +187,11 @@ def rope_then_attend(
     k/v all-gather is pending (`metadata.kv_gather`), and the tensors are on CUDA.
     """
     if getattr(backend, "writes_kv_plainly", False) and metadata.kv_gather is None and use_triton(q):
+        if ATTN_ROPE and hasattr(backend, "attend_rope") and q.shape[0] <= metadata.num_reqs:
+            # A decode batch: the attention launch rotates and writes itself (one kernel less).
+            if out is None:
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            return backend.attend_rope(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out)
         slots = metadata.slot_mapping[: metadata.num_tokens]
         q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, kv_cache, slots)
         if out is None:

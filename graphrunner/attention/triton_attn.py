@@ -43,6 +43,8 @@ compiles without those stores, so attention without an LSE buffer runs the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
@@ -85,6 +87,71 @@ if HAS_TRITON:
         return lo
 
     @triton.jit
+    def _rotate(rows, stride_d, pos, cs_ptr, stride_cs, ok, d, HEAD_DIM: tl.constexpr):
+        """Neox rotation of rows[..., d] by pos, as rope_kv's kernel computes it: cos / sin rounded
+        to the activation dtype, fp32 arithmetic, one rounding (a [.., D_PAD] tile, zeros where
+        masked). pos and ok broadcast against d."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        ty = rows.dtype.element_ty
+        first = d < HALF
+        mask = ok & (d < HEAD_DIM)
+        j = tl.where(first, d, d - HALF)  # the pair's index in either half
+        cs_row = cs_ptr + pos.to(tl.int64) * stride_cs + j
+        cos = tl.load(cs_row, mask=mask, other=0.0).to(ty).to(tl.float32)
+        sin = tl.load(cs_row + HALF, mask=mask, other=0.0).to(ty).to(tl.float32)
+        x = tl.load(rows + d * stride_d, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(rows + tl.where(first, d + HALF, d - HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
+        # First half x1 cos - x2 sin, second half x2 cos + x1 sin (x = the element, partner = its pair).
+        return tl.where(first, x * cos - partner * sin, x * cos + partner * sin).to(ty)
+
+    @triton.jit
+    def _split_range(kv_hi, seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_KV: tl.constexpr):
+        """[kv_lo, kv_end): the keys a split reads for a tile that sees kv_hi of them. Under ROPE_KV
+        the chunks are cut from the request's whole key range (seq_len), so that a key falls in the
+        same split for every tile of its request: that split's program writes it (_write_request_kv)."""
+        if NUM_SPLITS > 1:
+            whole = seq_len if ROPE_KV else kv_hi
+            chunk = tl.cdiv(tl.cdiv(whole, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_end = tl.minimum(kv_lo + chunk, kv_hi)
+        else:
+            kv_lo = 0
+            kv_end = kv_hi
+        return kv_lo, kv_end
+
+    @triton.jit
+    def _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr,
+                          kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                          stride_cs, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+        """ROPE_KV, decode grid: this program (request, kv head kvh, split) is the only one that reads
+        the keys of its split's range, for every tile of the request. It writes the rotated keys and
+        the values of the request's new tokens that fall there (at their slots; -1 = skip) before
+        its tiles read them, and barriers so that its own loads see the stores."""
+        kv_lo, kv_end = _split_range(seq_len, seq_len, split, NUM_SPLITS, BLOCK_N, True)
+        d = tl.arange(0, D_PAD)[None, :]
+        cty = kv_ptr.dtype.element_ty
+        for t0 in range(q_start, q_end, 16):
+            tok = t0 + tl.arange(0, 16)  # [16] tokens of the request
+            live = tok < q_end
+            n = seq_len - q_end + tok  # their key indices
+            slot = tl.load(slot_ptr + tok, mask=live, other=-1)
+            writes = (live & (n >= kv_lo) & (n < kv_end) & (slot >= 0))[:, None]  # [16, 1]
+            tok64 = tok.to(tl.int64)[:, None]
+            pos = tl.load(pos_ptr + tok64, mask=writes, other=0)
+            k_rot = _rotate(k_new_ptr + tok64 * stride_kt + kvh * stride_kh, stride_kd, pos, cs_ptr, stride_cs,
+                            writes, d, HEAD_DIM)  # [16, D_PAD]
+            mask = writes & (d < HEAD_DIM)
+            v = tl.load(v_new_ptr + tok64 * stride_vt + kvh * stride_vh + d * stride_vd, mask=mask, other=0.0)
+            slot = slot.to(tl.int64)[:, None]
+            dst = (kv_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
+                   + kvh.to(tl.int64) * stride_c_h + d * stride_c_d)
+            tl.store(dst, k_rot.to(cty), mask=mask)
+            tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
+        tl.debug_barrier()
+
+    @triton.jit
     def _attend_tile(
         tok0,  # the tile's first token
         b,  # its request (num_reqs: the padded tokens' pseudo-request)
@@ -119,6 +186,18 @@ if HAS_TRITON:
         stride_c_h,
         stride_c_d,
         stride_bt,
+        k_new_ptr,  # [T, Hkv, D] this step's keys, not yet rotated (ROPE_KV only)
+        v_new_ptr,  # [T, Hkv, D] (ROPE_KV only)
+        pos_ptr,  # [T] int64 (ROPE_KV only)
+        cs_ptr,  # [max_positions, D] fp32 cos | sin (ROPE_KV only)
+        slot_ptr,  # [T] int64 cache slots, -1 = do not write (ROPE_KV only)
+        stride_kt,
+        stride_kh,
+        stride_kd,
+        stride_vt,
+        stride_vh,
+        stride_vd,
+        stride_cs,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -130,6 +209,7 @@ if HAS_TRITON:
         COMPUTE_FP32: tl.constexpr,
         STORE_LSE: tl.constexpr,
         IS_DCP: tl.constexpr,
+        ROPE_KV: tl.constexpr,
     ):
         """One (tile, kv head, split) of the module docstring: rows tok0 .. tok0 + BLOCK_Q - 1."""
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -140,13 +220,7 @@ if HAS_TRITON:
             span = dcp_interleave * dcp_size
             kv_hi = (kv_hi // span) * dcp_interleave + tl.minimum(
                 tl.maximum(kv_hi % span - dcp_rank * dcp_interleave, 0), dcp_interleave)
-        if NUM_SPLITS > 1:
-            chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            kv_lo = split * chunk
-            kv_end = tl.minimum(kv_lo + chunk, kv_hi)
-        else:
-            kv_lo = 0
-            kv_end = kv_hi
+        kv_lo, kv_end = _split_range(kv_hi, seq_len, split, NUM_SPLITS, BLOCK_N, ROPE_KV)
 
         r = tl.arange(0, BLOCK_M)
         tok = tok0 + r // G_PAD  # [BLOCK_M]
@@ -158,11 +232,12 @@ if HAS_TRITON:
         d_ok = d < HEAD_DIM
         tok64 = tok.to(tl.int64)
 
-        q = tl.load(
-            q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # q: [BLOCK_M, D_PAD]
+        q_rows = q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
+        if ROPE_KV:  # q arrives unrotated (its keys were written by _write_request_kv)
+            q = _rotate(q_rows, stride_qd, tl.load(pos_ptr + tok64, mask=row_ok, other=0)[:, None], cs_ptr,
+                        stride_cs, row_ok[:, None], d[None, :], HEAD_DIM)  # q: [BLOCK_M, D_PAD]
+        else:
+            q = tl.load(q_rows + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if COMPUTE_FP32:
             q = q.to(tl.float32)
 
@@ -252,6 +327,18 @@ if HAS_TRITON:
         stride_c_h,
         stride_c_d,
         stride_bt,
+        k_new_ptr,  # ROPE_KV: this step's k and v, positions, the cos | sin table, the slots
+        v_new_ptr,
+        pos_ptr,
+        cs_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_kd,
+        stride_vt,
+        stride_vh,
+        stride_vd,
+        stride_cs,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -263,6 +350,7 @@ if HAS_TRITON:
         COMPUTE_FP32: tl.constexpr,
         STORE_LSE: tl.constexpr,
         IS_DCP: tl.constexpr,
+        ROPE_KV: tl.constexpr,  # decode batch, q unrotated: rotate here and write the new k / v (rope_kv)
         GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
         DECODE_GRID: tl.constexpr,  # program b serves request b's tiles (attention_launch_plan)
     ):
@@ -280,14 +368,20 @@ if HAS_TRITON:
         q_end = tl.where(is_req, tl.load(qsl_ptr + b + 1, mask=is_req, other=0), num_tokens)
         seq_len = tl.load(seq_lens_ptr + b, mask=is_req, other=0)
         if DECODE_GRID:
+            if ROPE_KV:
+                _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr,
+                                  slot_ptr, kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt,
+                                  stride_vh, stride_vd, stride_cs, stride_c_kv, stride_c_blk, stride_c_off,
+                                  stride_c_h, stride_c_d, HEAD_DIM, D_PAD, NUM_SPLITS, BLOCK_N)
             for tok0 in range(q_start, q_end, BLOCK_Q):  # one tile per decode request
                 _attend_tile(
                     tok0, b, q_end, seq_len, kvh, split,
                     q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size,
                     qk_scale, dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot,
                     stride_oh, stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
-                    stride_c_d, stride_bt, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS,
-                    COMPUTE_FP32, STORE_LSE, IS_DCP,
+                    stride_c_d, stride_bt, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, stride_kt, stride_kh,
+                    stride_kd, stride_vt, stride_vh, stride_vd, stride_cs, NUM_HEADS, GROUP, G_PAD, BLOCK_Q,
+                    HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV,
                 )
         else:
             _attend_tile(
@@ -295,8 +389,9 @@ if HAS_TRITON:
                 q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size, qk_scale,
                 dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                 stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
-                stride_bt, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS, COMPUTE_FP32,
-                STORE_LSE, IS_DCP,
+                stride_bt, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, stride_kt, stride_kh, stride_kd,
+                stride_vt, stride_vh, stride_vd, stride_cs, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD,
+                BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV,
             )
 
     @triton.jit(do_not_specialize=['num_tokens'])
@@ -403,6 +498,36 @@ def attention_launch_plan(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeKV:
+    """What `paged_attention_triton` needs to fold the rotary embedding and the KV write in."""
+
+    k: torch.Tensor  # [T, Hkv, D], not yet rotated; any strides
+    v: torch.Tensor  # [T, Hkv, D], any strides
+    positions: torch.Tensor  # [T] int64
+    cos_sin: torch.Tensor  # [max_positions, D] float32: cos | sin
+    slot_mapping: torch.Tensor  # [>= T] int64, -1 = do not write
+
+
+def _rope_kv_args(rope_kv: RopeKV | None, q: torch.Tensor, dcp: tuple[int, int, int] | None) -> tuple:
+    """The kernel's ROPE_KV arguments (placeholders without it), after host-side checks."""
+    if rope_kv is None:
+        return (q, q, q, q, q) + (0,) * 7
+    num_tokens = q.shape[0]
+    if dcp is not None:
+        raise ValueError(f"rope_kv cannot serve a DCP-sharded cache (dcp={dcp}): its rank writes its own share")
+    k, v, cs = rope_kv.k, rope_kv.v, rope_kv.cos_sin
+    if k.shape != v.shape or k.shape[0] != num_tokens or rope_kv.positions.shape != (num_tokens,):
+        raise ValueError(f"rope_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and positions "
+                         f"{tuple(rope_kv.positions.shape)} must cover the {num_tokens} tokens")
+    if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != q.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"rope_kv: cos_sin is {cs.dtype} {tuple(cs.shape)}, expected float32 [max_positions, "
+                         f"{q.shape[2]}] (an even head_dim)")
+    if rope_kv.slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"rope_kv: slot_mapping has {rope_kv.slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    return (k, v, rope_kv.positions, cs, rope_kv.slot_mapping, *k.stride(), *v.stride(), cs.stride(0))
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -417,6 +542,7 @@ def paged_attention_triton(
     num_stages: int | None = None,
     dcp: tuple[int, int, int] | None = None,
     decode_grid: bool | None = None,
+    rope_kv: RopeKV | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
 
@@ -428,8 +554,12 @@ def paged_attention_triton(
     `attention_launch_plan` (tests, tuning); they must stay fixed for a captured graph.
     `dcp` = (size, rank, interleave): the cache holds only this DCP rank's tokens (local
     positions, graphrunner.kernels.dcp); `seq_lens` stay global and each key is masked by
-    its global position. `decode_grid` overrides the plan's grid (module docstring). Works on CPU
-    tensors under TRITON_INTERPRET=1.
+    its global position. `decode_grid` overrides the plan's grid (module docstring). `rope_kv`
+    (not with `dcp`; the decode grid, which it needs, unless `decode_grid=False` is asked and
+    refused): q is not yet rotated; the kernel rotates it, and each program first writes the
+    rotated keys and the values of its request's new tokens that its split reads, at their
+    slots (the rotary + KV-write kernel folded in; `RopeKV`). Works on CPU tensors under
+    TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
@@ -463,7 +593,10 @@ def paged_attention_triton(
     block_table = metadata.block_table
     launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
     gdc = bool(launch)
-    by_request = plan["decode_grid"] if decode_grid is None else decode_grid
+    by_request = (plan["decode_grid"] or rope_kv is not None) if decode_grid is None else decode_grid
+    rope_args = _rope_kv_args(rope_kv, q, dcp)
+    if rope_kv is not None and not by_request:
+        raise ValueError("rope_kv needs the decode grid: a request's keys are written by the programs that read them")
     num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]
     _paged_attn_kernel[(num_programs, num_kv_heads, splits)](
         q,
@@ -485,6 +618,7 @@ def paged_attention_triton(
         *lse_strides,
         *kv_cache.stride(),
         block_table.stride(0),
+        *rope_args,
         NUM_HEADS=num_heads,
         GROUP=group,
         G_PAD=plan["g_pad"],
@@ -496,6 +630,7 @@ def paged_attention_triton(
         COMPUTE_FP32=compute_fp32,
         STORE_LSE=store_lse,
         IS_DCP=dcp is not None,
+        ROPE_KV=rope_kv is not None,
         GDC=gdc,
         DECODE_GRID=by_request,
         num_warps=num_warps,
@@ -536,5 +671,11 @@ class TritonPagedAttentionBackend(WriteThenAttendBackend):
     def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
         return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse, dcp=dcp)
 
+    def attend_rope(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out) -> torch.Tensor:
+        """q and k unrotated: rotary embedding, KV write and attention in the attention launch
+        (`RopeKV`; its decode grid suits decode batches, which rope_then_attend sends here)."""
+        rope = RopeKV(k, v, positions, cos_sin, metadata.slot_mapping)
+        return paged_attention_triton(q, kv_cache, metadata, scale, out, rope_kv=rope)
 
-__all__ = ["TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]
+
+__all__ = ["RopeKV", "TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]
