@@ -184,7 +184,10 @@ def rope_then_attend(
 
     The fused kernel replaces the backend's own write when the backend declares
     `writes_kv_plainly` (it writes k/v at `metadata.slot_mapping` and nothing else), no
-    k/v all-gather is pending (`metadata.kv_gather`), and the tensors are on CUDA.
+    k/v all-gather is pending (`metadata.kv_gather`), and the tensors are on CUDA. A
+    decode-shaped batch (no more tokens than requests) on a backend with `attend_rope`
+    goes further: its attention launch rotates and writes too (triton_attn.RopeKV), one
+    kernel less per layer.
     """
     if getattr(backend, "writes_kv_plainly", False) and metadata.kv_gather is None and use_triton(q):
         if ATTN_ROPE and hasattr(backend, "attend_rope") and q.shape[0] <= metadata.num_reqs:
