@@ -38,8 +38,9 @@ def _positions(batch, seed: int) -> torch.Tensor:
 def _both_paths(batch, splits, seed, rope_write_kv=rope_write_kv_torch, **kwargs):
     """(out, cache) of the two-kernel path, then of the fused launch, from the same inputs."""
     head_dim = batch.q.shape[2]
-    cos_sin = RotaryEmbedding(head_dim, MAX_POS, 10000.0, device=batch.q.device).cos_sin_cache
     positions = _positions(batch, seed)
+    table_len = max(MAX_POS, int(positions.max()) + 1)  # every position has its row
+    cos_sin = RotaryEmbedding(head_dim, table_len, 10000.0, device=batch.q.device).cos_sin_cache
     md = batch.metadata
     slots = md.slot_mapping[: md.num_tokens]
     ref_cache = batch.kv_cache.clone()
