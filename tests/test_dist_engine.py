@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from graphrunner.config import ParallelConfig
 from graphrunner.distributed.groups import ParallelGroups, coordinates, group_ranks, init_distributed
 from graphrunner.distributed.launch import launch
-from graphrunner.models.llama import pp_layer_range
+from graphrunner.models.stages import pp_layer_range
 from tests.dist_utils import WorldError, run_world, start_world
 
 PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(4)] + [[7] * 20, [3, 4]]
