@@ -8,6 +8,11 @@ of `--calls` back-to-back launches (what a FULL graph sees), and prints the KV-r
 (K and V bytes at the measured copy bandwidth). Used to tune `attention_launch_plan`.
 
     python -m graphrunner_tools.bench.attn_sweep --heads 14,2,64 --batch-sizes 1,64,256
+
+`--rope`: every timed call also rotates q and k and writes the new k / v, as a decode step does:
+the default times the separate `rope_write_kv_triton` + the attention next to the attention
+launch that does it itself (`triton_attn.RopeKV`), and the grid sweeps the latter (decode grid
+only, splits up to 32).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import sys
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.triton_attn import attention_launch_plan, paged_attention_triton
+from graphrunner.attention.rope_kv import rope_write_kv_triton
+from graphrunner.attention.triton_attn import RopeKV, attention_launch_plan, paged_attention_triton
 from graphrunner_tools.bench.gemv_bench import graph_time_us
 from graphrunner_tools.bench.roofline import measure_copy_bandwidth
 
@@ -42,6 +48,23 @@ def decode_batch(bs: int, context: int, heads: int, kv_heads: int, dim: int, blo
     return q, cache, md, torch.empty_like(q)
 
 
+def rope_inputs(q: torch.Tensor, md: AttentionMetadata, context: int, kv_heads: int, block_size: int = 16):
+    """The step's new k / v (unrotated), positions, a cos | sin table, and each token's real slot."""
+    bs, _, dim = q.shape
+    n = -(-(context + 1) // block_size)
+    k, v = (torch.randn(bs, kv_heads, dim, device=q.device, dtype=q.dtype) for _ in range(2))
+    positions = torch.full((bs,), context, device=q.device, dtype=torch.int64)
+    cos_sin = torch.randn(context + 1, dim, device=q.device, dtype=torch.float32)
+    md.slot_mapping.copy_(torch.arange(bs, device=q.device) * n * block_size + context)
+    return k, v, positions, cos_sin
+
+
+def rope_then_attention(q, k, v, positions, cos_sin, cache, md, out) -> torch.Tensor:
+    """The separate rotary + KV-write kernel, then the attention launch (the step without RopeKV)."""
+    q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, cache, md.slot_mapping)
+    return paged_attention_triton(q_rot, cache, md, 0.125, out)
+
+
 def time_graph(fn, calls: int, replays: int = 10) -> float:
     """Median µs per call of `fn` captured `calls` times in one CUDA graph."""
     return graph_time_us(lambda _: fn(), calls, replays)
@@ -55,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--decode-grid", choices=("plan", "both"), default="plan",
                    help="both: every configuration with the search grid and with one program per request")
+    p.add_argument("--rope", action="store_true", help="time the rotary + KV write too (module docstring)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attn_sweep needs a CUDA device")
@@ -67,15 +91,22 @@ def main(argv: list[str] | None = None) -> int:
         floor = 2 * bs * (args.context + 1) * kv_heads * dim * 2 / bw * 1e6
         plan = attention_launch_plan(bs, bs, heads, kv_heads, dim, q.device)
         call = functools.partial(paged_attention_triton, q, cache, md, 0.125, out)
+        splits_grid: tuple[int, ...] = (1, 2, 4)
+        grids = (False, True) if args.decode_grid == "both" else (plan["decode_grid"],)
+        if args.rope:
+            k, v, pos, cs = rope_inputs(q, md, args.context, kv_heads)
+            two = time_graph(functools.partial(rope_then_attention, q, k, v, pos, cs, cache, md, out), args.calls)
+            print(f"bs={bs}: rope_write_kv + attention (default plan): {two:.1f} us ({100 * floor / two:.0f}%)")
+            call = functools.partial(call, rope_kv=RopeKV(k, v, pos, cs, md.slot_mapping))
+            splits_grid, grids = (1, 2, 4, 8, 16, 32), (True,)
         default = time_graph(call, args.calls)
         results = []
-        grids = (False, True) if args.decode_grid == "both" else (plan["decode_grid"],)
         if args.decode_grid == "both":
             for by_request in grids:
                 us = time_graph(functools.partial(call, decode_grid=by_request), args.calls)
                 print(f"bs={bs}: default plan, decode_grid={by_request}: {us:.1f} us ({100 * floor / us:.0f}%)")
         for block_n, warps, stages, splits, by_request in itertools.product((64, 128), (2, 4, 8), (2, 3, 4),
-                                                                            (1, 2, 4), grids):
+                                                                            splits_grid, grids):
             kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_kv_splits=splits,
                       decode_grid=by_request)
             try:
