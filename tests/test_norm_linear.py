@@ -50,7 +50,7 @@ def _check_identity_projection(k, seed, block, dtype, device="cpu"):
 
 
 @needs_triton
-@given(k=st.integers(1, 200), seed=st.integers(0, 2**31), block=st.sampled_from(BLOCKS))
+@given(k=st.integers(1, 96), seed=st.integers(0, 2**31), block=st.sampled_from([(4, 32, 4), (8, 64, 4), (2, 16, 4)]))
 def test_the_normalized_row_is_rounded_like_rms_norm(k, seed, block):
     # fp16 only: the interpreter rounds fp32 -> bf16 differently from torch (bf16 runs on the GPU below).
     _check_identity_projection(k, seed, block, torch.float16)
