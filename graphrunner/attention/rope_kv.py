@@ -190,15 +190,13 @@ def rope_then_attend(
     kernel less per layer.
     """
     if getattr(backend, "writes_kv_plainly", False) and metadata.kv_gather is None and use_triton(q):
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous like q_rot
         if ATTN_ROPE and hasattr(backend, "attend_rope") and q.shape[0] <= metadata.num_reqs:
             # A decode batch: the attention launch rotates and writes itself (one kernel less).
-            if out is None:
-                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             return backend.attend_rope(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out)
         slots = metadata.slot_mapping[: metadata.num_tokens]
         q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, kv_cache, slots)
-        if out is None:
-            out = torch.empty_like(q_rot)
         return backend.attend(q_rot, kv_cache, metadata, scale, out)
     q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
     return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out)

@@ -218,19 +218,19 @@ class RowLinear(_LinearBase):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out]
-        if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
-        out = self.all_reduce(linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        return self._reduced(linear, x)
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * in_local] -> [T, out]
         """forward(silu(gate) * up) of gate_up's [gate | up] halves (layers/swiglu.py: one GEMV launch
         for a single row on CUDA, else one SiLU·mul kernel and the GEMM)."""
+        return self._reduced(swiglu_linear, gate_up)
+
+    def _reduced(self, project: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """project(x, weight[, bias]) summed over the TP ranks; the bias is added once, after the sum."""
         if self.tp_size == 1:
-            return swiglu_linear(gate_up, self.weight, self.bias)
+            return project(x, self.weight, self.bias)
         assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
-        out = self.all_reduce(swiglu_linear(gate_up, self.weight))
+        out = self.all_reduce(project(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard_id=None) -> tuple[int, ...]:

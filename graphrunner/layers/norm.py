@@ -116,6 +116,13 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual) in one kernel (CUDA), or the torch reference."""
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, contiguous
+    """The op's body: the Triton kernel on CUDA, else the torch reference made contiguous."""
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
     normed, res = add_rms_norm_torch(x, residual, weight, eps)

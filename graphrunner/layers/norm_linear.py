@@ -30,7 +30,7 @@ from torch import nn
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 from graphrunner.layers.decode_linear import DECODE_GEMV, gemv_plan, linear
-from graphrunner.layers.norm import RMSNorm, add_rms_norm_torch, add_rms_norm_triton
+from graphrunner.layers.norm import RMSNorm, add_rms_norm
 
 __all__ = ["NORM_GEMV", "add_norm_linear", "add_norm_project", "norm_gemv_plan", "norm_gemv_triton"]
 
@@ -140,11 +140,7 @@ def _norm_gemv_fits(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
 def add_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two-step path: fused add + RMSNorm (Triton on CUDA, torch elsewhere), then the projection."""
-    if HAS_TRITON and x.is_cuda:
-        normed, res = add_rms_norm_triton(x, residual, norm_weight, eps)
-    else:
-        normed, res = add_rms_norm_torch(x, residual, norm_weight, eps)
-        res = res.contiguous()
+    normed, res = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), res
 
 
