@@ -44,6 +44,7 @@ compiles without those stores, so attention without an LSE buffer runs the same 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -57,6 +58,8 @@ from graphrunner.kernels.pdl import pdl_launch
 _NEG_BIG = -1.0e30
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 _MAX_KV_SPLITS = 32
+# GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS caps the plan's split count (read once at import; sweeps).
+_PLAN_MAX_SPLITS = min(_MAX_KV_SPLITS, int(os.environ.get("GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS", _MAX_KV_SPLITS)))
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -474,7 +477,7 @@ def attention_launch_plan(
         # Tiles that can hold real work: one per request at least, more for long queries.
         busy = max(min(num_reqs, num_tokens), -(-num_tokens // block_q)) * num_kv_heads
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_kv_splits = max(1, min(_MAX_KV_SPLITS, (2 * num_sms) // max(busy, 1)))
+        num_kv_splits = max(1, min(_PLAN_MAX_SPLITS, (2 * num_sms) // max(busy, 1)))
     num_warps = 4
     if decode_like and d_pad <= 64 and num_kv_splits == 1:
         # Large decode batches of small heads: 64-key blocks and 2 warps keep more programs
