@@ -64,6 +64,8 @@ def test_serves_only_several_cuda_rows_of_the_head_dtype():
     assert not greedy_head_serves(torch.zeros(4, 8), torch.zeros(16, 8))  # CPU: the logits path
     assert greedy_head_plan(256, 896, torch.device("cuda")) == (128, 256, 64, 8, 3)
     assert greedy_head_plan(8, 4096, torch.device("cuda"))[:3] == (64, 256, 64)
+    # fp32 tiles at half the K step: 64 x 256 x 64 x 4 bytes x 3 stages (240 KiB) exceeds an H100's shared memory.
+    assert greedy_head_plan(8, 4096, torch.device("cuda"), torch.float32)[:3] == (64, 256, 32)
 
 
 def test_head_greedy_on_cpu_is_argmax_of_its_logits():
@@ -99,3 +101,21 @@ def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows):
         # The same fp32 sums up to their order: the pick is the argmax, or ties it within that order.
         assert ((out.long() == want) | (logits.max(dim=-1).values - picked <= 1e-3)).all()
         assert (out.long() == want).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_takes_ieee_dots_and_fits_shared_memory():
+    """fp32 heads are not routed here (greedy_tokens keeps exact logits), but the kernel still
+    serves them: the halved K step compiles within shared memory and the dots are IEEE, not TF32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(8, 512, device="cuda", generator=g)
+    weight = torch.randn(5000, 512, device="cuda", generator=g)
+    assert not greedy_head_serves(hidden, weight)
+    out = torch.empty(8, dtype=torch.int64, device="cuda")
+    greedy_head_triton(hidden, weight, out)
+    logits = hidden.double() @ weight.double().t()
+    picked = logits.gather(1, out[:, None])[:, 0]
+    # TF32 products (10-bit mantissas) would miss by ~1e-1 here; IEEE fp32 sums by ~1e-4.
+    assert (logits.max(dim=-1).values - picked <= 1e-3).all()

@@ -32,6 +32,9 @@ __all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head
 
 GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# What `greedy_tokens` sends here: half-precision heads. An fp32 head keeps its exact logits + argmax
+# (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
+_SERVED_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
 
 if HAS_TRITON:
@@ -43,7 +46,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _head_argmax_kernel(x_ptr, w_ptr, max_ptr, idx_ptr, nan_ptr, M, V, K, stride_xm, stride_wv,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                            IEEE: tl.constexpr):
         # Program (m tile, n tile), m fastest: the tile's logits x[rm] . W[rn]^T in fp32, reduced per
         # row to (max, its first column, first NaN column) at partial [row, n tile].
         pid = tl.program_id(0)
@@ -64,7 +68,10 @@ if HAS_TRITON:
             else:
                 a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K), other=0.0)
                 b = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
+            if IEEE:  # fp32 inputs: exact fp32 products, as the logits path (not TF32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
         cols = tl.broadcast_to(rn[None, :], [BM, BN])
         nan = acc != acc
         s = tl.where(nan | ~n_ok[None, :], _NEG_INF, acc)  # NaN never enters the max; it wins below
@@ -78,9 +85,11 @@ if HAS_TRITON:
         tl.store(nan_ptr + at, first_nan, mask=m_ok)
 
 
-def greedy_head_plan(num_rows: int, hidden: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages): 128 x 256 tiles of 64-wide K steps at 8 warps, the
-    usual Hopper bf16 GEMM shape; 64-row tiles for up to 64 rows; small tiles on CPU (the
+    usual Hopper bf16 GEMM shape; 64-row tiles for up to 64 rows; K steps halved for fp32 (the
+    three stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
     interpreter). GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages overrides it (sweeps)."""
     override = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_TILES")
     if override:
@@ -88,14 +97,14 @@ def greedy_head_plan(num_rows: int, hidden: int, device: torch.device) -> tuple[
         return bm, bn, bk, warps, stages
     if device.type != "cuda":
         return 16, 32, 16, 4, 1
-    bk = 64 if hidden % 64 == 0 else 32
+    bk = (64 if hidden % 64 == 0 else 32) // (2 if dtype == torch.float32 else 1)
     return (64 if num_rows <= 64 else 128), 256, bk, 8, 3
 
 
 def greedy_head_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `greedy_tokens` runs the fused kernel for these inputs (else logits + argmax)."""
     return (GREEDY_HEAD and HAS_TRITON and hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] >= _MIN_ROWS
-            and hidden.dtype in _DTYPES and weight.dtype == hidden.dtype and hidden.stride(1) == 1
+            and hidden.dtype in _SERVED_DTYPES and weight.dtype == hidden.dtype and hidden.stride(1) == 1
             and weight.stride(1) == 1 and weight.shape[1] == hidden.shape[1])
 
 
@@ -109,7 +118,7 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must share K with unit "
                          f"stride along it (strides {hidden.stride()}, {weight.stride()})")
     check_tensor("out", out, (num_rows,), (torch.int32, torch.int64))
-    bm, bn, bk, warps, stages = tiles or greedy_head_plan(num_rows, k, hidden.device)
+    bm, bn, bk, warps, stages = tiles or greedy_head_plan(num_rows, k, hidden.device, hidden.dtype)
     num_n = triton.cdiv(vocab, bn)
     if num_n > MAX_CHUNKS:
         raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
@@ -120,5 +129,6 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
             for name, dtype in (("max", torch.float32), ("idx", torch.int32), ("nan", torch.int32))}
     _head_argmax_kernel[(triton.cdiv(num_rows, bm) * num_n,)](
         hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
-        weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
+        weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+        IEEE=hidden.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return combine_partials(part["max"], part["idx"], part["nan"], out)
