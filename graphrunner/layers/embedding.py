@@ -18,6 +18,8 @@ from torch import nn
 
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.decode_linear import gemv_serves, gemv_triton, linear
+from graphrunner.sample.argmax import argmax_rows
+from graphrunner.sample.greedy_head import greedy_head_serves, greedy_head_triton
 
 
 class _VocabParallel(nn.Module):
@@ -46,6 +48,13 @@ class _VocabParallel(nn.Module):
         if n:
             self.weight[:n].copy_(tensor.narrow(0, self.vocab_start, n))
         self.weight[n:].zero_()
+
+    def greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> out [R]
+        """out = argmax of `logits(hidden)`: one rank holding the whole head fuses the argmax into
+        the head's GEMM (no logits written: sample/greedy_head.py); TP ranks gather logits first."""
+        if self.tp.size == 1 and greedy_head_serves(hidden, self.weight):
+            return greedy_head_triton(hidden, self.weight, out)
+        return argmax_rows(self.logits(hidden), out=out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         """Project onto the (gathered) vocabulary: every TP rank gets the full logits."""

@@ -382,13 +382,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         """Full-vocabulary logits on every TP rank (last PP stage only)."""
+        return self._head("compute_logits").logits(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> out [R]
+        """The argmax of the logits, without writing them where the head allows (sample/greedy_head.py)."""
+        return self._head("greedy_tokens").greedy(hidden, out)
+
+    def _head(self, caller: str) -> VocabEmbedding | LMHead:
         if not self.model.is_last_stage:
-            raise RuntimeError(
-                f"compute_logits on pipeline stage {self.pp_rank} of {self.pp_size}: only the last has the head"
-            )
+            raise RuntimeError(f"{caller} on pipeline stage {self.pp_rank} of {self.pp_size}: only the last has a head")
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         assert head is not None, "a tied head keeps the embedding on the last stage"
-        return head.logits(hidden)
+        return head
 
     # ------------------------------------------------------------------ weight loading
 

@@ -35,7 +35,7 @@ import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
 
-__all__ = ["ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan"]
+__all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan", "combine_partials"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.int32, torch.int64)
@@ -44,7 +44,7 @@ _ELEMS_PER_THREAD = 8  # num_warps = BLOCK / (32 x 8), so small test blocks get 
 _MAX_WARPS = 8
 _MIN_CHUNK = 4096  # shorter chunks would cost more in per-program setup and partials than they spread
 _PROGRAMS_PER_SM = 4  # all resident at once (4 x 8 warps of the 64 an SM holds): one even wave
-_MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
+MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
 _NO_INDEX = 2147483647  # "none" for the index minima: larger than every real index
@@ -76,7 +76,7 @@ def chunk_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | Non
     if num_chunks is None:
         wanted = -(-_PROGRAMS_PER_SM * num_sms // max(num_rows, 1))
         num_chunks = min(wanted, vocab_size // _MIN_CHUNK)
-    num_chunks = max(1, min(num_chunks, num_blocks, _MAX_CHUNKS))
+    num_chunks = max(1, min(num_chunks, num_blocks, MAX_CHUNKS))
     chunk_blocks = -(-num_blocks // num_chunks)
     return ChunkPlan(block, chunk_blocks * block, -(-num_blocks // chunk_blocks))
 
@@ -182,8 +182,16 @@ def argmax_rows_triton(
     num_warps = max(1, min(_MAX_WARPS, plan.block // (32 * _ELEMS_PER_THREAD)))
     _partial_kernel[(num_rows, plan.num_chunks)](x, x.stride(0), part_max, part_idx, part_nan, vocab_size,
                                                  plan.chunk // plan.block, BLOCK=plan.block, num_warps=num_warps)
-    _combine_kernel[(num_rows,)](part_max, part_idx, part_nan, out, plan.num_chunks,
-                                 C_PAD=triton.next_power_of_2(max(plan.num_chunks, 16)), num_warps=1)
+    return combine_partials(part_max, part_idx, part_nan, out)
+
+
+def combine_partials(part_max: torch.Tensor, part_idx: torch.Tensor, part_nan: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """out [R] from a row's C partials (each [R, C], C <= MAX_CHUNKS; max fp32, first index of
+    it and first NaN index int32, chunks in increasing index order): the combine kernel."""
+    num_rows, num_chunks = part_max.shape
+    _combine_kernel[(num_rows,)](part_max, part_idx, part_nan, out, num_chunks,
+                                 C_PAD=triton.next_power_of_2(max(num_chunks, 16)), num_warps=1)
     return out
 
 

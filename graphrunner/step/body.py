@@ -150,6 +150,9 @@ class StepBody:
         if self.spec is not None:
             self.spec.sample(hidden, batch, self.model.compute_logits, (lp.values, lp.token_ids, lp.ranks))
             return
+        if batch.sampling_features.is_plain_greedy:  # argmax is the whole pipeline: no logits written
+            self.model.greedy_tokens(hidden[batch.logits_indices], out=batch.sampled)
+            return
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R_pad, V] float32
         # The token being sampled sits at position seq_len: that keys its random noise.
         r_pad = batch.num_reqs_padded

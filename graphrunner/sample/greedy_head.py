@@ -1,0 +1,134 @@
+"""Plain greedy decoding without materialized logits: the LM head GEMM with an argmax epilogue.
+
+A plain-greedy step (the GREEDY graph variant: argmax of the raw logits and nothing else)
+otherwise writes fp32 logits [R, V] from the LM head and reads them back in the argmax: at
+256 rows x 151,936 that is 156 MB each way, ~100 us of a qwen2.5-0.5b step on an H100 next to
+the head's 272 MB weight read (issue #17). Here one Triton GEMM computes each [BM, BN] tile of
+logits in fp32 registers and reduces it at once, per row, to the argmax module's partials:
+the tile's max, that max's first column and the first NaN column (`sample/argmax.py`'s rules,
+which are torch.argmax's). The argmax's combine kernel then reduces a row's V / BN partials.
+
+The logits are the same fp32 sums as the head's (bf16 products, fp32 accumulation) up to the
+summation order, so a row whose two best logits tie to within that order may pick the other
+one, as cuBLAS itself may between shapes. Programs walk the M tiles of one N tile next to each
+other, so a W tile is read from DRAM once and from L2 by its other M tiles.
+
+The LM head's `greedy` (layers/embedding.py) calls it for a plain-greedy batch of at least two
+CUDA rows when one rank holds the whole head (`greedy_head_serves`); GRAPHRUNNER_GREEDY_HEAD=0
+(read once) keeps the logits and the separate argmax. Works on CPU under TRITON_INTERPRET=1 (fp32 inputs:
+the interpreter's half-precision dot is unreliable).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from graphrunner.kernels import HAS_TRITON, check_tensor
+from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
+
+__all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head_triton"]
+
+GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# What `greedy_tokens` sends here: half-precision heads. An fp32 head keeps its exact logits + argmax
+# (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
+_SERVED_DTYPES = (torch.bfloat16, torch.float16)
+_MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    _NEG_INF = tl.constexpr(float("-inf"))
+    _NONE = tl.constexpr(2147483647)  # argmax.py's "no index"
+
+    @triton.jit
+    def _head_argmax_kernel(x_ptr, w_ptr, max_ptr, idx_ptr, nan_ptr, M, V, K, stride_xm, stride_wv,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                            IEEE: tl.constexpr):
+        # Program (m tile, n tile), m fastest: the tile's logits x[rm] . W[rn]^T in fp32, reduced per
+        # row to (max, its first column, first NaN column) at partial [row, n tile].
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        pid_m, pid_n = pid % num_m, pid // num_m
+        rm = pid_m * BM + tl.arange(0, BM)  # [BM]
+        rn = pid_n * BN + tl.arange(0, BN)  # [BN]
+        rk = tl.arange(0, BK)  # [BK]
+        m_ok, n_ok = rm < M, rn < V
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wv  # [BN, 1]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + rk
+            if EVEN_K:
+                a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
+                b = tl.load(w_rows + ks[None, :], mask=n_ok[:, None], other=0.0)  # [BN, BK]
+            else:
+                a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K), other=0.0)
+                b = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+            if IEEE:  # fp32 inputs: exact fp32 products, as the logits path (not TF32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        cols = tl.broadcast_to(rn[None, :], [BM, BN])
+        nan = acc != acc
+        s = tl.where(nan | ~n_ok[None, :], _NEG_INF, acc)  # NaN never enters the max; it wins below
+        best = tl.max(s, 1)  # [BM]
+        # A row of only -inf gives its first column, as torch.argmax does (columns >= V come last).
+        first = tl.min(tl.where(s == best[:, None], cols, _NONE), 1)
+        first_nan = tl.min(tl.where(nan & n_ok[None, :], cols, _NONE), 1)
+        at = rm * tl.cdiv(V, BN) + pid_n  # [BM]: entries of the [M, V / BN] partials
+        tl.store(max_ptr + at, best, mask=m_ok)
+        tl.store(idx_ptr + at, first, mask=m_ok)
+        tl.store(nan_ptr + at, first_nan, mask=m_ok)
+
+
+def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages): 128 x 256 tiles of 64-wide K steps at 8 warps, the
+    usual Hopper bf16 GEMM shape; 64-row tiles for up to 64 rows; K steps halved for fp32 (the
+    three stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
+    interpreter). GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages overrides it (sweeps)."""
+    override = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_TILES")
+    if override:
+        bm, bn, bk, warps, stages = (int(v) for v in override.split(","))
+        return bm, bn, bk, warps, stages
+    if device.type != "cuda":
+        return 16, 32, 16, 4, 1
+    bk = (64 if hidden % 64 == 0 else 32) // (2 if dtype == torch.float32 else 1)
+    return (64 if num_rows <= 64 else 128), 256, bk, 8, 3
+
+
+def greedy_head_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `greedy_tokens` runs the fused kernel for these inputs (else logits + argmax)."""
+    return (GREEDY_HEAD and HAS_TRITON and hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] >= _MIN_ROWS
+            and hidden.dtype in _SERVED_DTYPES and weight.dtype == hidden.dtype and hidden.stride(1) == 1
+            and weight.stride(1) == 1 and weight.shape[1] == hidden.shape[1])
+
+
+def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                       tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """hidden [R, K] . weight [V, K]^T -> out [R] (int32 | int64): each row's argmax, no logits."""
+    if not HAS_TRITON:
+        raise RuntimeError("greedy_head_triton needs triton, which failed to import")
+    (num_rows, k), (vocab, k_w) = hidden.shape, weight.shape
+    if k != k_w or hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must share K with unit "
+                         f"stride along it (strides {hidden.stride()}, {weight.stride()})")
+    check_tensor("out", out, (num_rows,), (torch.int32, torch.int64))
+    bm, bn, bk, warps, stages = tiles or greedy_head_plan(num_rows, k, hidden.device, hidden.dtype)
+    num_n = triton.cdiv(vocab, bn)
+    if num_n > MAX_CHUNKS:
+        raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
+                         f"at most {MAX_CHUNKS}")
+    if num_rows == 0:
+        return out
+    part = {name: torch.empty(num_rows, num_n, dtype=dtype, device=hidden.device)
+            for name, dtype in (("max", torch.float32), ("idx", torch.int32), ("nan", torch.int32))}
+    _head_argmax_kernel[(triton.cdiv(num_rows, bm) * num_n,)](
+        hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
+        weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+        IEEE=hidden.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return combine_partials(part["max"], part["idx"], part["nan"], out)

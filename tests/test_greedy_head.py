@@ -1,0 +1,121 @@
+"""The LM head with an argmax epilogue (graphrunner/sample/greedy_head.py): torch.argmax of the
+logits, without writing them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.layers.embedding import LMHead
+from graphrunner.sample.greedy_head import greedy_head_plan, greedy_head_serves, greedy_head_triton
+from tests.cuda_graphs import capture_cuda_graph
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+TILES = [(16, 16, 16, 4, 1), (16, 32, 16, 4, 1), (32, 16, 32, 4, 1), (16, 64, 16, 4, 1)]
+
+
+@needs_triton
+@given(rows=st.integers(1, 40), vocab=st.integers(1, 200), k=st.integers(1, 40), seed=st.integers(0, 2**31),
+       tiles=st.sampled_from(TILES), out_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_equals_torch_argmax_of_the_logits_ties_included(rows, vocab, k, seed, tiles, out_dtype):
+    """Small integers make every logit an exact fp32 sum, so ties are exact and frequent: the
+    first index of the max must win, across the tiles of a row as inside one."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (rows, k), generator=g).float()
+    w = torch.randint(-2, 3, (vocab, k), generator=g).float()
+    out = torch.full((rows,), -1, dtype=out_dtype)
+    greedy_head_triton(x, w, out, tiles=tiles)
+    assert torch.equal(out, F.linear(x, w).argmax(dim=-1).to(out_dtype))
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("tiles", TILES[:2])
+def test_nan_and_infinite_logits_follow_torch(tiles):
+    """A NaN logit wins at its first column; +inf beats every number; a row of -inf gives 0."""
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # [3, 2]
+    w = torch.zeros(70, 2)
+    w[5, 0], w[40, 0], w[9, 1] = float("nan"), float("nan"), float("inf")
+    w[:, 0] = torch.where(torch.isnan(w[:, 0]), w[:, 0], torch.full((70,), float("inf")))
+    logits = F.linear(x, w)  # row 0: NaN at 5 and 40, +inf elsewhere; row 1: +inf at 9; row 2: NaN / -inf
+    out = torch.empty(3, dtype=torch.int64)
+    greedy_head_triton(x, w, out, tiles=tiles)
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+@needs_triton
+def test_rejects_what_it_cannot_serve():
+    x, w = torch.zeros(4, 8), torch.zeros(100, 8)
+    with pytest.raises(ValueError, match="share K"):
+        greedy_head_triton(x, torch.zeros(100, 6), torch.empty(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out has"):
+        greedy_head_triton(x, w, torch.empty(4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="at most 1024"):
+        greedy_head_triton(x, torch.zeros(1025 * 16, 8), torch.empty(4, dtype=torch.int64),
+                           tiles=(16, 16, 16, 4, 1))
+
+
+def test_serves_only_several_cuda_rows_of_the_head_dtype():
+    assert not greedy_head_serves(torch.zeros(4, 8), torch.zeros(16, 8))  # CPU: the logits path
+    assert greedy_head_plan(256, 896, torch.device("cuda")) == (128, 256, 64, 8, 3)
+    assert greedy_head_plan(8, 4096, torch.device("cuda"))[:3] == (64, 256, 64)
+    # fp32 tiles at half the K step: 64 x 256 x 64 x 4 bytes x 3 stages (240 KiB) exceeds an H100's shared memory.
+    assert greedy_head_plan(8, 4096, torch.device("cuda"), torch.float32)[:3] == (64, 256, 32)
+
+
+def test_head_greedy_on_cpu_is_argmax_of_its_logits():
+    torch.manual_seed(0)
+    head = LMHead(50, 12, dtype=torch.float32)
+    head.weight.data.normal_()
+    hidden = torch.randn(5, 12)
+    out = torch.empty(5, dtype=torch.int32)
+    head.greedy(hidden, out)
+    assert torch.equal(out, head.logits(hidden).argmax(dim=-1).int())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 64, 256])
+def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from graphrunner.layers.embedding import lm_logits
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    hidden = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    assert greedy_head_serves(hidden, weight)
+    out = torch.empty(rows, dtype=torch.int32, device="cuda")
+    graph = capture_cuda_graph(lambda: greedy_head_triton(hidden, weight, out))
+    for _ in range(2):
+        hidden.copy_(torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        logits = lm_logits(hidden, weight)  # cuBLAS, fp32 out
+        want = logits.argmax(dim=-1)
+        picked = logits.gather(1, out.long()[:, None])[:, 0]
+        # The same fp32 sums up to their order: the pick is the argmax, or ties it within that order.
+        assert ((out.long() == want) | (logits.max(dim=-1).values - picked <= 1e-3)).all()
+        assert (out.long() == want).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_takes_ieee_dots_and_fits_shared_memory():
+    """fp32 heads are not routed here (greedy_tokens keeps exact logits), but the kernel still
+    serves them: the halved K step compiles within shared memory and the dots are IEEE, not TF32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(8, 512, device="cuda", generator=g)
+    weight = torch.randn(5000, 512, device="cuda", generator=g)
+    assert not greedy_head_serves(hidden, weight)
+    out = torch.empty(8, dtype=torch.int64, device="cuda")
+    greedy_head_triton(hidden, weight, out)
+    logits = hidden.double() @ weight.double().t()
+    picked = logits.gather(1, out[:, None])[:, 0]
+    # TF32 products (10-bit mantissas) would miss by ~1e-1 here; IEEE fp32 sums by ~1e-4.
+    assert (logits.max(dim=-1).values - picked <= 1e-3).all()
