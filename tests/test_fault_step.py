@@ -193,9 +193,15 @@ def _generate(llm: LLM, workload: str) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, WORKLOADS[workload])]
 
 
-def _poison_entry0(model, kind: str):
-    """compute_logits that poisons batch entry 0 (request 0 here), as a faulty head would."""
-    original = model.compute_logits
+def _head(model):
+    """The module whose `logits` every sampling path reads (compute_logits and, for plain greedy
+    batches, greedy_tokens when the fused head kernel does not serve them: CPU, fp32, one row)."""
+    return model.lm_head if model.lm_head is not None else model.model.embed_tokens
+
+
+def _poison_entry0(head, kind: str):
+    """The head's logits with batch entry 0 (request 0 here) poisoned, as a faulty head would."""
+    original = head.logits
 
     def poisoned(hidden):
         return _poison(original(hidden), 0, kind)
@@ -219,7 +225,7 @@ def test_engine_poisoned_request_leaves_others_alone(llms, baselines, mode, monk
 
     monkeypatch.setattr(FullGraph, "replay", spy)
     for kind in KINDS:
-        monkeypatch.setattr(model, "compute_logits", _poison_entry0(model, kind))
+        monkeypatch.setattr(_head(model), "logits", _poison_entry0(_head(model), kind))
         for workload in WORKLOADS:
             got = _generate(llm, workload)
             assert got[1:] == baselines[workload][1:], (mode, kind, workload)
@@ -364,7 +370,7 @@ def test_engine_replay_error_names_the_descriptor(llms, monkeypatch):
         def broken(hidden):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        monkeypatch.setattr(model, "compute_logits", broken)
+        monkeypatch.setattr(_head(model), "logits", broken)
         with pytest.raises(RuntimeError, match="illegal memory access") as err:
             _generate(llms[mode], "greedy")
         monkeypatch.undo()

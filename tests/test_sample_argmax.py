@@ -97,7 +97,7 @@ def test_chunk_plan_covers_the_row_with_whole_nonempty_chunks(rows, vocab, num_s
     plan = chunk_plan(rows, vocab, num_sms, block=block, num_chunks=num_chunks)
     assert plan.chunk % plan.block == 0 and plan.block & (plan.block - 1) == 0
     assert (plan.num_chunks - 1) * plan.chunk < vocab <= plan.num_chunks * plan.chunk  # none empty, all covered
-    assert 1 <= plan.num_chunks <= argmax_module._MAX_CHUNKS
+    assert 1 <= plan.num_chunks <= argmax_module.MAX_CHUNKS
     if num_chunks is None and plan.num_chunks > 1:
         assert plan.chunk >= argmax_module._MIN_CHUNK
 
