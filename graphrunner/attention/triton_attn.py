@@ -58,8 +58,13 @@ from graphrunner.kernels.pdl import pdl_launch
 _NEG_BIG = -1.0e30
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 _MAX_KV_SPLITS = 32
-# GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS caps the plan's split count (read once at import; sweeps).
-_PLAN_MAX_SPLITS = min(_MAX_KV_SPLITS, int(os.environ.get("GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS", _MAX_KV_SPLITS)))
+# The plan's largest split count (GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS, read once at import). H100,
+# context 1024, FULL, batch 1 (docs/bench/decode_fusion/lat_split_cap_s17_h100.md): qwen2.5-0.5b
+# 0.794 / 0.790 ms at 16 against 0.865 / 0.832 at 32, llama-3.1-8b 6.66-6.75 against 6.80 (with
+# the rotary + KV write in the launch; at 1024 keys in 128-key blocks only 9 splits hold keys
+# either way).
+# Longer contexts were not measured; they may want more.
+_PLAN_MAX_SPLITS = min(_MAX_KV_SPLITS, int(os.environ.get("GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS", "16")))
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 

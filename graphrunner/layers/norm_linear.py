@@ -36,6 +36,12 @@ __all__ = ["NORM_GEMV", "add_norm_linear", "add_norm_project", "norm_gemv_plan",
 
 # GRAPHRUNNER_NORM_GEMV=0 keeps the two-kernel path at one row too (read once at import).
 NORM_GEMV = DECODE_GEMV and os.environ.get("GRAPHRUNNER_NORM_GEMV", "1") != "0"
+# The fused path only for projections of at most this K (hidden size; read once at import): every
+# program re-reads the whole x and residual rows to normalize them. H100, batch 1, FULL
+# (docs/bench/decode_fusion/lat_fusion_gates_s17_h100.md): llama-3.1-8b (K 4096) 6.21 ms fused vs
+# 5.81 unfused (SwiGLU GEMV off in both), llama-3.2-1b (K 2048) 1.253 vs 1.251, qwen2.5-0.5b
+# (K 896) 0.82 vs 0.89 (session 16).
+NORM_GEMV_MAX_K = int(os.environ.get("GRAPHRUNNER_NORM_GEMV_MAX_K", "2048"))
 _BLOCK_N_OVERRIDE = int(os.environ.get("GRAPHRUNNER_NORM_GEMV_BLOCK_N", "0"))  # device sweeps
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -132,7 +138,7 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
 def _norm_gemv_fits(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> bool:
     return (NORM_GEMV and HAS_TRITON and x.is_cuda and x.shape[0] == 1 and x.dtype in _DTYPES
-            and residual.dtype == norm_weight.dtype == weight.dtype == x.dtype
+            and weight.shape[1] <= NORM_GEMV_MAX_K and residual.dtype == norm_weight.dtype == weight.dtype == x.dtype
             and x.stride(-1) == 1 and residual.stride(-1) == 1 and weight.stride(-1) == 1
             and (bias is None or bias.dtype == x.dtype))
 

@@ -14,6 +14,8 @@ stores it; off CUDA (or without Triton) it is `F.silu(gate) * up` then `linear`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,12 @@ from graphrunner.layers.decode_linear import DECODE_GEMV, gemv_fits, gemv_triton
 __all__ = ["silu_mul_triton", "swiglu", "swiglu_linear"]
 
 _BLOCK = 1024  # elements of one row per program
+# The one-row fused path only for down projections of at most this K (intermediate size; read once
+# at import): every GEMV program recomputes silu(gate) * up over the whole K, which grows with K.
+# H100, batch 1, FULL (docs/bench/decode_fusion/lat_fusion_gates_s17_h100.md): llama-3.2-1b
+# (K 8192) 1.253 fused vs 1.191 ms unfused, llama-3.1-8b (K 14336) 6.66 vs 6.21 with the norm
+# fused; qwen2.5-0.5b (K 4864) unchanged within the spread (0.865 / 0.837 ms, session 16).
+SWIGLU_GEMV_MAX_K = int(os.environ.get("GRAPHRUNNER_SWIGLU_GEMV_MAX_K", "6144"))
 
 if HAS_TRITON:
     import triton
@@ -60,7 +68,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
 def _swiglu_linear_cuda(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The run-time choice of the module docstring (CUDA, Triton)."""
-    if gemv_fits(gate_up, weight, bias):
+    if weight.shape[1] <= SWIGLU_GEMV_MAX_K and gemv_fits(gate_up, weight, bias):
         return gemv_triton(gate_up, weight, bias, swiglu=True)
     return linear(silu_mul_triton(gate_up), weight, bias)
 

@@ -39,7 +39,11 @@ def last_step_logits(model: str, num_prompts: int, device: str | None) -> torch.
         seen.append(logits.detach().float().clone())
         return logits
 
+    def greedy(hidden, out):  # plain greedy steps skip compute_logits on a GPU (sample/greedy_head.py)
+        return out.copy_(keep(hidden).argmax(dim=-1))
+
     net.compute_logits = keep
+    net.greedy_tokens = greedy
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(8)] for i in range(num_prompts)]
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     llm.shutdown()
