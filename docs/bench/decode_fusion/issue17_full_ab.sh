@@ -11,7 +11,7 @@ LOG=$OUT/lat_issue17_ab.md; : > "$LOG"
 for model in qwen2.5-0.5b llama-3.2-1b llama-3.1-8b; do
   for side in after before; do
     dir=$root; [ "$side" = before ] && dir=$BEFORE
-    (cd "$dir" && source tools/device_env.sh >/dev/null && echo "### $model $side" >> "$LOG" && timeout 150 \
+    (cd "$dir" && source tools/device_env.sh >/dev/null && echo "### $model $side" >> "$LOG" && timeout ${LAT_TIMEOUT:-150} \
       python3 -c "$grc" bench latency --model "builtin:$model" --batch-sizes 1,8,64,256 --context 1024 \
       --modes FULL >> "$LOG" 2>&1; echo "$model $side rc=$? $((SECONDS-t0))s"; grep -E '^FULL +[0-9]+ ' "$LOG" | tail -4)
   done
