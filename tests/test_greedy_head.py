@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.embedding import LMHead
-from graphrunner.sample.greedy_head import greedy_head_plan, greedy_head_serves, greedy_head_triton
+from graphrunner.sample.greedy_head import greedy_head_plan, greedy_head_serves, greedy_head_triton, vocab_fits
 from tests.cuda_graphs import capture_cuda_graph
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
@@ -66,6 +66,9 @@ def test_serves_only_several_cuda_rows_of_the_head_dtype():
     assert greedy_head_plan(8, 4096, torch.device("cuda"))[:3] == (64, 256, 64)
     # fp32 tiles at half the K step: 64 x 256 x 64 x 4 bytes x 3 stages (240 KiB) exceeds an H100's shared memory.
     assert greedy_head_plan(8, 4096, torch.device("cuda"), torch.float32)[:3] == (64, 256, 32)
+    # A row's partials must fit the combine kernel: larger vocabularies keep logits + argmax.
+    tiles = greedy_head_plan(256, 4096, torch.device("cuda"))
+    assert vocab_fits(151_936, tiles) and vocab_fits(262_144, tiles) and not vocab_fits(262_145, tiles)
 
 
 def test_head_greedy_on_cpu_is_argmax_of_its_logits():

@@ -28,7 +28,7 @@ import torch
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 
-__all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head_triton"]
+__all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head_triton", "vocab_fits"]
 
 GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -105,7 +105,15 @@ def greedy_head_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `greedy_tokens` runs the fused kernel for these inputs (else logits + argmax)."""
     return (GREEDY_HEAD and HAS_TRITON and hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] >= _MIN_ROWS
             and hidden.dtype in _SERVED_DTYPES and weight.dtype == hidden.dtype and hidden.stride(1) == 1
-            and weight.stride(1) == 1 and weight.shape[1] == hidden.shape[1])
+            and weight.stride(1) == 1 and weight.shape[1] == hidden.shape[1]
+            and vocab_fits(weight.shape[0], greedy_head_plan(hidden.shape[0], hidden.shape[1], hidden.device,
+                                                             hidden.dtype)))
+
+
+def vocab_fits(vocab: int, tiles: tuple[int, int, int, int, int]) -> bool:
+    """Whether a row's vocab-tile partials fit the combine kernel (MAX_CHUNKS): at 256-wide tiles a
+    vocabulary of up to 262,144; a larger one keeps logits + argmax rather than failing."""
+    return -(-vocab // tiles[1]) <= MAX_CHUNKS
 
 
 def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
@@ -120,7 +128,7 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     check_tensor("out", out, (num_rows,), (torch.int32, torch.int64))
     bm, bn, bk, warps, stages = tiles or greedy_head_plan(num_rows, k, hidden.device, hidden.dtype)
     num_n = triton.cdiv(vocab, bn)
-    if num_n > MAX_CHUNKS:
+    if not vocab_fits(vocab, (bm, bn, bk, warps, stages)):
         raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
                          f"at most {MAX_CHUNKS}")
     if num_rows == 0:
