@@ -94,7 +94,7 @@ if HAS_TRITON:
         tl.store(kdst + stride_c_kv + HALF * stride_c_d, v2.to(cty), mask=kv_mask)
 
 
-def _check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Host-side checks (metadata only, safe during capture)."""
     if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} must be [T, num_heads, head_dim] like k {tuple(k.shape)}")
@@ -122,7 +122,7 @@ def rotate_torch(
 
 def rope_write_kv_torch(q, k, v, positions, cos_sin, kv_cache, slot_mapping) -> torch.Tensor:
     """Torch reference of `rope_write_kv_triton` (same arguments, same result)."""
-    _check_rope_args(q, k, positions, cos_sin)
+    check_rope_args(q, k, positions, cos_sin)
     write_kv_torch(rotate_torch(positions, k, cos_sin), v, kv_cache, slot_mapping)
     return rotate_torch(positions, q, cos_sin)
 
@@ -142,7 +142,7 @@ def rope_write_kv_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("rope_write_kv_triton needs triton, which failed to import; use rope_write_kv_torch")
-    _check_rope_args(q, k, positions, cos_sin)
+    check_rope_args(q, k, positions, cos_sin)
     check_kv_args(k, v, kv_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     q_rot = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -202,4 +202,4 @@ def rope_then_attend(
     return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out)
 
 
-__all__ = ["rope_then_attend", "rope_write_kv_torch", "rope_write_kv_triton", "rotate_torch"]
+__all__ = ["check_rope_args", "rope_then_attend", "rope_write_kv_torch", "rope_write_kv_triton", "rotate_torch"]

@@ -49,6 +49,7 @@ import os
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
+from graphrunner.attention.rope_kv import check_rope_args
 from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
@@ -525,12 +526,9 @@ def _rope_kv_args(rope_kv: RopeKV | None, q: torch.Tensor, dcp: tuple[int, int, 
     if dcp is not None:
         raise ValueError(f"rope_kv cannot serve a DCP-sharded cache (dcp={dcp}): its rank writes its own share")
     k, v, cs = rope_kv.k, rope_kv.v, rope_kv.cos_sin
-    if k.shape != v.shape or k.shape[0] != num_tokens or rope_kv.positions.shape != (num_tokens,):
-        raise ValueError(f"rope_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and positions "
-                         f"{tuple(rope_kv.positions.shape)} must cover the {num_tokens} tokens")
-    if cs.dtype != torch.float32 or cs.dim() != 2 or cs.shape[1] != q.shape[2] or q.shape[2] % 2:
-        raise ValueError(f"rope_kv: cos_sin is {cs.dtype} {tuple(cs.shape)}, expected float32 [max_positions, "
-                         f"{q.shape[2]}] (an even head_dim)")
+    check_rope_args(q, k, rope_kv.positions, cs)  # shapes against q, an even head_dim, the cos | sin table
+    if v.shape != k.shape:
+        raise ValueError(f"rope_kv: v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
     if rope_kv.slot_mapping.shape[0] < num_tokens:
         raise ValueError(f"rope_kv: slot_mapping has {rope_kv.slot_mapping.shape[0]} entries for {num_tokens} tokens")
     return (k, v, rope_kv.positions, cs, rope_kv.slot_mapping, *k.stride(), *v.stride(), cs.stride(0))

@@ -166,4 +166,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         return decode_linear(x, weight, bias)
     return gemv_triton(x, weight, bias) if gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
-

@@ -31,7 +31,9 @@ from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 __all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head_triton", "vocab_fits"]
 
 GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages replaces the plan (read once at import; sweeps).
+_TILES = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_TILES")
+_TILES_OVERRIDE = tuple(int(v) for v in _TILES.split(",")) if _TILES else None
 # What `greedy_tokens` sends here: half-precision heads. An fp32 head keeps its exact logits + argmax
 # (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
 _SERVED_DTYPES = (torch.bfloat16, torch.float16)
@@ -91,9 +93,8 @@ def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
     usual Hopper bf16 GEMM shape; 64-row tiles for up to 64 rows; K steps halved for fp32 (the
     three stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
     interpreter). GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages overrides it (sweeps)."""
-    override = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_TILES")
-    if override:
-        bm, bn, bk, warps, stages = (int(v) for v in override.split(","))
+    if _TILES_OVERRIDE is not None:
+        bm, bn, bk, warps, stages = _TILES_OVERRIDE
         return bm, bn, bk, warps, stages
     if device.type != "cuda":
         return 16, 32, 16, 4, 1
