@@ -17,6 +17,7 @@ from graphrunner.layers.decode_linear import (
     gemv_plan,
     gemv_triton,
     linear,
+    wide_memory_part,
 )
 from graphrunner.layers.swiglu import _swiglu_linear_op, silu_mul_triton, swiglu, swiglu_linear
 from tests.cuda_graphs import capture_cuda_graph
@@ -100,6 +101,19 @@ def test_plan_follows_the_row_length():
     assert gemv_plan(4096, 14336) == (1, 2048, 4)
     assert gemv_plan(2048, 8192) == (1, 2048, 8)
     assert gemv_plan(1152, 896) == (2, 1024, 4)
+
+
+def test_wide_memory_plan_changes_only_the_shapes_measured_there():
+    """H200 class: llama-3.1-8b's shapes (N >= K >= 4096, and K >= 12288) get their sweep winners; the rest
+    (qwen, llama-3.2-1b, down projections of K < 12288) keep the H100 plan; a CPU device is never wide."""
+    wide = {(6144, 4096): (4, 2048, 8), (4096, 4096): (8, 1024, 4), (28672, 4096): (4, 2048, 8),
+            (4096, 14336): (4, 2048, 4), (128256, 4096): (4, 2048, 8)}
+    for (n, k), block in wide.items():
+        assert gemv_plan(n, k, wide_memory=True) == block
+        assert gemv_plan(n, k) == gemv_plan(n, k, wide_memory=False) != block
+    for n, k in [(2048, 8192), (896, 4864), (128256, 2048), (16384, 2048), (1152, 896), (151936, 896)]:
+        assert gemv_plan(n, k, wide_memory=True) == gemv_plan(n, k)
+    assert not wide_memory_part(torch.device("cpu"))
 
 
 def test_cpu_dispatch_is_f_linear():

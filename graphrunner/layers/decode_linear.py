@@ -24,6 +24,7 @@ compiled graph serves every size. `GRAPHRUNNER_DECODE_GEMV=0` (read once at impo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["DECODE_GEMV", "gemv_fits", "gemv_plan", "gemv_serves", "gemv_triton", "linear"]
+__all__ = ["DECODE_GEMV", "gemv_fits", "gemv_plan", "gemv_serves", "gemv_triton", "linear", "wide_memory_part"]
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,15 +101,35 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def gemv_plan(N: int, K: int) -> tuple[int, int, int]:
+def gemv_plan(N: int, K: int, wide_memory: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep (docs/bench/decode_fusion/gemv_s12_h100.txt,
     42 configurations per shape, tools in gemv_s12_sweep.py beside it): long rows
     (K >= 4096) one per program in 2048-wide steps, shorter ones two per program in 1024-wide
-    steps; 8 warps for the mid-length rows of down projections (4096 < K < 12288)."""
-    del N  # the sweep's winners did not depend on it
+    steps; 8 warps for the mid-length rows of down projections (4096 < K < 12288).
+
+    `wide_memory` (an H200-class part, `wide_memory_part`): its ~1.4x bandwidth wants more bytes in
+    flight per program. The same sweep on an H200 (docs/bench/decode_fusion/gemv_tune_8b_s18_h200.txt)
+    put four or eight rows per program first on every llama-3.1-8b shape, 10-19% faster, and the
+    step went 4.57 / 4.63 -> 4.24 / 4.15 ms at batch 1 (lat_8b_tuned_s18_h200.md). Only those
+    shapes' classes were measured there (N >= K >= 4096, and K >= 12288), so only they change."""
+    if wide_memory and K >= 4096 and (N >= K or K >= 12288):
+        if K >= 12288:
+            return 4, 2048, 4
+        return (8, 1024, 4) if N == K else (4, 2048, 8)
     if K >= 4096:
         return 1, 2048, 8 if 4096 < K < 12288 else 4
     return 2, 1024, 4
+
+
+@functools.cache
+def _wide_memory_cuda(index: int) -> bool:
+    return "H200" in torch.cuda.get_device_name(index)
+
+
+def wide_memory_part(device: torch.device) -> bool:
+    """Whether `device` is an H200-class GPU (HBM3e; the GH200 included), for `gemv_plan`."""
+    return device.type == "cuda" and _wide_memory_cuda(device.index if device.index is not None
+                                                       else torch.cuda.current_device())
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -127,7 +148,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
-    block_n, block_k, warps = gemv_plan(n, k) if block is None else block
+    block_n, block_k, warps = gemv_plan(n, k, wide_memory_part(x.device)) if block is None else block
     launch = pdl_launch(x.device, 1)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
