@@ -14,3 +14,13 @@ timeout 120 python3 -m graphrunner_tools.bench.attn_sweep --rope --batch-sizes 6
 echo "attn sweep rc=$? $((SECONDS-t0))s"; head -20 "$OUT/attn_sweep_h200.txt"
 timeout 100 python3 docs/bench/sampler_s17/argmax_sweep.py --rows 256,64 > "$OUT/argmax_sweep_h200.txt" 2>&1
 echo "argmax sweep rc=$? $((SECONDS-t0))s"; head -24 "$OUT/argmax_sweep_h200.txt"
+# 4. Branch s18-merge1pass (the split-KV merge in one pass): MERGE1PASS=<folder with `git archive s18-merge1pass
+#    graphrunner capture tools pyproject.toml` unpacked>; qwen batch 1 / 8, main / branch / main / branch.
+if [ -n "${MERGE1PASS:-}" ]; then
+  grc='import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))'; root=$PWD; LOG=$OUT/lat_merge1pass.md
+  for rep in 1 2; do for dir in "$root" "$MERGE1PASS"; do
+    (cd "$dir" && source tools/device_env.sh >/dev/null && echo "### qwen2.5-0.5b $(basename $dir)" >> "$LOG" && timeout 60 \
+     python3 -c "$grc" bench latency --model builtin:qwen2.5-0.5b --batch-sizes 1,8 --context 1024 --modes FULL >> "$LOG" 2>&1
+     echo "merge1pass $(basename $dir) rc=$? $((SECONDS-t0))s"; grep -E '^FULL +[0-9]+ ' "$LOG" | tail -2)
+  done; done
+fi
