@@ -23,7 +23,8 @@ for name, (n, k) in SHAPES.items():
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     res = []
     for block in s.CONFIGS:
-        us = graph_time_us(lambda i, b=block: gemv_triton(x, ws[i % copies], block=b), s.CALLS, s.REPLAYS)
+        us = graph_time_us(lambda i, b=block, x=x, ws=ws, c=copies: gemv_triton(x, ws[i % c], block=b), s.CALLS,
+                           s.REPLAYS)
         res.append((us, block))
     res.sort()
     plan = gemv_plan(n, k)
@@ -34,8 +35,8 @@ for name, (n, k) in SHAPES.items():
     best[(n, k)] = res[0][1]
 src = open("graphrunner/layers/decode_linear.py").read()
 hook = f"    _tuned = {best!r}.get((N, K))\n    if _tuned is not None:\n        return _tuned\n"
-src = re.sub(r'(def gemv_plan\(N: int, K: int\) -> tuple\[int, int, int\]:\n    """.*?"""\n)', lambda m: m.group(1) + hook,
-             src, count=1, flags=re.S)
+src = re.sub(r'(def gemv_plan\(N: int, K: int\) -> tuple\[int, int, int\]:\n    """.*?"""\n)',
+             lambda m: m.group(1) + hook, src, count=1, flags=re.S)
 out = os.environ["TUNED"] + "/graphrunner/layers/decode_linear.py"
 open(out, "w").write(src)
 print("tuned plan written:", best, flush=True)
