@@ -24,3 +24,11 @@ if [ -n "${MERGE1PASS:-}" ]; then
      echo "merge1pass $(basename $dir) rc=$? $((SECONDS-t0))s"; grep -E '^FULL +[0-9]+ ' "$LOG" | tail -2)
   done; done
 fi
+# 5. Branch s18-mergegemv (the split-KV merge folded into the o GEMV at one row; not wired into the model):
+#    MERGEGEMV=<folder with `git archive s18-mergegemv graphrunner capture tools pyproject.toml tests docs/bench`>;
+#    its GPU test, then the isolated timing that decides whether the op plumbing is worth building.
+if [ -n "${MERGEGEMV:-}" ]; then
+  (cd "$MERGEGEMV" && source tools/device_env.sh >/dev/null && timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+     tests/test_merge_gemv.py 2>&1 | tail -2 && timeout 120 python3 docs/bench/decode_fusion/merge_gemv_s19.py \
+     > "$OUT/merge_gemv_h200.txt" 2>&1; echo "merge_gemv rc=$? $((SECONDS-t0))s"; cat "$OUT/merge_gemv_h200.txt")
+fi
