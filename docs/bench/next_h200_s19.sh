@@ -8,6 +8,9 @@
 # Run from the repository root: OUT=... bash docs/bench/next_h200_s19.sh
 set -uo pipefail
 t0=$SECONDS
+# 0. The landed wide-memory GEMV plan on this card (test_decode_linear's GPU shapes include N >= K >= 4096).
+(source tools/device_env.sh >/dev/null && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+   tests/test_decode_linear.py tests/test_hf_e2e.py > "$OUT/gpu_tests_s19.log" 2>&1; echo "tests rc=$?"; tail -1 "$OUT/gpu_tests_s19.log")
 OUT=$OUT bash docs/bench/decode_fusion/gemv_tune_small_s19.sh
 source tools/device_env.sh >/dev/null
 timeout 120 python3 -m graphrunner_tools.bench.attn_sweep --rope --batch-sizes 64,256 > "$OUT/attn_sweep_h200.txt" 2>&1
