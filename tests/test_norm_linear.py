@@ -72,6 +72,15 @@ def test_plan_gives_more_rows_than_the_plain_gemv():
     assert norm_gemv_plan(28672, 4096) == (2, 2048, 4)
 
 
+def test_wide_memory_plan_changes_only_short_rows():
+    """H200 class (session 19's sweep): qwen2.5-0.5b's q|k|v and gate|up get their winners; llama-3.2-1b's
+    (K = 2048, fastest with the H100 plan there) and longer rows keep the H100 plan."""
+    assert norm_gemv_plan(1152, 896, wide_memory=True) == (16, 1024, 8)
+    assert norm_gemv_plan(9728, 896, wide_memory=True) == (8, 512, 4)
+    for n, k in [(3072, 2048), (16384, 2048), (28672, 4096)]:
+        assert norm_gemv_plan(n, k, wide_memory=True) == norm_gemv_plan(n, k)
+
+
 def test_cpu_path_is_add_norm_then_the_projection():
     torch.manual_seed(0)
     norm = RMSNorm(16, 1e-6, dtype=torch.float32)
@@ -136,7 +145,8 @@ def test_gpu_bf16_matches_the_two_kernel_path_and_replays(n, k, with_bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [896, 4096])
-def test_gpu_bf16_normalized_row_is_rounded_like_rms_norm(k):
+@pytest.mark.parametrize("wide", [False, True])
+def test_gpu_bf16_normalized_row_is_rounded_like_rms_norm(k, wide):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _check_identity_projection(k, 0, norm_gemv_plan(k, k), torch.bfloat16, "cuda")
+    _check_identity_projection(k, 0, norm_gemv_plan(k, k, wide_memory=wide), torch.bfloat16, "cuda")

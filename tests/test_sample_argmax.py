@@ -103,11 +103,15 @@ def test_chunk_plan_covers_the_row_with_whole_nonempty_chunks(rows, vocab, num_s
 
 
 def test_chunk_plan_at_the_issue_shape():
-    # H100 (132 SMs), 151,936 fp32 logits: >= 2 programs per SM at every batch size.
+    # H100 / H200 (132 SMs), 151,936 fp32 logits: >= 2 programs per SM at every batch size; one wave
+    # keeps R x C within the resident programs (4 per SM) wherever a row has more than one chunk.
     assert chunk_plan(256, 151936, 132) == argmax_module.ChunkPlan(block=2048, chunk=51200, num_chunks=3)
-    for rows in (1, 8, 64, 256):
-        plan = chunk_plan(rows, 151936, 132)
+    assert chunk_plan(256, 151936, 132, one_wave=True) == argmax_module.ChunkPlan(2048, 77824, 2)
+    assert chunk_plan(64, 151936, 132, one_wave=True).num_chunks == 8
+    for rows in (1, 8, 64, 100, 256, 600):
+        plan = chunk_plan(rows, 151936, 132, one_wave=True)
         assert rows * plan.num_chunks >= 2 * 132 or plan.chunk < 2 * argmax_module._MIN_CHUNK, (rows, plan)
+        assert plan.num_chunks == 1 or rows * plan.num_chunks <= 4 * 132, (rows, plan)
 
 
 def test_empty_batch_and_bad_arguments():

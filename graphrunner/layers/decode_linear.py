@@ -37,6 +37,7 @@ __all__ = ["DECODE_GEMV", "gemv_fits", "gemv_plan", "gemv_serves", "gemv_triton"
 
 DECODE_GEMV = os.environ.get("GRAPHRUNNER_DECODE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_VOCAB_HEAD_ROWS = 32768  # N from here on is an LM head (vocabularies), not a layer projection
 
 if HAS_TRITON:
     import triton
@@ -111,11 +112,22 @@ def gemv_plan(N: int, K: int, wide_memory: bool = False) -> tuple[int, int, int]
     flight per program. The same sweep on an H200 (docs/bench/decode_fusion/gemv_tune_8b_s18_h200.txt)
     put four or eight rows per program first on every llama-3.1-8b shape, 10-19% faster, and the
     step went 4.57 / 4.63 -> 4.24 / 4.15 ms at batch 1 (lat_8b_tuned_s18_h200.md). Only those
-    shapes' classes were measured there (N >= K >= 4096, and K >= 12288), so only they change."""
-    if wide_memory and K >= 4096 and (N >= K or K >= 12288):
+    shapes' classes were measured there (N >= K >= 4096, and K >= 12288). Session 19's sweep of the
+    qwen2.5-0.5b and llama-3.2-1b shapes (gemv_tune_small_s19_h200.txt) added four classes: down
+    projections with 4096 <= K < 12288 (qwen's SwiGLU down 7.86 -> 4.39 us, llama-3.2-1b's 9.57 ->
+    8.68), vocabulary heads with K < 4096 (qwen's 92.5 -> 62.8 us; llama-3.2-1b's unchanged at
+    115.6), rows of at most 1024 (qwen's o 1.38 -> 1.24) and rows of exactly 2048 (llama-3.2-1b's
+    o 3.23 -> 2.86); with the norm GEMV's H200 plan (`norm_linear.norm_gemv_plan`) qwen batch 1 went
+    0.771 / 0.761 -> 0.647 / 0.656 ms (lat_small_tuned_s19_h200.md). Other K keep the H100 plan."""
+    if wide_memory:
         if K >= 12288:
             return 4, 2048, 4
-        return (8, 1024, 4) if N == K else (4, 2048, 8)
+        if K >= 4096:
+            return (8, 1024, 4) if N == K else (4, 2048, 8) if N > K else (8, 2048, 8)
+        if N >= _VOCAB_HEAD_ROWS or K <= 1024:
+            return 4, 1024, 4
+        if K == 2048:
+            return 2, 2048, 4
     if K >= 4096:
         return 1, 2048, 8 if 4096 < K < 12288 else 4
     return 2, 1024, 4

@@ -29,7 +29,7 @@ from torch import nn
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
-from graphrunner.layers.decode_linear import DECODE_GEMV, gemv_plan, linear
+from graphrunner.layers.decode_linear import DECODE_GEMV, gemv_plan, linear, wide_memory_part
 from graphrunner.layers.norm import RMSNorm, add_rms_norm
 
 __all__ = ["NORM_GEMV", "add_norm_linear", "add_norm_project", "norm_gemv_plan", "norm_gemv_triton"]
@@ -102,10 +102,18 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def norm_gemv_plan(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the GEMV's plan (`gemv_plan`) with two rows more per
-    program where it gives one or two, so the row, residual and norm weight each program
-    re-reads stay small next to its W tile. GRAPHRUNNER_NORM_GEMV_BLOCK_N overrides BLOCK_N."""
+def norm_gemv_plan(N: int, K: int, wide_memory: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): the GEMV's H100 plan (`gemv_plan`) with twice the rows per
+    program, so the row, residual and norm weight each program re-reads stay small next to its W
+    tile. GRAPHRUNNER_NORM_GEMV_BLOCK_N overrides BLOCK_N.
+
+    `wide_memory` (an H200-class part, `decode_linear.wide_memory_part`): rows of at most 1024 want
+    more rows per program still (docs/bench/decode_fusion/gemv_tune_small_s19_h200.txt):
+    qwen2.5-0.5b's q|k|v 2.46 -> 2.02 us with 16 rows and 8 warps, its gate|up 7.16 -> 6.80 with 8
+    rows in 512-wide steps. llama-3.2-1b's (K = 2048) were fastest with the H100 plan there."""
+    if wide_memory and K <= 1024:
+        block_n, block_k, warps = (16, 1024, 8) if N < 4 * K else (8, 512, 4)  # q|k|v-like, gate|up-like
+        return _BLOCK_N_OVERRIDE or block_n, block_k, warps
     block_n, block_k, warps = gemv_plan(N, K)
     return _BLOCK_N_OVERRIDE or block_n * 2, block_k, warps
 
@@ -126,7 +134,7 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
                          f"{residual.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)  # [1, N]
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device)  # [1, K]
-    block_n, block_k, warps = norm_gemv_plan(n, k) if block is None else block
+    block_n, block_k, warps = norm_gemv_plan(n, k, wide_memory_part(x.device)) if block is None else block
     launch = pdl_launch(x.device, 1)  # {} unless PDL is on (graphrunner.kernels.pdl)
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual, norm_weight, weight, bias if bias is not None else weight, y, res_out, n, k, eps,

@@ -20,9 +20,12 @@ The tie rule is explicit (smallest index among the lanes or chunks that hold the
 max), never left to `tl.argmax`. fp32, bf16 and fp16 inputs compare in fp32, which
 represents bf16 and fp16 values exactly.
 
-The chunk plan (`chunk_plan`) is a pure function of R, V and the SM count: C grows
-until R x C reaches `_PROGRAMS_PER_SM` programs per SM, with chunks of at least
-`_MIN_CHUNK` elements (on an H100: 3 chunks at 256 rows, 25 for one row of 152k). The grid
+The chunk plan (`chunk_plan`) is a pure function of R, V and the SM count: the most chunks
+for which R x C stays within `_PROGRAMS_PER_SM` programs per SM (one wave: 3 chunks at 256
+rows left 768 programs for 528 slots on 132 SMs, a second wave a third full; an H200 took
+45.1 us there, 40.9 with 2 chunks, and 64 rows 14.6 -> 14.1 us with 8 chunks instead of 9,
+docs/bench/sampler_s17/argmax_sweep_s19_h200.txt), with chunks of at least `_MIN_CHUNK`
+elements (37 chunks for one row of 152k). The grid
 comes from Python ints only, and the outputs and scratch are `torch.empty`
 (no memset): graph-safe, no host sync.
 """
@@ -60,13 +63,14 @@ class ChunkPlan:
 
 
 def chunk_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | None = None,
-               num_chunks: int | None = None) -> ChunkPlan:
+               num_chunks: int | None = None, one_wave: bool = False) -> ChunkPlan:
     """The split of the partial kernel's grid: (R, num_chunks) programs over [R, V].
 
     Default: enough chunks that R x C reaches `_PROGRAMS_PER_SM` per SM, each chunk at
-    least `_MIN_CHUNK` elements; `block` (a power of two >= 16) and `num_chunks` override
-    it (tests force several chunks per row at small V). Chunks are whole blocks and none
-    is empty, so C may come out smaller than asked.
+    least `_MIN_CHUNK` elements; with `one_wave`, the most chunks for which R x C stays
+    within that (one wave of resident programs, at least one chunk). `block` (a power of
+    two >= 16) and `num_chunks` override it (tests force several chunks per row at small V).
+    Chunks are whole blocks and none is empty, so C may come out smaller than asked.
     """
     if block is None:
         block = min(_BLOCK, max(16, 1 << (vocab_size - 1).bit_length()))
@@ -74,7 +78,8 @@ def chunk_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | Non
         raise ValueError(f"block={block} must be a power of two >= 16")
     num_blocks = -(-vocab_size // block)
     if num_chunks is None:
-        wanted = -(-_PROGRAMS_PER_SM * num_sms // max(num_rows, 1))
+        resident = _PROGRAMS_PER_SM * num_sms
+        wanted = max(1, resident // max(num_rows, 1)) if one_wave else -(-resident // max(num_rows, 1))
         num_chunks = min(wanted, vocab_size // _MIN_CHUNK)
     num_chunks = max(1, min(num_chunks, num_blocks, MAX_CHUNKS))
     chunk_blocks = -(-num_blocks // num_chunks)
@@ -174,7 +179,7 @@ def argmax_rows_triton(
         raise ValueError(f"out must be contiguous (strides {out.stride()})")
     if num_rows == 0:
         return out
-    plan = chunk_plan(num_rows, vocab_size, _num_sms(x.device), block=block, num_chunks=num_chunks)
+    plan = chunk_plan(num_rows, vocab_size, _num_sms(x.device), block=block, num_chunks=num_chunks, one_wave=True)
     # Scratch [R, C], fully written by the partial kernel: empty, no memset in the graph.
     part_max = torch.empty(num_rows, plan.num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
