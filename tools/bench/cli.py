@@ -181,6 +181,8 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated: greedy, sampled (temperature/top-k/top-p/min-p only), all (a batch's "
                         "exact features), all_on (the all-features graph)")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument("--graph-calls", type=int, default=8,
+                   help="sampler calls captured in one graph for the in-graph time per call (0: skip it)")
     _output_args(p)
 
 
@@ -299,7 +301,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
         rows = bench_sampler(device, [int(n) for n in args.num_reqs.split(",")], args.vocab, args.iters,
                              max_model_len=args.max_model_len, filter_impls=tuple(args.filters.split(",")),
                              variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
-                             graphs=not args.no_graphs)
+                             graphs=not args.no_graphs, graph_calls=args.graph_calls)
     table = markdown_table(rows)
     print(table)
     if args.json:

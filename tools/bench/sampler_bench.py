@@ -17,6 +17,12 @@ Variants (per batch size):
 Times are per sampler call: CUDA events on a GPU, perf_counter on a CPU (where only
 eager runs). Must run on CPU with small sizes (the tests do).
 
+A graph row also carries `in_graph_us`: the time per call of a graph that holds
+`graph_calls` sampler calls back to back, over as many copies of the logits (cycled, so
+the L2 cache holds none of them when it is read). That is the sampler's cost inside a
+step's FULL graph, where no graph launch of its own precedes it; the one-call replay
+(`median_us`) also pays the launch of a graph (~4 µs on an H200).
+
 Every row also carries the logits-read limit, `rows x V x 4 bytes / copy bandwidth`,
 with the copy bandwidth (bytes read + written per second by a device-to-device copy of
 a buffer larger than the caches) measured in the same run, and the ratio of the time
@@ -138,6 +144,7 @@ def bench_sampler(
     filter_impls: Sequence[str] = ("bisect", "sort"),
     graphs: bool = True,
     copy_bytes: int | None = None,
+    graph_calls: int = 8,
 ) -> list[dict]:
     """Time the sampler per (batch size, variant, filter impl, mode). Returns one dict per row.
 
@@ -145,7 +152,8 @@ def bench_sampler(
     "eager" calls it directly. Rows carry median/mean/min microseconds, the logits-read
     limit (`limit_us`, from `copy_bandwidth` measured once here over `copy_bytes`,
     default 1 GiB on CUDA and 64 MiB on a CPU), `ratio` = median / limit and, for graphs,
-    the graph pool memory.
+    the graph pool memory and `in_graph_us` (module docstring; `graph_calls` calls per graph,
+    0 skips it).
     """
     device = torch.device(device)
     for v in variants:
@@ -159,7 +167,8 @@ def bench_sampler(
         for variant in variants:
             # The filter implementation only matters when top-k/top-p run.
             for impl in filter_impls if variant != "greedy" else filter_impls[:1]:
-                for row in _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs):
+                for row in _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs,
+                                      graph_calls):
                     row["copy_gbps"] = bandwidth / 1e9
                     row["limit_us"] = n * vocab * 4 / bandwidth * 1e6
                     row["ratio"] = row["median_us"] / row["limit_us"]
@@ -169,7 +178,23 @@ def bench_sampler(
     return rows
 
 
-def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs) -> list[dict]:
+def _capture(device: torch.device, fn) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of `fn` (warmed up once on a side stream) and the bytes its private pool reserved."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (lazy inits) outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # so the difference below is the graph's private pool only
+    before = torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph, torch.cuda.memory_reserved(device) - before
+
+
+def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs, graph_calls) -> list[dict]:
     """Rows for one (batch size, variant, filter): eager, and graph replay on CUDA."""
     states, features, b = _setup(device, n, vocab, max_model_len, variant)
     # "bisect" / "sort" pick the top-k/top-p filter; a "/torch" or "/triton" suffix pins the
@@ -177,26 +202,20 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
     filter_impl, _, kernel_impl = impl.partition("/")
     sampler = Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl or "auto")
 
-    def call():
-        sampler(b["logits"], b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
+    def call(logits=b["logits"]):
+        sampler(logits, b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
                 out_logprob_ids=b["ids"], out_ranks=b["ranks"])
 
     modes = [("eager", call)]
-    pool_bytes = None
+    pool_bytes, in_graph_us = None, None
     if graphs and device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            call()  # warm-up (lazy inits) outside the capture
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # so the difference below is the graph's private pool only
-        before = torch.cuda.memory_reserved(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        pool_bytes = torch.cuda.memory_reserved(device) - before
+        graph, pool_bytes = _capture(device, call)
         modes.append(("graph", graph.replay))
+        if graph_calls > 0:
+            copies = [b["logits"]] + [b["logits"].clone() for _ in range(min(graph_calls, 3) - 1)]  # [R, V] each
+            many, _ = _capture(device, lambda: [call(copies[i % len(copies)]) for i in range(graph_calls)])
+            in_graph_us = statistics.median(_time(many.replay, device, iters, warmup)) * 1e6 / graph_calls
+            del many, copies
     rows = []
     for mode, fn in modes:
         samples = _time(fn, device, iters, warmup)
@@ -206,21 +225,28 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
             "median_us": statistics.median(samples) * 1e6, "mean_us": statistics.fmean(samples) * 1e6,
             "min_us": min(samples) * 1e6, "iters": iters,
             "graph_pool_mib": None if mode != "graph" or pool_bytes is None else pool_bytes / 2**20,
+            "in_graph_us": in_graph_us if mode == "graph" else None,
         })
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table; the logits-read limit and the ratio beside each time."""
-    lines = ["| reqs | variant | filter | mode | median µs | min µs | read limit µs | × limit | graph pool MiB |",
-             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| reqs | variant | filter | mode | median µs | min µs | in-graph µs/call | read limit µs | × limit "
+             "| in-graph × limit | graph pool MiB |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pool = "" if r["graph_pool_mib"] is None else f"{r['graph_pool_mib']:.0f}"
+        in_graph = r.get("in_graph_us")
+        per_call, per_call_ratio = "", ""
+        if in_graph is not None:
+            per_call, per_call_ratio = f"{in_graph:.1f}", f"{in_graph / r['limit_us']:.2f}"
         lines.append(f"| {r['num_reqs']} | {r['variant']} | {r['filter']} | {r['mode']} | {r['median_us']:.1f} "
-                     f"| {r['min_us']:.1f} | {r['limit_us']:.1f} | {r['ratio']:.1f} | {pool} |")
+                     f"| {r['min_us']:.1f} | {per_call} | {r['limit_us']:.1f} | {r['ratio']:.2f} | {per_call_ratio} "
+                     f"| {pool} |")
     if rows:
         lines.append(f"\nread limit = reqs × vocab × 4 bytes at the copy bandwidth measured in this run "
-                     f"({rows[0]['copy_gbps']:.0f} GB/s, read + write)")
+                     f"({rows[0]['copy_gbps']:.0f} GB/s, read + write); in-graph = per call of a graph holding "
+                     f"several calls over cycled copies of the logits (as inside a step's graph: no launch of its own)")
     return "\n".join(lines)
 
 
@@ -235,12 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--filters", nargs="+", default=["bisect", "sort"],
                     help="bisect, sort or bisect-serial, each optionally with /torch or /triton")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--graph-calls", type=int, default=8, help="calls per graph for the in-graph time (0: skip)")
     ap.add_argument("--json", help="write the rows to this JSON file")
     args = ap.parse_args(argv)
     with torch.inference_mode():
         rows = bench_sampler(args.device, args.num_reqs, args.vocab, args.iters,
                              max_model_len=args.max_model_len, variants=args.variants,
-                             filter_impls=args.filters, graphs=not args.no_graphs)
+                             filter_impls=args.filters, graphs=not args.no_graphs, graph_calls=args.graph_calls)
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:
