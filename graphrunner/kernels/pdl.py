@@ -23,8 +23,7 @@ the programmatic-serialization attribute start while its predecessor is still ru
 A kernel compiled with GDC=True but launched without the attribute waits for nothing (the
 instructions are no-ops then). Users: the GEMV (layers/decode_linear.py), the fused
 add + RMSNorm (layers/norm.py), rope + KV write (attention/rope_kv.py) and the paged
-attention with its split merge (attention/triton_attn.py), and at any row count the greedy
-argmax's combine kernel (sample/argmax.py: its partial kernel releases it at once). Non-Triton kernels
+attention with its split merge (attention/triton_attn.py). Non-Triton kernels
 (cuBLAS, inductor's) are launched without it and keep the full dependency. GDC is False on
 CPU (the interpreter cannot run the instructions).
 """

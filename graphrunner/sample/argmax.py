@@ -37,7 +37,6 @@ import dataclasses
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
-from graphrunner.kernels.pdl import pdl_enabled
 
 __all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan", "combine_partials"]
 
@@ -91,8 +90,6 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from graphrunner.kernels.pdl import pdl_wait
-
     _NEG_INF = tl.constexpr(float("-inf"))
     _NONE = tl.constexpr(_NO_INDEX)
 
@@ -107,14 +104,9 @@ if HAS_TRITON:
         return peak, arg, first_nan
 
     @triton.jit(do_not_specialize=["vocab_size", "chunk_blocks"])
-    def _partial_kernel(x_ptr, x_stride, max_ptr, idx_ptr, nan_ptr, vocab_size, chunk_blocks, BLOCK: tl.constexpr,
-                        GDC: tl.constexpr):
+    def _partial_kernel(x_ptr, x_stride, max_ptr, idx_ptr, nan_ptr, vocab_size, chunk_blocks, BLOCK: tl.constexpr):
         # Program (row, part) over x[row, lo:hi]: its max, that max's first index, the first NaN index.
         row, part = tl.program_id(0), tl.program_id(1)
-        # Lets the combine kernel (launched with PDL) become resident now and wait for this grid
-        # there, so its launch overlaps the stream instead of following it; waits for the kernel
-        # before this one only if this one was itself launched with PDL (else a no-op).
-        pdl_wait(GDC)
         base = x_ptr + row.to(tl.int64) * x_stride
         offs = tl.arange(0, BLOCK)
         # lo is a multiple of BLOCK by construction (chunk_blocks x BLOCK), so the compiler
@@ -138,11 +130,10 @@ if HAS_TRITON:
         tl.store(nan_ptr + out, tl.min(first_nan, 0))
 
     @triton.jit(do_not_specialize=["num_chunks"])
-    def _combine_kernel(max_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, C_PAD: tl.constexpr, GDC: tl.constexpr):
+    def _combine_kernel(max_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, C_PAD: tl.constexpr):
         # Program row: the first NaN of the row if any, else the first index of its max
         # (chunks hold increasing index ranges, so the smallest index is the first chunk's).
         row = tl.program_id(0)
-        pdl_wait(GDC)  # launched with PDL: the partials are read only once their kernel has finished
         j = tl.arange(0, C_PAD)
         on = j < num_chunks
         at = row * num_chunks + j
@@ -195,8 +186,7 @@ def argmax_rows_triton(
     part_nan = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
     num_warps = max(1, min(_MAX_WARPS, plan.block // (32 * _ELEMS_PER_THREAD)))
     _partial_kernel[(num_rows, plan.num_chunks)](x, x.stride(0), part_max, part_idx, part_nan, vocab_size,
-                                                 plan.chunk // plan.block, BLOCK=plan.block,
-                                                 GDC=pdl_enabled(x.device), num_warps=num_warps)
+                                                 plan.chunk // plan.block, BLOCK=plan.block, num_warps=num_warps)
     return combine_partials(part_max, part_idx, part_nan, out)
 
 
@@ -205,12 +195,8 @@ def combine_partials(part_max: torch.Tensor, part_idx: torch.Tensor, part_nan: t
     """out [R] from a row's C partials (each [R, C], C <= MAX_CHUNKS; max fp32, first index of
     it and first NaN index int32, chunks in increasing index order): the combine kernel."""
     num_rows, num_chunks = part_max.shape
-    # With PDL (Hopper, graphrunner.kernels.pdl) at any row count: its R one-warp programs take
-    # few slots while they wait, unlike the decode chain's kernels that `pdl_launch` gates by rows.
-    launch = {"launch_pdl": True} if pdl_enabled(out.device) else {}
     _combine_kernel[(num_rows,)](part_max, part_idx, part_nan, out, num_chunks,
-                                 C_PAD=triton.next_power_of_2(max(num_chunks, 16)), GDC=bool(launch), num_warps=1,
-                                 **launch)
+                                 C_PAD=triton.next_power_of_2(max(num_chunks, 16)), num_warps=1)
     return out
 
 
