@@ -86,6 +86,29 @@ def test_edge_rows_across_chunk_boundaries():
         assert argmax_rows_triton(x, block=block, num_chunks=num_chunks).tolist() == want, (block, num_chunks)
 
 
+@pytest.mark.parametrize("mode", ["last_program", "second_kernel", "over_capacity"])
+def test_combine_paths_agree_and_leave_the_counters_at_zero(monkeypatch, mode):
+    """The last-arriving program combines in the launch (no second kernel); the switch and a batch
+    over the counters' capacity fall back to the combine kernel; one-chunk rows never need it."""
+    monkeypatch.setattr(argmax_module, "COMBINE_LAST", mode != "second_kernel")
+    if mode == "over_capacity":
+        monkeypatch.setattr(argmax_module, "_COUNTER_CAPACITY", 4)
+    monkeypatch.setattr(argmax_module, "_COUNTERS", {})
+    kernels = []
+    real = argmax_module.combine_partials
+    monkeypatch.setattr(argmax_module, "combine_partials", lambda *a: kernels.append(1) or real(*a))
+    x = _logits(5, list(KINDS) * 2, 150)  # [16, 150]
+    want = torch.argmax(x, dim=-1)
+    for block, num_chunks in [(16, 3), (16, 10), (32, 2), (64, 1), (None, None)]:
+        kernels.clear()
+        out = torch.full((x.shape[0],), -1, dtype=torch.int32)
+        assert torch.equal(argmax_rows_triton(x, out=out, block=block, num_chunks=num_chunks).long(), want)
+        chunks = chunk_plan(x.shape[0], 150, 2, block=block, num_chunks=num_chunks).num_chunks
+        assert kernels == ([1] if chunks > 1 and mode != "last_program" else []), (block, num_chunks)
+        counters = argmax_module._COUNTERS.get(x.device)
+        assert (counters is None) == (mode != "last_program") and (counters is None or not counters.any())
+
+
 @given(
     rows=st.integers(1, 4096),
     vocab=st.integers(1, 300_000),
@@ -187,4 +210,6 @@ def test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.long(), torch.argmax(x, dim=-1)), seed
+    counters = argmax_module._COUNTERS.get(x.device)
+    assert counters is not None and not counters.any()  # the last programs combined and reset them
 

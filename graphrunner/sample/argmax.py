@@ -10,7 +10,15 @@ greedy target is 40 us). Here every row is cut into C chunks of whole blocks:
    partial block is masked) and keeps per lane a running max with its first index
    and the first NaN index; it reduces those over its lanes and writes
    (max, first index of the max, first NaN index) to scratch [R, C].
-2. combine (R programs): reduces a row's C partials with the same rules.
+2. combine: reduces a row's C partials with the same rules. The last program of a row
+   to finish does it inside the same launch: after storing its partials each program
+   adds one to the row's arrival counter (acq_rel, GPU scope); the one that sees C - 1
+   reads the row's partials past L1, writes the token and puts the counter back to zero
+   for the next launch (graph replays). The counters are one persistent zeroed int32
+   buffer per device (`_COUNTERS`), so a device must not run two argmax launches at once
+   (the sampler runs on one stream). GRAPHRUNNER_ARGMAX_COMBINE_LAST=0, a first use inside
+   a graph capture, or more rows than the buffer holds leave it to a second kernel of R
+   programs. A row of one chunk writes its token directly.
 
 The result is torch.argmax's, bit for bit (CPU and CUDA agree on these rules):
 - a row with a NaN gives the index of its first NaN (torch ranks NaN above every number);
@@ -25,14 +33,14 @@ for which R x C stays within `_PROGRAMS_PER_SM` programs per SM (one wave: 3 chu
 rows left 768 programs for 528 slots on 132 SMs, a second wave a third full; an H200 took
 45.1 us there, 40.9 with 2 chunks, and 64 rows 14.6 -> 14.1 us with 8 chunks instead of 9,
 docs/bench/sampler_s17/argmax_sweep_s19_h200.txt), with chunks of at least `_MIN_CHUNK`
-elements (37 chunks for one row of 152k). The grid
-comes from Python ints only, and the outputs and scratch are `torch.empty`
-(no memset): graph-safe, no host sync.
+elements (37 chunks for one row of 152k). The grid comes from Python ints only, and the
+outputs and scratch are `torch.empty` (no memset): graph-safe, no host sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -51,6 +59,10 @@ MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
 _NO_INDEX = 2147483647  # "none" for the index minima: larger than every real index
+# GRAPHRUNNER_ARGMAX_COMBINE_LAST=0: a second kernel combines the chunks (read once at import).
+COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "1") != "0"
+_COUNTER_CAPACITY = 1 << 14  # rows of the per-device arrival counters (module docstring)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +115,26 @@ if HAS_TRITON:
         first_nan = tl.minimum(first_nan, tl.where(s != s, v, _NONE))
         return peak, arg, first_nan
 
+    @triton.jit
+    def _combine_row(max_ptr, idx_ptr, nan_ptr, out_ptr, row, num_chunks, C_PAD: tl.constexpr,
+                     CACHE: tl.constexpr):
+        # out[row]: the first NaN of the row if any, else the first index of its max (chunks hold
+        # increasing index ranges, so the smallest index is the first chunk's). CACHE: the partials'
+        # load cache modifier (".cg", past L1, when other programs of the same launch wrote them).
+        j = tl.arange(0, C_PAD)
+        on = j < num_chunks
+        at = row * num_chunks + j
+        part_max = tl.load(max_ptr + at, mask=on, other=_NEG_INF, cache_modifier=CACHE)
+        part_idx = tl.load(idx_ptr + at, mask=on, other=_NONE, cache_modifier=CACHE)  # padding never wins a tie
+        first_nan = tl.min(tl.load(nan_ptr + at, mask=on, other=_NONE, cache_modifier=CACHE), 0)
+        first_max = tl.min(tl.where(part_max == tl.max(part_max, 0), part_idx, _NONE), 0)
+        tok = tl.where(first_nan < _NONE, first_nan, first_max)
+        tl.store(out_ptr + row, tok.to(out_ptr.dtype.element_ty))
+
     @triton.jit(do_not_specialize=["vocab_size", "chunk_blocks"])
-    def _partial_kernel(x_ptr, x_stride, max_ptr, idx_ptr, nan_ptr, vocab_size, chunk_blocks, BLOCK: tl.constexpr):
+    def _partial_kernel(x_ptr, x_stride, max_ptr, idx_ptr, nan_ptr, vocab_size, chunk_blocks, out_ptr, cnt_ptr,
+                        BLOCK: tl.constexpr, C_PAD: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                        COMBINE_LAST: tl.constexpr):
         # Program (row, part) over x[row, lo:hi]: its max, that max's first index, the first NaN index.
         row, part = tl.program_id(0), tl.program_id(1)
         base = x_ptr + row.to(tl.int64) * x_stride
@@ -124,25 +154,28 @@ if HAS_TRITON:
         s = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
         peak, arg, first_nan = _update(s, v, peak, arg, first_nan)
         best = tl.max(peak, 0)
-        out = row * tl.num_programs(1) + part
-        tl.store(max_ptr + out, best)
-        tl.store(idx_ptr + out, tl.min(tl.where(peak == best, arg, _NONE), 0))
-        tl.store(nan_ptr + out, tl.min(first_nan, 0))
+        best_idx = tl.min(tl.where(peak == best, arg, _NONE), 0)
+        nan_idx = tl.min(first_nan, 0)
+        num_chunks = tl.num_programs(1)
+        if ONE_CHUNK:  # the row's token already: no partials, no combine
+            tl.store(out_ptr + row, tl.where(nan_idx < _NONE, nan_idx, best_idx).to(out_ptr.dtype.element_ty))
+        else:
+            at = row * num_chunks + part
+            tl.store(max_ptr + at, best)
+            tl.store(idx_ptr + at, best_idx)
+            tl.store(nan_ptr + at, nan_idx)
+        if COMBINE_LAST:
+            # The barrier puts every thread's partial stores before the release; the program that
+            # arrives last at the row's counter sees every other chunk's (acquire) and combines.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_chunks - 1:
+                _combine_row(max_ptr, idx_ptr, nan_ptr, out_ptr, row, num_chunks, C_PAD, ".cg")
+                tl.store(cnt_ptr + row, 0)  # no other program touches it again in this launch
 
     @triton.jit(do_not_specialize=["num_chunks"])
     def _combine_kernel(max_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, C_PAD: tl.constexpr):
-        # Program row: the first NaN of the row if any, else the first index of its max
-        # (chunks hold increasing index ranges, so the smallest index is the first chunk's).
-        row = tl.program_id(0)
-        j = tl.arange(0, C_PAD)
-        on = j < num_chunks
-        at = row * num_chunks + j
-        part_max = tl.load(max_ptr + at, mask=on, other=_NEG_INF)
-        part_idx = tl.load(idx_ptr + at, mask=on, other=_NONE)  # padding never wins a tie
-        first_nan = tl.min(tl.load(nan_ptr + at, mask=on, other=_NONE), 0)
-        first_max = tl.min(tl.where(part_max == tl.max(part_max, 0), part_idx, _NONE), 0)
-        tok = tl.where(first_nan < _NONE, first_nan, first_max)
-        tl.store(out_ptr + row, tok.to(out_ptr.dtype.element_ty))
+        _combine_row(max_ptr, idx_ptr, nan_ptr, out_ptr, tl.program_id(0), num_chunks, C_PAD, "")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -185,9 +218,34 @@ def argmax_rows_triton(
     part_idx = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
     part_nan = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
     num_warps = max(1, min(_MAX_WARPS, plan.block // (32 * _ELEMS_PER_THREAD)))
-    _partial_kernel[(num_rows, plan.num_chunks)](x, x.stride(0), part_max, part_idx, part_nan, vocab_size,
-                                                 plan.chunk // plan.block, BLOCK=plan.block, num_warps=num_warps)
-    return combine_partials(part_max, part_idx, part_nan, out)
+    one_chunk = plan.num_chunks == 1
+    counters = None if one_chunk else _arrival_counters(x.device, num_rows)
+    _partial_kernel[(num_rows, plan.num_chunks)](
+        x, x.stride(0), part_max, part_idx, part_nan, vocab_size, plan.chunk // plan.block, out,
+        part_idx if counters is None else counters,  # unused by the kernel without COMBINE_LAST
+        BLOCK=plan.block, C_PAD=_c_pad(plan.num_chunks), ONE_CHUNK=one_chunk, COMBINE_LAST=counters is not None,
+        num_warps=num_warps)
+    if counters is None and not one_chunk:
+        combine_partials(part_max, part_idx, part_nan, out)
+    return out
+
+
+def _c_pad(num_chunks: int) -> int:
+    return triton.next_power_of_2(max(num_chunks, 16))
+
+
+def _arrival_counters(device: torch.device, num_rows: int) -> torch.Tensor | None:
+    """The device's zeroed per-row arrival counters for a launch of `num_rows` rows, or None: the
+    combine kernel finishes instead (COMBINE_LAST=0, more rows than the buffer holds, or a first
+    use inside a graph capture, where the zeroing would only happen at replay)."""
+    if not COMBINE_LAST or num_rows > _COUNTER_CAPACITY:
+        return None
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
+    return counters
 
 
 def combine_partials(part_max: torch.Tensor, part_idx: torch.Tensor, part_nan: torch.Tensor,
@@ -195,8 +253,8 @@ def combine_partials(part_max: torch.Tensor, part_idx: torch.Tensor, part_nan: t
     """out [R] from a row's C partials (each [R, C], C <= MAX_CHUNKS; max fp32, first index of
     it and first NaN index int32, chunks in increasing index order): the combine kernel."""
     num_rows, num_chunks = part_max.shape
-    _combine_kernel[(num_rows,)](part_max, part_idx, part_nan, out, num_chunks,
-                                 C_PAD=triton.next_power_of_2(max(num_chunks, 16)), num_warps=1)
+    _combine_kernel[(num_rows,)](part_max, part_idx, part_nan, out, num_chunks, C_PAD=_c_pad(num_chunks),
+                                 num_warps=1)
     return out
 
 
