@@ -16,9 +16,10 @@ greedy target is 40 us). Here every row is cut into C chunks of whole blocks:
    reads the row's partials past L1, writes the token and puts the counter back to zero
    for the next launch (graph replays). The counters are one persistent zeroed int32
    buffer per device (`_COUNTERS`), so a device must not run two argmax launches at once
-   (the sampler runs on one stream). GRAPHRUNNER_ARGMAX_COMBINE_LAST=0, a first use inside
-   a graph capture, or more rows than the buffer holds leave it to a second kernel of R
-   programs. A row of one chunk writes its token directly.
+   (the sampler runs on one stream). That path is on with GRAPHRUNNER_ARGMAX_COMBINE_LAST=1
+   (`COMBINE_LAST` says why not by default); without it, on a first use inside a graph
+   capture, or with more rows than the buffer holds, a second kernel of R programs combines.
+   A row of one chunk writes its token directly either way.
 
 The result is torch.argmax's, bit for bit (CPU and CUDA agree on these rules):
 - a row with a NaN gives the index of its first NaN (torch ranks NaN above every number);
@@ -59,8 +60,12 @@ MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
 _NO_INDEX = 2147483647  # "none" for the index minima: larger than every real index
-# GRAPHRUNNER_ARGMAX_COMBINE_LAST=0: a second kernel combines the chunks (read once at import).
-COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "1") != "0"
+# GRAPHRUNNER_ARGMAX_COMBINE_LAST=1: the last program of a row combines its chunks (read once at
+# import). Off by default: on an H200 (docs/bench/sampler_s19/sampler_combine_s19_h200.md) it saved at
+# most 0.5 µs in-graph at 256 rows (40.4-41.0 vs 40.9 µs) and the one batch-1 model step measured with
+# it, qwen2.5-0.5b 0.697 ms, was slower than the 0.647-0.659 of the calls before (other machines, not
+# interleaved); it stays off until an interleaved in-model A/B says otherwise.
+COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "0") == "1"
 _COUNTER_CAPACITY = 1 << 14  # rows of the per-device arrival counters (module docstring)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
