@@ -7,7 +7,8 @@
 #     GRAPHRUNNER_ARGMAX_COMBINE_LAST=1 / 0 / 1 / 0 (session 19 saw 0.697 ms with it on, 0.647-0.659 without, not
 #     interleaved), then the greedy sampler rows in-graph, 1 / 0;
 #  2. issue #17 batch 256 on an H200 (44% of roofline, target 55%): the attention plans at 256 rows (the sweep needs
-#     more than the 90 s session 19 gave it) and the kernel table of that step.
+#     more than the 90 s session 19 gave it), the kernel table of that step, and the two-batch overlap probe
+#     (decode_fusion/tbo_probe_s20.py: full batch vs two halves on one stream vs two halves on two streams).
 set -uo pipefail
 t0=$SECONDS; nvidia-smi --query-gpu=name --format=csv,noheader
 grc='import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))'
@@ -29,3 +30,5 @@ timeout 240 python3 -m graphrunner_tools.bench.attn_sweep --rope --batch-sizes 2
 echo "attn sweep rc=$? $((SECONDS-t0))s"; head -20 "$OUT/attn_sweep_256_h200.txt"
 GRAPHRUNNER_PDL=0 timeout 90 python3 -c "$grc" bench kernels --model builtin:qwen2.5-0.5b --batch-sizes 256 \
    > "$OUT/kernels_qwen256_h200.md" 2>&1; echo "kernels rc=$? $((SECONDS-t0))s"; grep -A14 "kernel (top" "$OUT/kernels_qwen256_h200.md"
+timeout 150 python3 docs/bench/decode_fusion/tbo_probe_s20.py --rows 256 --context 1024 > "$OUT/tbo_probe_h200.txt" 2>&1
+echo "tbo probe rc=$? $((SECONDS-t0))s"; cat "$OUT/tbo_probe_h200.txt"
