@@ -36,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -206,7 +206,7 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
         sampler(logits, b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
                 out_logprob_ids=b["ids"], out_ranks=b["ranks"])
 
-    modes = [("eager", call)]
+    modes: list[tuple[str, Callable[[], object]]] = [("eager", call)]
     pool_bytes, in_graph_us = None, None
     if graphs and device.type == "cuda":
         graph, pool_bytes = _capture(device, call)
