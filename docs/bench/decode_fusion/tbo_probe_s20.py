@@ -23,7 +23,6 @@ into the runner (per-half attention metadata, two streams in the FULL graph).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from graphrunner.attention.triton_attn import RopeKV, paged_attention_triton
 from graphrunner.layers.norm import add_rms_norm_triton
 from graphrunner.layers.swiglu import silu_mul_triton
 from graphrunner_tools.bench.attn_sweep import decode_batch, rope_inputs
+from graphrunner_tools.bench.gemv_bench import graph_time_us
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 896, 14, 2, 64, 4864  # qwen2.5-0.5b
 EPS = 1e-6
@@ -80,26 +80,8 @@ class Half:
 
 
 def graph_ms(fn, replays: int) -> float:
-    """Median ms of one replay of a CUDA graph of `fn` (warmed up once outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    """Median ms of one replay of a CUDA graph of `fn` (gemv_bench's timer, one call per graph)."""
+    return graph_time_us(lambda _: fn(), 1, replays) / 1e3
 
 
 def main() -> None:
