@@ -16,9 +16,9 @@ greedy target is 40 us). Here every row is cut into C chunks of whole blocks:
    reads the row's partials past L1, writes the token and puts the counter back to zero
    for the next launch (graph replays). The counters are one persistent zeroed int32
    buffer per device (`_COUNTERS`), so a device must not run two argmax launches at once
-   (the sampler runs on one stream). That path is on with GRAPHRUNNER_ARGMAX_COMBINE_LAST=1
-   (`COMBINE_LAST` says why not by default); without it, on a first use inside a graph
-   capture, or with more rows than the buffer holds, a second kernel of R programs combines.
+   (the sampler runs on one stream). GRAPHRUNNER_ARGMAX_COMBINE_LAST=0 turns that path off
+   (`COMBINE_LAST` has the measurement); then, on a first use inside a graph capture, or with
+   more rows than the buffer holds, a second kernel of R programs combines.
    A row of one chunk writes its token directly either way.
 
 The result is torch.argmax's, bit for bit (CPU and CUDA agree on these rules):
@@ -60,12 +60,11 @@ MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
 _NO_INDEX = 2147483647  # "none" for the index minima: larger than every real index
-# GRAPHRUNNER_ARGMAX_COMBINE_LAST=1: the last program of a row combines its chunks (read once at
-# import). Off by default: on an H200 (docs/bench/sampler_s19/sampler_combine_s19_h200.md) it saved at
-# most 0.5 µs in-graph at 256 rows (40.4-41.0 vs 40.9 µs) and the one batch-1 model step measured with
-# it, qwen2.5-0.5b 0.697 ms, was slower than the 0.647-0.659 of the calls before (other machines, not
-# interleaved); it stays off until an interleaved in-model A/B says otherwise.
-COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "0") == "1"
+# GRAPHRUNNER_ARGMAX_COMBINE_LAST (read once at import; default on): the last program of a row combines its
+# chunks. On an H200, one call (docs/bench/sampler_s20/): 256 rows 43.3 / 39.9 µs (one-call replay / in-graph)
+# against 45.3 / 40.7 with the second kernel; qwen2.5-0.5b batch 1 interleaved on / off / on / off 0.650,
+# 0.646, 0.645, 0.650 ms (no cost in a model step). 0 keeps the second kernel.
+COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "1") == "1"
 _COUNTER_CAPACITY = 1 << 14  # rows of the per-device arrival counters (module docstring)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
