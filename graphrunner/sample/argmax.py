@@ -51,11 +51,17 @@ __all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chun
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.int32, torch.int64)
-_BLOCK = 2048  # elements per loop step: 8 per thread at 8 warps (two 16-byte loads of fp32)
-_ELEMS_PER_THREAD = 8  # num_warps = BLOCK / (32 x 8), so small test blocks get fewer warps
-_MAX_WARPS = 8
+_BLOCK = 2048  # elements per loop step: 4 per thread at 16 warps (one 16-byte load of fp32)
+# num_warps = BLOCK / (32 x 4), so small test blocks get fewer warps. 16 warps rather than 8 (two loads a
+# thread): 4 programs x 16 warps fill an SM's 64 warp slots, and more warps hide the compare-and-select
+# between loads. 256 rows, in-graph: H200 40.9 -> 40.4 µs (docs/bench/sampler_s17/argmax_sweep_s19_h200.txt),
+# H100 56.3 -> 55.5 with the eviction hint below (docs/bench/sampler_s20/argmax_variants_s20_h100.txt).
+_ELEMS_PER_THREAD = 4
+_MAX_WARPS = 16
+# The logits are read once: "evict_first" keeps them from pushing out of L2 what the step reads next.
+_EVICT = "evict_first"
 _MIN_CHUNK = 4096  # shorter chunks would cost more in per-program setup and partials than they spread
-_PROGRAMS_PER_SM = 4  # all resident at once (4 x 8 warps of the 64 an SM holds): one even wave
+_PROGRAMS_PER_SM = 4  # all resident at once (4 x 16 warps: the 64 an SM holds): one even wave
 MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
@@ -138,7 +144,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["vocab_size", "chunk_blocks"])
     def _partial_kernel(x_ptr, x_stride, max_ptr, idx_ptr, nan_ptr, vocab_size, chunk_blocks, out_ptr, cnt_ptr,
                         BLOCK: tl.constexpr, C_PAD: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                        COMBINE_LAST: tl.constexpr):
+                        COMBINE_LAST: tl.constexpr, EVICT: tl.constexpr):
         # Program (row, part) over x[row, lo:hi]: its max, that max's first index, the first NaN index.
         row, part = tl.program_id(0), tl.program_id(1)
         base = x_ptr + row.to(tl.int64) * x_stride
@@ -153,7 +159,8 @@ if HAS_TRITON:
         first_nan = tl.full([BLOCK], _NONE, tl.int32)
         for start in range(lo, full, BLOCK):
             v = start + offs
-            peak, arg, first_nan = _update(tl.load(base + v).to(tl.float32), v, peak, arg, first_nan)
+            peak, arg, first_nan = _update(tl.load(base + v, eviction_policy=EVICT).to(tl.float32), v, peak, arg,
+                                           first_nan)
         v = full + offs  # the row's last, partial block; no lane is on in the other programs
         s = tl.load(base + v, mask=v < hi, other=_NEG_INF).to(tl.float32)
         peak, arg, first_nan = _update(s, v, peak, arg, first_nan)
@@ -228,7 +235,7 @@ def argmax_rows_triton(
         x, x.stride(0), part_max, part_idx, part_nan, vocab_size, plan.chunk // plan.block, out,
         part_idx if counters is None else counters,  # unused by the kernel without COMBINE_LAST
         BLOCK=plan.block, C_PAD=_c_pad(plan.num_chunks), ONE_CHUNK=one_chunk, COMBINE_LAST=counters is not None,
-        num_warps=num_warps)
+        EVICT=_EVICT, num_warps=num_warps)
     if counters is None and not one_chunk:
         combine_partials(part_max, part_idx, part_nan, out)
     return out
