@@ -23,10 +23,11 @@ def launch(x, out, scratch, block, warps, chunks):
     rows, vocab = x.shape
     plan = argmax.chunk_plan(rows, vocab, 132, block=block, num_chunks=chunks)
     pm, pi, pn = (t[: rows * plan.num_chunks] for t in scratch)
-    argmax._partial_kernel[(rows, plan.num_chunks)](x, x.stride(0), pm, pi, pn, vocab, plan.chunk // plan.block,
-                                                   BLOCK=plan.block, num_warps=warps)
-    argmax._combine_kernel[(rows,)](pm, pi, pn, out, plan.num_chunks,
-                                    C_PAD=triton.next_power_of_2(max(plan.num_chunks, 16)), num_warps=1)
+    c_pad = triton.next_power_of_2(max(plan.num_chunks, 16))
+    argmax._partial_kernel[(rows, plan.num_chunks)](x, x.stride(0), pm, pi, pn, vocab, plan.chunk // plan.block, out,
+                                                   pi, BLOCK=plan.block, C_PAD=c_pad, ONE_CHUNK=False,
+                                                   COMBINE_LAST=False, EVICT="", num_warps=warps)
+    argmax._combine_kernel[(rows,)](pm, pi, pn, out, plan.num_chunks, C_PAD=c_pad, num_warps=1)
     return plan
 
 
