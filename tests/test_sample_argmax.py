@@ -137,6 +137,19 @@ def test_chunk_plan_at_the_issue_shape():
         assert plan.num_chunks == 1 or rows * plan.num_chunks <= 4 * 132, (rows, plan)
 
 
+def test_partial_kernel_warps_at_the_issue_shape():
+    # 16 warps where each program streams a long chunk (256 and 64 rows), 8 where chunks are two blocks
+    # (one row: 37 chunks), never more warps than a block has 4-element slices (small test blocks).
+    plan_of = lambda rows: chunk_plan(rows, 151936, 132, one_wave=True)  # noqa: E731
+    assert argmax_module.partial_num_warps(plan_of(256)) == 16
+    assert argmax_module.partial_num_warps(plan_of(64)) == 16
+    assert argmax_module.partial_num_warps(plan_of(1)) == 8
+    assert argmax_module.partial_num_warps(chunk_plan(2, 5000, 2, block=64, num_chunks=1)) == 1
+    for rows, vocab, block in ((3, 300, 16), (5, 40000, 256), (256, 151936, 2048)):
+        plan = chunk_plan(rows, vocab, 132, block=block, one_wave=True)
+        assert 1 <= argmax_module.partial_num_warps(plan) <= max(1, block // (32 * 4)), (rows, vocab, block)
+
+
 def test_empty_batch_and_bad_arguments():
     assert argmax_rows_triton(torch.empty(0, 7)).shape == (0,)
     assert argmax_rows_triton(torch.empty(0, 7), out=torch.empty(0, dtype=torch.int32)).dtype == torch.int32

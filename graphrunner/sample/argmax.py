@@ -47,16 +47,21 @@ import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
 
-__all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan", "combine_partials"]
+__all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan", "combine_partials",
+           "partial_num_warps"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.int32, torch.int64)
-_BLOCK = 2048  # elements per loop step: 4 per thread at 16 warps (one 16-byte load of fp32)
-# num_warps = BLOCK / (32 x 4), so small test blocks get fewer warps. 16 warps rather than 8 (two loads a
-# thread): 4 programs x 16 warps fill an SM's 64 warp slots, and more warps hide the compare-and-select
-# between loads. 256 rows, in-graph: H200 40.9 -> 40.4 µs (docs/bench/sampler_s17/argmax_sweep_s19_h200.txt),
-# H100 56.3 -> 55.5 with the eviction hint below (docs/bench/sampler_s20/argmax_variants_s20_h100.txt).
-_ELEMS_PER_THREAD = 4
+_BLOCK = 2048  # elements per loop step
+# Warps: BLOCK / (32 x elements per thread), so small test blocks get fewer. Long chunks (at least
+# _LONG_CHUNK_BLOCKS blocks) take 4 elements a thread (16 warps at BLOCK, one 16-byte load each): 4 programs x
+# 16 warps fill an SM's 64 warp slots, and more warps hide the compare-and-select between loads. Short chunks
+# (one row: 37 chunks of 2 blocks) keep 8 (8 warps), where the wider cross-warp reduction costs more than it
+# hides. In-graph, old / new interleaved (docs/bench/sampler_s20/argmax_ab_*): 256 rows H200 40.2 -> 39.5 µs,
+# H100 56.2 -> 55.2; 64 rows unchanged; 1 row 3.63 -> 3.73 with 16 warps, hence the rule.
+_ELEMS_PER_THREAD = 8
+_LONG_CHUNK_ELEMS_PER_THREAD = 4
+_LONG_CHUNK_BLOCKS = 8
 _MAX_WARPS = 16
 # The logits are read once: "evict_first" keeps them from pushing out of L2 what the step reads next.
 _EVICT = "evict_first"
@@ -106,6 +111,14 @@ def chunk_plan(num_rows: int, vocab_size: int, num_sms: int, *, block: int | Non
     num_chunks = max(1, min(num_chunks, num_blocks, MAX_CHUNKS))
     chunk_blocks = -(-num_blocks // num_chunks)
     return ChunkPlan(block, chunk_blocks * block, -(-num_blocks // chunk_blocks))
+
+
+def partial_num_warps(plan: ChunkPlan) -> int:
+    """Warps of the partial kernel for `plan`: 16 for long chunks, 8 for short ones (`_ELEMS_PER_THREAD` says
+    why), fewer for blocks too small to give each thread its elements."""
+    long_chunk = plan.chunk // plan.block >= _LONG_CHUNK_BLOCKS
+    elems = _LONG_CHUNK_ELEMS_PER_THREAD if long_chunk else _ELEMS_PER_THREAD
+    return max(1, min(_MAX_WARPS, plan.block // (32 * elems)))
 
 
 if HAS_TRITON:
@@ -228,7 +241,7 @@ def argmax_rows_triton(
     part_max = torch.empty(num_rows, plan.num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
     part_nan = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)
-    num_warps = max(1, min(_MAX_WARPS, plan.block // (32 * _ELEMS_PER_THREAD)))
+    num_warps = partial_num_warps(plan)
     one_chunk = plan.num_chunks == 1
     counters = None if one_chunk else _arrival_counters(x.device, num_rows)
     _partial_kernel[(num_rows, plan.num_chunks)](
