@@ -1,0 +1,93 @@
+"""The head-major KV cache (GRAPHRUNNER_KV_LAYOUT=HND): same logical tensor, other memory order.
+
+Every kernel takes the cache's strides, so a head-major cache must give bit-for-bit the token-major
+results: the KV write (torch and Triton), the attention (Triton, with and without the rotary + KV
+write folded in; the torch reference), and a whole runner's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphrunner import kv_shape
+from graphrunner.attention.kv_write import write_kv_torch
+from graphrunner.attention.torch_ref import paged_attention_torch
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.kv_shape import KVCacheShape
+from tests.runner_driver import Driver, make_runner
+from tests.test_attention import heads, make_batch, request_lists
+from tests.test_attention_rope import _both_paths
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values as `cache` [2, nb, bs, Hkv, D], stored [2, nb, Hkv, bs, D] (a permuted view)."""
+    return cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+
+
+def test_allocate_hands_out_the_logical_shape_in_each_memory_order():
+    shape = KVCacheShape(num_layers=2, block_size=4, num_kv_heads=3, head_dim=8, dtype=torch.float32)
+    for layout in kv_shape.KV_LAYOUTS:
+        caches = KVCacheShape(2, 4, 3, 8, torch.float32, layout=layout).allocate(5, torch.device("cpu"))
+        assert len(caches) == 2
+        for cache in caches:
+            assert cache.shape == (2, 5, 4, 3, 8) and not cache.any()
+            assert cache.untyped_storage().nbytes() == 2 * 5 * 4 * 3 * 8 * 4  # no padding, one layer's blocks
+            # token-major: a token's heads are adjacent; head-major: a head's tokens are adjacent
+            assert cache.stride()[2:] == ((24, 8, 1) if layout == "NHD" else (8, 32, 1))
+    assert shape.block_bytes == 2 * 2 * 4 * 3 * 8 * 4
+    with pytest.raises(ValueError, match="'NDH'.*must be one of"):
+        KVCacheShape(1, 4, 3, 8, torch.float32, layout="NDH").allocate(1, torch.device("cpu"))
+
+
+@settings(deadline=None)
+@given(reqs=request_lists(max_reqs=3, max_ctx=20, max_qlen=6, max_tokens=12), hk=heads,
+       block_size=st.sampled_from([1, 4, 16]), pad_tokens=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_torch_write_and_reference_attention_agree_across_layouts(reqs, hk, block_size, pad_tokens, seed):
+    batch = make_batch(reqs, num_heads=hk[0], num_kv_heads=hk[1], head_dim=8, block_size=block_size,
+                       pad_tokens=pad_tokens, seed=seed)
+    md = batch.metadata
+    outs = []
+    for cache in (batch.kv_cache.clone(), head_major(batch.kv_cache)):
+        write_kv_torch(batch.k, batch.v, cache, md.slot_mapping[: md.num_tokens])
+        outs.append((cache, paged_attention_torch(batch.q, cache, md, 0.3, torch.empty_like(batch.q))))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
+@settings(deadline=None)
+@given(reqs=request_lists(max_reqs=3, max_ctx=20, max_qlen=6, max_tokens=12), hk=heads,
+       block_size=st.sampled_from([1, 4, 16]), splits=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_triton_attention_with_and_without_rope_agrees_across_layouts(reqs, hk, block_size, splits, seed):
+    """Both launches of test_attention_rope (rope_write_kv + attention, and the fused one) on a token-major
+    cache and on the same cache stored head-major: the same caches and outputs, bit for bit."""
+    batch = make_batch(reqs, num_heads=hk[0], num_kv_heads=hk[1], head_dim=16, block_size=block_size, seed=seed)
+    token_major = _both_paths(batch, splits, seed)
+    batch.kv_cache = head_major(batch.kv_cache)
+    head_major_results = _both_paths(batch, splits, seed)
+    for (out_a, cache_a), (out_b, cache_b) in zip(token_major, head_major_results, strict=True):
+        assert cache_b.stride() == batch.kv_cache.stride()  # clone() kept the head-major order
+        assert torch.equal(cache_a, cache_b)
+        assert torch.equal(out_a, out_b)
+
+
+def test_runner_greedy_tokens_are_the_same_head_major(monkeypatch):
+    prompts = {"a": [5, 9, 11, 3, 7, 100, 200], "b": list(range(1, 20))}
+    tokens = {}
+    for layout in kv_shape.KV_LAYOUTS:
+        monkeypatch.setattr(kv_shape, "KV_LAYOUT", layout)
+        runner = make_runner()
+        assert runner.buffers.kv_caches[0].is_contiguous() == (layout == "NHD")
+        driver = Driver(runner)
+        for rid, prompt in prompts.items():
+            driver.add(rid, prompt)
+        for _ in range(6):
+            driver.step()
+        tokens[layout] = {rid: r.outputs for rid, r in driver.reqs.items()}
+    assert tokens["HND"] == tokens["NHD"]
+    assert all(len(t) == 6 for t in tokens["NHD"].values())
