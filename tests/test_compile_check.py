@@ -59,3 +59,21 @@ def test_compile_phase_catches_what_the_interpreter_accepts(tmp_path, names, fai
                           env=env, capture_output=True, text=True, timeout=300)
     assert (done.returncode != 0) == fails, done.stdout + done.stderr
     assert ("1 of 1 launches failed" in done.stdout) == fails, done.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+def test_tensor_descriptor_arguments_are_recorded_as_descriptor_types():
+    """A kernel taking triton.tools.tensor_descriptor.TensorDescriptor arguments (sample/greedy_head.py's
+    descriptor kernel) records them as `tensordesc<dtype[box]>`, the type triton.compile takes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from graphrunner.sample.greedy_head import _head_argmax_tma_kernel
+    from graphrunner_tools.compile_check import _launch_record
+
+    x, w = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16)
+    parts = [torch.zeros(4, 2, dtype=d) for d in (torch.float32, torch.int32, torch.int32)]
+    args = (TensorDescriptor.from_tensor(x, [16, 32]), TensorDescriptor.from_tensor(w, [32, 32]), *parts, 4, 64, 32, 2)
+    rec = _launch_record(_head_argmax_tma_kernel.fn, args, {"BM": 16, "BN": 32, "BK": 32, "IEEE": False})
+    assert rec["sig"]["x_desc"] == "tensordesc<bf16[16, 32]>"
+    assert rec["sig"]["w_desc"] == "tensordesc<bf16[32, 32]>"
+    assert rec["sig"]["max_ptr"] == "*fp32" and rec["sig"]["num_programs"] == "i32"

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.embedding import LMHead
-from graphrunner.sample.greedy_head import greedy_head_plan, greedy_head_serves, greedy_head_triton, vocab_fits
+from graphrunner.sample.greedy_head import (
+    LOADS,
+    descriptors_fit,
+    greedy_head_plan,
+    greedy_head_serves,
+    greedy_head_triton,
+    vocab_fits,
+)
 from tests.cuda_graphs import capture_cuda_graph
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
@@ -34,17 +41,54 @@ def test_equals_torch_argmax_of_the_logits_ties_included(rows, vocab, k, seed, t
 
 
 @needs_triton
+@given(rows=st.integers(1, 40), vocab=st.integers(1, 200), k4=st.integers(1, 10), seed=st.integers(0, 2**31),
+       tiles=st.sampled_from(TILES), loads=st.sampled_from(LOADS[1:]))
+def test_descriptor_loads_equal_torch_argmax_ties_included(rows, vocab, k4, seed, tiles, loads):
+    """The tensor-descriptor kernels (one program per tile, and persistent) on the same exact-sum logits:
+    K a multiple of 4 (16-byte fp32 rows) but not always of BK, so boxes past K, past V and past the
+    rows arrive as zeros and must change nothing."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (rows, 4 * k4), generator=g).float()
+    w = torch.randint(-2, 3, (vocab, 4 * k4), generator=g).float()
+    assert descriptors_fit(x, w, tiles[:3])
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    greedy_head_triton(x, w, out, tiles=tiles, loads=loads)
+    assert torch.equal(out, F.linear(x, w).argmax(dim=-1))
+
+
+def test_descriptors_fit_only_aligned_rows_and_boxes():
+    x, w = torch.zeros(4, 8), torch.zeros(100, 8)
+    assert descriptors_fit(x, w, (16, 16, 16))
+    assert not descriptors_fit(torch.zeros(4, 6), torch.zeros(100, 6), (16, 16, 16))  # 24-byte rows
+    assert not descriptors_fit(torch.zeros(4, 9)[:, :8], w, (16, 16, 16))  # 36-byte row stride
+    assert not descriptors_fit(x, w, (16, 16, 2))  # 8-byte boxes along K
+    assert not descriptors_fit(x, w, (16, 512, 16))  # a box side over 256
+
+
+@needs_triton
+def test_descriptor_loads_fall_back_and_reject_unknown_names():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 6, generator=g), torch.randn(70, 6, generator=g)  # 24-byte rows: the pointer kernel
+    out = torch.empty(5, dtype=torch.int64)
+    greedy_head_triton(x, w, out, tiles=TILES[0], loads="tma_persistent")
+    assert torch.equal(out, F.linear(x, w).argmax(dim=-1))
+    with pytest.raises(ValueError, match="'tmaa'.*must be one of"):
+        greedy_head_triton(x, w, out, tiles=TILES[0], loads="tmaa")
+
+
+@needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("tiles", TILES[:2])
-def test_nan_and_infinite_logits_follow_torch(tiles):
+@pytest.mark.parametrize("loads", LOADS)
+def test_nan_and_infinite_logits_follow_torch(tiles, loads):
     """A NaN logit wins at its first column; +inf beats every number; a row of -inf gives 0."""
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # [3, 2]
-    w = torch.zeros(70, 2)
+    x, w = F.pad(x, (0, 2)), torch.zeros(70, 4)  # 16-byte rows (the descriptor kernels); the pad adds 0 * 0
     w[5, 0], w[40, 0], w[9, 1] = float("nan"), float("nan"), float("inf")
     w[:, 0] = torch.where(torch.isnan(w[:, 0]), w[:, 0], torch.full((70,), float("inf")))
     logits = F.linear(x, w)  # row 0: NaN at 5 and 40, +inf elsewhere; row 1: +inf at 9; row 2: NaN / -inf
     out = torch.empty(3, dtype=torch.int64)
-    greedy_head_triton(x, w, out, tiles=tiles)
+    greedy_head_triton(x, w, out, tiles=tiles, loads=loads)
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
@@ -83,7 +127,8 @@ def test_head_greedy_on_cpu_is_argmax_of_its_logits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2, 64, 256])
-def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows):
+@pytest.mark.parametrize("loads", LOADS)
+def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows, loads):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from graphrunner.layers.embedding import lm_logits
@@ -92,8 +137,9 @@ def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows):
     hidden = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g)
     weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     assert greedy_head_serves(hidden, weight)
+    assert descriptors_fit(hidden, weight, greedy_head_plan(rows, 896, hidden.device)[:3])  # no silent fallback
     out = torch.empty(rows, dtype=torch.int32, device="cuda")
-    graph = capture_cuda_graph(lambda: greedy_head_triton(hidden, weight, out))
+    graph = capture_cuda_graph(lambda: greedy_head_triton(hidden, weight, out, loads=loads))
     for _ in range(2):
         hidden.copy_(torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g))
         graph.replay()

@@ -41,6 +41,9 @@ def _launch_record(fn, args: tuple, kwargs: dict) -> dict:
             sig[name], consts[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + _DTYPES[str(value.dtype)]
+        elif type(value).__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: dtype and box
+            box = ", ".join(str(int(b)) for b in value.block_shape)
+            sig[name] = f"tensordesc<{_DTYPES[str(value.base.dtype)]}[{box}]>"
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):

@@ -28,7 +28,8 @@ import torch
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 
-__all__ = ["GREEDY_HEAD", "greedy_head_plan", "greedy_head_serves", "greedy_head_triton", "vocab_fits"]
+__all__ = ["GREEDY_HEAD", "GREEDY_HEAD_LOADS", "LOADS", "descriptors_fit", "greedy_head_plan", "greedy_head_serves",
+           "greedy_head_triton", "vocab_fits"]
 
 GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
 # GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages replaces the plan (read once at import; sweeps).
@@ -38,6 +39,14 @@ _TILES_OVERRIDE = tuple(int(v) for v in _TILES.split(",")) if _TILES else None
 # (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
 _SERVED_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
+# GRAPHRUNNER_GREEDY_HEAD_LOADS (read once at import): how the kernel reads x and W. "pointer" (default):
+# pointer tiles, one program per tile. "tma": tensor descriptors (the tensor-memory accelerator), one program
+# per tile. "tma_persistent": tensor descriptors, one program per SM looping over the tiles. The head is
+# 143 µs at 256 rows of qwen2.5-0.5b on an H200 (about 490 TFLOPS), where cuBLAS-class Hopper GEMMs reach
+# more; the descriptor variants are the candidates, not yet timed on a GPU. Inputs a descriptor cannot
+# describe (rows not 16-byte aligned) take the pointer kernel.
+LOADS = ("pointer", "tma", "tma_persistent")
+GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "pointer")
 
 if HAS_TRITON:
     import triton
@@ -45,6 +54,23 @@ if HAS_TRITON:
 
     _NEG_INF = tl.constexpr(float("-inf"))
     _NONE = tl.constexpr(2147483647)  # argmax.py's "no index"
+
+    @triton.jit
+    def _store_tile_partials(acc, rm, rn, pid_n, M, V, max_ptr, idx_ptr, nan_ptr, BN: tl.constexpr):
+        # acc [BM, BN] fp32 logits of rows rm, columns rn: per row (max, its first column, first NaN
+        # column) at partial [row, n tile].
+        m_ok, n_ok = rm < M, rn < V
+        cols = tl.broadcast_to(rn[None, :], acc.shape)
+        nan = acc != acc
+        s = tl.where(nan | ~n_ok[None, :], _NEG_INF, acc)  # NaN never enters the max; it wins below
+        best = tl.max(s, 1)  # [BM]
+        # A row of only -inf gives its first column, as torch.argmax does (columns >= V come last).
+        first = tl.min(tl.where(s == best[:, None], cols, _NONE), 1)
+        first_nan = tl.min(tl.where(nan & n_ok[None, :], cols, _NONE), 1)
+        at = rm * tl.cdiv(V, BN) + pid_n  # [BM]: entries of the [M, V / BN] partials
+        tl.store(max_ptr + at, best, mask=m_ok)
+        tl.store(idx_ptr + at, first, mask=m_ok)
+        tl.store(nan_ptr + at, first_nan, mask=m_ok)
 
     @triton.jit
     def _head_argmax_kernel(x_ptr, w_ptr, max_ptr, idx_ptr, nan_ptr, M, V, K, stride_xm, stride_wv,
@@ -74,17 +100,30 @@ if HAS_TRITON:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        cols = tl.broadcast_to(rn[None, :], [BM, BN])
-        nan = acc != acc
-        s = tl.where(nan | ~n_ok[None, :], _NEG_INF, acc)  # NaN never enters the max; it wins below
-        best = tl.max(s, 1)  # [BM]
-        # A row of only -inf gives its first column, as torch.argmax does (columns >= V come last).
-        first = tl.min(tl.where(s == best[:, None], cols, _NONE), 1)
-        first_nan = tl.min(tl.where(nan & n_ok[None, :], cols, _NONE), 1)
-        at = rm * tl.cdiv(V, BN) + pid_n  # [BM]: entries of the [M, V / BN] partials
-        tl.store(max_ptr + at, best, mask=m_ok)
-        tl.store(idx_ptr + at, first, mask=m_ok)
-        tl.store(nan_ptr + at, first_nan, mask=m_ok)
+        _store_tile_partials(acc, rm, rn, pid_n, M, V, max_ptr, idx_ptr, nan_ptr, BN)
+
+    @triton.jit
+    def _head_argmax_tma_kernel(x_desc, w_desc, max_ptr, idx_ptr, nan_ptr, M, V, K, num_programs,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # The same tiles, loaded by the tensor-memory accelerator: x_desc [M, K] in [BM, BK] boxes, w_desc
+        # [V, K] in [BN, BK] boxes; boxes past M, V or K arrive as zeros (masked in the epilogue, or adding
+        # nothing to the sums). Program p serves tiles p, p + num_programs, ... (m fastest): one tile each
+        # with num_programs = the tile count, or a persistent loop with num_programs = the SM count.
+        num_m = tl.cdiv(M, BM)
+        num_tiles = num_m * tl.cdiv(V, BN)
+        for tile in range(tl.program_id(0), num_tiles, num_programs):
+            pid_m, pid_n = tile % num_m, tile // num_m
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, K, BK):
+                a = x_desc.load([pid_m * BM, k0])  # [BM, BK]
+                b = w_desc.load([pid_n * BN, k0])  # [BN, BK]
+                if IEEE:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+            rm = pid_m * BM + tl.arange(0, BM)
+            rn = pid_n * BN + tl.arange(0, BN)
+            _store_tile_partials(acc, rm, rn, pid_n, M, V, max_ptr, idx_ptr, nan_ptr, BN)
 
 
 def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
@@ -118,8 +157,9 @@ def vocab_fits(vocab: int, tiles: tuple[int, int, int, int, int]) -> bool:
 
 
 def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                       tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """hidden [R, K] . weight [V, K]^T -> out [R] (int32 | int64): each row's argmax, no logits."""
+                       tiles: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
+    """hidden [R, K] . weight [V, K]^T -> out [R] (int32 | int64): each row's argmax, no logits. `tiles`
+    overrides the plan, `loads` GREEDY_HEAD_LOADS (one of LOADS)."""
     if not HAS_TRITON:
         raise RuntimeError("greedy_head_triton needs triton, which failed to import")
     (num_rows, k), (vocab, k_w) = hidden.shape, weight.shape
@@ -132,12 +172,42 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if not vocab_fits(vocab, (bm, bn, bk, warps, stages)):
         raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
                          f"at most {MAX_CHUNKS}")
+    loads = loads or GREEDY_HEAD_LOADS
+    if loads not in LOADS:
+        raise ValueError(f"loads={loads!r} (GRAPHRUNNER_GREEDY_HEAD_LOADS) must be one of {LOADS}")
     if num_rows == 0:
         return out
     part = {name: torch.empty(num_rows, num_n, dtype=dtype, device=hidden.device)
             for name, dtype in (("max", torch.float32), ("idx", torch.int32), ("nan", torch.int32))}
-    _head_argmax_kernel[(triton.cdiv(num_rows, bm) * num_n,)](
-        hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
-        weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-        IEEE=hidden.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    num_tiles = triton.cdiv(num_rows, bm) * num_n
+    ieee = hidden.dtype == torch.float32
+    if loads != "pointer" and descriptors_fit(hidden, weight, (bm, bn, bk)):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        programs = num_tiles if loads == "tma" else min(num_tiles, _num_sms(hidden.device))
+        _head_argmax_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(hidden, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            part["max"], part["idx"], part["nan"], num_rows, vocab, k, programs, BM=bm, BN=bn, BK=bk, IEEE=ieee,
+            num_warps=warps, num_stages=stages)
+    else:
+        _head_argmax_kernel[(num_tiles,)](
+            hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
+            weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, IEEE=ieee, num_warps=warps,
+            num_stages=stages)
     return combine_partials(part["max"], part["idx"], part["nan"], out)
+
+
+def descriptors_fit(hidden: torch.Tensor, weight: torch.Tensor, box: tuple[int, int, int]) -> bool:
+    """Whether tensor descriptors can describe hidden [R, K] and weight [V, K] in (BM, BN, BK) boxes: row
+    strides and base addresses 16-byte aligned, unit stride along K, K-wide boxes of whole 16 bytes, every
+    box side at most 256 (the accelerator's limits)."""
+    elem = hidden.element_size()
+    return (all(t.stride(1) == 1 and t.stride(0) * elem % 16 == 0 and t.data_ptr() % 16 == 0
+                for t in (hidden, weight))
+            and box[2] * elem % 16 == 0 and max(box) <= 256)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a persistent loop of several tiles per program
+    return torch.cuda.get_device_properties(device).multi_processor_count
