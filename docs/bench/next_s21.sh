@@ -9,7 +9,7 @@
 #     memcheck over the second;
 #  2. decode attention time against context at 256 rows (decode_fusion/attn_context_s21.py): a fixed cost per
 #     launch (intercept) or slow streaming (slope)? It picks the next attention change;
-#  3. the greedy head's loads x tiles at 256 / 64 rows (decode_fusion/greedy_head_loads_s21.py), next to cuBLAS.
+#  3. the greedy head's loads x tiles at 256 / 64 rows (decode_fusion/greedy_head_sweep_s20.py --near), next to cuBLAS.
 # PART=2 (set LOADS=tma|tma_persistent and TILES=BM,BN,BK,warps,stages from part 1's winner, if any):
 #  4. the whole step head-major vs token-major at batch 1 / 256, interleaved (attention alone: 43.7 -> 42.6 µs on
 #     an H200);
@@ -28,7 +28,8 @@ timeout 120 compute-sanitizer --tool memcheck python3 -m pytest -q -m gpu -p no:
 echo "memcheck rc=$? $((SECONDS-t0))s"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_greedy_head.log" | tail -2
 timeout 100 python3 docs/bench/decode_fusion/attn_context_s21.py --rows 256 > "$OUT/attn_context.txt" 2>&1
 echo "context rc=$? $((SECONDS-t0))s"; cat "$OUT/attn_context.txt"
-timeout 150 python3 docs/bench/decode_fusion/greedy_head_loads_s21.py --rows 256,64 > "$OUT/greedy_head_loads.txt" 2>&1
+timeout 150 python3 docs/bench/decode_fusion/greedy_head_sweep_s20.py --rows 256,64 --near \
+   --loads pointer,tma,tma_persistent > "$OUT/greedy_head_loads.txt" 2>&1
 echo "greedy head rc=$? $((SECONDS-t0))s"; cat "$OUT/greedy_head_loads.txt"
 else
 winner=(GRAPHRUNNER_KV_LAYOUT=HND GRAPHRUNNER_GREEDY_HEAD_LOADS="${LOADS:-pointer}")
