@@ -104,14 +104,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _head_argmax_tma_kernel(x_desc, w_desc, max_ptr, idx_ptr, nan_ptr, M, V, K, num_programs,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                                PERSISTENT: tl.constexpr):
         # The same tiles, loaded by the tensor-memory accelerator: x_desc [M, K] in [BM, BK] boxes, w_desc
         # [V, K] in [BN, BK] boxes; boxes past M, V or K arrive as zeros (masked in the epilogue, or adding
         # nothing to the sums). Program p serves tiles p, p + num_programs, ... (m fastest): one tile each
         # with num_programs = the tile count, or a persistent loop with num_programs = the SM count.
         num_m = tl.cdiv(M, BM)
         num_tiles = num_m * tl.cdiv(V, BN)
-        for tile in range(tl.program_id(0), num_tiles, num_programs):
+        # PERSISTENT: the tile and K loops flattened into one software pipeline, so that the next tile's
+        # first boxes load during this tile's epilogue.
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=PERSISTENT):
             pid_m, pid_n = tile % num_m, tile // num_m
             acc = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
@@ -188,7 +191,7 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
         _head_argmax_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(hidden, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
             part["max"], part["idx"], part["nan"], num_rows, vocab, k, programs, BM=bm, BN=bn, BK=bk, IEEE=ieee,
-            num_warps=warps, num_stages=stages)
+            PERSISTENT=loads == "tma_persistent", num_warps=warps, num_stages=stages)
     else:
         _head_argmax_kernel[(num_tiles,)](
             hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
