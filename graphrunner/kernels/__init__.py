@@ -10,6 +10,8 @@ and never synchronize with the host, so either can run inside a captured CUDA gr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # triton is optional: without it every kernel falls back to its torch reference
@@ -37,4 +39,18 @@ def check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes
         raise ValueError(f"{name} has dtype {tensor.dtype}, expected one of: {allowed}")
 
 
-__all__ = ["HAS_TRITON", "use_triton", "check_tensor"]
+@functools.cache
+def _device_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device | str, *, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA `device` (host-side and cached: safe during capture); `cpu`
+    elsewhere, the count a kernel's launch plan assumes under the CPU interpreter (TRITON_INTERPRET=1)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu
+    return _device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["HAS_TRITON", "use_triton", "check_tensor", "sm_count"]

@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
+from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count, use_triton
 
 __all__ = ["MAX_CHUNKS", "ChunkPlan", "argmax_rows", "argmax_rows_triton", "chunk_plan", "combine_partials",
            "partial_num_warps"]
@@ -202,14 +202,6 @@ if HAS_TRITON:
         _combine_row(max_ptr, idx_ptr, nan_ptr, out_ptr, tl.program_id(0), num_chunks, C_PAD, "")
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    from graphrunner.sample.triton_sampling import _sm_count
-
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _triton_fits(x: torch.Tensor) -> bool:
     """Whether the kernels take `x` as it is (else torch.argmax does, with the same result)."""
     return (x.dim() == 2 and x.dtype in _DTYPES and x.stride(-1) == 1 and 0 < x.shape[1] < _MAX_VOCAB)
@@ -236,7 +228,8 @@ def argmax_rows_triton(
         raise ValueError(f"out must be contiguous (strides {out.stride()})")
     if num_rows == 0:
         return out
-    plan = chunk_plan(num_rows, vocab_size, _num_sms(x.device), block=block, num_chunks=num_chunks, one_wave=True)
+    plan = chunk_plan(num_rows, vocab_size, sm_count(x.device, cpu=_INTERPRETER_SMS), block=block,
+                      num_chunks=num_chunks, one_wave=True)
     # Scratch [R, C], fully written by the partial kernel: empty, no memset in the graph.
     part_max = torch.empty(num_rows, plan.num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(num_rows, plan.num_chunks, dtype=torch.int32, device=x.device)

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON, check_tensor
+from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count
 from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 
 __all__ = ["GREEDY_HEAD", "GREEDY_HEAD_LOADS", "LOADS", "descriptors_fit", "greedy_head_plan", "greedy_head_serves",
@@ -187,7 +187,7 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if loads != "pointer" and descriptors_fit(hidden, weight, (bm, bn, bk)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        programs = num_tiles if loads == "tma" else min(num_tiles, _num_sms(hidden.device))
+        programs = num_tiles if loads == "tma" else min(num_tiles, sm_count(hidden.device, cpu=2))
         _head_argmax_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(hidden, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
             part["max"], part["idx"], part["nan"], num_rows, vocab, k, programs, BM=bm, BN=bn, BK=bk, IEEE=ieee,
@@ -208,9 +208,3 @@ def descriptors_fit(hidden: torch.Tensor, weight: torch.Tensor, box: tuple[int, 
     return (all(t.stride(1) == 1 and t.stride(0) * elem % 16 == 0 and t.data_ptr() % 16 == 0
                 for t in (hidden, weight))
             and box[2] * elem % 16 == 0 and max(box) <= 256)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a persistent loop of several tiles per program
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -56,7 +56,7 @@ import struct
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import HAS_TRITON, sm_count
 from graphrunner.sample.argmax import ChunkPlan, chunk_plan
 
 __all__ = ["MAX_TOPK", "check_logprob_args", "logprobs_plan", "logprobs_triton", "triton_fits"]
@@ -280,14 +280,6 @@ def triton_fits(logits: torch.Tensor, num_logprobs: int) -> bool:
             and 0 < logits.shape[1] < _MAX_VOCAB and 0 <= num_logprobs <= MAX_TOPK)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    from graphrunner.sample.triton_sampling import _sm_count
-
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def check_logprob_args(logits, token_ids, num_logprobs, out_logprobs, out_ids, out_ranks) -> None:
     if not triton_fits(logits, num_logprobs):
         raise ValueError(f"logits have shape {tuple(logits.shape)}, dtype {logits.dtype}, strides {logits.stride()} "
@@ -331,7 +323,7 @@ def logprobs_triton(
     rows, vocab = logits.shape
     if rows == 0:
         return
-    plan = logprobs_plan(rows, vocab, _num_sms(logits.device), block=block, num_chunks=num_chunks)
+    plan = logprobs_plan(rows, vocab, sm_count(logits.device, cpu=_INTERPRETER_SMS), block=block, num_chunks=num_chunks)
     k_pad = triton.next_power_of_2(max(num_logprobs, 1))
     group = min(_GROUP, plan.block)  # divides the block: both are powers of two
     num_groups = -(-vocab // group)

@@ -35,11 +35,9 @@ once at import whether the Triton kernels exist (graphrunner.kernels).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from graphrunner.kernels import HAS_TRITON, check_tensor, use_triton
+from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count, use_triton
 from graphrunner.sample import rng
 from graphrunner.sample.filters import filter_threshold
 
@@ -462,14 +460,7 @@ def gumbel_argmax_triton(
 
 def _target_programs(device: torch.device) -> int:
     """Programs that keep the device busy: two per SM on CUDA; a few under the CPU interpreter."""
-    if device.type == "cuda":
-        return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 2 * sm_count(device, cpu=2)
 
 
 def sampling_threshold_triton(

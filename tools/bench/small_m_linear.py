@@ -34,13 +34,12 @@ the prologue reproduces the two-kernel path's input, not just approximates it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import HAS_TRITON, sm_count
 
 __all__ = ["MAX_SMALL_M", "SmallMPlan", "small_m_linear", "small_m_linear_plan", "small_m_linear_ref"]
 
@@ -128,19 +127,6 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device | str) -> int:
-    """SMs of a CUDA device (host-side, cached: safe during capture); 4 under the CPU interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def small_m_linear_plan(M: int, N: int, K: int, device: torch.device | str) -> SmallMPlan:
     """Tile sizes for `small_m_linear` from Python ints only (no device work: graph-safe).
 
@@ -156,7 +142,7 @@ def small_m_linear_plan(M: int, N: int, K: int, device: torch.device | str) -> S
         raise ValueError(f"N={N} and K={K} must both be >= 1")
     use_dot = M > _FMA_MAX_M
     m_pad = 16 if use_dot else _pow2_ceil(M)
-    sms = _num_sms(device)
+    sms = sm_count(device, cpu=4)
     choices = (16, 32, 64) if use_dot else (8, 16, 32, 64)
     block_n = choices[0]
     for bn in choices:
