@@ -599,10 +599,9 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
 ])
 def test_plan_uses_the_decode_grid_once_requests_fill_the_gpu(monkeypatch, num_reqs, num_tokens, splits, by_request):
     """The plan's grid choice on a 132-SM GPU (the H100's count, faked) for a 14/2 x 64 model."""
+    import graphrunner.attention.triton_attn as triton_attn
 
-    class _Props:
-        multi_processor_count = 132
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props())
+    # Patched where the plan looks it up (not torch.cuda.get_device_properties: kernels.sm_count caches per device).
+    monkeypatch.setattr(triton_attn, "sm_count", lambda device, cpu: 132)
     plan = attention_launch_plan(num_tokens, num_reqs, 14, 2, 64, torch.device("cuda", 0))
     assert (plan["num_kv_splits"], plan["decode_grid"]) == (splits, by_request)

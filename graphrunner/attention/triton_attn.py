@@ -51,7 +51,7 @@ import torch
 from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.rope_kv import check_rope_args
 from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import HAS_TRITON, sm_count
 from graphrunner.kernels.pdl import pdl_launch
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
@@ -482,7 +482,7 @@ def attention_launch_plan(
     if device.type == "cuda":
         # Tiles that can hold real work: one per request at least, more for long queries.
         busy = max(min(num_reqs, num_tokens), -(-num_tokens // block_q)) * num_kv_heads
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_sms = sm_count(device, cpu=1)
         num_kv_splits = max(1, min(_PLAN_MAX_SPLITS, (2 * num_sms) // max(busy, 1)))
     num_warps = 4
     if decode_like and d_pad <= 64 and num_kv_splits == 1:
