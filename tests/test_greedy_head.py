@@ -106,7 +106,8 @@ def test_rejects_what_it_cannot_serve():
 
 def test_serves_only_several_cuda_rows_of_the_head_dtype():
     assert not greedy_head_serves(torch.zeros(4, 8), torch.zeros(16, 8))  # CPU: the logits path
-    assert greedy_head_plan(256, 896, torch.device("cuda")) == (128, 256, 64, 8, 3)
+    assert greedy_head_plan(256, 896, torch.device("cuda")) == (128, 256, 64, 8, 4)
+    assert greedy_head_plan(64, 896, torch.device("cuda")) == (64, 256, 64, 8, 3)
     assert greedy_head_plan(8, 4096, torch.device("cuda"))[:3] == (64, 256, 64)
     # fp32 tiles at half the K step: 64 x 256 x 64 x 4 bytes x 3 stages (240 KiB) exceeds an H100's shared memory.
     assert greedy_head_plan(8, 4096, torch.device("cuda"), torch.float32)[:3] == (64, 256, 32)

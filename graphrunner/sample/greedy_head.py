@@ -39,14 +39,15 @@ _TILES_OVERRIDE = tuple(int(v) for v in _TILES.split(",")) if _TILES else None
 # (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
 _SERVED_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
-# GRAPHRUNNER_GREEDY_HEAD_LOADS (read once at import): how the kernel reads x and W. "pointer" (default):
-# pointer tiles, one program per tile. "tma": tensor descriptors (the tensor-memory accelerator), one program
-# per tile. "tma_persistent": tensor descriptors, one program per SM looping over the tiles. The head is
-# 143 µs at 256 rows of qwen2.5-0.5b on an H200 (about 490 TFLOPS), where cuBLAS-class Hopper GEMMs reach
-# more; the descriptor variants are the candidates, not yet timed on a GPU. Inputs a descriptor cannot
-# describe (rows not 16-byte aligned) take the pointer kernel.
+# GRAPHRUNNER_GREEDY_HEAD_LOADS (read once at import): how the kernel reads x and W. "pointer": pointer
+# tiles, one program per tile. "tma": tensor descriptors (the tensor-memory accelerator), one program per
+# tile. "tma_persistent" (default): tensor descriptors, one program per SM looping over the tiles, so that a
+# tile's epilogue overlaps the next tile's first loads. On an H100, qwen2.5-0.5b's head (151,936 x 896):
+# 256 rows pointer 153.8 -> tma_persistent 136.4 µs (with 4 stages), 64 rows 111.9 -> 102.5 µs, cuBLAS
+# logits + argmax 233.8 / 142.5 µs (docs/bench/s21/greedy_head_loads_s21_h100.txt). Inputs a descriptor
+# cannot describe (rows not 16-byte aligned) take the pointer kernel.
 LOADS = ("pointer", "tma", "tma_persistent")
-GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "pointer")
+GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "tma_persistent")
 
 if HAS_TRITON:
     import triton
@@ -132,8 +133,9 @@ if HAS_TRITON:
 def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
                      dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages): 128 x 256 tiles of 64-wide K steps at 8 warps, the
-    usual Hopper bf16 GEMM shape; 64-row tiles for up to 64 rows; K steps halved for fp32 (the
-    three stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
+    usual Hopper bf16 GEMM shape, four stages deep (three: 143.7 µs at 256 rows on an H100, four:
+    136.4); 64-row tiles for up to 64 rows, three stages (the fastest there); K steps halved for
+    fp32 (the stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
     interpreter). GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages overrides it (sweeps)."""
     if _TILES_OVERRIDE is not None:
         bm, bn, bk, warps, stages = _TILES_OVERRIDE
@@ -141,7 +143,9 @@ def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
     if device.type != "cuda":
         return 16, 32, 16, 4, 1
     bk = (64 if hidden % 64 == 0 else 32) // (2 if dtype == torch.float32 else 1)
-    return (64 if num_rows <= 64 else 128), 256, bk, 8, 3
+    if num_rows <= 64:
+        return 64, 256, bk, 8, 3
+    return 128, 256, bk, 8, (3 if dtype == torch.float32 else 4)
 
 
 def greedy_head_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
