@@ -105,12 +105,11 @@ if HAS_TRITON:
         first = d < HALF
         mask = ok & (d < HEAD_DIM)
         j = tl.where(first, d, d - HALF)  # the pair's index in either half
-        # The element loads first: their addresses do not wait for pos.
-        x = tl.load(rows + d * stride_d, mask=mask, other=0.0).to(tl.float32)
-        partner = tl.load(rows + tl.where(first, d + HALF, d - HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
         cs_row = cs_ptr + pos.to(tl.int64) * stride_cs + j
         cos = tl.load(cs_row, mask=mask, other=0.0).to(ty).to(tl.float32)
         sin = tl.load(cs_row + HALF, mask=mask, other=0.0).to(ty).to(tl.float32)
+        x = tl.load(rows + d * stride_d, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(rows + tl.where(first, d + HALF, d - HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
         # First half x1 cos - x2 sin, second half x2 cos + x1 sin (x = the element, partner = its pair).
         return tl.where(first, x * cos - partner * sin, x * cos + partner * sin).to(ty)
 
@@ -118,8 +117,7 @@ if HAS_TRITON:
     def _split_range(kv_hi, seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_KV: tl.constexpr):
         """[kv_lo, kv_end): the keys a split reads for a tile that sees kv_hi of them. Under ROPE_KV
         the chunks are cut from the request's whole key range (seq_len), so that a key falls in the
-        same split for every tile of its request (_attend_new_keys: the tile that owns a new key's token
-        writes it from the split whose range holds it)."""
+        same split for every tile of its request: that split's program writes it (_write_request_kv)."""
         if NUM_SPLITS > 1:
             whole = seq_len if ROPE_KV else kv_hi
             chunk = tl.cdiv(tl.cdiv(whole, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -131,60 +129,40 @@ if HAS_TRITON:
         return kv_lo, kv_end
 
     @triton.jit
-    def _attend_new_keys(q, m_i, l_i, acc, tok0, tile_end, q_start, q_end, seq_len, kvh, kv_lo, kv_end, row_lim,
-                         qk_scale, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, kv_ptr, block_size, stride_kt,
-                         stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_cs, stride_c_kv,
-                         stride_c_blk, stride_c_off, stride_c_h, stride_c_d, HEAD_DIM: tl.constexpr,
-                         D_PAD: tl.constexpr, COMPUTE_FP32: tl.constexpr):
-        """ROPE_KV, decode grid: the tile's softmax over its request's new keys (this step's tokens
-        q_start .. tile_end - 1, keys seq_len - q_end + token), taken from registers: k rotated here and
-        rounded to the cache dtype as the cache would hold it, v as given. The tile also stores the keys
-        and values of its own tokens (tok0 .. tile_end - 1) that fall in its split's range, at their
-        slots (-1 = skip): every new key has exactly one writer, and no program of this launch reads a
-        new key back from the cache, so the stores need no barrier and the key loop that follows starts
-        streaming without waiting for them. Returns the updated (m_i, l_i, acc)."""
-        NEW_N: tl.constexpr = 16  # tl.dot's smallest N
+    def _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr,
+                          kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                          stride_cs, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+        """ROPE_KV, decode grid: this program (request, kv head kvh, split) is the only one that reads
+        the keys of its split's range, for every tile of the request. It writes the rotated keys and
+        the values of the request's new tokens that fall there (at their slots; -1 = skip) before
+        its tiles read them, and barriers so that its own loads see the stores."""
+        kv_lo, kv_end = _split_range(seq_len, seq_len, split, NUM_SPLITS, BLOCK_N, True)
         d = tl.arange(0, D_PAD)[None, :]
         cty = kv_ptr.dtype.element_ty
-        for t0 in range(q_start, tile_end, NEW_N):
-            tok = t0 + tl.arange(0, NEW_N)  # [NEW_N] tokens of the request
+        for t0 in range(q_start, q_end, 16):
+            tok = t0 + tl.arange(0, 16)  # [16] tokens of the request
+            live = tok < q_end
             n = seq_len - q_end + tok  # their key indices
-            keep = (tok < tile_end) & (n >= kv_lo) & (n < kv_end)  # keys of this split the tile sees
+            slot = tl.load(slot_ptr + tok, mask=live, other=-1)
+            writes = (live & (n >= kv_lo) & (n < kv_end) & (slot >= 0))[:, None]  # [16, 1]
             tok64 = tok.to(tl.int64)[:, None]
-            slot = tl.load(slot_ptr + tok, mask=keep, other=-1)
-            pos = tl.load(pos_ptr + tok64, mask=keep[:, None], other=0)
-            v = tl.load(v_new_ptr + tok64 * stride_vt + kvh * stride_vh + d * stride_vd,
-                        mask=keep[:, None] & (d < HEAD_DIM), other=0.0).to(cty)  # [NEW_N, D_PAD]
-            k = _rotate(k_new_ptr + tok64 * stride_kt + kvh * stride_kh, stride_kd, pos, cs_ptr, stride_cs,
-                        keep[:, None], d, HEAD_DIM).to(cty)  # [NEW_N, D_PAD]
-            writes = (keep & (tok >= tok0) & (slot >= 0))[:, None] & (d < HEAD_DIM)
-            slot64 = slot.to(tl.int64)[:, None]
-            dst = (kv_ptr + (slot64 // block_size) * stride_c_blk + (slot64 % block_size) * stride_c_off
+            pos = tl.load(pos_ptr + tok64, mask=writes, other=0)
+            k_rot = _rotate(k_new_ptr + tok64 * stride_kt + kvh * stride_kh, stride_kd, pos, cs_ptr, stride_cs,
+                            writes, d, HEAD_DIM)  # [16, D_PAD]
+            mask = writes & (d < HEAD_DIM)
+            v = tl.load(v_new_ptr + tok64 * stride_vt + kvh * stride_vh + d * stride_vd, mask=mask, other=0.0)
+            slot = slot.to(tl.int64)[:, None]
+            dst = (kv_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                    + kvh.to(tl.int64) * stride_c_h + d * stride_c_d)
-            tl.store(dst, k, mask=writes)
-            tl.store(dst + stride_c_kv, v, mask=writes)
-            if COMPUTE_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale  # s: [BLOCK_M, NEW_N], log2 domain
-            visible = (n[None, :] < row_lim[:, None]) & keep[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if COMPUTE_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        return m_i, l_i, acc
+            tl.store(dst, k_rot.to(cty), mask=mask)
+            tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
+        tl.debug_barrier()
 
     @triton.jit
     def _attend_tile(
         tok0,  # the tile's first token
-        q_start,  # its request's first token
         b,  # its request (num_reqs: the padded tokens' pseudo-request)
         q_end,  # the request's end token
         seq_len,  # its key count (0 for the pseudo-request)
@@ -264,7 +242,7 @@ if HAS_TRITON:
         tok64 = tok.to(tl.int64)
 
         q_rows = q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
-        if ROPE_KV:  # q arrives unrotated (and the new keys come from registers: _attend_new_keys)
+        if ROPE_KV:  # q arrives unrotated (its keys were written by _write_request_kv)
             q = _rotate(q_rows, stride_qd, tl.load(pos_ptr + tok64, mask=row_ok, other=0)[:, None], cs_ptr,
                         stride_cs, row_ok[:, None], d[None, :], HEAD_DIM)  # q: [BLOCK_M, D_PAD]
         else:
@@ -275,13 +253,6 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        if ROPE_KV:
-            m_i, l_i, acc = _attend_new_keys(
-                q, m_i, l_i, acc, tok0, tile_end, q_start, q_end, seq_len, kvh, kv_lo, kv_end, row_lim, qk_scale,
-                k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, kv_ptr, block_size, stride_kt, stride_kh,
-                stride_kd, stride_vt, stride_vh, stride_vd, stride_cs, stride_c_kv, stride_c_blk, stride_c_off,
-                stride_c_h, stride_c_d, HEAD_DIM, D_PAD, COMPUTE_FP32)
-            kv_end = tl.minimum(kv_end, seq_len - q_end + q_start)  # the cache holds the keys before them
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         head_off = kvh.to(tl.int64) * stride_c_h
         for start in range(kv_lo, kv_end, BLOCK_N):
@@ -406,9 +377,14 @@ if HAS_TRITON:
         q_end = tl.where(is_req, tl.load(qsl_ptr + b + 1, mask=is_req, other=0), num_tokens)
         seq_len = tl.load(seq_lens_ptr + b, mask=is_req, other=0)
         if DECODE_GRID:
+            if ROPE_KV:
+                _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr,
+                                  slot_ptr, kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt,
+                                  stride_vh, stride_vd, stride_cs, stride_c_kv, stride_c_blk, stride_c_off,
+                                  stride_c_h, stride_c_d, HEAD_DIM, D_PAD, NUM_SPLITS, BLOCK_N)
             for tok0 in range(q_start, q_end, BLOCK_Q):  # one tile per decode request
                 _attend_tile(
-                    tok0, q_start, b, q_end, seq_len, kvh, split,
+                    tok0, b, q_end, seq_len, kvh, split,
                     q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size,
                     qk_scale, dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot,
                     stride_oh, stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
@@ -418,7 +394,7 @@ if HAS_TRITON:
                 )
         else:
             _attend_tile(
-                q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q, q_start, b, q_end, seq_len, kvh, split,
+                q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q, b, q_end, seq_len, kvh, split,
                 q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size, qk_scale,
                 dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                 stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
@@ -586,10 +562,9 @@ def paged_attention_triton(
     positions, graphrunner.kernels.dcp); `seq_lens` stay global and each key is masked by
     its global position. `decode_grid` overrides the plan's grid (module docstring). `rope_kv`
     (not with `dcp`; the decode grid, which it needs, unless `decode_grid=False` is asked and
-    refused): q is not yet rotated; the kernel rotates it and the new keys, attends to the new
-    keys from registers, and writes them and the new values at their slots (the rotary +
-    KV-write kernel folded in; `RopeKV`); the cache is read only for the keys of earlier
-    steps, so its stores need no barrier before the key loop. Works on CPU tensors under
+    refused): q is not yet rotated; the kernel rotates it, and each program first writes the
+    rotated keys and the values of its request's new tokens that its split reads, at their
+    slots (the rotary + KV-write kernel folded in; `RopeKV`). Works on CPU tensors under
     TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
