@@ -40,16 +40,19 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--stages", type=int, default=None, help="num_stages override (default: the plan's)")
+    p.add_argument("--shapes", default="all", help="'qwen' for 14/2x64 only")
     args = p.parse_args()
+    shapes = SHAPES[:1] if args.shapes == "qwen" else SHAPES
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30).bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.rows} rows", flush=True)
-    for heads, kv_heads, dim in SHAPES:
+    for heads, kv_heads, dim in shapes:
         bytes_per_key = 2 * args.rows * kv_heads * dim * 2  # K and V of every row, bf16
         for rope in (True, False):
             times = []
             for context in CONTEXTS:
                 q, cache, md, out = decode_batch(args.rows, context, heads, kv_heads, dim)
-                kw = {}
+                kw = {} if args.stages is None else {"num_stages": args.stages}
                 if rope:
                     k, v, pos, cs = rope_inputs(q, md, context, kv_heads)
                     kw["rope_kv"] = RopeKV(k, v, pos, cs, md.slot_mapping)
