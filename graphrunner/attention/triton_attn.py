@@ -255,15 +255,10 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         head_off = kvh.to(tl.int64) * stride_c_h
-        # The block ids of the first key block; each iteration loads the next one's (a loop-carried
-        # prefetch), so that no K / V address depends on a load of its own iteration.
-        n_next = kv_lo + tl.arange(0, BLOCK_N)
-        blk_next = tl.load(bt_row + n_next // block_size, mask=n_next < kv_end, other=0)
         for start in range(kv_lo, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < kv_end
-            blk = blk_next.to(tl.int64)
-            blk_next = tl.load(bt_row + (n + BLOCK_N) // block_size, mask=n + BLOCK_N < kv_end, other=0)
+            blk = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
             base = blk * stride_c_blk + (n % block_size).to(tl.int64) * stride_c_off + head_off  # [BLOCK_N]
             kv_off = base[:, None] + d[None, :] * stride_c_d
             kv_mask = n_ok[:, None] & d_ok[None, :]
