@@ -504,6 +504,7 @@ def attention_launch_plan(
         "block_n": block_n,
         "num_warps": num_warps,
         "num_stages": 3 if decode_like else 2,
+        "maxnreg": 0,  # 0: the compiler's choice
     }
 
 
@@ -546,6 +547,7 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
     dcp: tuple[int, int, int] | None = None,
     decode_grid: bool | None = None,
     rope_kv: RopeKV | None = None,
@@ -582,6 +584,7 @@ def paged_attention_triton(
     block_n = plan["block_n"] if block_n is None else block_n
     num_warps = plan["num_warps"] if num_warps is None else num_warps
     num_stages = plan["num_stages"] if num_stages is None else num_stages
+    maxnreg = plan["maxnreg"] if maxnreg is None else maxnreg
     if block_n < _MIN_DOT_ROWS or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= {_MIN_DOT_ROWS}")
     # The interpreter's bf16 arithmetic is broken, and fp32 inputs want exact dots:
@@ -599,6 +602,8 @@ def paged_attention_triton(
     block_table = metadata.block_table
     launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
     gdc = bool(launch)
+    # A register cap only where asked: the interpreter takes no such option.
+    registers = {"maxnreg": maxnreg} if maxnreg else {}
     by_request = (plan["decode_grid"] or rope_kv is not None) if decode_grid is None else decode_grid
     rope_args = _rope_kv_args(rope_kv, q, dcp)
     if rope_kv is not None and not by_request:
@@ -641,6 +646,7 @@ def paged_attention_triton(
         DECODE_GRID=by_request,
         num_warps=num_warps,
         num_stages=num_stages,
+        **registers,
         **launch,
     )
     if splits > 1:
