@@ -602,8 +602,7 @@ def paged_attention_triton(
     block_table = metadata.block_table
     launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
     gdc = bool(launch)
-    # A register cap only where asked: the interpreter takes no such option.
-    registers = {"maxnreg": maxnreg} if maxnreg else {}
+    registers = {"maxnreg": maxnreg} if maxnreg else {}  # 0: no cap, the option left out
     by_request = (plan["decode_grid"] or rope_kv is not None) if decode_grid is None else decode_grid
     rope_args = _rope_kv_args(rope_kv, q, dcp)
     if rope_kv is not None and not by_request:
