@@ -13,7 +13,9 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.embedding import LMHead
 from graphrunner.sample.greedy_head import (
     LOADS,
+    PERSISTENT_MIN_ROWS,
     descriptors_fit,
+    greedy_head_loads,
     greedy_head_plan,
     greedy_head_serves,
     greedy_head_triton,
@@ -102,6 +104,14 @@ def test_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="at most 1024"):
         greedy_head_triton(x, torch.zeros(1025 * 16, 8), torch.empty(4, dtype=torch.int64),
                            tiles=(16, 16, 16, 4, 1))
+
+
+def test_auto_loads_take_the_persistent_kernel_where_it_was_measured_ahead():
+    assert greedy_head_loads(PERSISTENT_MIN_ROWS) == greedy_head_loads(256) == "tma_persistent"
+    assert greedy_head_loads(PERSISTENT_MIN_ROWS - 1) == greedy_head_loads(2) == "pointer"
+    assert all(greedy_head_loads(8, loads) == loads for loads in LOADS)  # an explicit choice is kept
+    with pytest.raises(ValueError, match="'TMA'.*must be one of \\('auto', 'pointer'"):
+        greedy_head_loads(8, "TMA")
 
 
 def test_serves_only_several_cuda_rows_of_the_head_dtype():

@@ -28,8 +28,8 @@ import torch
 from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count
 from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 
-__all__ = ["GREEDY_HEAD", "GREEDY_HEAD_LOADS", "LOADS", "descriptors_fit", "greedy_head_plan", "greedy_head_serves",
-           "greedy_head_triton", "vocab_fits"]
+__all__ = ["GREEDY_HEAD", "GREEDY_HEAD_LOADS", "LOADS", "PERSISTENT_MIN_ROWS", "descriptors_fit", "greedy_head_loads",
+           "greedy_head_plan", "greedy_head_serves", "greedy_head_triton", "vocab_fits"]
 
 GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
 # GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages replaces the plan (read once at import; sweeps).
@@ -41,13 +41,16 @@ _SERVED_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
 # GRAPHRUNNER_GREEDY_HEAD_LOADS (read once at import): how the kernel reads x and W. "pointer": pointer
 # tiles, one program per tile. "tma": tensor descriptors (the tensor-memory accelerator), one program per
-# tile. "tma_persistent" (default): tensor descriptors, one program per SM looping over the tiles, so that a
-# tile's epilogue overlaps the next tile's first loads. On an H100, qwen2.5-0.5b's head (151,936 x 896):
-# 256 rows pointer 153.8 -> tma_persistent 136.4 µs (with 4 stages), 64 rows 111.9 -> 102.5 µs, cuBLAS
-# logits + argmax 233.8 / 142.5 µs (docs/bench/s21/greedy_head_loads_s21_h100.txt). Inputs a descriptor
-# cannot describe (rows not 16-byte aligned) take the pointer kernel.
+# tile. "tma_persistent": tensor descriptors, one program per SM looping over the tiles, so that a tile's
+# epilogue overlaps the next tile's first loads. "auto" (default): tma_persistent from PERSISTENT_MIN_ROWS
+# rows, pointer below. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows pointer 153.8 ->
+# tma_persistent 136.4 µs (with 4 stages), 64 rows 111.9 -> 102.5 µs, cuBLAS logits + argmax 233.8 / 142.5 µs
+# (docs/bench/s21/greedy_head_loads_s21_h100.txt). Fewer rows were not timed per kernel, and one H100 ran
+# the batch-8 step 3-5% slower with it (docs/bench/s21/call12), so they keep the pointer kernel. Inputs a
+# descriptor cannot describe (rows not 16-byte aligned) take the pointer kernel.
 LOADS = ("pointer", "tma", "tma_persistent")
-GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "tma_persistent")
+GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "auto")
+PERSISTENT_MIN_ROWS = 64
 
 if HAS_TRITON:
     import triton
@@ -166,7 +169,7 @@ def vocab_fits(vocab: int, tiles: tuple[int, int, int, int, int]) -> bool:
 def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                        tiles: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
     """hidden [R, K] . weight [V, K]^T -> out [R] (int32 | int64): each row's argmax, no logits. `tiles`
-    overrides the plan, `loads` GREEDY_HEAD_LOADS (one of LOADS)."""
+    overrides the plan, `loads` GREEDY_HEAD_LOADS ("auto" or one of LOADS)."""
     if not HAS_TRITON:
         raise RuntimeError("greedy_head_triton needs triton, which failed to import")
     (num_rows, k), (vocab, k_w) = hidden.shape, weight.shape
@@ -179,9 +182,7 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if not vocab_fits(vocab, (bm, bn, bk, warps, stages)):
         raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
                          f"at most {MAX_CHUNKS}")
-    loads = loads or GREEDY_HEAD_LOADS
-    if loads not in LOADS:
-        raise ValueError(f"loads={loads!r} (GRAPHRUNNER_GREEDY_HEAD_LOADS) must be one of {LOADS}")
+    loads = greedy_head_loads(num_rows, loads or GREEDY_HEAD_LOADS)
     if num_rows == 0:
         return out
     part = {name: torch.empty(num_rows, num_n, dtype=dtype, device=hidden.device)
@@ -202,6 +203,16 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
             weight.stride(0), BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, IEEE=ieee, num_warps=warps,
             num_stages=stages)
     return combine_partials(part["max"], part["idx"], part["nan"], out)
+
+
+def greedy_head_loads(num_rows: int, loads: str = "auto") -> str:
+    """The load strategy (one of LOADS) for `num_rows` rows: `loads` itself, or for "auto" tma_persistent
+    from PERSISTENT_MIN_ROWS rows and pointer below (where the persistent kernel was not measured ahead)."""
+    if loads == "auto":
+        return "tma_persistent" if num_rows >= PERSISTENT_MIN_ROWS else "pointer"
+    if loads not in LOADS:
+        raise ValueError(f"loads={loads!r} (GRAPHRUNNER_GREEDY_HEAD_LOADS) must be one of {('auto', *LOADS)}")
+    return loads
 
 
 def descriptors_fit(hidden: torch.Tensor, weight: torch.Tensor, box: tuple[int, int, int]) -> bool:
