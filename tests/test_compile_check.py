@@ -158,7 +158,7 @@ def test_resources_report_the_pipeline_depth_num_stages_asks_for(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     reports = [line for line in done.stdout.splitlines() if line.startswith("spec_mod.kernel")]
     assert len(reports) == 2, done.stdout
-    three, one = (eval(line[line.index("} {") + 2:]) for line in reports)  # the printed resources dict
+    three, one = (json.loads(line[line.index("} {") + 2:]) for line in reports)  # the printed resources
     assert max(three["buffers"], default=0) >= 2 and max(one["buffers"], default=0) <= 1, done.stdout
     assert three["shared"] > one["shared"]
     assert three["registers"] and three["spill_bytes"] == 0

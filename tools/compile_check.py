@@ -156,8 +156,8 @@ def compile_all(path: str, arch: int, report: bool = False) -> int:
     failures = 0
     for rec in records:
         kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
-        attrs = {(int(index),): hints for index, hints in rec.get("attrs", {}).items()}
-        options = rec.get("options") or {"num_warps": rec.get("num_warps", 4)}
+        attrs = {(int(index),): hints for index, hints in rec["attrs"].items()}
+        options = rec["options"]
         try:
             compiled = triton.compile(ASTSource(kernel, rec["sig"], constexprs=rec["consts"], attrs=attrs),
                                       target=GPUTarget("cuda", arch, 32), options=options)
@@ -166,7 +166,7 @@ def compile_all(path: str, arch: int, report: bool = False) -> int:
             print(f"FAIL {rec['module']}.{rec['name']} {rec['consts']}: {type(e).__name__}: {str(e)[:1500]}")
             continue
         if report:
-            print(f"{rec['module']}.{rec['name']} {options} {resources(compiled, arch)}")
+            print(f"{rec['module']}.{rec['name']} {json.dumps(options)} {json.dumps(resources(compiled, arch))}")
     print(f"{failures} of {len(records)} launches failed to compile for sm_{arch}")
     return 1 if failures else 0
 
