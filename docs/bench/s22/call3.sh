@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 22, call 3. The decode attention launch with its first key block issued before the rotary work and the
+# KV write (partial block first), against `.s22gpu/base` (git archive dc9a2cc graphrunner, the tree before):
+# GPU tests; the per-program timeline (256 / 64 rows); the launch vs context (256 / 64 rows); the qwen2.5-0.5b
+# step at batch 1 / 64 / 256, interleaved.
+set -uo pipefail
+t0=$SECONDS; nvidia-smi --query-gpu=name --format=csv,noheader
+grc='import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))'
+source tools/device_env.sh >/dev/null
+root=$PWD
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_rope.py tests/test_kv_layout.py \
+   tests/test_attention.py tests/test_attention_merge.py tests/test_dcp_attention.py > "$OUT/gpu_tests.log" 2>&1
+echo "tests rc=$? $((SECONDS-t0))s"; tail -3 "$OUT/gpu_tests.log"
+s=$root/docs/bench/decode_fusion/attn_timeline_s22.py
+for rows in 256 64 1; do
+  for tree in new base; do
+    dir=$root; [ $tree = base ] && dir=$root/.s22gpu/base
+    timeout 60 python3 $s --name "$tree-rows$rows" --tree "$dir" --rows $rows >> "$OUT/timeline.txt" 2>&1
+  done
+done
+echo "timeline $((SECONDS-t0))s"; grep -E "^## .*rep 0|median" "$OUT/timeline.txt" | head -24
+for tree in new base new base; do
+  dir=$root; [ $tree = base ] && dir=$root/.s22gpu/base
+  echo "### $tree" >> "$OUT/lat_qwen_ab.md"
+  (cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" timeout 100 python3 -c "$grc" bench latency \
+     --model builtin:qwen2.5-0.5b --batch-sizes 1,64,256 --context 1024 --modes FULL) >> "$OUT/lat_qwen_ab.md" 2>&1
+  echo "$tree rc=$? $((SECONDS-t0))s"; grep -E 'FULL +bs=' "$OUT/lat_qwen_ab.md" | tail -3
+done
