@@ -57,8 +57,9 @@ def patched_module(tree: pathlib.Path):
                       "        q,\n", 1)
     # Per-iteration stamps: _attend_tile takes the buffer too and stamps each key-block iteration's start.
     src = src.replace("    def _attend_tile(\n", "    def _attend_tile(\n        timeline_ptr,\n", 1)
-    src = src.replace("_attend_tile(\n                    tok0,", "_attend_tile(\n                    timeline_ptr, tok0,", 1)
-    src = src.replace("            _attend_tile(\n                q_start +", "            _attend_tile(\n                timeline_ptr, q_start +", 1)
+    for call in ("_attend_tile(\n                    tok0,", "_attend_tile(\n                q_start +"):
+        first_arg = call.split("\n")[1].strip()
+        src = src.replace(call, call.replace(first_arg, "timeline_ptr, " + first_arg, 1), 1)
     lin = ("(tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1)"
            " * tl.program_id(2))).to(tl.int64) * ROW")
     loop = "        for start in range(kv_lo, kv_end, BLOCK_N):\n"  # before session 22: every block in the loop
@@ -75,8 +76,8 @@ def patched_module(tree: pathlib.Path):
         " * tl.program_id(2))).to(tl.int64) * ROW\n"
         f"            tl.store(timeline_ptr + _lin + 3 + _it, {_STAMP}, mask=_it < ROW - 3)\n"), 1)
     src = src.replace("tl.int64) * 3\n", "tl.int64) * ROW\n")
-    src = src.replace("if HAS_TRITON:\n    import triton\n    import triton.language as tl\n",
-                      "if HAS_TRITON:\n    import triton\n    import triton.language as tl\n\n    ROW = tl.constexpr(%d)\n" % ROW, 1)
+    imports = "if HAS_TRITON:\n    import triton\n    import triton.language as tl\n"
+    src = src.replace(imports, imports + f"\n    ROW = tl.constexpr({ROW})\n", 1)
     src += "\nTIMELINE = [None]\n"
     path = pathlib.Path(tempfile.mkdtemp()) / "attn_timeline_kernel.py"
     path.write_text(src)
