@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from graphrunner.layers.decode_linear import linear
-from graphrunner.layers.split_k import split_k_partials, split_k_parts
-from graphrunner.layers.swiglu import silu_mul, swiglu_linear
+from graphrunner.layers.swiglu import swiglu_linear
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -218,30 +217,13 @@ class RowLinear(_LinearBase):
         )
         self.all_reduce = all_reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out] (or [S, T, out] partials)
-        """x W^T (+ b), all-reduced over the TP ranks. At one rank, where `split_k_parts` says so, the
-        fp32 partial sums over S slices of K [S, T, out] instead, for the next residual add to sum
-        (layers/split_k.py)."""
-        parts = self._split_k_parts(x)
-        if parts > 1:
-            return split_k_partials(x, self.weight, parts)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out]
         return self._reduced(linear, x)
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * in_local] -> [T, out]
         """forward(silu(gate) * up) of gate_up's [gate | up] halves (layers/swiglu.py: one GEMV launch
-        for a single row on CUDA, else one SiLU·mul kernel and the GEMM); split-K partials as
-        `forward`'s."""
-        parts = self._split_k_parts(gate_up, halves=2)
-        if parts > 1:
-            return split_k_partials(silu_mul(gate_up), self.weight, parts)
+        for a single row on CUDA, else one SiLU·mul kernel and the GEMM)."""
         return self._reduced(swiglu_linear, gate_up)
-
-    def _split_k_parts(self, x: torch.Tensor, halves: int = 1) -> int:
-        """split_k_parts for this projection's input x [T, halves * in_local] (1 with a bias, under TP,
-        or under torch.compile)."""
-        if self.tp_size > 1 or self.bias is not None or torch.compiler.is_compiling():
-            return 1
-        return split_k_parts(x[:, :x.shape[1] // halves], self.weight)
 
     def _reduced(self, project: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """project(x, weight[, bias]) summed over the TP ranks; the bias is added once, after the sum."""

@@ -37,11 +37,9 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm block boundary in one call.
 
-        The sum stays in the activation dtype (as HF), and it is the next residual. x may also
-        be a split-K projection's fp32 partial sums [S, T, hidden] (`layers/split_k.py`): they
-        are summed and rounded to the residual's dtype first.
+        The sum stays in the activation dtype (as HF), and it is the next residual.
         """
-        if use_triton(x) and x.dim() in (2, 3):
+        if use_triton(x) and x.dim() == 2:
             return torch.ops.graphrunner.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return add_rms_norm_torch(x, residual, self.weight, self.eps)
 
@@ -59,10 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual), both like x
-    """Torch reference of the fused op: the sum in x's dtype, then `rms_norm` of it. Partials
-    [S, T, hidden] (fp32) are first summed and rounded to the residual's dtype."""
-    if x.dim() == residual.dim() + 1:
-        x = x.sum(0).to(residual.dtype)  # [T, hidden]
+    """Torch reference of the fused op: the sum in x's dtype, then `rms_norm` of it."""
     residual = x + residual  # [..., hidden]
     return rms_norm(residual, weight, eps), residual
 
@@ -74,20 +69,15 @@ if HAS_TRITON:
     from graphrunner.kernels.pdl import pdl_wait
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps, stride_xs, stride_x,
-                             stride_r, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps, stride_x, stride_r,
+                             BLOCK: tl.constexpr, GDC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         pdl_wait(GDC)  # launched with PDL: wait for the kernels before (graphrunner.kernels.pdl)
         i = tl.arange(0, BLOCK)
         ok = i < hidden
         ty = out_ptr.dtype.element_ty
-        # x: NUM_PARTS fp32 partial sums (split-K), summed and rounded as the GEMM would round its
-        # output; for one part in the activation dtype the rounding changes nothing.
-        x = tl.zeros([BLOCK], tl.float32)
-        for part in tl.static_range(NUM_PARTS):
-            x += tl.load(x_ptr + part * stride_xs + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
-        x = x.to(ty).to(tl.float32)
-        s = (x + tl.load(res_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)).to(ty)
+        s = (tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)).to(ty)
         tl.store(res_out_ptr + row * hidden + i, s, mask=ok)
         sf = s.to(tl.float32)
         inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
@@ -97,30 +87,26 @@ if HAS_TRITON:
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor,  # [T, hidden], or [S, T, hidden] fp32 split-K partials; unit stride along hidden
+    x: torch.Tensor,  # [T, hidden], unit stride along hidden
     residual: torch.Tensor,  # [T, hidden], unit stride along hidden
     weight: torch.Tensor,  # [hidden]
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, residual's dtype, contiguous
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, contiguous
     """One program per token: the residual sum, its fp32 statistics and the scaled output."""
     if not HAS_TRITON:
         raise RuntimeError("add_rms_norm_triton needs triton, which failed to import; use add_rms_norm_torch")
-    parts = x.shape[0] if x.dim() == 3 else 1
-    if x.shape[-2:] != residual.shape or residual.dim() != 2 or weight.shape != (residual.shape[1],) \
-            or (parts > 1 and x.dtype != torch.float32) or x.dim() not in (2, 3):
-        raise ValueError(f"x {tuple(x.shape)} ({x.dtype}), residual {tuple(residual.shape)} and weight "
-                         f"{tuple(weight.shape)} must be [T, hidden] (or fp32 [S, T, hidden]), [T, hidden] and "
-                         "[hidden]")
-    if x.stride(-1) != 1 or residual.stride(1) != 1:
+    if x.dim() != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} "
+                         "must be [T, hidden], [T, hidden] and [hidden]")
+    if x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual need unit stride along hidden, got {x.stride()} and {residual.stride()}")
-    num_tokens, hidden = residual.shape
-    out, res_out = _two_like(residual)
+    num_tokens, hidden = x.shape
+    out, res_out = _two_like(x)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         launch = pdl_launch(x.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
-        _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps,
-                                            x.stride(0) if parts > 1 else 0, x.stride(-2), residual.stride(0),
-                                            NUM_PARTS=parts, BLOCK=block, GDC=bool(launch),
+        _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
+                                            residual.stride(0), BLOCK=block, GDC=bool(launch),
                                             num_warps=min(16, max(1, block // 256)), **launch)
     return out, res_out
 
@@ -145,10 +131,10 @@ def add_rms_norm(
 
 @fused_add_rms_norm.register_fake
 def _fused_add_rms_norm_fake(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    return _two_like(residual)
+    return _two_like(x)
 
 
 def _two_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's two outputs: contiguous, the residual's shape, dtype and device."""
+    """The op's two outputs: contiguous, x's shape, dtype and device."""
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
             torch.empty(x.shape, dtype=x.dtype, device=x.device))

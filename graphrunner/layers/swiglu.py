@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.decode_linear import DECODE_GEMV, gemv_fits, gemv_triton, linear
 
-__all__ = ["silu_mul", "silu_mul_triton", "swiglu", "swiglu_linear"]
+__all__ = ["silu_mul_triton", "swiglu", "swiglu_linear"]
 
 _BLOCK = 1024  # elements of one row per program
 # The one-row fused path only for down projections of at most this K (intermediate size; read once
@@ -51,13 +51,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """silu(gate) * up of the [gate | up] halves (torch)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """silu(gate) * up: `silu_mul_triton` on CUDA, else `swiglu` (torch)."""
-    if HAS_TRITON and gate_up.is_cuda and gate_up.stride(-1) == 1:
-        return silu_mul_triton(gate_up)
-    return swiglu(gate_up)
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

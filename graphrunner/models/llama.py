@@ -1,8 +1,9 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-One class covers them all (they differ only in `ModelConfig` flags). The forward pass is graph-safe:
-shapes depend only on the (padded) token count, there is no host sync and no branching on tensor
-values, so the same code runs eagerly, under torch.compile, and inside captured CUDA graphs. Attention is the only call into the
+One class covers them all because they differ only in flags carried by `ModelConfig`.
+The forward pass is graph-safe: shapes depend only on the (padded) token count, there
+is no host sync and no branching on tensor values, so the same code runs eagerly, under
+torch.compile, and inside captured CUDA graphs. Attention is the only call into the
 backend, in `Attention.attend`. In *op mode* (`LlamaForCausalLM.use_attention_op(True)`)
 that call goes through the opaque custom op `graphrunner::unified_attention`, which
 reads the per-step metadata, KV caches and backend from `forward_context`: the model is
@@ -37,7 +38,6 @@ from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from graphrunner.layers.norm import RMSNorm
 from graphrunner.layers.norm_linear import add_norm_project
 from graphrunner.layers.rotary import RotaryEmbedding
-from graphrunner.layers.split_k import settle
 from graphrunner.models.registry import check_architecture
 from graphrunner.models.stages import MissingLayer, pp_layer_range
 
@@ -194,13 +194,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,  # [T, hidden] (or partials): the previous block's output, embeddings for layer 0
+        hidden: torch.Tensor,  # [T, hidden]: the previous block's output (embeddings for layer 0)
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (block output, residual), both [T, hidden] (the output or partials)
-        # Each half enters through add_norm_project: residual add (which sums split-K partials,
-        # layers/split_k.py), RMSNorm and the first projection; one launch at one row on CUDA.
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (block output, residual), both [T, hidden]
+        # Each half enters through add_norm_project: residual add, RMSNorm and the half's
+        # first projection, one launch at one row on CUDA (layers/norm_linear.py).
         attn = self.self_attn
         if residual is None:
             residual, qkv = hidden, attn.qkv_proj(self.input_layernorm(hidden))
@@ -290,8 +290,8 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(local_layers, caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         assert residual is not None, "every stage runs at least one layer"
-        if not self.is_last_stage:  # a plain [T, hidden] for the next stage, not split-K partials
-            return settle(hidden, residual.dtype), residual
+        if not self.is_last_stage:
+            return hidden, residual
         assert self.norm is not None, "the last stage holds the final norm"
         hidden, _ = self.norm.add_norm(hidden, residual)
         return hidden
