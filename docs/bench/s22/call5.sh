@@ -17,3 +17,6 @@ for rows in 256 64; do
 done
 echo "timeline $((SECONDS-t0))s"; grep -E "^## .*rep 0|median" "$OUT/timeline.txt" | head -16
 OUT="$OUT" bash docs/bench/s21/call11.sh
+grc='import sys; from graphrunner.cli import main; sys.exit(main(sys.argv[1:]))'
+timeout 120 python3 -c "$grc" bench latency --model builtin:qwen2.5-0.5b --batch-sizes 1,8,64,256 --context 1024 \
+  --modes FULL > "$OUT/lat_qwen_issue17.md" 2>&1; echo "qwen rc=$? $((SECONDS-t0))s"; grep -E 'FULL +bs=' "$OUT/lat_qwen_issue17.md"
