@@ -16,7 +16,6 @@ tools/device_env.sh sourced:
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
@@ -26,6 +25,7 @@ from graphrunner.attention.base import AttentionMetadata
 from graphrunner.attention.triton_attn import RopeKV, paged_attention_triton
 from graphrunner.layers.norm import add_rms_norm_triton
 from graphrunner.layers.swiglu import silu_mul_triton
+from graphrunner_tools.bench.gemv_bench import graph_time_us
 
 H, HKV, D, HID, INTER, BLOCK = 14, 2, 64, 896, 4864, 16
 
@@ -92,7 +92,7 @@ def main() -> None:
     x0 = rnd(rows, HID)
     res0 = rnd(rows, HID)
     attn_outs = [torch.empty(rows, H, D, device=dev, dtype=dt) for _ in range(nl)]
-    main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()  # main_s: outside any capture
+    side = torch.cuda.Stream()
 
     def stack(pages: int) -> None:
         cur = torch.cuda.current_stream()  # the capture stream under torch.cuda.graph
@@ -117,27 +117,9 @@ def main() -> None:
                 cur.wait_stream(side)
 
     def timed(pages: int) -> tuple[float, list[torch.Tensor]]:
-        s = torch.cuda.Stream()
-        s.wait_stream(main_s)
-        with torch.cuda.stream(s):
-            stack(pages)
-        main_s.wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stack(pages)
-        graph.replay()
-        torch.cuda.synchronize()
-        outs = [o.clone() for o in attn_outs]
-        samples = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) * 1e3 / nl)
-        del graph
-        return statistics.median(samples), outs
+        """µs per layer of the stack in one CUDA graph, and the attention outputs it left."""
+        us = graph_time_us(lambda _: stack(pages), 1, 20) / nl
+        return us, [o.clone() for o in attn_outs]
 
     print(f"{torch.cuda.get_device_name()}: {rows} rows, context {ctx}, {nl} layers of qwen2.5-0.5b shapes; "
           f"one page = {rows * 2 * HKV * BLOCK * D * 2 / 1e6:.2f} MB over all requests")
