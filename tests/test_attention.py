@@ -514,6 +514,23 @@ def test_gpu_triton_matches_reference(head_dim, hk, num_decodes, prefills):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("maxnreg", [96, 128])
+def test_gpu_register_cap_changes_no_result(maxnreg):
+    """`maxnreg` (a sweep option; the plan's 0 leaves it out) caps registers, not arithmetic: decode rows and
+    a prefill give the uncapped launch's outputs, which match the reference."""
+    batch = make_batch(
+        [(1023, 1)] * 9 + [(300, 40)], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
+        pad_reqs=2, pad_tokens=3, dtype=torch.bfloat16, device="cuda", seed=maxnreg,
+    )  # fmt: skip
+    TritonPagedAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata, 0.125)
+    plain = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, 0.125, torch.empty_like(batch.q))
+    capped = paged_attention_triton(batch.q, batch.kv_cache, batch.metadata, 0.125, torch.empty_like(batch.q),
+                                    maxnreg=maxnreg)
+    torch.testing.assert_close(capped, plain, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(capped.float(), dense_reference(batch, 0.125), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_other_dtypes_and_odd_head_dim(dtype):
     for head_dim in (32, 48, 64):
