@@ -365,6 +365,52 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel serves each operation, chosen per runner (two runners in one process may differ).
+
+    Every field defaults to the choice that measured fastest; the plans behind each choice are
+    keyed by shapes and device properties (`graphrunner.kernels.device`), never by GPU names.
+    A choice a device cannot serve (no Triton, a CPU tensor) falls back to the torch path.
+
+    Layers and attention:
+      decode_gemv            single-row projections run as one Triton GEMV launch (CUDA)
+      norm_gemv_max_k        residual add + RMSNorm fused into the next single-row GEMV for
+                             input widths up to this (0: never fused)
+      swiglu_gemv_max_k      SiLU(gate) * up fused into the down projection's single-row GEMV for
+                             input widths up to this (0: never fused)
+      attention_rope         the rotary embedding and the KV write folded into the attention launch
+      attention_max_kv_splits  the largest KV split count of the decode attention plan
+      pdl                    programmatic dependent launch between the decode kernels (Hopper)
+      pdl_max_rows           the largest batch whose kernels launch with PDL
+    Sampling:
+      greedy_head            all-greedy batches take the argmax inside the LM head's GEMM
+    """
+
+    # layers and attention
+    decode_gemv: bool = True
+    norm_gemv_max_k: int = 2048
+    swiglu_gemv_max_k: int = 6144
+    attention_rope: bool = True
+    attention_max_kv_splits: int = 16
+    pdl: bool = True
+    pdl_max_rows: int = 1
+    # sampling
+    greedy_head: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("norm_gemv_max_k", "swiglu_gemv_max_k", "pdl_max_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KernelConfig.{name}={value!r} must be an int >= 0")
+        splits = self.attention_max_kv_splits
+        if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
+            raise ValueError(f"KernelConfig.attention_max_kv_splits={splits!r} must be an int in [1, 64]")
+        for f in dataclasses.fields(self):
+            if f.type in (bool, "bool") and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"KernelConfig.{f.name}={getattr(self, f.name)!r} must be a bool")
+
+
+@dataclass(frozen=True)
 class LoadConfig:
     """Where weights come from: a Hugging Face folder, or `dummy` random weights from `seed`."""
 
@@ -384,6 +430,7 @@ class RunnerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
     dtype: str = "auto"
     seed: int = 0
 
