@@ -43,7 +43,7 @@ def _generate(rank: int, world: int, tp: int, pp: int, dp: int, extra: dict) -> 
     outs = llm.generate(PROMPTS, params)
     info = {
         "tokens": [o.token_ids for o in outs],
-        "dummy_steps": llm.runner.parallel.num_dummy_steps,
+        "dummy_steps": (llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0),
         "mode": llm.runner.graphs.mode.name,
     }
     llm.shutdown()

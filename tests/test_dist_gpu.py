@@ -153,12 +153,12 @@ def _worker(layout: dict, out_path: str) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
     pcp = llm.runner.body.pcp
-    dummy_steps = [llm.runner.parallel.num_dummy_steps]  # per rank: the replica that ends first runs dummies
+    dummy_steps = [(llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0)]  # per rank: the replica that ends first runs dummies
     if llm.groups.world_size > 1:
         import torch.distributed as dist
 
         dummy_steps = [0] * llm.groups.world_size
-        dist.all_gather_object(dummy_steps, llm.runner.parallel.num_dummy_steps, group=llm.groups.world_cpu_group)
+        dist.all_gather_object(dummy_steps, (llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0), group=llm.groups.world_cpu_group)
     info = {
         "tokens": [o.token_ids for o in outs],
         "captured": bool(llm.runner.graphs.captured),

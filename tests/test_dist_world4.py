@@ -23,7 +23,7 @@ def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
     llm = LLM(model, **LLM_ARGS, **layout)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
-    info = {"tokens": [o.token_ids for o in outs], "dummy_steps": llm.runner.parallel.num_dummy_steps}
+    info = {"tokens": [o.token_ids for o in outs], "dummy_steps": (llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0)}
     llm.shutdown()
     return info
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from graphrunner.attention.op import forward_context
 from graphrunner.kernels import use_triton
-from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.kernels.input_prep import compute_slot_mapping
 from graphrunner.kernels.dcp import dcp_slot_mapping
 from graphrunner.kernels.input_prep import (
     compute_logits_indices,

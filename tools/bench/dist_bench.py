@@ -146,7 +146,7 @@ def _timed_steps(llm, record):
         start = time.perf_counter()
         out = orig()
         _synchronize()
-        record(time.perf_counter() - start, llm.runner.last_descriptor, llm.runner.parallel.last_dp_decision)
+        record(time.perf_counter() - start, llm.runner.last_descriptor, (llm.runner.dp.last_dp_decision if llm.runner.dp is not None else None))
         return out
 
     llm.step = step
@@ -243,7 +243,7 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
     llm.step = orig
     every: list = [None] * llm.groups.world_size
     dist.all_gather_object(every, {"executed": executed, "wall_s": wall,
-                                   "dummy_steps": llm.runner.parallel.num_dummy_steps},
+                                   "dummy_steps": (llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0)},
                            group=llm.groups.world_cpu_group)
     # Lockstep: the agreed decisions count both replicas' run tokens (dummy steps included).
     total = run if lockstep else sum(e["executed"] for e in every)
@@ -309,7 +309,7 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, prompt_len)).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    ubatched = llm.runner.parallel.num_microbatched_steps
+    ubatched = (llm.runner.dp.num_microbatched_steps if llm.runner.dp is not None else 0)
     events = ForwardEvents(llm.runner.parallel, llm.runner.device.type)
     start = time.perf_counter()
     llm.generate(prompts, params)
@@ -325,7 +325,7 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     return {"requests": n, "prompt_len": prompt_len, "output_len": out_len, "wall_s": wall,
             "output_tokens_per_s": n * out_len / wall, "max_idle_fraction": max(idle) if idle else None,
             "mean_idle_fraction": statistics.fmean(idle) if idle else None, "ranks": every,
-            "microbatched_steps": llm.runner.parallel.num_microbatched_steps - ubatched}
+            "microbatched_steps": (llm.runner.dp.num_microbatched_steps if llm.runner.dp is not None else 0) - ubatched}
 
 
 def _bubble_pass(llm, args, batch_sizes: list[int]) -> list[dict]:
