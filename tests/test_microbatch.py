@@ -218,7 +218,7 @@ def _generate(rank: int, world: int, dp: int, dbo: bool) -> dict:
 
     extra = {**DBO[rank], **GRAPH_ARGS} if dbo else {}
     llm = LLM("builtin:tiny-llama", data_parallel_size=dp, data_parallel_lockstep=dp > 1, **LLM_ARGS, **extra)
-    hooks = llm.runner.parallel
+    hooks = llm.runner.dp  # lockstep DP (None for one replica)
     # Per coordinated step: [wanted, agreed to split, counter before, [tokens of each model forward call]]
     steps: list[list] = []
     if dp > 1:
@@ -242,7 +242,8 @@ def _generate(rank: int, world: int, dp: int, dbo: bool) -> dict:
 
         hooks._wants_microbatch, hooks._coordinate = wants, coordinate
     outs = llm.generate(PROMPTS, _params())
-    info = {"tokens": [o.token_ids for o in outs], "ubatched": hooks.num_microbatched_steps, "steps": steps,
+    ubatched = hooks.num_microbatched_steps if hooks is not None else 0
+    info = {"tokens": [o.token_ids for o in outs], "ubatched": ubatched, "steps": steps,
             "mode": llm.runner.graphs.mode.name}
     llm.shutdown()
     return info

@@ -202,9 +202,9 @@ def _decode_pass(llm, bs: int, decode_steps: int, prompt_len: int) -> dict:
 
 def _instrument_bubble(llm) -> dict:
     """Time the PP waits of this stage (synchronised around each)."""
-    hooks = llm.runner.parallel
+    hooks = llm.runner.pp  # this rank's pipeline stage
     waits: dict[str, list[float]] = {"recv_hidden_s": [], "recv_tokens_s": []}
-    orig_before, orig_exchange = hooks.before_forward, hooks._exchange_sampled
+    orig_before, orig_exchange = hooks.receive, hooks._exchange_sampled
 
     def before_forward(*a, **k):
         _synchronize()
@@ -222,7 +222,7 @@ def _instrument_bubble(llm) -> dict:
         if not hooks.is_last_stage:
             waits["recv_tokens_s"].append(time.perf_counter() - t)
 
-    hooks.before_forward, hooks._exchange_sampled = before_forward, exchange
+    hooks.receive, hooks._exchange_sampled = before_forward, exchange
     return waits
 
 
@@ -271,37 +271,34 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
 
 
 class ForwardEvents:
-    """CUDA events around every forward of this rank (no synchronisation: the run is undisturbed).
+    """CUDA events around every run of a step on this rank (no synchronisation: the run is undisturbed).
 
-    Start: after `before_forward` (the PP receive is queued first, so the event completes once the
-    hidden states arrived); end: before `after_forward` (the send and token exchange come after).
+    They bracket `StepGraphs.run`: the PP receive is queued before it (so the start event completes
+    once the hidden states arrived), the send and the token exchange after it.
     """
 
-    def __init__(self, hooks, device: str) -> None:
+    def __init__(self, graphs, device: str) -> None:
         import torch
 
-        self._hooks = hooks
+        self._graphs = graphs
         self._new = (lambda: torch.cuda.Event(enable_timing=True)) if device == "cuda" else _HostMark
         self.pairs: list = []
-        self._orig = hooks.before_forward, hooks.after_forward
+        self._orig = graphs.run
 
-        def before_forward(*a, **k):
-            self._orig[0](*a, **k)
+        def run(*a, **k):
             start = self._new()
             start.record()
-            self.pairs.append([start, None])
-
-        def after_forward(*a, **k):
+            out = self._orig(*a, **k)
             end = self._new()
             end.record()
-            self.pairs[-1][1] = end
-            return self._orig[1](*a, **k)
+            self.pairs.append([start, end])
+            return out
 
-        hooks.before_forward, hooks.after_forward = before_forward, after_forward
+        graphs.run = run
 
     def close(self) -> dict:
-        """Restore the hooks; busy and window milliseconds and the idle fraction (after a synchronise)."""
-        self._hooks.before_forward, self._hooks.after_forward = self._orig
+        """Restore the run; busy and window milliseconds and the idle fraction (after a synchronise)."""
+        self._graphs.run = self._orig
         _synchronize()
         pairs = [(a, b) for a, b in self.pairs if b is not None]
         if not pairs:
@@ -325,7 +322,7 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
     ubatched = _microbatched(llm)
-    events = ForwardEvents(llm.runner.parallel, llm.runner.device.type)
+    events = ForwardEvents(llm.runner.graphs, llm.runner.device.type)
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
