@@ -12,7 +12,7 @@ the padded shape it runs at:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from capture.modes import CUDAGraphMode
 
@@ -31,6 +31,12 @@ class BatchExecutionDescriptor:
     num_tokens: int
     num_reqs: int | None = None
     uniform_token_count: int | None = None
+    # The mode tests, as plain attributes: a step reads them several times, and an attribute
+    # costs no Python call the way a property does (derived, so not part of the key).
+    is_full: bool = field(init=False, repr=False, compare=False)
+    is_piecewise: bool = field(init=False, repr=False, compare=False)
+    is_eager: bool = field(init=False, repr=False, compare=False)
+    is_uniform_decode: bool = field(init=False, repr=False, compare=False)  # FULL, every request q tokens
 
     def __post_init__(self) -> None:
         mode = self.cg_mode
@@ -60,23 +66,10 @@ class BatchExecutionDescriptor:
                     f"uniform-decode descriptor needs num_tokens == num_reqs * q, got "
                     f"{self.num_tokens} != {self.num_reqs} * {q}"
                 )
-
-    @property
-    def is_full(self) -> bool:
-        return self.cg_mode is CUDAGraphMode.FULL
-
-    @property
-    def is_piecewise(self) -> bool:
-        return self.cg_mode is CUDAGraphMode.PIECEWISE
-
-    @property
-    def is_eager(self) -> bool:
-        return self.cg_mode is CUDAGraphMode.NONE
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        """A FULL graph captured for batches where every request has exactly q tokens."""
-        return self.uniform_token_count is not None
+        object.__setattr__(self, "is_full", mode is CUDAGraphMode.FULL)
+        object.__setattr__(self, "is_piecewise", mode is CUDAGraphMode.PIECEWISE)
+        object.__setattr__(self, "is_eager", mode is CUDAGraphMode.NONE)
+        object.__setattr__(self, "is_uniform_decode", q is not None)
 
     def padded_tokens(self, real_tokens: int) -> int:
         """How many padding tokens a batch of `real_tokens` gets under this descriptor."""

@@ -8,12 +8,11 @@
         runner.execute_model(scheduler_output)
         output = runner.sample_tokens()
 
-One step (docs/architecture.md): validate the scheduler's plan without touching state;
-apply the request-state changes as staged writes and commit them; plan the batch (order,
-dispatch, upload: `step.plan`); run it (a FULL graph replay, or the step body through
-PIECEWISE graphs or eagerly: `step.body`); advance the host mirrors. `sample_tokens`
-turns the step into a `ModelRunnerOutput` (`step.output`). Everything here is wiring:
-each stage lives in the module named beside it.
+`execute_model` and `sample_tokens` are the step, top to bottom: validate, update request
+states, plan the batch, run it, advance the host mirrors, hand the output back. Each stage
+is one call into the module that owns it (state/, step/); pipeline and lockstep data
+parallelism (`self.pp`, `self.dp`) and speculative decoding (inside the step body) are
+objects the step calls at fixed points, absent when unused.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -34,23 +32,25 @@ from graphrunner.attention import get_attention_backend
 from graphrunner.config import RunnerConfig, resolve_dtype
 from graphrunner.distributed.dcp_attention import wrap_for_dcp
 from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.distributed.lockstep import LockstepDP
 from graphrunner.distributed.pcp_step import make_prefill_context_parallel
-from graphrunner.distributed.runner_hooks import ParallelHooks
+from graphrunner.distributed.pipeline_stage import PipelineStage
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
 from graphrunner.spec_decode.step import make_speculative_step
+from graphrunner.state.requests import RequestState
+from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
 from graphrunner.state.validation import validate_scheduler_output
 from graphrunner.step.body import StepBody
-from graphrunner.step.buffers import LogprobBuffers, StepBuffers
+from graphrunner.step.buffers import LogprobBuffers, StageBuffers, StepBuffers
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch, InputBuffers
-from graphrunner.step.output import PendingStep, StepOutputs
+from graphrunner.step.output import DeferredStep, PendingStep, StepOutputs
 from graphrunner.step.plan import DecodePlan, StepPlanner
-from graphrunner.step.readouts import RunnerReadouts
 from graphrunner.structured_outputs import GrammarOutput
 
 logger = logging.getLogger("graphrunner.runner")
@@ -66,7 +66,7 @@ def _inference_mode() -> Any:
     return guard(True) if guard is not None else torch.inference_mode()
 
 
-class ModelRunner(RunnerReadouts):
+class ModelRunner:
     """Runs steps of one model on one device over persistent, max-size buffers.
 
     `groups` places this runner in a TP x PP x DP world (`init_distributed`); None for a
@@ -104,6 +104,7 @@ class ModelRunner(RunnerReadouts):
                                 self.device, num_speculative_tokens=config.speculative.num_speculative_tokens)
         sampler = Sampler(self.state.sampling)
         spec = make_speculative_step(config.speculative, self.state.requests, sampler, L, groups, self.device)
+        groups.check_context_parallel(has_draft_model=spec is not None and spec.drafter is not None)
         self.buffers = StepBuffers(
             inputs=InputBuffers(L.max_num_reqs, L.max_num_tokens, L.max_num_blocks_per_req, self.device),
             requests=self.state.requests, sampling=self.state.sampling,
@@ -111,15 +112,15 @@ class ModelRunner(RunnerReadouts):
             spec=spec.buffers if spec is not None else None,
         )
         self.prompt_logprobs = PromptLogprobs()
-        self.state.on_removed.append(self.prompt_logprobs.remove_request)
-        self.state.on_added.append(self.prompt_logprobs.add_request)
-        self.parallel = ParallelHooks(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
-                                      device=self.device, spec=spec)
-        self.state.on_row_freed.append(self.parallel.on_row_freed)
+        # Pipeline parallelism: hidden states between stages and the sampled-token broadcast,
+        # outside the graphs (None for one stage). Lockstep DP joins with the graphs (below).
+        self.pp = PipelineStage(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
+                                device=self.device, spec=spec) if groups.pp_size > 1 else None
+        self.dp: LockstepDP | None = None
         self.attn_backend = wrap_for_dcp(get_attention_backend(self.device), groups)  # DCP: KV sharded in the group
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
-                             is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp,
+                             is_last_stage=groups.pp.is_last, spec=spec, pcp=pcp,
                              dcp=getattr(self.attn_backend, "layout", None))
         self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))  # P in flight: PP
         self.outputs = StepOutputs(self.output_ring, self.buffers.logprobs, self.state.sampling, L.max_num_reqs,
@@ -128,8 +129,7 @@ class ModelRunner(RunnerReadouts):
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self._pending: PendingStep | None = None
-        # A structured-output step waiting for its masks (+ its sampling graph if split: step/split.py).
-        self._deferred: tuple[InputBatch, BatchExecutionDescriptor, DecodePlan | None, FullGraph | None] | None = None
+        self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
 
     # ---- set-up -----------------------------------------------------------------
@@ -148,8 +148,11 @@ class ModelRunner(RunnerReadouts):
         if self.body.spec is not None:  # a draft model, if the drafter has one
             self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device)
         self.prompt_logprobs.compute_logits = model.compute_logits  # type: ignore[assignment]  # nn.Module attr
-        self.buffers.stage = self.parallel.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
-                                                            self.dtype)
+        if self.pp is not None:
+            self.buffers.stage = self.pp.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
+                                                          self.dtype)
+        else:
+            self.buffers.stage = StageBuffers()
         logger.info(
             "loaded %s (%.2f GiB of %s weights) on %s in %.2f s", self.model_config.name,
             sum(p.numel() * p.element_size() for p in model.parameters()) / _GIB, self.dtype, self.device,
@@ -176,7 +179,7 @@ class ModelRunner(RunnerReadouts):
         return determine_num_kv_blocks(
             self.kv_cache_shape, self.config.cache, self.body, self.device,
             max_blocks=L.max_num_reqs * L.max_num_blocks_per_req, max_num_blocks_per_req=L.max_num_blocks_per_req,
-            max_model_len=L.max_model_len, agree=self.parallel.agree_num_kv_blocks,
+            max_model_len=L.max_model_len, agree=self.groups.agree_min,
             extra_block_bytes=spec.draft_block_bytes(L.block_size) if spec is not None else 0,
         )
 
@@ -194,9 +197,11 @@ class ModelRunner(RunnerReadouts):
                     num_blocks * shape.block_bytes / _GIB)
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
-        # (num_reqs, num_tokens, uniform q | None, force_eager) -> descriptor, agreed across DP replicas
-        self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L, partial(self.parallel.dispatch, graphs),
-                                   reuse_plans=not self.groups.dp_lockstep, pcp=self.body.pcp)
+        if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
+            self.dp = LockstepDP(self.groups, graphs, self.pp, self.device)
+        self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L,
+                                   self.dp.dispatch if self.dp is not None else graphs.dispatch,
+                                   reuse_plans=self.dp is None, pcp=self.body.pcp)
 
     @torch.inference_mode()
     def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -205,7 +210,7 @@ class ModelRunner(RunnerReadouts):
         Must run on an idle runner (no live requests). `inspect_nodes` keeps each CUDA
         graph's node list for the report (kernel names, node counts) at some memory cost.
         """
-        graphs = self._require_kv_cache()
+        graphs = self._require_graphs()
         self.capture_report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
         return self.capture_report
 
@@ -213,10 +218,12 @@ class ModelRunner(RunnerReadouts):
         """Release graphs and the graph pool first, then the KV cache (lifecycle order).
 
         Process groups outlive this: destroy them after (`ParallelGroups.destroy`)."""
-        self.parallel.close()
+        if self.pp is not None:
+            self.pp.close()
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.planner = None
+        self.dp = None
         self.buffers.kv_caches = []
         self.buffers.block_tables = self.state.block_tables = None
         self.body.model = self.body.compiled = None
@@ -234,69 +241,82 @@ class ModelRunner(RunnerReadouts):
         scheduling the engine calls this for step N + 1 while step N still runs (the
         next input token of every request is read on the device from `last_sampled`).
         """
-        self._require_kv_cache()
+        so = scheduler_output
+        planner, state, prompt_lp = self._require_planner(), self.state, self.prompt_logprobs
         if self._pending is not None or self._deferred is not None:
             raise RuntimeError(
                 "execute_model() called twice without sample_tokens() in between; call sample_tokens() to "
                 "collect the pending step (the runner keeps it and stays usable)"
             )
         with _inference_mode():
-            self._execute(scheduler_output)
+            # 1. Validate the scheduler's plan; nothing changes before it passes. Steady decoding
+            #    reuses the last decode step's plan, which only shortens the stages below.
+            plan = planner.reusable_plan(so, bool(prompt_lp.active))
+            blocks = so.scheduled_cached_reqs.new_block_ids
+            # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
+            new_blocks = blocks.count(None) != len(blocks) and any(blocks)
+            validate_scheduler_output(state, self.limits, so, plan.hint if plan is not None else None, new_blocks)
 
-    def _execute(self, so: SchedulerOutput) -> None:
-        """The one host path of a step; the steady-decode plan only shortens its stages."""
-        planner, graphs, state = self.planner, self.graphs, self.state
-        assert planner is not None and graphs is not None
-        prompt_lp = self.prompt_logprobs
-        plan = planner.reusable_plan(so, bool(prompt_lp.active))
-        blocks = so.scheduled_cached_reqs.new_block_ids
-        # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
-        new_blocks = blocks.count(None) != len(blocks) and any(blocks)
-        validate_scheduler_output(state, self.limits, so, plan.hint if plan is not None else None, new_blocks)
-        try:
-            if plan is None:
-                state.apply(so)
-            elif new_blocks:  # a plan's step admits and removes nothing
-                state.append_cached_blocks(so.scheduled_cached_reqs)
-                planner.refresh_limits(plan)
-            state.staging.commit()  # the step's one commit of staged state writes
-        except BaseException:
-            state.staging.discard()
-            raise
-        if so.total_num_scheduled_tokens == 0:
-            self.parallel.idle_step(graphs, self.body)  # DP: an idle replica joins the step's collectives
-            return
-        batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
-        masked = state.sampling.masked_features(batch.idx_mapping_np, batch.sampling_features)  # None: no grammar
-        if masked is not None:  # structured outputs: the masks come with sample_tokens
-            pair = graphs.split_pair(desc, masked)
-            if pair is not None:  # the forward now, while the engine computes the masks
-                self.body.current_batch = batch
-                self.output_ring.guard_next_step()
-                pair[0].replay()
-            self._deferred = (batch, desc, plan, pair[1] if pair is not None else None)  # sample_tokens runs the rest
-            return
-        self._launch(batch, desc, plan)
+            # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
+            removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)
+            if plan is not None and new_blocks:
+                planner.refresh_limits(plan)  # the plan's per-row token limits grew
+            if removed is not None:  # prompt-logprob tracking and PP row generations follow the rows
+                for req_id in removed.req_ids:
+                    prompt_lp.remove_request(req_id)
+                if self.pp is not None:
+                    self.pp.rows_freed(removed.rows)
+            for new in so.scheduled_new_reqs:
+                prompt_lp.add_request(new)
 
-    def _launch(self, batch: InputBatch, desc: BatchExecutionDescriptor, plan: DecodePlan | None,
-                sampling_graph: FullGraph | None = None) -> None:
-        """Run a prepared step, leave it pending (a deferred one from sample_tokens; split: its sampling graph)."""
-        planner, graphs, state, prompt_lp = self.planner, self.graphs, self.state, self.prompt_logprobs
-        assert planner is not None and graphs is not None
+            # 3. Nothing scheduled: an idle lockstep-DP replica still joins its peers' collectives.
+            if so.total_num_scheduled_tokens == 0:
+                if self.dp is not None:
+                    self.dp.idle_step()
+                return
+
+            # 4. Plan the batch: order decode-first, dispatch (agreed under lockstep DP), upload.
+            batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
+
+            # 5. Structured outputs: sampling waits for the grammar masks, which come with
+            #    sample_tokens; a split step runs its forward graph now, meanwhile. A grammar
+            #    row implies the logit-bias feature: the cheap gate first.
+            features = batch.sampling_features
+            masked = state.sampling.masked_features(batch.idx_mapping_np, features) if features.any_logit_bias else None
+            if masked is not None:
+                pair = self._require_graphs().split_pair(desc, masked)
+                if pair is not None:
+                    self.body.current_batch = batch
+                    self.output_ring.guard_next_step()
+                    pair[0].replay()
+                self._deferred = DeferredStep(batch, desc, plan, pair[1] if pair is not None else None)
+                return
+
+            # 6. Run it and advance the host mirrors.
+            self._run(batch, desc, plan)
+
+    def _run(self, batch: InputBatch, desc: BatchExecutionDescriptor, plan: DecodePlan | None,
+             sampling_graph: FullGraph | None = None) -> None:
+        """Run a planned step and leave it pending: PP receive, the run (FULL graph replay, or the
+        step body through PIECEWISE graphs or eagerly), host mirrors, PP send."""
+        planner, graphs, requests = self._require_planner(), self._require_graphs(), self.state.requests
         self.body.current_batch = batch
         self.output_ring.guard_next_step()  # the step overwrites `sampled`, which a copy may still read
-        self.parallel.before_forward(batch, state.requests)  # PP: receive, due tokens (outside graphs)
+        if self.pp is not None:
+            self.pp.receive(batch, requests)  # hidden states and due tokens, outside graphs
         current = planner.plan if planner.plan is not None and planner.plan.batch is batch else None
         try:
             if sampling_graph is not None:
                 sampling_graph.replay()
             else:
                 graphs.run(desc, batch, current.full_graph if current is not None else None)
-        except RuntimeError as e:  # free while nothing raises; under TP/PP/DP it names this rank
-            self.parallel.raise_step_failure(e)
+        except RuntimeError as e:  # under TP/PP/DP: a CollectiveError naming this rank
+            self.groups.raise_step_failure(e)
         produces, all_produce, verify = planner.advance(batch, plan)
-        positions = state.requests.num_computed_np[batch.idx_mapping_np] if self.parallel.defers_tokens else None
-        self.parallel.after_forward(batch, produces, self.body.post_update, positions)  # PP: send on, tokens
+        if self.pp is not None:  # send on; exchange the sampled tokens
+            positions = requests.num_computed_np[batch.idx_mapping_np] if self.pp.defers_tokens else None
+            self.pp.send(batch, produces, self.body.post_update, positions)
+        prompt_lp = self.prompt_logprobs
         done = prompt_lp.take_done() if prompt_lp.done else None  # prompt logprobs completed this step
         self._pending = PendingStep(batch, desc, produces, all_produce, done, current, verify)
         self._last_descriptor = desc
@@ -315,18 +335,19 @@ class ModelRunner(RunnerReadouts):
         (on the output copy stream) and returns the `ModelRunnerOutput`. At most 3 outputs may
         be unresolved at a time. Without a pending step the output is empty.
         """
-        if self._deferred is not None:
-            batch, desc, plan, sampling_graph = self._deferred
+        deferred = self._deferred
+        if deferred is not None:  # a structured-output step: its masks first, then the run
+            batch = deferred.batch
             self.state.write_grammar(batch.idx_mapping_np, batch.req_ids, batch.query_lens_np, grammar_output)
             self._deferred = None
             with _inference_mode():
-                self._launch(batch, desc, plan, sampling_graph)
+                self._run(batch, deferred.descriptor, deferred.plan, deferred.sampling_graph)
         pending, self._pending = self._pending, None
         if pending is None:
             empty = ModelRunnerOutput.empty()
             return AsyncOutput.ready(empty) if async_output else empty
-        if self.parallel.defers_tokens:  # pipelined PP, a non-last stage: the last stage's tokens, when taken
-            return self.parallel.deferred_output(pending, self.outputs.build, self.state.requests, async_output)
+        if self.pp is not None and self.pp.defers_tokens:  # pipelined PP, a non-last stage: the last stage's tokens
+            return self.pp.output(pending, self.outputs.build, self.state.requests, async_output)
         return self.outputs.collect(pending, async_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -335,16 +356,62 @@ class ModelRunner(RunnerReadouts):
         drafts, self.outputs.drafts = self.outputs.drafts, None
         return drafts
 
+    # ---- what engines and tools read -------------------------------------------------
+    @property
+    def input_buffers(self) -> InputBuffers:
+        return self.buffers.inputs
+
+    @property
+    def req_states(self) -> RequestState:
+        return self.state.requests
+
+    @property
+    def sampling_states(self) -> SamplingStates:
+        return self.state.sampling
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        return self.limits.uniform_decode_query_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.state.block_tables.num_kv_blocks if self.state.block_tables is not None else 0
+
+    @property
+    def last_descriptor(self) -> BatchExecutionDescriptor | None:
+        """The descriptor the last executed step ran with (None before the first step)."""
+        return self._last_descriptor
+
+    def grammar_block(self, num_rows: int, words: int) -> torch.Tensor:
+        """[num_rows, words] int32 host memory (pinned on CUDA) to fill with the next step's
+        `GrammarOutput` masks (pass it as `pinned`): uploaded with their placement in one copy,
+        without a host copy. Valid until the block after next is taken (the runner reuses it)."""
+        return self.state.sampling.grammar_block(num_rows, words)
+
     # ---- helpers ----------------------------------------------------------------
     def _require_model(self) -> None:
         if self.body.model is None:
             raise RuntimeError("call load_model() first")
 
-    def _require_kv_cache(self) -> StepGraphs:
+    def _require_graphs(self) -> StepGraphs:
         if self.graphs is None:  # graphs exist once the model and the KV cache do
             self._require_model()
             raise RuntimeError("call initialize_kv_cache(num_blocks) first")
         return self.graphs
+
+    def _require_planner(self) -> StepPlanner:
+        if self.planner is None:
+            self._require_graphs()
+            raise RuntimeError("call initialize_kv_cache(num_blocks) first")
+        return self.planner
 
 
 __all__ = ["ModelRunner"]

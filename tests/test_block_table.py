@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels import block_table as bt
-from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.kernels import input_prep as bt
+from graphrunner.kernels.input_prep import compute_slot_mapping
 from graphrunner.state.block_tables import BlockTables
 
 SENTINEL = -7777

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON, dcp
-from graphrunner.kernels import block_table as bt
+from graphrunner.kernels import input_prep as bt
 from graphrunner.kernels.dcp import dcp_local_capacity, dcp_local_seq_lens, dcp_slot_mapping
 from tests.cuda_graphs import capture_cuda_graph
 

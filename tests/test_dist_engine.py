@@ -33,6 +33,11 @@ LLM_ARGS = dict(
 GRAPH_ARGS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8])
 
 
+def _dummy_steps(llm) -> int:
+    """Idle-replica dummy steps the runner ran (lockstep DP; 0 without it)."""
+    return llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0
+
+
 def _generate(rank: int, world: int, tp: int, pp: int, dp: int, extra: dict) -> dict:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
@@ -43,7 +48,7 @@ def _generate(rank: int, world: int, tp: int, pp: int, dp: int, extra: dict) -> 
     outs = llm.generate(PROMPTS, params)
     info = {
         "tokens": [o.token_ids for o in outs],
-        "dummy_steps": llm.runner.parallel.num_dummy_steps,
+        "dummy_steps": _dummy_steps(llm),
         "mode": llm.runner.graphs.mode.name,
     }
     llm.shutdown()

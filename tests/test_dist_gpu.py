@@ -26,6 +26,11 @@ NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
 SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "prefill_context_parallel_size")
 
 
+def _dummy_steps(llm) -> int:
+    """Idle-replica dummy steps the runner ran (lockstep DP; 0 without it)."""
+    return llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0
+
+
 def _gpus() -> int:
     try:
         import torch
@@ -153,12 +158,12 @@ def _worker(layout: dict, out_path: str) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
     pcp = llm.runner.body.pcp
-    dummy_steps = [llm.runner.parallel.num_dummy_steps]  # per rank: the replica that ends first runs dummies
+    dummy_steps = [_dummy_steps(llm)]  # per rank: the replica that ends first runs dummies
     if llm.groups.world_size > 1:
         import torch.distributed as dist
 
         dummy_steps = [0] * llm.groups.world_size
-        dist.all_gather_object(dummy_steps, llm.runner.parallel.num_dummy_steps, group=llm.groups.world_cpu_group)
+        dist.all_gather_object(dummy_steps, _dummy_steps(llm), group=llm.groups.world_cpu_group)
     info = {
         "tokens": [o.token_ids for o in outs],
         "captured": bool(llm.runner.graphs.captured),

@@ -99,8 +99,6 @@ def test_pcp2_with_ngram_speculation_matches_one_process(case) -> None:
 
 def test_pcp_refuses_what_it_does_not_run() -> None:
     from graphrunner.distributed.groups import ParallelGroup, ParallelGroups
-    from graphrunner.distributed.runner_hooks import check_context_parallel
-
     def groups(pp: int = 1, dcp: int = 1) -> ParallelGroups:
         g = ParallelGroups.single()
         g.pcp = ParallelGroup("pcp", [0, 1], 0)
@@ -109,7 +107,9 @@ def test_pcp_refuses_what_it_does_not_run() -> None:
         return g
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
-        check_context_parallel(groups(pp=2), None)
+        groups(pp=2).check_context_parallel(has_draft_model=False)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2: use one kind"):
-        check_context_parallel(groups(dcp=2), None)
-    check_context_parallel(groups(), None)  # PCP alone is served
+        groups(dcp=2).check_context_parallel(has_draft_model=False)
+    groups().check_context_parallel(has_draft_model=False)  # PCP alone is served
+    with pytest.raises(ValueError, match="with a draft model"):
+        groups().check_context_parallel(has_draft_model=True)

@@ -3,9 +3,9 @@
 Under pipeline parallelism the engine keeps several batches in flight: a non-last stage runs
 step T + 1 before step T's tokens come back from the last stage. By default
 (`pp_token_placeholders`) a request runs again while its last token is still on its way, and
-stage 0 applies that token on the device before the step's inputs (`ParallelHooks.before_forward`);
+stage 0 applies that token on the device before the step's inputs (`PipelineStage.receive`);
 with `pp_token_placeholders=False` the batches in flight are disjoint and each step's tokens
-are applied when the engine resolves it (`ParallelHooks.take_tokens`). Each world runs several
+are applied when the engine resolves it (`PipelineStage.take_tokens`). Each world runs several
 randomized workloads (request churn: prompts of many lengths, different max_tokens, so
 requests finish and rows change hands mid-flight; chunked prefill under a small token budget;
 a small KV cache that preempts) and compares every rank's tokens (greedy and seeded random
@@ -68,7 +68,7 @@ def _generate(rank: int, world: int, pp: int, extra: dict, seed: int) -> dict:
                                  ignore_eos=True) for i, (m, r) in enumerate(zip(max_tokens, seeded, strict=True))]
         tokens.append([o.token_ids for o in llm.generate(prompts, params)])
     info = {"tokens": tokens, "most_in_flight": most_in_flight, "preemptions": llm.scheduler.num_preemptions,
-            "pipelined": llm.runner.parallel.defers_tokens, "ran_ahead": ran_ahead}
+            "pipelined": llm.runner.pp is not None and llm.runner.pp.defers_tokens, "ran_ahead": ran_ahead}
     llm.shutdown()
     return info
 

@@ -1,7 +1,7 @@
 """Structured outputs under pipeline parallelism (CPU, gloo): one process's tokens, and no split step.
 
 A split constrained step (step/split.py) replays its forward graph from `execute_model`, before the
-runner's `ParallelHooks.before_forward`, which only runs in `_launch` (from `sample_tokens`). Under
+runner's `PipelineStage.receive`, which only runs in `_run` (from `sample_tokens`). Under
 PP that hook is where a stage's inputs arrive: a non-first stage receives the previous stage's hidden
 states, and a pipelined non-last stage applies the sampled tokens its requests still wait for (the
 input tokens of this very step, `pp_token_placeholders`). A forward replayed before it would read
@@ -51,8 +51,8 @@ def _generate(rank: int, world: int, folder: str, extra: dict) -> dict:
     ] * 2
     outs = llm.generate(["hello", "the", "café", "hello world", "graphs", "the fox", "stop", "runs"], params)
     info = {"tokens": [o.token_ids for o in outs], "split_graphs": len(graphs.split_graphs),
-            "split_replays": len(split_replays), "stage": (llm.runner.parallel.is_first_stage,
-                                                           llm.runner.parallel.is_last_stage)}
+            "split_replays": len(split_replays), "stage": (llm.runner.groups.pp.is_first,
+                                                           llm.runner.groups.pp.is_last)}
     llm.shutdown()
     return info
 

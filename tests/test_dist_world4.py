@@ -14,6 +14,11 @@ from tests.dist_utils import EIGHT_HEADS, register_eight_heads, run_world
 from tests.test_dist_engine import LLM_ARGS, MAX_TOKENS, PROMPTS
 
 
+def _dummy_steps(llm) -> int:
+    """Idle-replica dummy steps the runner ran (lockstep DP; 0 without it)."""
+    return llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0
+
+
 def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
@@ -23,7 +28,7 @@ def _generate(rank: int, world: int, model: str, layout: dict) -> dict:
     llm = LLM(model, **LLM_ARGS, **layout)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
-    info = {"tokens": [o.token_ids for o in outs], "dummy_steps": llm.runner.parallel.num_dummy_steps}
+    info = {"tokens": [o.token_ids for o in outs], "dummy_steps": _dummy_steps(llm)}
     llm.shutdown()
     return info
 

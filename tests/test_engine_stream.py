@@ -279,7 +279,7 @@ def _pp_stream_with_abort(rank: int, world: int) -> dict:
     after = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     info = {"reference": reference, "after": after, "in_flight": in_flight,
             "streamed": {r: (tokens_of(ds), ds[-1].finish_reason) for r, ds in got.items()},
-            "victim": victim, "pipelined": llm.runner.parallel.defers_tokens}
+            "victim": victim, "pipelined": llm.runner.pp is not None and llm.runner.pp.defers_tokens}
     llm.shutdown()
     return info
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels import input_prep as ip
-from graphrunner.kernels.block_table import compute_slot_mapping
+from graphrunner.kernels.input_prep import compute_slot_mapping
 from graphrunner.state.block_tables import BlockTables
 
 SENTINEL = -7777  # never a valid position, token id, seq_len, index or slot

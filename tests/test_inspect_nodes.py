@@ -152,7 +152,7 @@ def _triton_kernels(rel: str) -> list[str]:
       "graphrunner/sample/pivot_refine.py", "graphrunner/sample/pivot_reject.py",
       "graphrunner/sample/logprobs_triton.py", "graphrunner/sample/fused_process.py",
       "graphrunner/sample/bitmask.py"], "sampling"),
-    (["graphrunner/kernels/input_prep.py", "graphrunner/kernels/block_table.py", "graphrunner/kernels/dcp.py"],
+    (["graphrunner/kernels/input_prep.py", "graphrunner/kernels/dcp.py"],
      "step inputs"),
 ])
 def test_the_projects_own_triton_kernels_are_classified(files, family):

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,11 @@ from graphrunner.config import ParallelConfig
 logger = logging.getLogger("graphrunner.distributed")
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class CollectiveError(RuntimeError):
+    """A step's communication with its peers failed (a peer died, stalled past the
+    collective timeout, or diverged); the message says which exchange and where."""
 
 
 @dataclass
@@ -228,6 +235,53 @@ class ParallelGroups:
         """TP rank 0 and PP rank 0 of its DP replica: the rank that prints for the replica."""
         return self.tp_rank == 0 and self.pp_rank == 0
 
+    @contextmanager
+    def exchange(self, what: str) -> Iterator[None]:
+        """Re-raise a failed collective as CollectiveError naming the exchange, this rank's
+        place and the timeout (used only on multi-process paths: no cost for one process)."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{what} failed on rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/"
+                f"{self.pp_size}, dp {self.dp_rank}/{self.dp_size}; collective_timeout_s="
+                f"{self.config.collective_timeout_s}): a peer died, stalled or diverged: {e}"
+            ) from e
+
+    def raise_step_failure(self, error: RuntimeError) -> NoReturn:
+        """Raise for a step whose forward failed: under TP/PP/DP a CollectiveError naming this
+        rank's place (TP all-reduces run inside the model); for one process `error` as it is."""
+        if self.world_size == 1 or isinstance(error, CollectiveError):
+            raise error
+        with self.exchange("the step's forward (its tensor-parallel all-reduces)"):
+            raise error
+
+    def agree_min(self, value: int) -> int:
+        """The minimum of `value` over the world (e.g. KV blocks: every rank sizes the same cache)."""
+        if self.world_cpu_group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.world_cpu_group)
+        return int(t.item())
+
+    def check_context_parallel(self, has_draft_model: bool) -> None:
+        """Refuse the context-parallel combinations the step does not run (ValueError naming them)."""
+        pcp, dcp = self.pcp_size, self.dcp_size
+        if pcp > 1 and dcp > 1:
+            raise ValueError(f"prefill_context_parallel_size={pcp} with decode_context_parallel_size={dcp}: "
+                             "use one kind of context parallelism at a time")
+        if dcp > 1 and has_draft_model:
+            raise ValueError(f"decode_context_parallel_size={dcp} with a draft model: the drafter's KV is not "
+                             "sharded; use method 'ngram' or DCP 1")
+        if pcp > 1 and self.pp_size > 1:
+            raise ValueError(f"prefill_context_parallel_size={pcp} with pipeline_parallel_size={self.pp_size}: "
+                             "PCP runs with PP of 1 only")
+        if pcp > 1 and has_draft_model:
+            raise ValueError(f"prefill_context_parallel_size={pcp} with a draft model: the drafter's catch-up "
+                             "prefill is not split over the PCP group; use method 'ngram' or PCP 1")
+
     def barrier(self) -> None:
         """A CPU barrier over the whole world (no-op alone)."""
         if self.world_cpu_group is not None:
@@ -343,5 +397,5 @@ def init_distributed(parallel_config: ParallelConfig, device: torch.device | str
     return groups
 
 
-__all__ = ["ENV_VARS", "ParallelGroup", "ParallelGroups", "coordinates", "group_ranks", "init_distributed",
-           "pcp_coordinate"]
+__all__ = ["ENV_VARS", "CollectiveError", "ParallelGroup", "ParallelGroups", "coordinates", "group_ranks",
+           "init_distributed", "pcp_coordinate"]

@@ -384,10 +384,10 @@ class LLM:
 
     def _any_unfinished(self) -> bool:
         """Whether this replica (lockstep DP: any replica) still has work (one tiny CPU all-reduce)."""
-        return any_replica(self.scheduler.has_unfinished_requests(), self.groups, self.runner.parallel)
+        return any_replica(self.scheduler.has_unfinished_requests(), self.groups)
 
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
-        return gather_replicas(results, self.groups, self.runner.parallel)
+        return gather_replicas(results, self.groups)
 
     def shutdown(self) -> None:
         """Release graphs, pool and cache, then the process groups (in that order). Idempotent."""

@@ -5,7 +5,7 @@ stage, and the engine keeps several batches in flight so that every stage has wo
 lets a request run again while that token is still on its way (a placeholder, as async
 scheduling on one GPU does) once its last step is at least P steps old: the token is then
 due, and stage 0 applies the last stage's broadcast of it on the device before the new
-step's inputs are prepared (`ParallelHooks.before_forward`). So the host never waits for a
+step's inputs are prepared (`PipelineStage.receive`). So the host never waits for a
 token before it launches the next batch; a stage waits only for the broadcast itself.
 
 Each step takes at most ceil(running / P) running requests, so the batches in flight stay

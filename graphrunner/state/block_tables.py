@@ -3,7 +3,7 @@
 Changes are made on the host (numpy mirror) while the scheduler output is applied and
 staged into the shared `StagedWrites`; the step's one commit pushes them to the device
 table, outside any graph. The device-side gather and slot mapping are kernels
-(`graphrunner.kernels.block_table`).
+(`graphrunner.kernels.input_prep`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from graphrunner.kernels.block_table import gather_block_table
+from graphrunner.kernels.input_prep import gather_block_table
 from graphrunner.state.staging import StagedWrites
 
 

@@ -6,7 +6,7 @@ captured variants (greedy, sampled, all) are three values of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Logprob counts are rounded up to one of these, so a batch's K takes few values and
 # graphs stay few. Counts above the last bucket round up to `max_logprobs`.
@@ -43,6 +43,15 @@ class SamplingFeatures:
     any_logit_bias: bool = False  # logit_bias or allowed_token_ids on some row
     any_min_tokens: bool = False  # min_tokens > 0 (with ids to mask) on some row
     num_logprobs: int = NO_LOGPROBS  # bucketed max k of the batch; -1 = no logprobs
+    # Derived tests a step reads on its host path, as attributes (no Python call each; not part of the key).
+    is_plain_greedy: bool = field(init=False, repr=False, compare=False)  # argmax of the raw logits is all
+    wants_logprobs: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        flags = (self.any_random, self.any_top_k, self.any_top_p, self.any_min_p, self.any_penalties,
+                 self.any_logit_bias, self.any_min_tokens)
+        object.__setattr__(self, "wants_logprobs", self.num_logprobs >= 0)
+        object.__setattr__(self, "is_plain_greedy", not any(flags) and self.num_logprobs == NO_LOGPROBS)
 
     @classmethod
     def all_on(cls, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingFeatures:
@@ -55,15 +64,6 @@ class SamplingFeatures:
         variant, which serves plain random sampling without paying for penalties, logit
         bias, allowed ids, min_tokens or logprobs (several [R, V] passes each)."""
         return cls(True, True, True, True)
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits is the whole pipeline (the GREEDY graph variant)."""
-        return self == SamplingFeatures()
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.num_logprobs >= 0
 
     @property
     def needs_history(self) -> bool:

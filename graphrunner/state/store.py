@@ -9,7 +9,7 @@ per step, before the step runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,7 +23,13 @@ from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.staging import StagedWrites
 from graphrunner.structured_outputs import GrammarOutput
 
-RowFreed = Callable[[int], None]
+
+@dataclass
+class Removed:
+    """The requests one step's state update removed: their ids, and the rows that freed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
 
 
 class StateStore:
@@ -43,9 +49,6 @@ class StateStore:
             grammar_slots=1 + num_speculative_tokens,  # a grammar mask per verified position
         )
         self.block_tables: BlockTables | None = None
-        self.on_row_freed: list[RowFreed] = []  # told of every row a removal frees (PP generations)
-        self.on_removed: list[Callable[[str], None]] = []
-        self.on_added: list[Callable[[NewRequestData], None]] = []
 
     def init_block_tables(self, max_num_blocks_per_req: int, block_size: int, num_kv_blocks: int) -> BlockTables:
         self.block_tables = BlockTables(self.requests.num_rows, max_num_blocks_per_req, block_size, num_kv_blocks,
@@ -59,18 +62,34 @@ class StateStore:
         return self.block_tables
 
     # ---- the step's state changes ------------------------------------------------------
-    def apply(self, so: SchedulerOutput) -> None:
+    def update(self, so: SchedulerOutput, steady: bool, new_blocks: bool) -> Removed | None:
+        """The step's request-state changes as staged writes, committed once; on any error
+        nothing is committed. `steady`: a reused decode plan (it admits and removes nothing;
+        only new KV blocks of its requests may arrive). Returns what was removed (None: nothing)."""
+        try:
+            removed = None
+            if not steady:
+                removed = self.apply(so)
+            elif new_blocks:
+                self.append_cached_blocks(so.scheduled_cached_reqs)
+            self.staging.commit()  # the step's one commit of staged state writes
+        except BaseException:
+            self.staging.discard()
+            raise
+        return removed
+
+    def apply(self, so: SchedulerOutput) -> Removed | None:
         """Removals, then admissions, then new blocks of running requests (staged, not committed)."""
         tables = self.tables
+        removed = None
         if so.finished_req_ids or so.preempted_req_ids:
+            removed = Removed()
             for req_id in so.finished_req_ids | so.preempted_req_ids:
                 row = self.requests.remove_request(req_id)
-                for removed in self.on_removed:
-                    removed(req_id)
+                removed.req_ids.append(req_id)
                 if row is not None:
                     tables.clear_row(row)
-                    for freed in self.on_row_freed:
-                        freed(row)
+                    removed.rows.append(row)
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         cached = so.scheduled_cached_reqs
@@ -79,6 +98,7 @@ class StateStore:
         for req_id, draft_ids in so.scheduled_spec_decode_tokens.items():
             if draft_ids and draft_ids[0] >= 0:  # real ids (validation: all real or all placeholders)
                 self.requests.stage_drafts(self.requests.req_id_to_index[req_id], draft_ids)
+        return removed
 
     def _add_request(self, new: NewRequestData) -> None:
         row = self.requests.add_request(new.req_id, new.all_token_ids, new.num_computed_tokens)
@@ -87,8 +107,6 @@ class StateStore:
             prompt_len=len(new.prompt_token_ids), eos_ids=self.eos_token_ids,
         )
         self.tables.append_block_ids(row, new.block_ids, overwrite=True)
-        for added in self.on_added:
-            added(new)
 
     def append_cached_blocks(self, cached: CachedRequestData) -> None:
         """Stage the new KV blocks of running requests (`scheduled_cached_reqs.new_block_ids`)."""

@@ -18,10 +18,10 @@ import numpy as np
 
 from graphrunner.attention.op import forward_context
 from graphrunner.kernels import use_triton
-from graphrunner.kernels.block_table import compute_slot_mapping
 from graphrunner.kernels.dcp import dcp_slot_mapping
 from graphrunner.kernels.input_prep import (
     compute_logits_indices,
+    compute_slot_mapping,
     post_update,
     prepare_input_ids,
     prepare_positions_seq_lens,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from capture.descriptor import BatchExecutionDescriptor
+from capture.full import FullGraph
 from graphrunner.async_output import AsyncOutput, OutputLayout, OutputRing
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput
 from graphrunner.sample.logprobs import logprob_dicts
@@ -38,6 +39,17 @@ class PendingStep:
     prompt_logprobs: dict[str, list] | None = None
     plan: DecodePlan | None = None  # the decode plan the step ran from (its layout and index)
     verify: VerifyRecord | None = None  # speculative decoding: the entries that verified drafts
+
+
+@dataclass
+class DeferredStep:
+    """A structured-output step waiting for its grammar masks: `sample_tokens` runs the rest.
+    `sampling_graph`: the sampling half of a split step whose forward already ran, else None."""
+
+    batch: InputBatch
+    descriptor: BatchExecutionDescriptor
+    plan: DecodePlan | None
+    sampling_graph: FullGraph | None
 
 
 class StepOutputs:

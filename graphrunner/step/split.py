@@ -42,7 +42,7 @@ class SplitStep:
         """Whether this runner's steps of `desc` can be split (see the module docstring)."""
         body = self.body
         # Single-stage only: the forward graph replays from execute_model, before the runner's
-        # `ParallelHooks.before_forward` (run in _launch), which is where a PP stage's inputs arrive (the
+        # `PipelineStage.receive` (run in `ModelRunner._run`), which is where a PP stage's inputs arrive (the
         # previous stage's hidden states; a pipelined stage's due input tokens). Every PP stage is excluded
         # (the last one receives): tests/test_dist_pp_structured.py.
         single_stage = body.is_last_stage and body.buffers.stage.hidden_in is None

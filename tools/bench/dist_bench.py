@@ -54,6 +54,21 @@ PROMPT_LEN = 32  # the default --prompt-len
 _NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(sync|disjoint|lockdbo|lock)?$")
 
 
+def _dummy_steps(llm) -> int:
+    """Idle-replica dummy steps the runner ran (lockstep DP; 0 without it)."""
+    return llm.runner.dp.num_dummy_steps if llm.runner.dp is not None else 0
+
+
+def _dp_decision(llm):
+    """The last DP agreement (lockstep DP; None without it)."""
+    return llm.runner.dp.last_dp_decision if llm.runner.dp is not None else None
+
+
+def _microbatched(llm) -> int:
+    """Steps whose forward ran as two microbatches (DBO; 0 without it)."""
+    return llm.runner.dp.num_microbatched_steps if llm.runner.dp is not None else 0
+
+
 @dataclass(frozen=True)
 class Layout:
     """A configuration name parsed: `tp2pp2` -> tp 2, pp 2; `dp2lockdbo` -> dp 2, lockstep, DBO."""
@@ -146,7 +161,7 @@ def _timed_steps(llm, record):
         start = time.perf_counter()
         out = orig()
         _synchronize()
-        record(time.perf_counter() - start, llm.runner.last_descriptor, llm.runner.parallel.last_dp_decision)
+        record(time.perf_counter() - start, llm.runner.last_descriptor, _dp_decision(llm))
         return out
 
     llm.step = step
@@ -243,7 +258,7 @@ def _dp_waste(llm, args, *, lockstep: bool) -> dict:
     llm.step = orig
     every: list = [None] * llm.groups.world_size
     dist.all_gather_object(every, {"executed": executed, "wall_s": wall,
-                                   "dummy_steps": llm.runner.parallel.num_dummy_steps},
+                                   "dummy_steps": _dummy_steps(llm)},
                            group=llm.groups.world_cpu_group)
     # Lockstep: the agreed decisions count both replicas' run tokens (dummy steps included).
     total = run if lockstep else sum(e["executed"] for e in every)
@@ -309,7 +324,7 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     prompts = np.random.default_rng(n).integers(0, llm.vocab_size, size=(n, prompt_len)).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    ubatched = llm.runner.parallel.num_microbatched_steps
+    ubatched = _microbatched(llm)
     events = ForwardEvents(llm.runner.parallel, llm.runner.device.type)
     start = time.perf_counter()
     llm.generate(prompts, params)
@@ -325,7 +340,7 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     return {"requests": n, "prompt_len": prompt_len, "output_len": out_len, "wall_s": wall,
             "output_tokens_per_s": n * out_len / wall, "max_idle_fraction": max(idle) if idle else None,
             "mean_idle_fraction": statistics.fmean(idle) if idle else None, "ranks": every,
-            "microbatched_steps": llm.runner.parallel.num_microbatched_steps - ubatched}
+            "microbatched_steps": _microbatched(llm) - ubatched}
 
 
 def _bubble_pass(llm, args, batch_sizes: list[int]) -> list[dict]:

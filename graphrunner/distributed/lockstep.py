@@ -1,0 +1,113 @@
+"""LockstepDP: data-parallel replicas that step together, for collectives that span them.
+
+Replicas of a dense model share no collective, so by default each runs on its own (no
+per-step exchange, no padding to another replica, no dummy steps) and the runner holds no
+`LockstepDP`. With `data_parallel_lockstep=True` the runner holds one and calls it at two
+fixed points of the step: `dispatch` (the `DPCoordinator`'s one CPU all-reduce of every
+replica's report gives the agreed descriptor) and `idle_step` (a replica with nothing
+scheduled runs a dummy step of the agreed descriptor, so every collective inside the step
+matches). With `enable_dbo` too, each report says whether the rank would split its step;
+when the decision says microbatch, the step runs eagerly and its forward as two
+microbatches on two streams (`graphrunner.step.microbatch`), counted in
+`num_microbatched_steps`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from capture.descriptor import BatchExecutionDescriptor
+from capture.modes import CUDAGraphMode
+from graphrunner.distributed.dp_coordinator import DPCoordinator, DPDecision, DPReport, RankPlan
+from graphrunner.distributed.groups import ParallelGroups
+from graphrunner.distributed.pipeline_stage import PipelineStage
+from graphrunner.state.features import SamplingFeatures
+from graphrunner.step.microbatch import Microbatcher, wants_microbatch
+
+
+class LockstepDP:
+    """The agreed descriptor of every step, and the dummy steps of idle replicas.
+
+    graphs: the runner's `StepGraphs` (dispatch table, capture state, the step body);
+    pp: the rank's pipeline stage (a dummy step exchanges like a real one), None without PP.
+    """
+
+    def __init__(self, groups: ParallelGroups, graphs: Any, pp: PipelineStage | None, device: torch.device) -> None:
+        self.groups = groups
+        self.graphs = graphs
+        self.pp = pp
+        self.device = device
+        self._coordinator = DPCoordinator(groups.dp.cpu_group, graphs.table)
+        self.last_dp_decision: DPDecision | None = None
+        self.num_dummy_steps = 0  # idle-replica dummy steps run so far
+        self._ubatch: Microbatcher | None = None  # DBO (built with the first step that wants it)
+
+    @property
+    def num_microbatched_steps(self) -> int:
+        """Steps whose forward actually ran as two microbatches (DBO; 0 without it)."""
+        return self._ubatch.num_steps if self._ubatch is not None else 0
+
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform: int | None,
+                 force_eager: bool = False) -> BatchExecutionDescriptor:
+        """The step's descriptor as every replica agreed it (one all-reduce)."""
+        plan = self._coordinate(num_reqs, num_tokens, uniform, force_eager)
+        assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
+        if plan.microbatch:  # two microbatches run eagerly at this rank's real size (step/microbatch.py)
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+        return plan.descriptor
+
+    def idle_step(self) -> None:
+        """A replica with nothing scheduled: join the coordination and run a dummy step of the
+        agreed size, so that every collective inside the step (TP, PP) matches."""
+        plan = self._coordinate(0, 0, None)
+        if plan.descriptor is None:  # every replica is idle: nobody runs anything
+            return
+        self.num_dummy_steps += 1
+        self._dummy_step(plan.descriptor)
+
+    def _coordinate(self, num_reqs: int, num_tokens: int, uniform: int | None, force_eager: bool = False) -> RankPlan:
+        """One DP all-reduce; returns this rank's `RankPlan` (and arms or disarms DBO's split)."""
+        graphs = self.graphs
+        wants = self._wants_microbatch(num_reqs, num_tokens, uniform)
+        # Before capture every step is eager: report NONE so that nobody replays.
+        report = DPReport.from_batch(graphs.table, num_reqs, num_tokens, uniform, wants_microbatch=wants,
+                                     force_eager=force_eager or not graphs.captured)
+        with self.groups.exchange("DP step agreement (all-reduce over the data-parallel replicas)"):
+            decision = self._coordinator.coordinate(report)
+        self.last_dp_decision = decision
+        plan = decision.for_rank(self.groups.dp_rank)
+        if self._ubatch is not None:
+            self._ubatch.arm(plan.ubatch_split if plan.microbatch and not plan.dummy else None)
+        return plan
+
+    def _wants_microbatch(self, num_reqs: int, num_tokens: int, uniform: int | None) -> bool:
+        """DBO (config.enable_dbo): whether this rank would split its step; builds the microbatcher once."""
+        config, body = self.groups.config, self.graphs.body
+        if not config.enable_dbo:
+            return False
+        if self._ubatch is None:
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device)
+        return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
+                                config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+
+    def _dummy_step(self, desc: BatchExecutionDescriptor) -> None:
+        """The agreed descriptor over scratch entries only: the same graph / compiled / eager
+        body (and PP exchange) as a real step of that shape, touching no live request."""
+        graphs = self.graphs
+        body = graphs.body
+        query_lens = graphs.capture_query_lens(desc)
+        num_reqs_padded = desc.num_reqs if desc.num_reqs is not None else len(query_lens)
+        batch = body.dummy_batch(query_lens, SamplingFeatures(), num_reqs_padded, desc.num_tokens)
+        body.current_batch = batch
+        if self.pp is not None:
+            self.pp.receive(batch)
+        graphs.run(desc, batch)
+        if self.pp is not None:
+            self.pp.send(batch, None, body.post_update)
+        body.current_batch = None
+        body.reset_scratch_row()
+
+
+__all__ = ["LockstepDP"]
