@@ -5,8 +5,11 @@ Each subcommand lives in its own module, which exposes
     register(subparsers) -> None   # adds its parser; sets `func=run` via set_defaults
     run(args) -> int               # the exit status
 
-and is listed in `subcommands()` below. Modules are imported when the parser is built,
-so they must keep heavy imports (torch, the model stack) inside `run`.
+The library's own subcommands (`generate`, `launch`) are listed in `subcommands()`; the
+command-line tools (`inspect`, `bench`) register themselves through the entry-point group
+`graphrunner.commands` of the installed distribution (pyproject.toml), so this package never
+imports the tools. Modules are imported when the parser is built, so they must keep heavy
+imports (torch, the model stack) inside `run`.
 
 Global options come before the subcommand: `--version`, and `--log-level` (or the env
 variable GRAPHRUNNER_LOGGING_LEVEL; the option wins), which shows the `graphrunner` loggers'
@@ -24,13 +27,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Protocol
+from importlib.metadata import entry_points
+from typing import Protocol, cast
 
 from graphrunner import __version__
 
 LOG_LEVEL_ENV = "GRAPHRUNNER_LOGGING_LEVEL"
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+COMMAND_GROUP = "graphrunner.commands"  # entry points: name = "module" exposing register / run
 
 
 class Subcommand(Protocol):
@@ -42,17 +47,18 @@ class Subcommand(Protocol):
 
 
 def subcommands() -> list[Subcommand]:
-    """The subcommand modules, in the order of `graphrunner --help`.
+    """The subcommand modules, in the order of `graphrunner --help`: the library's own, then
+    the registered ones (entry-point group `graphrunner.commands`) by name.
 
     Imported here rather than at the top, so that `import graphrunner.cli` stays free of
     torch (the `graphrunner.engine` package imports it).
     """
     from graphrunner.distributed import launch
     from graphrunner.engine import cli as generate
-    from graphrunner_tools.bench import cli as bench
-    from graphrunner_tools.inspect import cli as inspect
 
-    return [generate, inspect, bench, launch]
+    builtin: list[Subcommand] = [generate, launch]  # type: ignore[list-item]  # modules satisfy the protocol
+    registered = sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
+    return builtin + [cast(Subcommand, ep.load()) for ep in registered]
 
 
 def build_parser() -> argparse.ArgumentParser:
