@@ -13,10 +13,9 @@ KV_LAYOUTS = ("NHD", "HND")
 # as a [2, num_blocks, block_size, kv_heads, head_dim] tensor, and every kernel takes its strides, so only
 # the memory order changes. "HND" (default): head-major, one KV head's tokens of a block are one contiguous
 # run (the tensor is a permuted view). "NHD": token-major, a block's tokens each hold all their heads.
-# On an H200, decode attention at 256 rows of qwen2.5-0.5b took 42.6 µs head-major against 43.7 token-major
-# (docs/bench/decode_fusion/kv_layout_s20_h200.txt); batch 1 and 64 were equal. The whole qwen2.5-0.5b step
-# at batch 256 on an H100, interleaved: 2.564 / 2.581 ms head-major against 2.601 / 2.651 token-major
-# (docs/bench/s21/lat_layout_ab_call2_s21_h100.md).
+# On an H200, decode attention at 256 rows of qwen2.5-0.5b took 42.6 µs head-major against 43.7 token-major;
+# batch 1 and 64 were equal. The whole qwen2.5-0.5b step at batch 256 on an H100, interleaved: 2.564 / 2.581 ms
+# head-major against 2.601 / 2.651 token-major.
 KV_LAYOUT = os.environ.get("GRAPHRUNNER_KV_LAYOUT", "HND").upper()
 
 

@@ -39,7 +39,7 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("gpu", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-# Graph vs eager at scale on the device (tools/graph_vs_eager.sh): >= 2,000 workloads per property.
+# Graph vs eager at scale on a GPU (tools/gpu_suite.sh scale): >= 2,000 workloads per property.
 settings.register_profile("scale", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

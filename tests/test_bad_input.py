@@ -1,4 +1,4 @@
-"""Issue #12: one bad request must never poison the engine.
+"""One bad request must never poison the engine.
 
 Every bad input raises ValueError (naming the value) before the request becomes live,
 and afterwards the same `LLM` gives exactly the greedy tokens a fresh one gives. A step
@@ -122,7 +122,7 @@ def test_extreme_valid_seeds_and_top_k_generate(llm, fresh_tokens):
 
 
 def test_params_changed_after_construction_are_caught_at_admission(llm, fresh_tokens):
-    """The issue's failure: a bad seed reaching the runner. Params mutated behind the
+    """A bad seed reaching the runner. Params mutated behind the
     frozen dataclass's back are re-checked before the request is queued."""
     for field, value in (("seed", "abc"), ("seed", 2**70), ("top_k", 2.5), ("max_tokens", 2.5)):
         params = SamplingParams(max_tokens=3)

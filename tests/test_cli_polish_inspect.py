@@ -1,4 +1,4 @@
-"""CLI polish found by trying the commands as a new user would (issue #18 item 6), on a CPU.
+"""CLI polish found by trying the commands as a new user would, on a CPU.
 
 `inspect table/explain/simulate` refuse a model that `generate` refuses, with the loader's
 message; `--help` shows each default once; `generate` says that builtin weights are random.

@@ -1,4 +1,4 @@
-"""Context-parallel groups (issue #14): the DP x PP x PCP x TP layout with DCP inside TP groups,
+"""Context-parallel groups: the DP x PP x PCP x TP layout with DCP inside TP groups,
 the configuration rules, and the groups of a real gloo world."""
 
 from __future__ import annotations

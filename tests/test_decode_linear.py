@@ -104,9 +104,9 @@ def test_plan_follows_the_row_length():
 
 
 def test_wide_memory_plan_changes_only_the_shapes_measured_there():
-    """H200 class: the shapes swept there (llama-3.1-8b in session 18, qwen2.5-0.5b and llama-3.2-1b in
-    session 19) get their winners or a measured near-winner; the H100 plan is unchanged; rows of a length
-    not swept there (K = 1536, 3072) keep the H100 plan; a CPU device is never wide."""
+    """H200 class: the shapes swept there (llama-3.1-8b, qwen2.5-0.5b and llama-3.2-1b) get their winners
+    or a measured near-winner; the H100 plan is unchanged; rows of a length not swept there (K = 1536,
+    3072) keep the H100 plan; a CPU device is never wide."""
     wide = {(6144, 4096): (4, 2048, 8), (4096, 4096): (8, 1024, 4), (28672, 4096): (4, 2048, 8),
             (4096, 14336): (4, 2048, 4), (128256, 4096): (4, 2048, 8),  # llama-3.1-8b
             (896, 896): (4, 1024, 4), (151936, 896): (4, 1024, 4), (896, 4864): (8, 2048, 8),  # qwen2.5-0.5b

@@ -1,6 +1,6 @@
 """dist_bench (tools/bench/dist_bench.py): layout names, capture sizes, and one gloo world on CPU.
 
-The benchmark's figures come from GPUs (issue #19's table); here its plumbing is checked: a name
+The benchmark's figures come from GPUs (docs/benchmarks.md); here its plumbing is checked: a name
 parses to the sizes it spells, the decode graphs cover every share of a batch that pipelined PP
 or DP makes, and a PP2 world on CPU runs the decode and throughput passes and reports an idle
 fraction that is a fraction.

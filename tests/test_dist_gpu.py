@@ -6,8 +6,8 @@ under `graphrunner launch` (one process per GPU, NCCL), with builtin:tiny-llama 
 variant, for TP4) in float32 (so TP's different reduction order cannot flip a greedy token) and the
 default FULL_AND_PIECEWISE mode with inductor: FULL graphs capture the step body with its NCCL
 all-reduces, PIECEWISE pieces capture theirs. The reference is the same worker on one GPU. A case
-is skipped without enough GPUs: two-GPU cases on `nvidia-h200-x2`, four-GPU ones (issue #19's
-matrix) on `nvidia-h200-x4`. tools/gpu_dist.sh runs these.
+is skipped without enough GPUs: two-GPU cases need two, the four-GPU matrix four.
+`tools/gpu_suite.sh dist` runs these.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ TWO_GPU_LAYOUTS = {
     "tp2dcp2-ngram3": dict(tensor_parallel_size=2, decode_context_parallel_size=2, speculative_config=NGRAM3),
 }
 
-FOUR_GPU_LAYOUTS = {  # issue #19: combined parallelism
+FOUR_GPU_LAYOUTS = {  # combined parallelism
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),  # the pipelined engine (2 in flight)
     "tp2pp2-async": dict(tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True),
     "tp4": dict(model="builtin:tiny-llama-8h", tensor_parallel_size=4),

@@ -1,6 +1,6 @@
-"""Four-rank layouts on CPU (gloo), issue #19's matrix as far as CPUs go: greedy tokens equal one process.
+"""Four-rank layouts on CPU (gloo), the four-GPU matrix as far as CPUs go: greedy tokens equal one process.
 
-The same layouts run on `nvidia-h200-x4` when that kind is lent (tests/test_dist_gpu.py); here each
+The same layouts run on four GPUs in tests/test_dist_gpu.py; here each
 is a gloo world of 4 forked processes with builtin:tiny-llama dummy weights (the sharded loader gives
 each rank its share of the single-process weights), compared with a one-process run of the same
 prompts. TP2 x PP2 (synchronous) is in tests/test_dist_engine.py.

@@ -1,5 +1,5 @@
-"""The reference-engine benchmark of issue #18 (tools/bench/engine_bench.py) on the tiny model:
-its two workloads run on a CPU and their counters say what the issue measures."""
+"""The reference-engine benchmark (tools/bench/engine_bench.py) on the tiny model: its two
+workloads run on a CPU and their counters say what the benchmark measures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Abort and streaming (#18 item 3): `LLM.generate_stream`, `LLM.abort_request`, `Scheduler.finish_request`.
+"""Abort and streaming: `LLM.generate_stream`, `LLM.abort_request`, `Scheduler.finish_request`.
 
 Greedy requests on builtin:tiny-llama (CPU), sync and with async scheduling: a streamed
 request's deltas add up to what `generate` returns, and an abort (mid-prefill, mid-decode,

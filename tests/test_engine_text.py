@@ -1,4 +1,4 @@
-"""Text in, text out (#18 item 5): text prompts, `RequestOutput.text`, `SamplingParams.stop`.
+"""Text in, text out: text prompts, `RequestOutput.text`, `SamplingParams.stop`.
 
 The model folder is a tiny random llama (tests/hf_fixtures.py) with a byte-level BPE tokenizer
 trained offline on a few sentences; the model's vocab_size is the tokenizer's, so every

@@ -1,4 +1,4 @@
-"""Damaged model folders and bad devices give errors that name the culprit (issue #12).
+"""Damaged model folders and bad devices give errors that name the culprit.
 
 Every fault here once surfaced as a raw library traceback (SafetensorError, a bare JSON
 decoder message, a tokenizers Exception, torch's RuntimeError for an unknown device) or,

@@ -1,4 +1,4 @@
-"""Fault injection into a step (#12): non-finite logits, capture out of memory, a failing replay.
+"""Fault injection into a step: non-finite logits, capture out of memory, a failing replay.
 
 1. NaN or +-inf logits in one row (a faulty model): the other rows get the tokens (and
    logprobs) they get in a batch without the bad row, and the bad row a token id in

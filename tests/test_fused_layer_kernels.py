@@ -1,4 +1,4 @@
-"""The decoder layer's fused kernels (issue #17) against their torch references.
+"""The decoder layer's fused kernels against their torch references.
 
 - `rope_write_kv_triton`: rotary embedding of q and k fused with the KV-cache write,
   against `rope_write_kv_torch` (the torch rotation + `write_kv_torch`) and against the

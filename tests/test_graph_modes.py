@@ -30,7 +30,7 @@ def _llm(mode: str, device="cpu", **kw) -> LLM:
 
 
 # The property tests below run on a CPU in CI (FULL graphs emulated); the device-scale run
-# (tools/graph_vs_eager.sh) sets this to "cuda" to compare real graphs with eager.
+# (tools/gpu_suite.sh scale) sets this to "cuda" to compare real graphs with eager.
 PROPERTY_DEVICE = os.environ.get("GRAPHRUNNER_GRAPH_TEST_DEVICE", "cpu")
 
 

@@ -393,7 +393,7 @@ def test_gpu_decode_graph_families_sum_to_its_nodes_and_layers_are_counted():
         assert per_layer[ATTENTION] >= 1
     text = run_text("capture", *argv)
     assert "nodes of FULL(t=1,r=1,q=1)[greedy]:" in text and "nodes per layer" in text
-    print(text)  # the sample the closing note quotes (pytest -s shows it)
+    print(text)  # a sample of the output (pytest -s shows it)
 
 
 def test_a_real_dump_counts_nodes_not_edges():

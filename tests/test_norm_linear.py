@@ -73,7 +73,7 @@ def test_plan_gives_more_rows_than_the_plain_gemv():
 
 
 def test_wide_memory_plan_changes_only_short_rows():
-    """H200 class (session 19's sweep): qwen2.5-0.5b's q|k|v and gate|up get their winners; llama-3.2-1b's
+    """H200 class (the sweep of those shapes there): qwen2.5-0.5b's q|k|v and gate|up get their winners; llama-3.2-1b's
     (K = 2048, fastest with the H100 plan there) and longer rows keep the H100 plan."""
     assert norm_gemv_plan(1152, 896, wide_memory=True) == (16, 1024, 8)
     assert norm_gemv_plan(9728, 896, wide_memory=True) == (8, 512, 4)

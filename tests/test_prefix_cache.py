@@ -1,4 +1,4 @@
-"""Prefix caching (#18 item 2): the content-keyed block pool and the engine that uses it.
+"""Prefix caching: the content-keyed block pool and the engine that uses it.
 
 The pool is checked against a model of what each block holds; the engine against itself without
 the cache: greedy and seeded tokens are identical while later requests skip their shared prefix

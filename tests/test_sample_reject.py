@@ -130,7 +130,7 @@ def _flat(rows, vocab, seed):
                                                                (1.0, 0.02, (False, False, True), TIER_REJECT),
                                                                (1.0, 0.0, (False, False, False), TIER_GUESS)])
 def test_flat_rows_are_served_by_their_draw(top_p, min_p, flags, tier):
-    # Issue #16's rows: the top-p mass over most of the vocabulary (tiers 1-2 at capacity 64). Tier -1
+    # Flat rows: the top-p mass over most of the vocabulary (tiers 1-2 at capacity 64). Tier -1
     # must serve most of them (~top_p of the draws are kept): the test fails if the tier is bypassed.
     # Without a filter the guess draws over all tokens itself: every row is tier 0's, never tier -1's.
     rows, vocab = 8, 2000
@@ -301,7 +301,7 @@ def test_gpu_tokens_equal_the_existing_tiers(batch):
 
 @pytest.mark.gpu
 def test_gpu_flat_full_vocab_rows_take_tier_minus_one_and_replay_deterministically():
-    # Issue #16 at scale: 256 flat rows x 151,936 at T 0.8, top-p 0.95; then the same call in a CUDA graph.
+    # Flat rows at scale: 256 flat rows x 151,936 at T 0.8, top-p 0.95; then the same call in a CUDA graph.
     rows, vocab = 256, 151936
     g = torch.Generator().manual_seed(16)
     x = (torch.randn(rows, vocab, generator=g) * 0.5).bfloat16().float().cuda()

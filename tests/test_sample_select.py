@@ -354,8 +354,8 @@ def test_gpu_full_vocab_graph_replay_is_deterministic_and_exact_for_min_p_top_k(
 
 @pytest.mark.gpu
 def test_gpu_flat_full_vocab_rows_are_refined_and_draw_the_fallbacks_tokens():
-    # Issue #16: random-weight-like rows (bf16 ties) at T 0.8, top-p 0.95: 95% of the mass in ~80%
-    # of the vocabulary. Tier 2 serves every row; the one-program fallback draws the same tokens.
+    # Flat rows, as random weights give (bf16 ties) at T 0.8, top-p 0.95: 95% of the mass in ~80% of
+    # the vocabulary. Tier 2 serves every row; the one-program fallback draws the same tokens.
     rows, vocab = 256, 151936
     g = torch.Generator().manual_seed(16)
     x = (torch.randn(rows, vocab, generator=g) * 0.5).bfloat16().float().cuda()

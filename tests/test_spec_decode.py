@@ -1,4 +1,4 @@
-"""Speculative decoding in the runner (issue #13), against plain decoding as the reference.
+"""Speculative decoding in the runner, against plain decoding as the reference.
 
 With the n-gram drafter (one-hot drafts) verification is coupled to the plain sampler's
 noise, so a speculative run must give exactly the tokens of a plain run: greedy and seeded

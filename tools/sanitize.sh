@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the GPU tests of every Triton kernel and one FULL replay per
-# sampling variant (issue #12), in one device call. Logs under $OUT; a tool's summary line
-# ("ERROR SUMMARY: N errors") is printed for each run.
-#   tools/sanitize.sh [memcheck|racecheck] [SECONDS]
+# compute-sanitizer over the GPU tests of every Triton kernel, then over one FULL-graph replay per
+# sampling variant (python -m graphrunner_tools.sanitize_replay). Run from the repository root on
+# a CUDA machine with compute-sanitizer on PATH. Logs go under $OUT (default ./out); each run
+# prints the tool's summary line ("ERROR SUMMARY: N errors").
+#   tools/sanitize.sh [memcheck|racecheck|synccheck|initcheck] [SECONDS]   (default memcheck, 280 s per run)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 tool="${1:-memcheck}"; limit="${2:-280}"

@@ -4,7 +4,7 @@ Before attention, a decoder layer rotates q and k by each token's position (Neox
 style), makes v contiguous and writes k/v into the paged cache. Compiled as separate
 ops that is five graph nodes per layer (the cos/sin gather, the q rotation, the k
 rotation, the v copy, the KV write); at batch 1 each node costs more in launch and
-drain than in memory traffic (issue #17). `rope_write_kv_triton` does all of it in one
+drain than in memory traffic. `rope_write_kv_triton` does all of it in one
 program per token: it gathers the token's cos/sin row, rotates every q head into a
 fresh contiguous `q_rot`, and stores the rotated k and the (strided) v at the token's
 cache slot, skipping slot -1 (padding) exactly as `write_kv` does.

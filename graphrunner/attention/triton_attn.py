@@ -60,7 +60,7 @@ _NEG_BIG = -1.0e30
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 _MAX_KV_SPLITS = 32
 # The plan's largest split count (GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS, read once at import). H100,
-# context 1024, FULL, batch 1 (docs/bench/decode_fusion/lat_split_cap_s17_h100.md): qwen2.5-0.5b
+# context 1024, FULL, batch 1: qwen2.5-0.5b
 # 0.794 / 0.790 ms at 16 against 0.865 / 0.832 at 32, llama-3.1-8b 6.66-6.75 against 6.80 (with
 # the rotary + KV write in the launch; at 1024 keys in 128-key blocks only 9 splits hold keys
 # either way).

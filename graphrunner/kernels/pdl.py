@@ -3,8 +3,8 @@
 Inside a CUDA graph every kernel node still pays for its launch and for the drain of the
 node before it: a batch-1 decode step is a chain of ~10 small kernels per layer, and on an
 H100 a qwen2.5-0.5b-shaped chain of 4 GEMVs and 4 elementwise kernels per layer took 23.8
-µs a layer plain and 18.6 with PDL (docs/bench/decode_fusion/pdl_chain_s13_h100.txt; the
-result bit-identical, eager and replayed from a graph). Hopper lets a kernel launched with
+µs a layer plain and 18.6 with PDL (the result bit-identical, eager and replayed from a
+graph). Hopper lets a kernel launched with
 the programmatic-serialization attribute start while its predecessor is still running:
 
 - `pdl_launch(device, rows)` gives the launch keyword (`launch_pdl=True`) on a GPU that
@@ -41,11 +41,9 @@ __all__ = ["PDL", "pdl_enabled", "pdl_launch", "pdl_wait"]
 
 PDL = os.environ.get("GRAPHRUNNER_PDL", "1") == "1"
 # Launches of more rows than this keep the full dependency. Measured on an H100
-# (docs/bench/decode_fusion/lat_qwen_pdl{0,1}_ungated_s14_h100.md, qwen2.5-0.5b FULL, context
-# 1024): PDL
-# everywhere took batch 1 from 0.959 to 0.883 ms but batch 8 from 1.218 to 1.259 and batch
-# 256 from 2.820 to 3.052: past one row the projections are cuBLAS GEMMs (no PDL), and the
-# Triton kernels launched early beside them only hold SM slots while they wait.
+# (qwen2.5-0.5b FULL, context 1024): PDL everywhere took batch 1 from 0.959 to 0.883 ms but batch 8
+# from 1.218 to 1.259 and batch 256 from 2.820 to 3.052: past one row the projections are cuBLAS
+# GEMMs (no PDL), and the Triton kernels launched early beside them only hold SM slots while they wait.
 PDL_MAX_ROWS = int(os.environ.get("GRAPHRUNNER_PDL_MAX_ROWS", "1"))
 _MIN_CAPABILITY = (9, 0)
 

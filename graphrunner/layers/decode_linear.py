@@ -2,8 +2,8 @@
 
 At M = 1 a projection is a pure read of W. cuBLAS picks split-K GEMMs there (often with a
 separate reduce kernel); a row-blocked GEMV measured faster on every decode projection of
-qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b on an H100, 1.08-1.6x, the LM head included
-(docs/bench/decode_fusion/gemv_s12_h100.txt). Program j owns BLOCK_N (1 or 2) output rows,
+qwen2.5-0.5b, llama-3.2-1b and llama-3.1-8b on an H100, 1.08-1.6x, the LM head included.
+Program j owns BLOCK_N (1 or 2) output rows,
 reads those rows of W once over the full K in BLOCK_K steps, accumulates the fp32 products
 elementwise and sums them once at the end: no split-K, no reduce kernel, no memset, and with
 ~N programs each SM keeps many loads in flight. x (a few KiB) is re-read from L2.
@@ -103,22 +103,20 @@ if HAS_TRITON:
 
 
 def gemv_plan(N: int, K: int, wide_memory: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) from the H100 sweep (docs/bench/decode_fusion/gemv_s12_h100.txt,
-    42 configurations per shape, tools in gemv_s12_sweep.py beside it): long rows
+    """(BLOCK_N, BLOCK_K, num_warps) from an H100 sweep (42 configurations per shape): long rows
     (K >= 4096) one per program in 2048-wide steps, shorter ones two per program in 1024-wide
     steps; 8 warps for the mid-length rows of down projections (4096 < K < 12288).
 
     `wide_memory` (an H200-class part, `wide_memory_part`): its ~1.4x bandwidth wants more bytes in
-    flight per program. The same sweep on an H200 (docs/bench/decode_fusion/gemv_tune_8b_s18_h200.txt)
-    put four or eight rows per program first on every llama-3.1-8b shape, 10-19% faster, and the
-    step went 4.57 / 4.63 -> 4.24 / 4.15 ms at batch 1 (lat_8b_tuned_s18_h200.md). Only those
-    shapes' classes were measured there (N >= K >= 4096, and K >= 12288). Session 19's sweep of the
-    qwen2.5-0.5b and llama-3.2-1b shapes (gemv_tune_small_s19_h200.txt) added four classes: down
+    flight per program. The same sweep on an H200 put four or eight rows per program first on every
+    llama-3.1-8b shape, 10-19% faster, and the step went 4.57 / 4.63 -> 4.24 / 4.15 ms at batch 1
+    (shape classes N >= K >= 4096, and K >= 12288). A sweep of the qwen2.5-0.5b and llama-3.2-1b
+    shapes added four classes: down
     projections with 4096 <= K < 12288 (qwen's SwiGLU down 7.86 -> 4.39 us, llama-3.2-1b's 9.57 ->
     8.68), vocabulary heads with K < 4096 (qwen's 92.5 -> 62.8 us; llama-3.2-1b's unchanged at
     115.6), rows of at most 1024 (qwen's o 1.38 -> 1.24) and rows of exactly 2048 (llama-3.2-1b's
     o 3.23 -> 2.86); with the norm GEMV's H200 plan (`norm_linear.norm_gemv_plan`) qwen batch 1 went
-    0.771 / 0.761 -> 0.647 / 0.656 ms (lat_small_tuned_s19_h200.md). Other K keep the H100 plan."""
+    0.771 / 0.761 -> 0.647 / 0.656 ms. Other K keep the H100 plan."""
     if wide_memory:
         if K >= 12288:
             return 4, 2048, 4

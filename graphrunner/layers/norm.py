@@ -7,7 +7,7 @@ On CUDA the pre-norm block boundary (`add_norm`: residual add, then RMSNorm) is 
 Triton kernel behind the opaque custom op `graphrunner::fused_add_rms_norm`. Left to
 inductor, that boundary compiled to three graph nodes per norm: a copy of the residual
 into the preceding GEMM's output (inductor turns `mm + residual` into an addmm that
-accumulates in place), a reduction kernel and a pointwise kernel (issue #17). The op
+accumulates in place), a reduction kernel and a pointwise kernel. The op
 keeps the GEMM plain and does the add, the statistics and the scaling in one program
 per token.
 """

@@ -5,7 +5,7 @@ then a column projection (q|k|v, or gate|up). For several rows that is the fused
 add + RMSNorm kernel (`layers/norm.py`) and a cuBLAS GEMM. For one row (decode at batch
 1) the GEMM is already a one-launch Triton GEMV (`layers/decode_linear.py`), and the norm
 kernel before it is a whole graph node that reads and writes a few KiB: on an H100 such a
-node costs ~1.5 us of launch and drain, twice a layer (issue #17).
+node costs ~1.5 us of launch and drain, twice a layer.
 
 Here, for one row, the GEMV does the norm itself: every program loads the row x, the
 residual and the norm weight (a few KiB, from L2 after the first program), sums x and the
@@ -37,10 +37,9 @@ __all__ = ["NORM_GEMV", "add_norm_linear", "add_norm_project", "norm_gemv_plan",
 # GRAPHRUNNER_NORM_GEMV=0 keeps the two-kernel path at one row too (read once at import).
 NORM_GEMV = DECODE_GEMV and os.environ.get("GRAPHRUNNER_NORM_GEMV", "1") != "0"
 # The fused path only for projections of at most this K (hidden size; read once at import): every
-# program re-reads the whole x and residual rows to normalize them. H100, batch 1, FULL
-# (docs/bench/decode_fusion/lat_fusion_gates_s17_h100.md): llama-3.1-8b (K 4096) 6.21 ms fused vs
-# 5.81 unfused (SwiGLU GEMV off in both), llama-3.2-1b (K 2048) 1.253 vs 1.251, qwen2.5-0.5b
-# (K 896) 0.82 vs 0.89 (session 16).
+# program re-reads the whole x and residual rows to normalize them. H100, batch 1, FULL: llama-3.1-8b
+# (K 4096) 6.21 ms fused vs 5.81 unfused (SwiGLU GEMV off in both), llama-3.2-1b (K 2048) 1.253 vs
+# 1.251, qwen2.5-0.5b (K 896) 0.82 vs 0.89.
 NORM_GEMV_MAX_K = int(os.environ.get("GRAPHRUNNER_NORM_GEMV_MAX_K", "2048"))
 _BLOCK_N_OVERRIDE = int(os.environ.get("GRAPHRUNNER_NORM_GEMV_BLOCK_N", "0"))  # device sweeps
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -108,7 +107,7 @@ def norm_gemv_plan(N: int, K: int, wide_memory: bool = False) -> tuple[int, int,
     tile. GRAPHRUNNER_NORM_GEMV_BLOCK_N overrides BLOCK_N.
 
     `wide_memory` (an H200-class part, `decode_linear.wide_memory_part`): rows of at most 1024 want
-    more rows per program still (docs/bench/decode_fusion/gemv_tune_small_s19_h200.txt):
+    more rows per program still:
     qwen2.5-0.5b's q|k|v 2.46 -> 2.02 us with 16 rows and 8 warps, its gate|up 7.16 -> 6.80 with 8
     rows in 512-wide steps. llama-3.2-1b's (K = 2048) were fastest with the H100 plan there."""
     if wide_memory and K <= 1024:

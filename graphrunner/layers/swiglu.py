@@ -27,9 +27,9 @@ __all__ = ["silu_mul_triton", "swiglu", "swiglu_linear"]
 _BLOCK = 1024  # elements of one row per program
 # The one-row fused path only for down projections of at most this K (intermediate size; read once
 # at import): every GEMV program recomputes silu(gate) * up over the whole K, which grows with K.
-# H100, batch 1, FULL (docs/bench/decode_fusion/lat_fusion_gates_s17_h100.md): llama-3.2-1b
-# (K 8192) 1.253 fused vs 1.191 ms unfused, llama-3.1-8b (K 14336) 6.66 vs 6.21 with the norm
-# fused; qwen2.5-0.5b (K 4864) unchanged within the spread (0.865 / 0.837 ms, session 16).
+# H100, batch 1, FULL: llama-3.2-1b (K 8192) 1.253 fused vs 1.191 ms unfused, llama-3.1-8b
+# (K 14336) 6.66 vs 6.21 with the norm fused; qwen2.5-0.5b (K 4864) unchanged within the spread
+# (0.865 / 0.837 ms).
 SWIGLU_GEMV_MAX_K = int(os.environ.get("GRAPHRUNNER_SWIGLU_GEMV_MAX_K", "6144"))
 
 if HAS_TRITON:

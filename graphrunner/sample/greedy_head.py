@@ -3,7 +3,7 @@
 A plain-greedy step (the GREEDY graph variant: argmax of the raw logits and nothing else)
 otherwise writes fp32 logits [R, V] from the LM head and reads them back in the argmax: at
 256 rows x 151,936 that is 156 MB each way, ~100 us of a qwen2.5-0.5b step on an H100 next to
-the head's 272 MB weight read (issue #17). Here one Triton GEMM computes each [BM, BN] tile of
+the head's 272 MB weight read. Here one Triton GEMM computes each [BM, BN] tile of
 logits in fp32 registers and reduces it at once, per row, to the argmax module's partials:
 the tile's max, that max's first column and the first NaN column (`sample/argmax.py`'s rules,
 which are torch.argmax's). The argmax's combine kernel then reduces a row's V / BN partials.
@@ -45,8 +45,8 @@ _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the s
 # epilogue overlaps the next tile's first loads. "auto" (default): tma_persistent from PERSISTENT_MIN_ROWS
 # rows, pointer below. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows pointer 153.8 ->
 # tma_persistent 136.4 µs (with 4 stages), 64 rows 111.9 -> 102.5 µs, cuBLAS logits + argmax 233.8 / 142.5 µs
-# (docs/bench/s21/greedy_head_loads_s21_h100.txt). Fewer rows were not timed per kernel, and one H100 ran
-# the batch-8 step 3-5% slower with it (docs/bench/s21/call12), so they keep the pointer kernel. Inputs a
+# Fewer rows were not timed per kernel, and an H100 ran the batch-8 step 3-5% slower with it, so they keep
+# the pointer kernel. Inputs a
 # descriptor cannot describe (rows not 16-byte aligned) take the pointer kernel.
 LOADS = ("pointer", "tma", "tma_persistent")
 GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "auto")

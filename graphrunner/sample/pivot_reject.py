@@ -48,7 +48,7 @@ is cut by the bucket bound before pass B.
 
 On by default (REJECT_DEFAULT; the env var GRAPHRUNNER_SAMPLER_REJECT=0 turns it off). This design
 (tier -1 after the guess) is NOT yet measured on a GPU. The old design's figures, on one H100
-(session 10, V = 151,936, CUDA-graph medians at 256 rows), where pass A rode on the stats read for
+(V = 151,936, CUDA-graph medians at 256 rows), where pass A rode on the stats read for
 every sampled row and tier -1 ran before the guess (so it was off by default): the bench's randn x 3
 rows (guess tier), sampled 299 -> 511 us and all features 656 -> 861 us with the tier on (pass A's
 noise over every token); end to end on a random-weight model's flat rows (qwen2.5-0.5b, 256 x

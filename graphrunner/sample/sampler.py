@@ -89,7 +89,7 @@ class Sampler:
         states: the per-row settings (and, for penalties, `states.counts` and `states.all_token_ids`).
         filter_impl: "bisect" (default: sort-free per-row thresholds; on CUDA the
             pivot_select kernels, two reads of the logits for rows the guess tier proves,
-            20x faster than "sort" at 256 rows on an H100, see docs/bench/sampler_s8/README.md),
+            20x faster than "sort" at 256 rows on an H100),
             "sort" (one segmented sort gives top-k and top-p: the previous default, kept as
             a baseline) or "bisect-serial" (the previous Triton threshold kernel, one
             program per row; on the torch path the same as "bisect").

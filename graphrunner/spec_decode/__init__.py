@@ -1,4 +1,4 @@
-"""Speculative decoding (issue #13): graph-safe pieces, not yet wired into the step."""
+"""Speculative decoding inside the step (`step.SpeculativeStep`): drafters, verification, rejection."""
 
 from graphrunner.spec_decode.ngram import propose_ngram, propose_ngram_torch, propose_ngram_triton
 from graphrunner.spec_decode.rejection import PAD_TOKEN_ID, rejection_sample

@@ -1,4 +1,4 @@
-"""N-gram prompt-lookup drafter for speculative decoding, graph-safe (issue #13).
+"""N-gram prompt-lookup drafter for speculative decoding, graph-safe.
 
 For each batch entry the drafter looks for the end of the entry's token history earlier in
 that history and proposes the tokens that followed it there. Both implementations write

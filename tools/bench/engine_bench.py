@@ -1,4 +1,4 @@
-"""Reference-engine workloads of issue #18: prefix caching on vs off, constrained vs free decoding.
+"""Reference-engine workloads: prefix caching on vs off, constrained vs free decoding.
 
     python -m graphrunner_tools.bench.engine_bench prefix [--num-requests 256 --prefix-len 2048
         --suffix-len 128 --max-tokens 128]
@@ -18,7 +18,7 @@ xgrammar, or with `--grammar token-id`, it is a token-id grammar
 over the whole vocabulary (`ModuloGrammar`): half of the ids are allowed after each token.
 That measures the runner's side (the mask upload, the all-features sampling variant, the
 synchronization a constrained step needs) without xgrammar's own mask time. The bench
-reports output tokens/s of each and their ratio (issue #18's target: >= 0.9 at 64 requests).
+reports output tokens/s of each and their ratio (the target: >= 0.9 at 64 requests).
 """
 
 from __future__ import annotations

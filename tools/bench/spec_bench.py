@@ -1,4 +1,4 @@
-"""`bench spec`: speculative decoding (issue #13) against plain decoding, FULL graphs.
+"""`bench spec`: speculative decoding against plain decoding, FULL graphs.
 
 Per model, one runner at a time (built for the largest batch, its graphs captured at
 exactly the benchmarked decode batches, shut down before the next):
@@ -23,7 +23,7 @@ Every runner serves every batch size: the batch's prompts are prefilled (chunked
 then `warmup` untimed and `steps` timed synchronous decode steps run, then `gpu_steps`
 steps timed with CUDA events, then the drafter alone (`spec_driver` has the timers and
 says how a draft model gets its lookahead KV blocks; `spec_report` says what each figure
-is and checks issue #13's targets).
+is and checks the targets).
 
 The default mode is FULL_DECODE_ONLY: a verifying batch of b requests is a uniform
 decode (q = 1 + k tokens each) and replays the uniform-decode FULL graph (t = b * q,

@@ -11,7 +11,7 @@ model always has KV slots for its k lookahead tokens past the new one (what an e
 scheduler reserves with `num_lookahead_tokens`) as long as the request stays k tokens
 below max_model_len (`spec_bench.max_model_len` leaves that room).
 
-Three measurements run over a driver (docs/bench/README.md names every figure):
+Three measurements run over a driver (`spec_report` names every figure):
 - `timed_loop`: synchronous steps, `execute_model` + `sample_tokens` on the host clock;
 - `gpu_step_seconds`: CUDA events around `execute_model` alone, the stream held busy by a
   spin kernel while the host launches the step, so the span is the device's work only;

@@ -1,4 +1,4 @@
-"""`bench spec`'s report: what each figure is, issue #13's targets, the Markdown tables.
+"""`bench spec`'s report: what each figure is, the targets, the Markdown tables.
 
 The rows come from `spec_bench` (one `SpecRow` per model, batch size and runner, their
 ratios over the plain runner already set by `spec_bench.add_ratios`).
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: spec_bench imports this module
     from graphrunner_tools.bench.spec_bench import SpecBenchResult, SpecRow
 
-# Issue #13's targets are on this model at batch 1, k = 4, synthetic acceptance 0.8.
+# The targets (what makes speculation worth turning on) are on this model at batch 1, k = 4, synthetic
+# acceptance 0.8.
 TARGET_MODEL = "builtin:llama-3.1-8b"
 TARGET_DRAFT_MODEL = "builtin:llama-3.2-1b"
 _TARGET_K, _TARGET_ACCEPTANCE = 4, 0.8
@@ -46,7 +47,7 @@ NOTES = (
 
 @dataclass
 class Target:
-    """An issue #13 target on TARGET_MODEL at batch 1."""
+    """A target on TARGET_MODEL at batch 1."""
 
     name: str
     bound: str
@@ -69,7 +70,7 @@ def _check(name: str, bound: str, row: SpecRow | None, figure: Callable[[SpecRow
 
 
 def targets(rows: list[SpecRow]) -> list[Target]:
-    """Issue #13's targets, on TARGET_MODEL at batch 1, k = 4, synthetic acceptance 0.8."""
+    """The targets, on TARGET_MODEL at batch 1, k = 4, synthetic acceptance 0.8."""
     ngram, draft = _target_row(rows, "synthetic"), _target_row(rows, "draft", TARGET_DRAFT_MODEL)
     where = f"{TARGET_MODEL}, batch 1, k = {_TARGET_K}, acceptance {_TARGET_ACCEPTANCE}"
     missing = f"not measured: needs {where} and the plain runner"
@@ -113,7 +114,7 @@ def row_line(r: SpecRow) -> str:
 
 
 def _target_lines(result: SpecBenchResult) -> list[str]:
-    lines = ["", f"Targets (issue #13), {TARGET_MODEL} at batch 1:", "",
+    lines = ["", f"Targets, {TARGET_MODEL} at batch 1:", "",
              "| target | bound | measured | met | note |", "|---|---|---:|---|---|"]
     return lines + [f"| {t.name} | {t.bound} | {_f(t.measured, '.2f', 'x')} | "
                     f"{'-' if t.met is None else 'yes' if t.met else 'NO'} | {t.note} |" for t in result.targets]
@@ -138,7 +139,7 @@ def spec_markdown(result: SpecBenchResult) -> str:
             lines += _target_lines(result)
         lines.append("")
     if TARGET_MODEL not in spec.models:
-        lines += [f"Targets (issue #13) are on {TARGET_MODEL} at batch 1: not measured in this run.", ""]
+        lines += [f"Targets are on {TARGET_MODEL} at batch 1: not measured in this run.", ""]
     lines += ["Figures:"] + [f"- {n}" for n in NOTES]
     return "\n".join(lines) + "\n"
 

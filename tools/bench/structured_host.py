@@ -1,4 +1,4 @@
-"""Host time of a constrained step's engine calls, without a model (issue #18's structured outputs).
+"""Host time of a constrained step's engine calls, without a model (structured outputs).
 
     python -m graphrunner_tools.bench.structured_host [--requests 64 --steps 100 --vocab 151936
         --threads 1,auto --device cpu|cuda --rows consecutive|shuffled]

@@ -1,6 +1,6 @@
 """Kernel families and nodes per decoder layer of captured graphs (`inspect capture`).
 
-Issue #17 measures its progress in graph nodes: every node costs launch and drain time
+A decode step's cost is counted in graph nodes too: every node costs launch and drain time
 even inside a CUDA graph. For each captured graph with a node list this module counts
 
 - nodes per layer, two ways: the ratio `num_nodes / num_hidden_layers` (every node
@@ -72,7 +72,7 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
                "torch pointwise kernels and copies (vectorized_elementwise_kernel, elementwise_kernel, "
                "CatArrayBatchedCopy, index_select)"),
 )
-# Display order (the order of the issue's list); every family of the rules, plus the two fallbacks.
+# Display order (largest share first in a decode step); every family of the rules, plus the two fallbacks.
 FAMILIES: tuple[str, ...] = ("gemm/gemv", "triton fused", ATTENTION, "elementwise/copy", "reduce", "nccl",
                              NON_KERNEL, "sampling", "step inputs", OTHER)
 assert {r.family for r in FAMILY_RULES} | {NON_KERNEL, OTHER} == set(FAMILIES)
