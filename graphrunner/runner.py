@@ -27,7 +27,6 @@ import torch
 from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
 from capture.report import CaptureReport
-from graphrunner.async_output import DEFAULT_NUM_SLOTS, AsyncOutput, OutputRing
 from graphrunner.attention import get_attention_backend
 from graphrunner.config import RunnerConfig, resolve_dtype
 from graphrunner.distributed.dcp_attention import wrap_for_dcp
@@ -49,7 +48,7 @@ from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import LogprobBuffers, StageBuffers, StepBuffers
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch, InputBuffers
-from graphrunner.step.output import DeferredStep, PendingStep, StepOutputs
+from graphrunner.step.output import DEFAULT_NUM_SLOTS, AsyncOutput, DeferredStep, OutputRing, PendingStep, StepOutputs
 from graphrunner.step.plan import DecodePlan, StepPlanner
 from graphrunner.structured_outputs import GrammarOutput
 

@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.async_output import AsyncOutput, OutputRing
 from graphrunner.protocol import ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.state.staging import to_device_async
 from graphrunner.state.validation import _Invalid, _validate_vectorized, validate_reference
 from graphrunner.step.inputs import NUM_UPLOAD_SLOTS, InputBuffers
+from graphrunner.step.output import AsyncOutput, OutputRing
 from tests.runner_driver import make_runner
 
 GREEDY = SamplingParams(temperature=0.0)

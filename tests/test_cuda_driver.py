@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from capture.cuda_driver import CudaDriver, CudaDriverError
-from graphrunner.async_output import OutputRing
+from graphrunner.step.output import OutputRing
 
 needs_driver = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

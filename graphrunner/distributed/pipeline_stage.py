@@ -146,7 +146,7 @@ class PipelineStage:
     def output(self, pending: Any, build: Callable[[Any, dict], Any], requests: Any, async_output: bool) -> Any:
         """A non-last stage's output of a pipelined step: its tokens are taken from the last
         stage's broadcast when the output is resolved (at once, or on `AsyncOutput.get()`)."""
-        from graphrunner.async_output import AsyncOutput
+        from graphrunner.step.output import AsyncOutput
 
         def resolve(_host: dict | None = None) -> Any:
             taken = self.take_tokens(pending.produces_token, requests.last_sampled, requests.all_token_ids)

@@ -23,7 +23,6 @@ import numpy as np
 from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
 from capture.modes import CUDAGraphMode
-from graphrunner.async_output import OutputLayout
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import SchedulerOutput
 from graphrunner.spec_decode.step import VerifyRecord
@@ -31,6 +30,7 @@ from graphrunner.state.store import StateStore
 from graphrunner.state.validation import DecodeHint
 from graphrunner.step.graphs import StepGraphs
 from graphrunner.step.inputs import InputBatch, InputBuffers
+from graphrunner.step.output import OutputLayout
 
 # (num_reqs, num_tokens, uniform query length | None, force_eager) -> the step's descriptor
 Dispatch = Callable[[int, int, "int | None", bool], BatchExecutionDescriptor]
