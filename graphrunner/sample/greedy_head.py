@@ -22,7 +22,7 @@ interpreter's half-precision dot is unreliable).
 x and W are read in one of two ways (`greedy_head_loads`): pointer tiles, one program per tile,
 below PERSISTENT_MIN_ROWS rows; from that many rows, tensor descriptors (the tensor-memory
 accelerator) with one program per SM looping over the tiles, so that a tile's epilogue overlaps
-the next tile's first loads. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows 153.8 ->
+the next tile's first loads. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows pointer 153.8 ->
 136.4 us (four stages), 64 rows 111.9 -> 102.5 us, against cuBLAS logits + argmax 233.8 / 142.5 us.
 Fewer rows were not timed per kernel, and the batch-8 step ran 3-5% slower with the persistent
 kernel on one H100, so they keep the pointer kernel. Inputs a descriptor cannot describe (rows

@@ -10,7 +10,11 @@ Order (vLLM's), per batch entry:
   4. greedy rows: argmax of the processed logits (after 1-2)
   5. random rows: temperature -> min-p -> top-k -> top-p -> Gumbel-max, with noise
      from a stateless hash of (seed, position, token id), so a seeded request's tokens
-     do not depend on its batch, graph mode, replays or preemption.
+     do not depend on its batch, graph mode, replays or preemption. The filters are
+     sort-free per-row thresholds (filters.py; on CUDA pivot_select.py, ~20x faster than
+     a segmented sort at 256 rows on an H100).
+A plain-greedy batch (argmax of the raw logits) does not come here: the LM head takes
+its argmax (layers/embedding.py's `greedy`, with greedy_head.py's kernel on a GPU).
 
 Per-request settings live in `SamplingStates` rows (written with staged writes at
 admission); a step gathers them through `idx_mapping`. Everything is sized by the

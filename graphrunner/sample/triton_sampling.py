@@ -1,7 +1,7 @@
 """Fused Triton kernels for the random-sampling tail: per-row filter threshold, then Gumbel-max.
 
-The Sampler's default path is now pivot_select.py (rows split over many programs, 6-10x
-faster at 256 rows); these kernels are its exact fallback for the rows it cannot serve
+The Sampler's Triton path is pivot_select.py (rows split over many programs, 6-10x faster
+at 256 rows than these); these kernels are its exact fallback for the rows it cannot serve
 (`flags`) and the home of the shared Triton helpers (hash, order keys, IEEE-rounded
 scaling).
 
