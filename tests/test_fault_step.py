@@ -2,8 +2,8 @@
 
 1. NaN or +-inf logits in one row (a faulty model): the other rows get the tokens (and
    logprobs) they get in a batch without the bad row, and the bad row a token id in
-   [0, V), whatever the variant (greedy, sampled, all features), the kernels (torch,
-   Triton interpreted on CPU) and the filter implementation. Which id the bad row gets is
+   [0, V), whatever the variant (greedy, sampled, all features) and the path (the torch
+   reference, the Triton kernels interpreted on CPU). Which id the bad row gets is
    documented in the `Sampler` docstring: here a +inf entry wins, a row of only -inf gives
    token 0 and a greedy row with NaN entries gives its first NaN entry (torch.argmax ranks
    NaN highest); any other outcome is only checked to be in range. End to end, an engine
@@ -81,23 +81,23 @@ def _poison(logits: torch.Tensor, row: int, kind: str) -> torch.Tensor:
     return x
 
 
-def _sample(states, logits, rows, features, kernel_impl, filter_impl):
+def _sample(states, logits, rows, features, fused):
     """Tokens, logprobs, logprob ids and ranks of state `rows` sampled from `logits`."""
     n, cols = len(rows), max(features.num_logprobs, 0) + 1
     out = torch.full((n,), -1, dtype=torch.int32)
     lp, ids, ranks = torch.zeros(n, cols), torch.zeros(n, cols, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
-    Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl)(
+    Sampler(states, _fused=fused)(
         logits, torch.tensor(rows, dtype=torch.int32), torch.full((n,), POSITION), features, out,
         out_logprobs=lp, out_logprob_ids=ids, out_ranks=ranks,
     )
     return out, lp, ids, ranks
 
 
-def _check_bad_row(states, variant, logits, bad, kind, kernel_impl, filter_impl, clean):
+def _check_bad_row(states, variant, logits, bad, kind, fused, clean):
     """The poisoned batch against the batch without the bad row (`clean(bad)`, cached)."""
     features, params = VARIANTS[variant]
     n = len(params)
-    got = _sample(states, _poison(logits, bad, kind), list(range(n)), features, kernel_impl, filter_impl)
+    got = _sample(states, _poison(logits, bad, kind), list(range(n)), features, fused)
     keep = [r for r in range(n) if r != bad]
     for g, w in zip(got, clean(bad), strict=True):
         assert torch.equal(g[keep], w), (variant, kind, bad, g, w)
@@ -114,45 +114,44 @@ def _check_bad_row(states, variant, logits, bad, kind, kernel_impl, filter_impl,
         assert token == documented[kind], (variant, kind, bad, token)
 
 
-def _clean_cache(states, logits, features, kernel_impl, filter_impl):
+def _clean_cache(states, logits, features, fused):
     cache: dict[int, tuple] = {}
 
     def clean(bad: int) -> tuple:
         if bad not in cache:
             keep = [r for r in range(logits.shape[0]) if r != bad]
-            cache[bad] = _sample(states, logits[keep], keep, features, kernel_impl, filter_impl)
+            cache[bad] = _sample(states, logits[keep], keep, features, fused)
         return cache[bad]
 
     return clean
 
 
-@pytest.mark.parametrize("filter_impl", ["sort", "bisect"])
-@pytest.mark.parametrize("kernel_impl", [
-    "torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")),
+@pytest.mark.parametrize("fused", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")),
 ])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_non_finite_logits_stay_in_their_row(states, variant, kernel_impl, filter_impl):
+def test_non_finite_logits_stay_in_their_row(states, variant, fused):
     """Outcome of the bad row: an id in [0, V); +inf entry -> that entry, -inf row -> 0, NaN
     entry / NaN row on a greedy row -> the first NaN / 0; other rows as without it."""
     features, params = VARIANTS[variant]
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
-    clean = _clean_cache(states[variant], logits, features, kernel_impl, filter_impl)
+    clean = _clean_cache(states[variant], logits, features, fused)
     # Torch: every kind in every row. Triton (interpreted: ~0.3 s a call): each kind in one
     # random row (rows 1 and 2 in turn), the rows its kernels sample.
-    cases = [(kind, bad) for kind in KINDS for bad in range(len(params))] if kernel_impl == "torch" else \
+    cases = [(kind, bad) for kind in KINDS for bad in range(len(params))] if not fused else \
         [(kind, 1 + i % 2) for i, kind in enumerate(KINDS)]
     for kind, bad in cases:
-        _check_bad_row(states[variant], variant, logits, bad, kind, kernel_impl, filter_impl, clean)
+        _check_bad_row(states[variant], variant, logits, bad, kind, fused, clean)
 
 
 @given(seed=st.integers(0, 2**31), variant=st.sampled_from(list(VARIANTS)), kind=st.sampled_from(KINDS),
-       bad=st.integers(0, 2), filter_impl=st.sampled_from(["sort", "bisect"]), scale=st.sampled_from([0.1, 3.0, 50.0]))
-def test_non_finite_logits_any_logits(states, seed, variant, kind, bad, filter_impl, scale):
+       bad=st.integers(0, 2), scale=st.sampled_from([0.1, 3.0, 50.0]))
+def test_non_finite_logits_any_logits(states, seed, variant, kind, bad, scale):
     """The same on random logits (torch kernels: the Triton ones are checked above)."""
     features, params = VARIANTS[variant]
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
-    clean = _clean_cache(states[variant], logits, features, "torch", filter_impl)
-    _check_bad_row(states[variant], variant, logits, bad, kind, "torch", filter_impl, clean)
+    clean = _clean_cache(states[variant], logits, features, False)
+    _check_bad_row(states[variant], variant, logits, bad, kind, False, clean)
 
 
 # --------------------------------------------------------------------------- end to end

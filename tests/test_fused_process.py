@@ -96,7 +96,7 @@ def test_fused_processing_equals_the_torch_processors(seed, num, vocab, slots, s
     slot = torch.randint(0, slots, (num,), generator=g) if target else None
     base = torch.randint(0, max_model_len - slots + 1, (num,), generator=g)
     positions = base + (slot if slot is not None else 0)
-    fused, torch_impl = Sampler(s, kernel_impl="triton"), Sampler(s, kernel_impl="torch")
+    fused, torch_impl = Sampler(s, _fused=True), Sampler(s, _fused=False)
     if target:
         got = fused.target_logits(logits, idx, positions, features, slot).clone()
         want = torch_impl.target_logits(logits, idx, positions, features, slot)
@@ -136,8 +136,8 @@ def test_bias_and_stop_keep_the_sign_of_zero_like_scatter_add(max_bias, device):
     logits = logits.to(device)
     idx, positions = torch.arange(rows, device=device), torch.full((rows,), 6, device=device)
     features = SamplingFeatures(any_logit_bias=True, any_min_tokens=True, any_penalties=False)
-    got = Sampler(s, kernel_impl="triton")._process(logits, idx, positions, features, None).clone()
-    want = Sampler(s, kernel_impl="torch")._process(logits, idx, positions, features, None)
+    got = Sampler(s, _fused=True)._process(logits, idx, positions, features, None).clone()
+    want = Sampler(s, _fused=False)._process(logits, idx, positions, features, None)
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
 
@@ -149,7 +149,7 @@ def test_fused_processing_of_a_neutral_batch_is_the_identity():
     s.min_tokens.zero_(), s.repetition_penalty.fill_(1.0), s.frequency_penalty.zero_(), s.presence_penalty.zero_()
     logits = random_logits(g, 3, 50)
     logits[:, 1:] = logits[:, 1:].masked_fill(logits[:, 1:] == 0, 1.0)
-    got = Sampler(s, kernel_impl="triton")._process(logits, torch.tensor([0, 1, 3]), torch.tensor([3, 4, 5]),
+    got = Sampler(s, _fused=True)._process(logits, torch.tensor([0, 1, 3]), torch.tensor([3, 4, 5]),
                                                    SamplingFeatures.all_on(), None)
     assert got.data_ptr() != logits.data_ptr()  # the persistent buffer: the raw logits stay for logprobs
     assert_same(got, logits)
@@ -305,7 +305,7 @@ def test_native_fused_processing_matches_torch_and_replays_in_a_cuda_graph():
     positions = torch.randint(2, max_model_len, (num,), generator=g).cuda()
     slot = torch.randint(0, 3, (num,), generator=g).cuda()
     logits = random_logits(g, num, vocab).cuda()
-    fused, torch_impl = Sampler(s, kernel_impl="triton"), Sampler(s, kernel_impl="torch")
+    fused, torch_impl = Sampler(s, _fused=True), Sampler(s, _fused=False)
     for args in ((None,), (slot,)):
         got = fused._process(logits, idx.long(), positions, features, None, *args).clone()
         assert_same(got, torch_impl._process(logits, idx.long(), positions, features, None, *args))

@@ -9,12 +9,15 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.layers import embedding
 from graphrunner.layers.embedding import LMHead
+from graphrunner.protocol import SamplingParams
 from graphrunner.sample.greedy_head import (
-    LOADS,
     PERSISTENT_MIN_ROWS,
     descriptors_fit,
+    greedy_head_fits,
     greedy_head_loads,
     greedy_head_plan,
     greedy_head_serves,
@@ -22,6 +25,7 @@ from graphrunner.sample.greedy_head import (
     vocab_fits,
 )
 from tests.cuda_graphs import capture_cuda_graph
+from tests.runner_driver import Driver, make_runner
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -43,18 +47,18 @@ def test_equals_torch_argmax_of_the_logits_ties_included(rows, vocab, k, seed, t
 
 
 @needs_triton
-@given(rows=st.integers(1, 40), vocab=st.integers(1, 200), k4=st.integers(1, 10), seed=st.integers(0, 2**31),
-       tiles=st.sampled_from(TILES), loads=st.sampled_from(LOADS[1:]))
-def test_descriptor_loads_equal_torch_argmax_ties_included(rows, vocab, k4, seed, tiles, loads):
-    """The tensor-descriptor kernels (one program per tile, and persistent) on the same exact-sum logits:
+@given(rows=st.integers(PERSISTENT_MIN_ROWS, PERSISTENT_MIN_ROWS + 40), vocab=st.integers(1, 200),
+       k4=st.integers(1, 10), seed=st.integers(0, 2**31), tiles=st.sampled_from(TILES))
+def test_persistent_descriptor_kernel_equals_torch_argmax_ties_included(rows, vocab, k4, seed, tiles):
+    """From PERSISTENT_MIN_ROWS rows, the persistent tensor-descriptor kernel on the same exact-sum logits:
     K a multiple of 4 (16-byte fp32 rows) but not always of BK, so boxes past K, past V and past the
     rows arrive as zeros and must change nothing."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (rows, 4 * k4), generator=g).float()
     w = torch.randint(-2, 3, (vocab, 4 * k4), generator=g).float()
-    assert descriptors_fit(x, w, tiles[:3])
+    assert descriptors_fit(x, w, tiles[:3]) and greedy_head_loads(rows) == "tma_persistent"
     out = torch.full((rows,), -1, dtype=torch.int64)
-    greedy_head_triton(x, w, out, tiles=tiles, loads=loads)
+    greedy_head_triton(x, w, out, tiles=tiles)
     assert torch.equal(out, F.linear(x, w).argmax(dim=-1))
 
 
@@ -68,29 +72,29 @@ def test_descriptors_fit_only_aligned_rows_and_boxes():
 
 
 @needs_triton
-def test_descriptor_loads_fall_back_and_reject_unknown_names():
+def test_rows_a_descriptor_cannot_describe_take_the_pointer_kernel():
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(5, 6, generator=g), torch.randn(70, 6, generator=g)  # 24-byte rows: the pointer kernel
-    out = torch.empty(5, dtype=torch.int64)
-    greedy_head_triton(x, w, out, tiles=TILES[0], loads="tma_persistent")
+    rows = PERSISTENT_MIN_ROWS
+    x, w = torch.randn(rows, 6, generator=g), torch.randn(70, 6, generator=g)  # 24-byte rows
+    assert not descriptors_fit(x, w, TILES[0][:3])
+    out = torch.empty(rows, dtype=torch.int64)
+    greedy_head_triton(x, w, out, tiles=TILES[0])
     assert torch.equal(out, F.linear(x, w).argmax(dim=-1))
-    with pytest.raises(ValueError, match="'tmaa'.*must be one of"):
-        greedy_head_triton(x, w, out, tiles=TILES[0], loads="tmaa")
 
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("tiles", TILES[:2])
-@pytest.mark.parametrize("loads", LOADS)
-def test_nan_and_infinite_logits_follow_torch(tiles, loads):
+@pytest.mark.parametrize("rows", [3, PERSISTENT_MIN_ROWS])  # the pointer kernel, the persistent one
+def test_nan_and_infinite_logits_follow_torch(tiles, rows):
     """A NaN logit wins at its first column; +inf beats every number; a row of -inf gives 0."""
-    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # [3, 2]
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])[torch.arange(rows) % 3]  # [rows, 2]
     x, w = F.pad(x, (0, 2)), torch.zeros(70, 4)  # 16-byte rows (the descriptor kernels); the pad adds 0 * 0
     w[5, 0], w[40, 0], w[9, 1] = float("nan"), float("nan"), float("inf")
     w[:, 0] = torch.where(torch.isnan(w[:, 0]), w[:, 0], torch.full((70,), float("inf")))
     logits = F.linear(x, w)  # row 0: NaN at 5 and 40, +inf elsewhere; row 1: +inf at 9; row 2: NaN / -inf
-    out = torch.empty(3, dtype=torch.int64)
-    greedy_head_triton(x, w, out, tiles=tiles, loads=loads)
+    out = torch.empty(rows, dtype=torch.int64)
+    greedy_head_triton(x, w, out, tiles=tiles)
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
@@ -106,16 +110,16 @@ def test_rejects_what_it_cannot_serve():
                            tiles=(16, 16, 16, 4, 1))
 
 
-def test_auto_loads_take_the_persistent_kernel_where_it_was_measured_ahead():
+def test_loads_take_the_persistent_kernel_where_it_was_measured_ahead():
+    assert PERSISTENT_MIN_ROWS == 64
     assert greedy_head_loads(PERSISTENT_MIN_ROWS) == greedy_head_loads(256) == "tma_persistent"
     assert greedy_head_loads(PERSISTENT_MIN_ROWS - 1) == greedy_head_loads(2) == "pointer"
-    assert all(greedy_head_loads(8, loads) == loads for loads in LOADS)  # an explicit choice is kept
-    with pytest.raises(ValueError, match="'TMA'.*must be one of \\('auto', 'pointer'"):
-        greedy_head_loads(8, "TMA")
 
 
 def test_serves_only_several_cuda_rows_of_the_head_dtype():
-    assert not greedy_head_serves(torch.zeros(4, 8), torch.zeros(16, 8))  # CPU: the logits path
+    assert not greedy_head_fits(torch.zeros(16, 8, dtype=torch.bfloat16))  # CPU: the logits path
+    assert not greedy_head_fits(torch.zeros(16, 8, device="meta"))  # fp32 (and not CUDA)
+    assert not greedy_head_serves(torch.zeros(4, 8), torch.zeros(16, 8))
     assert greedy_head_plan(256, 896, torch.device("cuda")) == (128, 256, 64, 8, 4)
     assert greedy_head_plan(64, 896, torch.device("cuda")) == (64, 256, 64, 8, 3)
     assert greedy_head_plan(8, 4096, torch.device("cuda"))[:3] == (64, 256, 64)
@@ -134,12 +138,36 @@ def test_head_greedy_on_cpu_is_argmax_of_its_logits():
     out = torch.empty(5, dtype=torch.int32)
     head.greedy(hidden, out)
     assert torch.equal(out, head.logits(hidden).argmax(dim=-1).int())
+    assert not head.fused_greedy  # decided when built: a CPU head never enters the fused kernel's checks
+
+
+@needs_triton
+def test_two_runners_in_one_process_take_their_own_greedy_path(monkeypatch):
+    """KernelConfig.greedy_head is per runner: in one process, the runner built with it runs its plain-greedy
+    steps through the fused kernel and the one built without it through logits + argmax, with the same
+    tokens. The fused kernel serves CUDA half-precision heads only, so here the capability checks let the
+    CPU fp32 head in (the kernel runs in the interpreter); the choice between the runners is the config's."""
+    monkeypatch.setattr(embedding, "greedy_head_fits", lambda weight: True)
+    monkeypatch.setattr(embedding, "greedy_head_serves", lambda hidden, weight: hidden.shape[0] >= 2)
+    calls: list[int] = []
+    real = embedding.greedy_head_triton
+    monkeypatch.setattr(embedding, "greedy_head_triton", lambda h, w, out: calls.append(h.shape[0]) or real(h, w, out))
+    runners = {on: make_runner(kernel=KernelConfig(greedy_head=on)) for on in (True, False)}
+    tokens, fused_calls = {}, {}
+    for on, runner in runners.items():
+        driver = Driver(runner)
+        for i in range(3):
+            driver.add(f"r{i}", [5 + i, 17, 300 + 7 * i], SamplingParams(temperature=0.0))
+        calls.clear()
+        tokens[on] = [driver.step() for _ in range(3)]  # a prefill, then two decode steps
+        fused_calls[on] = list(calls)
+    assert fused_calls == {True: [3, 3, 3], False: []}
+    assert tokens[True] == tokens[False]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 64, 256])
-@pytest.mark.parametrize("loads", LOADS)
-def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows, loads):
+@pytest.mark.parametrize("rows", [2, 63, 64, 256])  # the pointer kernel below PERSISTENT_MIN_ROWS
+def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from graphrunner.layers.embedding import lm_logits
@@ -147,10 +175,10 @@ def test_gpu_bf16_picks_a_maximal_logit_and_replays(rows, loads):
     g = torch.Generator(device="cuda").manual_seed(rows)
     hidden = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g)
     weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
-    assert greedy_head_serves(hidden, weight)
+    assert greedy_head_fits(weight) and greedy_head_serves(hidden, weight)
     assert descriptors_fit(hidden, weight, greedy_head_plan(rows, 896, hidden.device)[:3])  # no silent fallback
     out = torch.empty(rows, dtype=torch.int32, device="cuda")
-    graph = capture_cuda_graph(lambda: greedy_head_triton(hidden, weight, out, loads=loads))
+    graph = capture_cuda_graph(lambda: greedy_head_triton(hidden, weight, out))
     for _ in range(2):
         hidden.copy_(torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16, generator=g))
         graph.replay()
@@ -172,10 +200,34 @@ def test_gpu_fp32_takes_ieee_dots_and_fits_shared_memory():
     g = torch.Generator(device="cuda").manual_seed(7)
     hidden = torch.randn(8, 512, device="cuda", generator=g)
     weight = torch.randn(5000, 512, device="cuda", generator=g)
-    assert not greedy_head_serves(hidden, weight)
+    assert not greedy_head_fits(weight)
     out = torch.empty(8, dtype=torch.int64, device="cuda")
     greedy_head_triton(hidden, weight, out)
     logits = hidden.double() @ weight.double().t()
     picked = logits.gather(1, out[:, None])[:, 0]
     # TF32 products (10-bit mantissas) would miss by ~1e-1 here; IEEE fp32 sums by ~1e-4.
     assert (logits.max(dim=-1).values - picked <= 1e-3).all()
+
+
+@pytest.mark.gpu
+def test_gpu_heads_built_with_and_without_greedy_head_choose_their_path(monkeypatch):
+    """Two bf16 heads on one device: the one built with KernelConfig.greedy_head runs the fused kernel,
+    the other the logits + argmax; both pick a maximal logit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    calls: list[int] = []
+    real = embedding.greedy_head_triton
+    monkeypatch.setattr(embedding, "greedy_head_triton", lambda h, w, out: calls.append(h.shape[0]) or real(h, w, out))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    hidden = torch.randn(8, 896, device="cuda", dtype=torch.bfloat16, generator=g)
+    heads = {on: LMHead(151936, 896, dtype=torch.bfloat16, device="cuda", greedy_head=on) for on in (True, False)}
+    for on, head in heads.items():
+        head.weight.data.copy_(weight)
+        assert head.fused_greedy == on
+        calls.clear()
+        out = torch.empty(8, dtype=torch.int64, device="cuda")
+        head.greedy(hidden, out)
+        assert calls == ([8] if on else [])
+        logits = head.logits(hidden)
+        assert (logits.max(dim=-1).values - logits.gather(1, out[:, None])[:, 0] <= 1e-3).all()

@@ -145,7 +145,7 @@ def test_sampler_logprobs_from_the_fused_pass_equal_the_torch_path(seed, kinds, 
     n = len(kinds)
     idx = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32)
     pos = torch.randint(0, 12, (n,), generator=g)
-    fused = Sampler(states, kernel_impl="triton")
+    fused = Sampler(states, _fused=True)
     fused._stats = LogprobStats.allocate(n, vocab, x.device, tile=tile)
     used: list[int] = []
     real = sampler_module.logprobs_from_stats
@@ -155,7 +155,7 @@ def test_sampler_logprobs_from_the_fused_pass_equal_the_torch_path(seed, kinds, 
     finally:
         sampler_module.logprobs_from_stats = real
     assert bool(used) == any(stages)  # the stats path serves every batch that has a processing pass
-    want = run_sampler(Sampler(states, kernel_impl="torch"), x, idx, pos, features, k)
+    want = run_sampler(Sampler(states, _fused=False), x, idx, pos, features, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])  # tokens, ranks
     assert torch.equal(got[2][:, 0], want[2][:, 0])
     finite = torch.where(x.isfinite(), x.abs(), 0.0).amax(dim=-1, keepdim=True).double()
@@ -185,7 +185,7 @@ def test_gpu_all_features_logprobs_at_scale_and_in_a_cuda_graph():
     idx = torch.randperm(rows, generator=g)[:n].to(torch.int32).cuda()
     pos = torch.randint(2, 64, (n,), generator=g).cuda()
     features = SamplingFeatures.all_on()
-    fused, ref = Sampler(states, kernel_impl="triton"), Sampler(states, kernel_impl="torch")
+    fused, ref = Sampler(states, _fused=True), Sampler(states, _fused=False)
     bufs = [torch.zeros(n, dtype=torch.int32, device="cuda"), torch.zeros(n, k + 1, device="cuda"),
             torch.zeros(n, k + 1, dtype=torch.int32, device="cuda"), torch.zeros(n, dtype=torch.int32, device="cuda")]
 

@@ -86,11 +86,10 @@ def test_edge_rows_across_chunk_boundaries():
         assert argmax_rows_triton(x, block=block, num_chunks=num_chunks).tolist() == want, (block, num_chunks)
 
 
-@pytest.mark.parametrize("mode", ["last_program", "second_kernel", "over_capacity"])
+@pytest.mark.parametrize("mode", ["last_program", "over_capacity"])
 def test_combine_paths_agree_and_leave_the_counters_at_zero(monkeypatch, mode):
-    """The last-arriving program combines in the launch (no second kernel); the switch and a batch
-    over the counters' capacity fall back to the combine kernel; one-chunk rows never need it."""
-    monkeypatch.setattr(argmax_module, "COMBINE_LAST", mode != "second_kernel")
+    """The last-arriving program combines in the launch (no second kernel); a batch over the
+    counters' capacity falls back to the combine kernel; one-chunk rows never need it."""
     if mode == "over_capacity":
         monkeypatch.setattr(argmax_module, "_COUNTER_CAPACITY", 4)
     monkeypatch.setattr(argmax_module, "_COUNTERS", {})
@@ -199,9 +198,10 @@ def test_sampler_greedy_rows_go_through_argmax_rows(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine_last", [True, False])
-def test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph(monkeypatch, combine_last):
-    monkeypatch.setattr(argmax_module, "COMBINE_LAST", combine_last)
+@pytest.mark.parametrize("capacity", ["in_launch", "over_capacity"])
+def test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph(monkeypatch, capacity):
+    if capacity == "over_capacity":  # the second combine kernel
+        monkeypatch.setattr(argmax_module, "_COUNTER_CAPACITY", 16)
     monkeypatch.setattr(argmax_module, "_COUNTERS", {})
     rows, vocab = 256, 151936
     kinds = [KINDS[r % len(KINDS)] if r % 3 == 0 else "randn" for r in range(rows)]
@@ -228,6 +228,5 @@ def test_gpu_matches_torch_at_scale_and_replays_in_a_cuda_graph(monkeypatch, com
         torch.cuda.synchronize()
         assert torch.equal(out.long(), torch.argmax(x, dim=-1)), seed
     counters = argmax_module._COUNTERS.get(x.device)
-    assert (counters is not None) == combine_last  # on: the last programs combined and reset them
-    assert counters is None or not counters.any()
+    assert counters is not None and not counters.any()  # the last programs combined and reset them
 

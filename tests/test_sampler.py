@@ -40,7 +40,7 @@ def make_states(
     return states
 
 
-def run_sampler(states, logits, rows, positions, features=None, num_logprobs=None, filter_impl="bisect"):
+def run_sampler(states, logits, rows, positions, features=None, num_logprobs=None):
     """Sample rows (state rows per entry) at positions; returns tokens or (tokens, logprobs, ids, ranks)."""
     rows_np = np.asarray(rows, dtype=np.int64)
     features = states.features(rows_np) if features is None else features
@@ -51,7 +51,7 @@ def run_sampler(states, logits, rows, positions, features=None, num_logprobs=Non
     lp = torch.zeros(n, cols, device=device)
     ids = torch.zeros(n, cols, dtype=torch.int32, device=device)
     ranks = torch.zeros(n, dtype=torch.int32, device=device)
-    Sampler(states, filter_impl=filter_impl)(
+    Sampler(states)(
         logits, torch.tensor(rows, dtype=torch.int32, device=device), torch.tensor(positions, device=device),
         features, out, out_logprobs=lp, out_logprob_ids=ids, out_ranks=ranks,
     )

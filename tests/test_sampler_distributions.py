@@ -90,11 +90,11 @@ def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
-def draw(params: SamplingParams, logits: np.ndarray, n: int = N, start: int = 0, filter_impl="bisect") -> np.ndarray:
+def draw(params: SamplingParams, logits: np.ndarray, n: int = N, start: int = 0) -> np.ndarray:
     vocab = len(logits)
     states = make_states([params], vocab)
     batch = torch.from_numpy(logits).repeat(n, 1)  # [n, V]: one row, n positions
-    out = run_sampler(states, batch, [0] * n, list(range(start, start + n)), filter_impl=filter_impl)
+    out = run_sampler(states, batch, [0] * n, list(range(start, start + n)))
     return out.numpy()
 
 
@@ -135,12 +135,6 @@ CASES = {
 def test_distribution_matches_reference(name):
     params = CASES[name]
     assert_fits(draw(params, LOGITS), reference_probs(LOGITS, params))
-
-
-@pytest.mark.parametrize("name", ["top_k_4", "k_p", "k_p_min_p"])
-def test_sort_filter_baseline_matches_reference(name):
-    params = CASES[name]
-    assert_fits(draw(params, LOGITS, n=3000, filter_impl="sort"), reference_probs(LOGITS, params))
 
 
 def test_other_seeds_and_positions_give_the_same_distribution():

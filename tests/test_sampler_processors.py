@@ -389,8 +389,7 @@ def test_cuda_graph_replay_matches_eager():
         torch.testing.assert_close(got[1], lp)
 
 
-@pytest.mark.parametrize("filter_impl", ["sort", "bisect"])
-def test_sampled_variant_gives_the_all_features_tokens_on_plain_sampling_batches(filter_impl):
+def test_sampled_variant_gives_the_all_features_tokens_on_plain_sampling_batches():
     """The SAMPLED graph variant skips penalties, bias, allowed ids, min_tokens and
     logprobs; on a batch that uses none of them it must sample exactly the tokens of
     the all-features variant (and of the batch's own features)."""
@@ -405,9 +404,7 @@ def test_sampled_variant_gives_the_all_features_tokens_on_plain_sampling_batches
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0)) * 2
     for position in range(6, 30):
         tokens = {
-            name: run_sampler(
-                states, logits, rows, [position] * len(rows), features=f, filter_impl=filter_impl
-            ).tolist()
+            name: run_sampler(states, logits, rows, [position] * len(rows), features=f).tolist()
             for name, f in (("exact", exact), ("sampled", SamplingFeatures.sampled_only()),
                             ("all", SamplingFeatures.all_on()))
         }

@@ -190,10 +190,10 @@ def test_sampling_threshold_all_off_is_minus_inf_and_dispatch():
 # --------------------------------------------------------------------------- the Sampler
 
 
-def _sample(states, logits, features, positions, kernel_impl, filter_impl="bisect"):
+def _sample(states, logits, features, positions, fused):
     n = logits.shape[0]
     out = torch.full((n,), -1, dtype=torch.int32, device=logits.device)
-    Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl)(
+    Sampler(states, _fused=fused)(
         logits, torch.arange(n, dtype=torch.int32, device=logits.device), positions, features, out
     )
     return out
@@ -213,9 +213,9 @@ def _params(seed: int, n: int, vocab: int) -> list[SamplingParams]:
     ]
 
 
-@given(seed=st.integers(0, 2**31), filter_impl=st.sampled_from(["bisect", "sort"]))
+@given(seed=st.integers(0, 2**31))
 @settings(deadline=None)
-def test_sampler_triton_path_matches_torch_path(seed, filter_impl):
+def test_sampler_triton_path_matches_torch_path(seed):
     # 4 rows per example (the interpreter's cost is per row): the ci profile's 10 examples draw 40
     # rows of random parameters, more than the 6 x 6 of the pinned count this test had before.
     n, vocab = 4, 128
@@ -225,8 +225,8 @@ def test_sampler_triton_path_matches_torch_path(seed, filter_impl):
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 2
     positions = torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(seed))
     for features in (states.features(np.arange(n)), SamplingFeatures.all_on()):
-        want = _sample(states, logits, features, positions, "torch", filter_impl)
-        got = _sample(states, logits, features, positions, "triton", filter_impl)
+        want = _sample(states, logits, features, positions, False)
+        got = _sample(states, logits, features, positions, True)
         assert torch.equal(got, want), (features, got, want)
 
 
@@ -238,18 +238,12 @@ def test_sampler_triton_path_many_positions():
     rows = torch.zeros(16, dtype=torch.int32)
     features = states.features(np.array([0]))
     outs = {}
-    for impl in ("torch", "triton"):
+    for fused in (False, True):
         out = torch.empty(16, dtype=torch.int32)
-        Sampler(states, kernel_impl=impl)(logits, rows, torch.arange(16), features, out)
-        outs[impl] = out
-    assert torch.equal(outs["triton"], outs["torch"])
-    assert len(set(outs["torch"].tolist())) > 1
-
-
-def test_sampler_rejects_unknown_kernel_impl():
-    states = make_states([SamplingParams()], 16)
-    with pytest.raises(ValueError, match="kernel_impl"):
-        Sampler(states, kernel_impl="cuda")
+        Sampler(states, _fused=fused)(logits, rows, torch.arange(16), features, out)
+        outs[fused] = out
+    assert torch.equal(outs[True], outs[False])
+    assert len(set(outs[False].tolist())) > 1
 
 
 # --------------------------------------------------------------------------- GPU
@@ -324,8 +318,8 @@ def test_gpu_sampler_auto_uses_triton_and_matches_torch():
     positions = torch.arange(n, device="cuda") + 1
     features = SamplingFeatures.all_on()
     assert Sampler(states)._use_triton(logits)
-    want = _sample(states, logits, features, positions, "torch")
-    got = _sample(states, logits, features, positions, "auto")
+    want = _sample(states, logits, features, positions, False)
+    got = _sample(states, logits, features, positions, None)  # the rule: CUDA logits take the kernels
     # A top-p boundary moved by fp32 rounding (see _top_p_mass_gap) changes a token only
     # when that boundary token is drawn: rare, so allow a few rows.
     assert (got == want).float().mean() >= 0.9

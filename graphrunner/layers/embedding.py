@@ -19,13 +19,14 @@ from torch import nn
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.decode_linear import gemv_serves, gemv_triton, linear
 from graphrunner.sample.argmax import argmax_rows
-from graphrunner.sample.greedy_head import greedy_head_serves, greedy_head_triton
+from graphrunner.sample.greedy_head import greedy_head_fits, greedy_head_serves, greedy_head_triton
 
 
 class _VocabParallel(nn.Module):
     """Owns this rank's [Vp, hidden] slice of a [vocab, hidden] matrix."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device, tp: TPComm | None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device, tp: TPComm | None,
+                 greedy_head: bool = True) -> None:
         super().__init__()
         self.tp = tp or TPComm()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
@@ -34,6 +35,8 @@ class _VocabParallel(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        # KernelConfig.greedy_head, where the fused kernel can serve this head (one rank, CUDA, half precision)
+        self.fused_greedy = greedy_head and self.tp.size == 1 and greedy_head_fits(self.weight)
 
     def checkpoint_shape(self, param: str = "weight", shard_id=None) -> tuple[int, int]:
         if param != "weight" or shard_id is not None:
@@ -52,7 +55,7 @@ class _VocabParallel(nn.Module):
     def greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> out [R]
         """out = argmax of `logits(hidden)`: one rank holding the whole head fuses the argmax into
         the head's GEMM (no logits written: sample/greedy_head.py); TP ranks gather logits first."""
-        if self.tp.size == 1 and greedy_head_serves(hidden, self.weight):
+        if self.fused_greedy and greedy_head_serves(hidden, self.weight):
             return greedy_head_triton(hidden, self.weight, out)
         return argmax_rows(self.logits(hidden), out=out)
 
@@ -68,8 +71,8 @@ class VocabEmbedding(_VocabParallel):
     """input_ids [T] (int32 or int64) -> embeddings [T, hidden]."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
-                 tp: TPComm | None = None) -> None:
-        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp)
+                 tp: TPComm | None = None, greedy_head: bool = True) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, greedy_head=greedy_head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp.size == 1:
@@ -86,8 +89,8 @@ class LMHead(_VocabParallel):
     """Untied LM head: hidden [R, hidden] -> logits [R, vocab] float32."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
-                 tp: TPComm | None = None) -> None:
-        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp)
+                 tp: TPComm | None = None, greedy_head: bool = True) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, greedy_head=greedy_head)
 
 
 _HALF = (torch.bfloat16, torch.float16)

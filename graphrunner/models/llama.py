@@ -31,7 +31,7 @@ from torch import nn
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata
 from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
 from graphrunner.attention.rope_kv import rope_then_attend
-from graphrunner.config import ModelConfig
+from graphrunner.config import KernelConfig, ModelConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
@@ -224,14 +224,17 @@ class LlamaModel(nn.Module):
         tp: TPComm | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        kernel: KernelConfig | None = None,
     ) -> None:
         super().__init__()
+        kernel = kernel or KernelConfig()
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_size, pp_rank)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         # The last stage keeps the embedding too when the head is tied to it.
         needs_embed = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
         self.embed_tokens = (
-            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp)
+            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp,
+                           greedy_head=kernel.greedy_head)
             if needs_embed else None
         )
         self.rotary_emb = RotaryEmbedding(
@@ -332,19 +335,23 @@ class LlamaForCausalLM(nn.Module):
         tp: TPComm | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        kernel: KernelConfig | None = None,
     ) -> None:
         super().__init__()
+        kernel = kernel or KernelConfig()
         check_architecture(config.architecture)
         self.config = config
         self.tp = tp or TPComm()
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.model = LlamaModel(
-            config, attn_backend, dtype=dtype, device=device, tp=self.tp, pp_rank=pp_rank, pp_size=pp_size
+            config, attn_backend, dtype=dtype, device=device, tp=self.tp, pp_rank=pp_rank, pp_size=pp_size,
+            kernel=kernel,
         )
         self.lm_head = (
             None
             if config.tie_word_embeddings or not self.model.is_last_stage
-            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=self.tp)
+            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=self.tp,
+                        greedy_head=kernel.greedy_head)
         )
 
     def forward(

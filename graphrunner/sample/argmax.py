@@ -2,8 +2,8 @@
 
 `torch.argmax(x, dim=-1)` reduces one row per thread block: at 256 rows x 151,936
 fp32 logits an H100 gets 256 blocks for 132 SMs (under two per SM), each streaming
-600 KB on its own, and takes 79-88 us against a read floor of ~52 us. Here every row is
-cut into C chunks of whole blocks:
+600 KB on its own, and takes 79-88 us against a read floor of ~52 us. Here every row
+is cut into C chunks of whole blocks:
 
 1. partial (R x C programs): each program streams its chunk with unmasked,
    aligned loads (the chunk starts at a multiple of BLOCK; only the row's last,
@@ -16,9 +16,10 @@ cut into C chunks of whole blocks:
    reads the row's partials past L1, writes the token and puts the counter back to zero
    for the next launch (graph replays). The counters are one persistent zeroed int32
    buffer per device (`_COUNTERS`), so a device must not run two argmax launches at once
-   (the sampler runs on one stream). GRAPHRUNNER_ARGMAX_COMBINE_LAST=0 turns that path off
-   (`COMBINE_LAST` has the measurement); then, on a first use inside a graph capture, or with
-   more rows than the buffer holds, a second kernel of R programs combines.
+   (the sampler runs on one stream). On a first use inside a graph capture, or with more rows
+   than the buffer holds, a second kernel of R programs combines instead. On an H200 the
+   in-launch combine takes one call at 256 rows from 45.3 / 40.7 us (one-call replay / in-graph,
+   second kernel) to 43.3 / 39.9, at no cost in a qwen2.5-0.5b batch-1 step.
    A row of one chunk writes its token directly either way.
 
 The result is torch.argmax's, bit for bit (CPU and CUDA agree on these rules):
@@ -41,7 +42,6 @@ outputs and scratch are `torch.empty` (no memset): graph-safe, no host sync.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -57,7 +57,7 @@ _BLOCK = 2048  # elements per loop step
 # _LONG_CHUNK_BLOCKS blocks) take 4 elements a thread (16 warps at BLOCK, one 16-byte load each): 4 programs x
 # 16 warps fill an SM's 64 warp slots, and more warps hide the compare-and-select between loads. Short chunks
 # (one row: 37 chunks of 2 blocks) keep 8 (8 warps), where the wider cross-warp reduction costs more than it
-# hides. In-graph, two warp counts interleaved: 256 rows H200 40.2 -> 39.5 µs,
+# hides. In-graph, 8 / 16 warps for long chunks, interleaved: 256 rows H200 40.2 -> 39.5 µs,
 # H100 56.2 -> 55.2; 64 rows unchanged; 1 row 3.63 -> 3.73 with 16 warps, hence the rule.
 _ELEMS_PER_THREAD = 8
 _LONG_CHUNK_ELEMS_PER_THREAD = 4
@@ -71,11 +71,6 @@ MAX_CHUNKS = 1024  # the combine kernel reduces a row's partials in one tile
 _INTERPRETER_SMS = 2  # CPU (TRITON_INTERPRET=1): few programs, as tests force their own chunks
 _MAX_VOCAB = 1 << 30  # indices and chunk offsets stay well inside int32
 _NO_INDEX = 2147483647  # "none" for the index minima: larger than every real index
-# GRAPHRUNNER_ARGMAX_COMBINE_LAST (read once at import; default on): the last program of a row combines its
-# chunks. On an H200: 256 rows 43.3 / 39.9 µs (one-call replay / in-graph)
-# against 45.3 / 40.7 with the second kernel; qwen2.5-0.5b batch 1 interleaved on / off / on / off 0.650,
-# 0.646, 0.645, 0.650 ms (no cost in a model step). 0 keeps the second kernel.
-COMBINE_LAST = os.environ.get("GRAPHRUNNER_ARGMAX_COMBINE_LAST", "1") == "1"
 _COUNTER_CAPACITY = 1 << 14  # rows of the per-device arrival counters (module docstring)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -253,9 +248,9 @@ def _c_pad(num_chunks: int) -> int:
 
 def _arrival_counters(device: torch.device, num_rows: int) -> torch.Tensor | None:
     """The device's zeroed per-row arrival counters for a launch of `num_rows` rows, or None: the
-    combine kernel finishes instead (COMBINE_LAST=0, more rows than the buffer holds, or a first
-    use inside a graph capture, where the zeroing would only happen at replay)."""
-    if not COMBINE_LAST or num_rows > _COUNTER_CAPACITY:
+    combine kernel finishes instead (more rows than the buffer holds, or a first use inside a
+    graph capture, where the zeroing would only happen at replay)."""
+    if num_rows > _COUNTER_CAPACITY:
         return None
     counters = _COUNTERS.get(device)
     if counters is None:

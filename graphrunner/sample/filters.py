@@ -130,29 +130,3 @@ def filter_threshold(
         t = torch.maximum(t, top_p_threshold(x, top_p))
     return t
 
-
-def apply_top_k_top_p_sort(
-    logits: torch.Tensor,  # [R, V] float32, already temperature-scaled
-    top_k: torch.Tensor,  # [R] int32, 0 = off
-    top_p: torch.Tensor,  # [R] float32, 1 = off
-    use_top_k: bool,
-    use_top_p: bool,
-) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
-    """The sort-based filter (the previous implementation): a reference and a benchmark baseline.
-
-    Keeps exactly k tokens for top-k (ties broken by sort order) and, for top-p, each
-    token while the mass strictly before it is below top_p.
-    """
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [R, V]
-    ranks = torch.arange(vocab_size, device=logits.device)  # [V]
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_top_k:
-        k = torch.where(top_k > 0, top_k, vocab_size).to(torch.int64)  # [R]
-        drop |= ranks[None, :] >= k[:, None]
-    if use_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)

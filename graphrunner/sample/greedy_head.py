@@ -14,43 +14,37 @@ one, as cuBLAS itself may between shapes. Programs walk the M tiles of one N til
 other, so a W tile is read from DRAM once and from L2 by its other M tiles.
 
 The LM head's `greedy` (layers/embedding.py) calls it for a plain-greedy batch of at least two
-CUDA rows when one rank holds the whole head (`greedy_head_serves`); GRAPHRUNNER_GREEDY_HEAD=0
-(read once) keeps the logits and the separate argmax. Works on CPU under TRITON_INTERPRET=1 (fp32 inputs:
-the interpreter's half-precision dot is unreliable).
+rows (`greedy_head_serves`) when the head was built for it: `KernelConfig.greedy_head` on, one rank
+holding the whole half-precision head on a CUDA device (`greedy_head_fits`); otherwise it keeps
+the logits and the separate argmax. Works on CPU under TRITON_INTERPRET=1 (fp32 inputs: the
+interpreter's half-precision dot is unreliable).
+
+x and W are read in one of two ways (`greedy_head_loads`): pointer tiles, one program per tile,
+below PERSISTENT_MIN_ROWS rows; from that many rows, tensor descriptors (the tensor-memory
+accelerator) with one program per SM looping over the tiles, so that a tile's epilogue overlaps
+the next tile's first loads. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows pointer 153.8 ->
+136.4 us (four stages), 64 rows 111.9 -> 102.5 us, against cuBLAS logits + argmax 233.8 / 142.5 us.
+Fewer rows were not timed per kernel, and the batch-8 step ran 3-5% slower with the persistent
+kernel on one H100, so they keep the pointer kernel. Inputs a descriptor cannot describe (rows
+not 16-byte aligned) take the pointer kernel.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count
 from graphrunner.sample.argmax import MAX_CHUNKS, combine_partials
 
-__all__ = ["GREEDY_HEAD", "GREEDY_HEAD_LOADS", "LOADS", "PERSISTENT_MIN_ROWS", "descriptors_fit", "greedy_head_loads",
+__all__ = ["LOADS", "PERSISTENT_MIN_ROWS", "descriptors_fit", "greedy_head_fits", "greedy_head_loads",
            "greedy_head_plan", "greedy_head_serves", "greedy_head_triton", "vocab_fits"]
 
-GREEDY_HEAD = os.environ.get("GRAPHRUNNER_GREEDY_HEAD", "1") != "0"
-# GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages replaces the plan (read once at import; sweeps).
-_TILES = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_TILES")
-_TILES_OVERRIDE = tuple(int(v) for v in _TILES.split(",")) if _TILES else None
 # What `greedy_tokens` sends here: half-precision heads. An fp32 head keeps its exact logits + argmax
 # (the kernel would take fp32 dots in IEEE mode, several times slower than cuBLAS's).
 _SERVED_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_ROWS = 2  # one row keeps the GEMV head (layers/decode_linear.py) and the split argmax
-# GRAPHRUNNER_GREEDY_HEAD_LOADS (read once at import): how the kernel reads x and W. "pointer": pointer
-# tiles, one program per tile. "tma": tensor descriptors (the tensor-memory accelerator), one program per
-# tile. "tma_persistent": tensor descriptors, one program per SM looping over the tiles, so that a tile's
-# epilogue overlaps the next tile's first loads. "auto" (default): tma_persistent from PERSISTENT_MIN_ROWS
-# rows, pointer below. On an H100, qwen2.5-0.5b's head (151,936 x 896): 256 rows pointer 153.8 ->
-# tma_persistent 136.4 µs (with 4 stages), 64 rows 111.9 -> 102.5 µs, cuBLAS logits + argmax 233.8 / 142.5 µs
-# Fewer rows were not timed per kernel, and an H100 ran the batch-8 step 3-5% slower with it, so they keep
-# the pointer kernel. Inputs a
-# descriptor cannot describe (rows not 16-byte aligned) take the pointer kernel.
-LOADS = ("pointer", "tma", "tma_persistent")
-GREEDY_HEAD_LOADS = os.environ.get("GRAPHRUNNER_GREEDY_HEAD_LOADS", "auto")
-PERSISTENT_MIN_ROWS = 64
+LOADS = ("pointer", "tma_persistent")  # how the kernel reads x and W (module docstring)
+PERSISTENT_MIN_ROWS = 64  # the persistent descriptor kernel from this many rows
 
 if HAS_TRITON:
     import triton
@@ -107,18 +101,17 @@ if HAS_TRITON:
         _store_tile_partials(acc, rm, rn, pid_n, M, V, max_ptr, idx_ptr, nan_ptr, BN)
 
     @triton.jit
-    def _head_argmax_tma_kernel(x_desc, w_desc, max_ptr, idx_ptr, nan_ptr, M, V, K, num_programs,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                                PERSISTENT: tl.constexpr):
+    def _head_argmax_persistent_kernel(x_desc, w_desc, max_ptr, idx_ptr, nan_ptr, M, V, K, num_programs,
+                                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
         # The same tiles, loaded by the tensor-memory accelerator: x_desc [M, K] in [BM, BK] boxes, w_desc
         # [V, K] in [BN, BK] boxes; boxes past M, V or K arrive as zeros (masked in the epilogue, or adding
-        # nothing to the sums). Program p serves tiles p, p + num_programs, ... (m fastest): one tile each
-        # with num_programs = the tile count, or a persistent loop with num_programs = the SM count.
+        # nothing to the sums). Program p serves tiles p, p + num_programs, ... (m fastest), num_programs
+        # at most the SM count.
         num_m = tl.cdiv(M, BM)
         num_tiles = num_m * tl.cdiv(V, BN)
-        # PERSISTENT: the tile and K loops flattened into one software pipeline, so that the next tile's
-        # first boxes load during this tile's epilogue.
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=PERSISTENT):
+        # The tile and K loops flattened into one software pipeline, so that the next tile's first boxes
+        # load during this tile's epilogue.
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
             pid_m, pid_n = tile % num_m, tile // num_m
             acc = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
@@ -139,10 +132,7 @@ def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
     usual Hopper bf16 GEMM shape, four stages deep (three: 143.7 µs at 256 rows on an H100, four:
     136.4); 64-row tiles for up to 64 rows, three stages (the fastest there); K steps halved for
     fp32 (the stages' tiles must fit the 227 KiB of shared memory); small tiles on CPU (the
-    interpreter). GRAPHRUNNER_GREEDY_HEAD_TILES=BM,BN,BK,warps,stages overrides it (sweeps)."""
-    if _TILES_OVERRIDE is not None:
-        bm, bn, bk, warps, stages = _TILES_OVERRIDE
-        return bm, bn, bk, warps, stages
+    interpreter)."""
     if device.type != "cuda":
         return 16, 32, 16, 4, 1
     bk = (64 if hidden % 64 == 0 else 32) // (2 if dtype == torch.float32 else 1)
@@ -151,13 +141,19 @@ def greedy_head_plan(num_rows: int, hidden: int, device: torch.device,
     return 128, 256, bk, 8, (3 if dtype == torch.float32 else 4)
 
 
+def greedy_head_fits(weight: torch.Tensor) -> bool:
+    """Whether the fused kernel can serve a head of this weight [V, K] at all, decided once when the
+    head is built: Triton, a half-precision CUDA weight, unit stride along K, a vocabulary whose
+    partials fit the combine (the CUDA plans' tiles are all 256 wide)."""
+    return (HAS_TRITON and weight.is_cuda and weight.dim() == 2 and weight.dtype in _SERVED_DTYPES
+            and weight.stride(1) == 1
+            and vocab_fits(weight.shape[0], greedy_head_plan(_MIN_ROWS, weight.shape[1], weight.device, weight.dtype)))
+
+
 def greedy_head_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `greedy_tokens` runs the fused kernel for these inputs (else logits + argmax)."""
-    return (GREEDY_HEAD and HAS_TRITON and hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] >= _MIN_ROWS
-            and hidden.dtype in _SERVED_DTYPES and weight.dtype == hidden.dtype and hidden.stride(1) == 1
-            and weight.stride(1) == 1 and weight.shape[1] == hidden.shape[1]
-            and vocab_fits(weight.shape[0], greedy_head_plan(hidden.shape[0], hidden.shape[1], hidden.device,
-                                                             hidden.dtype)))
+    """Whether the fused kernel runs for these rows of a head that `greedy_head_fits` (else logits + argmax)."""
+    return (hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] >= _MIN_ROWS and hidden.dtype == weight.dtype
+            and hidden.stride(1) == 1 and weight.shape[1] == hidden.shape[1])
 
 
 def vocab_fits(vocab: int, tiles: tuple[int, int, int, int, int]) -> bool:
@@ -167,9 +163,9 @@ def vocab_fits(vocab: int, tiles: tuple[int, int, int, int, int]) -> bool:
 
 
 def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                       tiles: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
+                       tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """hidden [R, K] . weight [V, K]^T -> out [R] (int32 | int64): each row's argmax, no logits. `tiles`
-    overrides the plan, `loads` GREEDY_HEAD_LOADS ("auto" or one of LOADS)."""
+    (BM, BN, BK, warps, stages) overrides the plan (tests: several tiles per row at small sizes)."""
     if not HAS_TRITON:
         raise RuntimeError("greedy_head_triton needs triton, which failed to import")
     (num_rows, k), (vocab, k_w) = hidden.shape, weight.shape
@@ -182,21 +178,20 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if not vocab_fits(vocab, (bm, bn, bk, warps, stages)):
         raise ValueError(f"vocab {vocab} in {bn}-wide tiles gives {num_n} partials per row; the combine takes "
                          f"at most {MAX_CHUNKS}")
-    loads = greedy_head_loads(num_rows, loads or GREEDY_HEAD_LOADS)
     if num_rows == 0:
         return out
     part = {name: torch.empty(num_rows, num_n, dtype=dtype, device=hidden.device)
             for name, dtype in (("max", torch.float32), ("idx", torch.int32), ("nan", torch.int32))}
     num_tiles = triton.cdiv(num_rows, bm) * num_n
     ieee = hidden.dtype == torch.float32
-    if loads != "pointer" and descriptors_fit(hidden, weight, (bm, bn, bk)):
+    if greedy_head_loads(num_rows) == "tma_persistent" and descriptors_fit(hidden, weight, (bm, bn, bk)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        programs = num_tiles if loads == "tma" else min(num_tiles, sm_count(hidden.device, cpu=2))
-        _head_argmax_tma_kernel[(programs,)](
+        programs = min(num_tiles, sm_count(hidden.device, cpu=2))
+        _head_argmax_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(hidden, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
             part["max"], part["idx"], part["nan"], num_rows, vocab, k, programs, BM=bm, BN=bn, BK=bk, IEEE=ieee,
-            PERSISTENT=loads == "tma_persistent", num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages)
     else:
         _head_argmax_kernel[(num_tiles,)](
             hidden, weight, part["max"], part["idx"], part["nan"], num_rows, vocab, k, hidden.stride(0),
@@ -205,14 +200,10 @@ def greedy_head_triton(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     return combine_partials(part["max"], part["idx"], part["nan"], out)
 
 
-def greedy_head_loads(num_rows: int, loads: str = "auto") -> str:
-    """The load strategy (one of LOADS) for `num_rows` rows: `loads` itself, or for "auto" tma_persistent
-    from PERSISTENT_MIN_ROWS rows and pointer below (where the persistent kernel was not measured ahead)."""
-    if loads == "auto":
-        return "tma_persistent" if num_rows >= PERSISTENT_MIN_ROWS else "pointer"
-    if loads not in LOADS:
-        raise ValueError(f"loads={loads!r} (GRAPHRUNNER_GREEDY_HEAD_LOADS) must be one of {('auto', *LOADS)}")
-    return loads
+def greedy_head_loads(num_rows: int) -> str:
+    """How the kernel reads x and W for `num_rows` rows (one of LOADS): tma_persistent from
+    PERSISTENT_MIN_ROWS rows, pointer below (where the persistent kernel was not measured ahead)."""
+    return "tma_persistent" if num_rows >= PERSISTENT_MIN_ROWS else "pointer"
 
 
 def descriptors_fit(hidden: torch.Tensor, weight: torch.Tensor, box: tuple[int, int, int]) -> bool:

@@ -34,7 +34,7 @@ __all__ = ["NUM_PIVOTS", "REFINE_PASSES", "TIER_FALLBACK", "TIER_GUESS", "TIER_P
            "count_and_refine"]
 
 NUM_PIVOTS = 16  # min-p column + 14 ladder steps + the -inf totals: a [16, BLOCK] compare per step
-REFINE_PASSES = 2  # counts after tier 1's: flat rows (top-p mass over most of the vocabulary) need two
+REFINE_PASSES = 2  # counts after tier 1's: flat rows (a random-weight model's) need two
 TIER_GUESS, TIER_PIVOTS, TIER_REFINE, TIER_FALLBACK = 0, 1, 2, 3  # pivot_sample_triton's [R] tiers
 _PENDING = 4  # a row whose next count narrows its windows (never returned)
 _PIVOT_WARPS = 4  # the pivot kernel's tile is [P, tokens per warp x warps]

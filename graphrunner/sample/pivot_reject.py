@@ -46,29 +46,21 @@ saves the pivots and the refinement (~1.4 ms for flat rows at 256 x 151,936). Ac
 draw's chance of being kept: ~top_p on flat rows, where the guess tier fails; top-k on flat rows
 is cut by the bucket bound before pass B.
 
-On by default (REJECT_DEFAULT; the env var GRAPHRUNNER_SAMPLER_REJECT=0 turns it off). This design
-(tier -1 after the guess) is NOT yet measured on a GPU. The old design's figures, on one H100
-(V = 151,936, CUDA-graph medians at 256 rows), where pass A rode on the stats read for
-every sampled row and tier -1 ran before the guess (so it was off by default): the bench's randn x 3
-rows (guess tier), sampled 299 -> 511 us and all features 656 -> 861 us with the tier on (pass A's
-noise over every token); end to end on a random-weight model's flat rows (qwen2.5-0.5b, 256 x
-128/256, top-p 0.95) output tokens/s went 41,204 -> 47,910 (greedy 47,388). Trained models' logits
-are peaked, like the bench's: the guess serves them, and now they should not pay the noise.
-Flat rows now pay the guess's read before pass A (the old design skipped it for accepted rows).
+It always runs after the guess. tests/test_sample_reject.py checks it against tiers 1-3 (the same
+token for every row, on and off; every accepted token in the kept set of an independent sort
+reference; top-k, top-p and min-p placed exactly at the draw; non-finite rows never accepted; CUDA
+graph replays on a GPU). `graphrunner bench sampler` times the sampler with it, and
+tools/bench/sampler_tiers.py shows which tier serves a model's own rows.
 """
 
 from __future__ import annotations
 
-import os
-
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.sample.pivot_refine import NUM_PIVOTS
 
-__all__ = ["REJECT_DEFAULT", "REJECT_ENV", "REJECT_MARGIN", "REJECT_SLACK", "TIER_REJECT", "serve_draws"]
+__all__ = ["REJECT_MARGIN", "REJECT_SLACK", "TIER_REJECT", "serve_draws"]
 
 TIER_REJECT = -1  # pivot_sample_triton's tier of a row served by its unfiltered draw
-REJECT_ENV = "GRAPHRUNNER_SAMPLER_REJECT"
-REJECT_DEFAULT = os.environ.get(REJECT_ENV, "1") != "0"  # read once: "0" turns tier -1 off
 REJECT_MARGIN = 2.0**-12  # relative: the top-p mass test's room for the tiers' float32 rounding
 REJECT_SLACK = 2.0**-24  # absolute: 2**16 candidates' fixed-point truncation (2**-40 each)
 

@@ -46,14 +46,12 @@ One scratch buffer is zero-filled (one memset node): the candidate counts, befor
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor
 from graphrunner.sample import triton_sampling as ts
 from graphrunner.sample.pivot_refine import NUM_PIVOTS, TIER_FALLBACK, TIER_REFINE, count_and_refine
-from graphrunner.sample.pivot_reject import REJECT_DEFAULT, serve_draws
+from graphrunner.sample.pivot_reject import serve_draws
 
 __all__ = ["DEFAULT_CAPACITY", "GUESS_CAPACITY", "NUM_PIVOTS", "pivot_sample_triton"]
 
@@ -66,8 +64,8 @@ _PROGRAMS_PER_SM = 2  # streaming programs per SM (H100, 256 rows, guess tier: 2
 _NUM_WARPS = 8
 _SEGMENT = 8  # one-pass stats: tiles per bound update (the first segment is read twice)
 # Stats-pass tiles loaded together per loop step (1, 2 or 4). H100, 256 rows: 2 takes the pass from
-# 96.6 to 83.5 us, 4 gains nothing over 1. The environment variable exists for device A/Bs.
-_STATS_UNROLL = int(os.environ.get("GRAPHRUNNER_STATS_UNROLL", "2"))
+# 96.6 to 83.5 us, 4 gains nothing over 1.
+_STATS_UNROLL = 2
 
 if HAS_TRITON:
     import triton
@@ -348,16 +346,17 @@ def pivot_sample_triton(
     capacity: int | None = None,
     block: int | None = None,
     splits: int | None = None,
-    reject: bool | None = None,
+    reject: bool = True,
     segment: int | None = None,
 ) -> torch.Tensor:  # [R] int32: which tier served the row: -1 reject, 0 guess, 1 pivots, 2 refined, 3 fallback
     """Sample `argmax(x/T >= threshold ? x/T + gumbel : -inf)` with the filters' exact threshold.
 
     The threshold of triton_sampling.sampling_threshold and the token of gumbel_argmax with
     it (greedy rows: torch.argmax(x)), tier by tier (module docstring). Returns the tiers.
-    A row served by tier -1 (pivot_reject.py; `reject`, default REJECT_DEFAULT) gets the same
-    token without its threshold: NaN there. `capacity` (a power of two), `block`, `splits` and
-    `segment` (tiles per bound update of the one-pass stats, default _SEGMENT) are exposed for tests.
+    A row served by tier -1 (pivot_reject.py) gets the same token without its threshold: NaN there.
+    `capacity` (a power of two), `block`, `splits`, `segment` (tiles per bound update of the one-pass
+    stats, default _SEGMENT) and `reject` (False: tier -1 skipped, so that its rows reach tiers 1-3)
+    are exposed for tests.
     """
     ts._require_triton()
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
@@ -373,7 +372,7 @@ def pivot_sample_triton(
     flags, fast = bufs["flags"], bufs["fast"]  # [R] each: written for every row by tier 0's select
     log_min_p = torch.log(min_p)  # [R]: in torch, bit-identical to filters.min_p_threshold
     _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, (use_top_k, use_top_p, use_min_p), threshold, bufs,
-                  blk, chunk, num_splits, capacity, REJECT_DEFAULT if reject is None else reject,
+                  blk, chunk, num_splits, capacity, reject,
                   _SEGMENT if segment is None else segment)
     # Fallback for flagged rows only (a few microseconds of empty programs when none is).
     ts.sampling_threshold_triton(x, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p, threshold,

@@ -10,7 +10,11 @@ Order (vLLM's), per batch entry:
   4. greedy rows: argmax of the processed logits (after 1-2)
   5. random rows: temperature -> min-p -> top-k -> top-p -> Gumbel-max, with noise
      from a stateless hash of (seed, position, token id), so a seeded request's tokens
-     do not depend on its batch, graph mode, replays or preemption.
+     do not depend on its batch, graph mode, replays or preemption. The filters are
+     sort-free per-row thresholds (filters.py; on CUDA pivot_select.py, ~20x faster than
+     a segmented sort at 256 rows on an H100).
+A plain-greedy batch (argmax of the raw logits) does not come here: the LM head takes
+its argmax (layers/embedding.py's `greedy`, with greedy_head.py's kernel on a GPU).
 
 Per-request settings live in `SamplingStates` rows (written with staged writes at
 admission); a step gathers them through `idx_mapping`. Everything is sized by the
@@ -23,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import use_triton
 from graphrunner.sample import rng
 from graphrunner.sample.argmax import argmax_rows
-from graphrunner.sample.filters import apply_filters, apply_top_k_top_p_sort, min_p_threshold
+from graphrunner.sample.filters import apply_filters
 from graphrunner.sample.fused_process import process_logits_triton, refresh_counts
 from graphrunner.sample.logprobs import compute_logprobs
 from graphrunner.sample.logprobs_fused import LogprobStats, logprobs_from_stats, stats_usable
@@ -39,20 +43,11 @@ from graphrunner.sample.processors import (
     apply_penalties,
     token_counts,
 )
-from graphrunner.sample.rng_keys import row_keys
 from graphrunner.sample.row_params import gather_row_params
-from graphrunner.sample.triton_sampling import gumbel_argmax_triton, sampling_threshold_triton
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.state.sampling import SamplingStates
 
 __all__ = ["Sampler", "apply_top_k_top_p"]
-
-# "bisect-serial": the previous Triton threshold kernel (one program per row, 32-step
-# bisections over V), kept as a benchmark baseline; on the torch path it is "bisect".
-FILTER_IMPLS = ("bisect", "sort", "bisect-serial")
-# "auto": the fused Triton kernels (triton_sampling.py) for CUDA logits when triton
-# imports, else torch. "triton" forces them (on CPU only under TRITON_INTERPRET=1: tests).
-KERNEL_IMPLS = ("auto", "torch", "triton")
 
 
 def apply_top_k_top_p(
@@ -67,39 +62,22 @@ def apply_top_k_top_p(
     return apply_filters(logits, top_k, top_p, no_min_p, use_top_k, use_top_p, False)
 
 
-def _sort_filter(
-    scaled: torch.Tensor,  # [R, V] float32, temperature-scaled logits
-    top_k: torch.Tensor,  # [R] int32, 0 = off
-    top_p: torch.Tensor,  # [R] float32, 1 = off
-    min_p: torch.Tensor,  # [R] float32, 0 = off
-    features: SamplingFeatures,
-) -> torch.Tensor:  # [R, V] with filtered-out entries at -inf
-    """min-p, then top-k / top-p by one segmented sort (the "sort" filter)."""
-    if features.any_min_p:
-        scaled = scaled.masked_fill(scaled < min_p_threshold(scaled, min_p)[:, None], float("-inf"))
-    if features.any_top_k or features.any_top_p:
-        scaled = apply_top_k_top_p_sort(scaled, top_k, top_p, features.any_top_k, features.any_top_p)
-    return scaled
-
-
 class Sampler:
     """Turns the logits of the sampled rows into one token per row, graph-safely.
 
+    CUDA logits take the fused Triton kernels (one processing pass, pivot_select's sort-free
+    min-p / top-k / top-p, logprobs from the pass's statistics); other logits the torch
+    reference, which gives the same tokens.
+
     Args:
         states: the per-row settings (and, for penalties, `states.counts` and `states.all_token_ids`).
-        filter_impl: "bisect" (default: sort-free per-row thresholds; on CUDA the
-            pivot_select kernels, two reads of the logits for rows the guess tier proves,
-            20x faster than "sort" at 256 rows on an H100),
-            "sort" (one segmented sort gives top-k and top-p: the previous default, kept as
-            a baseline) or "bisect-serial" (the previous Triton threshold kernel, one
-            program per row; on the torch path the same as "bisect").
-        kernel_impl: how the random rows are sampled: "auto" (default; the fused Triton
-            kernels on CUDA when triton imports, else torch), "torch" or "triton".
+        _fused: None (the rule above); True / False: the fused kernels or the torch reference on any
+            device (tests: the kernels under TRITON_INTERPRET=1 on CPU, the reference on a GPU).
 
     Non-finite logits (a faulty model or kernel) are not detected (that would cost a host
     sync) but are contained: every stage works row by row, so NaN or +-inf in one row never
     changes another row's token or logprobs, and the bad row still gets a token id in
-    [0, V) (tests/test_fault_step.py checks every variant, both kernel paths). The bad row's
+    [0, V) (tests/test_fault_step.py checks every variant, both paths). The bad row's
     token is meaningless; which one it is: the first +inf entry, if any survives the masks
     (allowed ids, min_tokens); token 0 for a row of only -inf; for a greedy row (and any row
     of the greedy variant) the first NaN entry, as `torch.argmax` ranks NaN above every
@@ -108,16 +86,9 @@ class Sampler:
     or +-inf, their token ids and rank in range.
     """
 
-    def __init__(self, states: SamplingStates, filter_impl: str = "bisect", kernel_impl: str = "auto"):
-        if filter_impl not in FILTER_IMPLS:
-            raise ValueError(f"filter_impl={filter_impl!r} not in {FILTER_IMPLS}")
-        if kernel_impl not in KERNEL_IMPLS:
-            raise ValueError(f"kernel_impl={kernel_impl!r} not in {KERNEL_IMPLS}")
-        if kernel_impl == "triton" and not HAS_TRITON:
-            raise ValueError("kernel_impl='triton' but triton is not importable")
+    def __init__(self, states: SamplingStates, *, _fused: bool | None = None):
         self.states = states
-        self.filter_impl = filter_impl
-        self.kernel_impl = kernel_impl
+        self._fused = _fused
         # Persistent scratch of the fused pass's logprob statistics (logprobs_fused), allocated up
         # front on CUDA, where graphs are captured; elsewhere on first use.
         self._stats: LogprobStats | None = None
@@ -127,9 +98,7 @@ class Sampler:
                                                 states.device)
 
     def _use_triton(self, x: torch.Tensor) -> bool:
-        if self.kernel_impl == "auto":
-            return HAS_TRITON and x.is_cuda
-        return self.kernel_impl == "triton"
+        return use_triton(x) if self._fused is None else self._fused
 
     def __call__(
         self,
@@ -162,7 +131,7 @@ class Sampler:
         fused = self._fuses(logits, stages, all_token_ids)
         stats = self._logprob_stats(logits, k) if want_logprobs and fused else None
         x = self._process(logits, idx_mapping, positions, features, all_token_ids, stats=stats, stages=stages)
-        if features.any_random and self._use_triton(x) and self.filter_impl == "bisect":
+        if features.any_random and self._use_triton(x):
             self._sample_pivot(x, idx_mapping, positions, features, out)
         elif features.any_random:
             out.copy_(self._sample_random(x, idx_mapping.long(), positions, features))
@@ -204,15 +173,12 @@ class Sampler:
 
     def _scaled_and_filtered(self, x: torch.Tensor, rows: torch.Tensor,
                              features: SamplingFeatures) -> torch.Tensor:  # [R, V]
-        """x / T (T = 1 for greedy rows), then min-p / top-k / top-p at -inf (the filter impl)."""
+        """x / T (T = 1 for greedy rows), then min-p / top-k / top-p at -inf (filters.py)."""
         s = self.states
         temperature = s.temperature[rows]  # [R]
         scaled = x / torch.where(temperature == 0.0, 1.0, temperature)[:, None]  # [R, V]
-        top_k, top_p, min_p = s.top_k[rows], s.top_p[rows], s.min_p[rows]
-        if self.filter_impl != "sort":
-            return apply_filters(scaled, top_k, top_p, min_p, features.any_top_k, features.any_top_p,
-                                 features.any_min_p)
-        return _sort_filter(scaled, top_k, top_p, min_p, features)
+        return apply_filters(scaled, s.top_k[rows], s.top_p[rows], s.min_p[rows], features.any_top_k,
+                             features.any_top_p, features.any_min_p)
 
     def _process(
         self,
@@ -227,7 +193,7 @@ class Sampler:
     ) -> torch.Tensor:  # [R, V] float32
         """Steps 1-2: allowed ids, logit bias, min_tokens, penalties (each skipped when off).
 
-        CUDA (or kernel_impl="triton"): one fused pass (fused_process.py) into the states'
+        CUDA: one fused pass (fused_process.py) into the states'
         persistent processed-logits buffer; else the torch processors. Penalties read the
         persistent counts (rows still stale are first rebuilt from the history before their
         sampled position, see SamplingStates) plus, for a slot j of speculative verification,
@@ -330,11 +296,9 @@ class Sampler:
         positions: torch.Tensor,  # [R]
         features: SamplingFeatures,
     ) -> torch.Tensor:  # [R] int64
+        """The torch reference of `_sample_pivot`: the same tokens."""
         s = self.states
-        temperature = s.temperature[rows]  # [R]
-        if self._use_triton(x):
-            return self._sample_random_triton(x, rows, positions, features, temperature)
-        is_greedy = temperature == 0.0
+        is_greedy = s.temperature[rows] == 0.0  # [R]
         greedy = argmax_rows(x)  # [R] int64
         scaled = self._scaled_and_filtered(x, rows, features)  # [R, V]
         keys = rng.row_keys(s.seed[rows], positions.long())  # [R]
@@ -349,44 +313,10 @@ class Sampler:
         features: SamplingFeatures,
         out: torch.Tensor,  # [R] int32 | int64, written in place
     ) -> None:
-        """The "bisect" filter on the Triton kernels: the rows' settings and keys in one gather
+        """The filters and the draw on the Triton kernels: the rows' settings and keys in one gather
         (row_params.py), then threshold and draw in one or two reads of x (pivot_select.py);
         greedy rows get argmax(x). The token goes straight into `out`."""
         p = gather_row_params(self.states, idx_mapping, positions)
         threshold = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # [R]
         pivot_sample_triton(x.contiguous().float(), p.temperature, p.keys, p.top_k, p.top_p, p.min_p,
                             features.any_top_k, features.any_top_p, features.any_min_p, out, threshold)
-
-    def _sample_random_triton(
-        self,
-        x: torch.Tensor,  # [R, V] processed logits
-        rows: torch.Tensor,  # [R] int64
-        positions: torch.Tensor,  # [R]
-        features: SamplingFeatures,
-        temperature: torch.Tensor,  # [R] float32
-    ) -> torch.Tensor:  # [R] int64
-        """`_sample_random` with the Triton kernels (same tokens) for the "sort" and "bisect-serial"
-        filters: a threshold (or the sort) and one fused Gumbel-max pass ("bisect": _sample_pivot)."""
-        s = self.states
-        num_rows = x.shape[0]
-        x = x.contiguous().float()  # no-op for the sampler's fp32 logits
-        temperature = temperature.float().contiguous()
-        threshold = torch.empty(num_rows, dtype=torch.float32, device=x.device)  # [R]
-        keys = row_keys(s.seed, positions, rows)  # [R]: one kernel for rng.row_keys(seed[rows], positions)
-        sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # [R]
-        greedy = x.argmax(dim=-1)  # [R]
-        if self.filter_impl == "bisect-serial":
-            sampling_threshold_triton(
-                x, temperature, s.top_k[rows], s.top_p[rows], s.min_p[rows],
-                features.any_top_k, features.any_top_p, features.any_min_p, threshold,
-            )
-        else:
-            # The sort baseline filters in torch; the kernel then samples the filtered,
-            # already-scaled logits with T = 1 (an exact identity) and no threshold.
-            is_greedy = temperature == 0.0
-            scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]  # [R, V]
-            x = _sort_filter(scaled, s.top_k[rows], s.top_p[rows], s.min_p[rows], features).contiguous()
-            temperature = torch.where(is_greedy, 0.0, 1.0)  # greedy rows stay greedy (taken from `greedy`)
-            threshold.fill_(float("-inf"))
-        gumbel_argmax_triton(x, temperature, keys, threshold, sampled)
-        return torch.where(temperature == 0.0, greedy, sampled)

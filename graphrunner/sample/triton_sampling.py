@@ -1,9 +1,9 @@
 """Fused Triton kernels for the random-sampling tail: per-row filter threshold, then Gumbel-max.
 
-The Sampler's default path is now pivot_select.py (rows split over many programs, 6-10x
-faster at 256 rows); these kernels are its exact fallback for the rows it cannot serve
-(`flags`), the Sampler's "bisect-serial" baseline, and the home of the shared Triton
-helpers (hash, order keys, IEEE-rounded scaling).
+The Sampler's Triton path is pivot_select.py (rows split over many programs, 6-10x faster
+at 256 rows than these); these kernels are its exact fallback for the rows it cannot serve
+(`flags`) and the home of the shared Triton helpers (hash, order keys, IEEE-rounded
+scaling).
 
 The torch path of `Sampler._sample_random` makes many full [R, V] passes (int64 hash
 noise, 32-step bisections per filter, divides, masked fills). Here the same result

@@ -174,9 +174,6 @@ def _register_sampler(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (151936 = Qwen2.5)")
     p.add_argument("--max-model-len", type=int, default=4096, help="token history length the penalties scan")
     p.add_argument("--iters", type=int, default=50, help="timed calls per row")
-    p.add_argument("--filters", default="bisect,sort,bisect/torch",
-                   help="comma-separated top-k/top-p implementations (bisect, sort), each optionally with "
-                        "/torch or /triton to pin the kernels of the random tail (default: Triton on CUDA)")
     p.add_argument("--variants", default="greedy,sampled,all,all_on",
                    help="comma-separated: greedy, sampled (temperature/top-k/top-p/min-p only), all (a batch's "
                         "exact features), all_on (the all-features graph)")
@@ -299,7 +296,7 @@ def _run_sampler(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with torch.inference_mode():
         rows = bench_sampler(device, [int(n) for n in args.num_reqs.split(",")], args.vocab, args.iters,
-                             max_model_len=args.max_model_len, filter_impls=tuple(args.filters.split(",")),
+                             max_model_len=args.max_model_len,
                              variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                              graphs=not args.no_graphs, graph_calls=args.graph_calls)
     table = markdown_table(rows)

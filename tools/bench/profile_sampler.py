@@ -1,6 +1,6 @@
 """Which kernels the sampler spends its GPU time in (torch.profiler).
 
-    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--variant all_on] [--filter bisect]
+    python -m graphrunner_tools.bench.profile_sampler [--num-reqs 256] [--variant all_on]
         [--vocab 151936] [--logits bench|flat|peaked] [--top-p 0.95] [--top-k 0] [--min-p 0] [--module PATH]
 
 A diagnostic beside `graphrunner bench sampler`: one eager call per iteration of the same
@@ -8,8 +8,7 @@ batch the benchmark builds, CUDA kernel time per op, largest first. `--logits fl
 weight-like rows: bf16 randn * 0.5 at T 0.8, 95% of the mass in ~80% of the vocabulary) or
 `peaked` (randn * 3) profiles pivot_sample_triton alone on such rows instead, prints the mean
 time per call (CUDA events) and which tier served the rows; `--module` loads pivot_select from
-another file (a saved copy) to compare before / after in one run. GRAPHRUNNER_SAMPLER_REJECT=0 in
-the environment turns tier -1 (pivot_reject.py, on by default) off, here and in `bench sampler` (A/B).
+another file (a saved copy) to compare before / after in one run.
 """
 
 from __future__ import annotations
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--variant", default="all_on", choices=VARIANTS, help="the benchmark's batch (default all_on)")
-    ap.add_argument("--filter", default="bisect", help="bisect, sort or bisect-serial, optionally /torch or /triton")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25, help="table rows to print")
     ap.add_argument("--logits", default="bench", choices=("bench", "flat", "peaked"),
@@ -92,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--module", default=None, help="flat / peaked: load pivot_select from this file")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    filter_impl, _, kernel_impl = args.filter.partition("/")
     tiers = None
     with torch.inference_mode():
         if args.logits == "bench":
             states, features, b = _setup(device, args.num_reqs, args.vocab, args.max_model_len, args.variant)
-            sampler = Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl or "auto")
+            sampler = Sampler(states)
 
             def call():
                 sampler(b["logits"], b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     what = args.variant if args.logits == "bench" else f"{args.logits} rows, top-p {args.top_p}, top-k {args.top_k}"
-    print(f"sampler {what}, {args.num_reqs} reqs x vocab {args.vocab}, filter {args.filter}, "
+    print(f"sampler {what}, {args.num_reqs} reqs x vocab {args.vocab}, "
           f"{args.iters} calls, on {device}" + (f", module {args.module}" if args.module else ""))
     print(f"mean per call: {mean_ms * 1000:.1f} us (CUDA events, eager)")
     if tiers is not None:

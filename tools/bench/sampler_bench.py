@@ -1,8 +1,7 @@
 """Sampler cost: the greedy-only pipeline vs every feature on, eager and in a CUDA graph.
 
-Answers issue #4's question "do greedy-only batches get their own graphs?": if the
-all-features sampler costs much more than plain argmax at the decode batch sizes, a
-small sampling key in the graph descriptor (GREEDY | ALL_FEATURES) pays off.
+It shows what the sampling key of the graph descriptor (GREEDY | SAMPLED | ALL_FEATURES)
+saves: the all-features sampler against plain argmax at the decode batch sizes.
 
 Variants (per batch size):
   greedy   SamplingFeatures() on greedy requests: argmax only (the GREEDY graph).
@@ -141,12 +140,11 @@ def bench_sampler(
     warmup: int = 3,
     max_model_len: int = 4096,
     variants: Sequence[str] = VARIANTS,
-    filter_impls: Sequence[str] = ("bisect", "sort"),
     graphs: bool = True,
     copy_bytes: int | None = None,
     graph_calls: int = 8,
 ) -> list[dict]:
-    """Time the sampler per (batch size, variant, filter impl, mode). Returns one dict per row.
+    """Time the sampler per (batch size, variant, mode). Returns one dict per row.
 
     mode "graph" (CUDA only, with graphs=True) replays a torch.cuda.CUDAGraph of the call;
     "eager" calls it directly. Rows carry median/mean/min microseconds, the logits-read
@@ -165,16 +163,13 @@ def bench_sampler(
     rows: list[dict] = []
     for n in num_reqs:
         for variant in variants:
-            # The filter implementation only matters when top-k/top-p run.
-            for impl in filter_impls if variant != "greedy" else filter_impls[:1]:
-                for row in _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs,
-                                      graph_calls):
-                    row["copy_gbps"] = bandwidth / 1e9
-                    row["limit_us"] = n * vocab * 4 / bandwidth * 1e6
-                    row["ratio"] = row["median_us"] / row["limit_us"]
-                    rows.append(row)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            for row in _bench_one(device, n, vocab, max_model_len, variant, iters, warmup, graphs, graph_calls):
+                row["copy_gbps"] = bandwidth / 1e9
+                row["limit_us"] = n * vocab * 4 / bandwidth * 1e6
+                row["ratio"] = row["median_us"] / row["limit_us"]
+                rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -194,13 +189,10 @@ def _capture(device: torch.device, fn) -> tuple[torch.cuda.CUDAGraph, int]:
     return graph, torch.cuda.memory_reserved(device) - before
 
 
-def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, graphs, graph_calls) -> list[dict]:
-    """Rows for one (batch size, variant, filter): eager, and graph replay on CUDA."""
+def _bench_one(device, n, vocab, max_model_len, variant, iters, warmup, graphs, graph_calls) -> list[dict]:
+    """Rows for one (batch size, variant): eager, and graph replay on CUDA."""
     states, features, b = _setup(device, n, vocab, max_model_len, variant)
-    # "bisect" / "sort" pick the top-k/top-p filter; a "/torch" or "/triton" suffix pins the
-    # kernel implementation of the random tail (default "auto": Triton on CUDA).
-    filter_impl, _, kernel_impl = impl.partition("/")
-    sampler = Sampler(states, filter_impl=filter_impl, kernel_impl=kernel_impl or "auto")
+    sampler = Sampler(states)
 
     def call(logits=b["logits"]):
         sampler(logits, b["idx"], b["pos"], features, b["out"], out_logprobs=b["lp"],
@@ -221,7 +213,7 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
         samples = _time(fn, device, iters, warmup)
         rows.append({
             "num_reqs": n, "vocab": vocab, "max_model_len": max_model_len, "variant": variant,
-            "filter": impl if variant != "greedy" else "-", "mode": mode, "device": str(device),
+            "mode": mode, "device": str(device),
             "median_us": statistics.median(samples) * 1e6, "mean_us": statistics.fmean(samples) * 1e6,
             "min_us": min(samples) * 1e6, "iters": iters,
             "graph_pool_mib": None if mode != "graph" or pool_bytes is None else pool_bytes / 2**20,
@@ -232,15 +224,15 @@ def _bench_one(device, n, vocab, max_model_len, variant, impl, iters, warmup, gr
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table; the logits-read limit and the ratio beside each time."""
-    lines = ["| reqs | variant | filter | mode | median µs | min µs | in-graph µs/call | read limit µs | × limit "
-             "| in-graph × limit | graph pool MiB |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| reqs | variant | mode | median µs | min µs | in-graph µs/call | read limit µs | × limit "
+             "| in-graph × limit | graph pool MiB |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pool = "" if r["graph_pool_mib"] is None else f"{r['graph_pool_mib']:.0f}"
         in_graph = r.get("in_graph_us")
         per_call, per_call_ratio = "", ""
         if in_graph is not None:
             per_call, per_call_ratio = f"{in_graph:.1f}", f"{in_graph / r['limit_us']:.2f}"
-        lines.append(f"| {r['num_reqs']} | {r['variant']} | {r['filter']} | {r['mode']} | {r['median_us']:.1f} "
+        lines.append(f"| {r['num_reqs']} | {r['variant']} | {r['mode']} | {r['median_us']:.1f} "
                      f"| {r['min_us']:.1f} | {per_call} | {r['limit_us']:.1f} | {r['ratio']:.2f} | {per_call_ratio} "
                      f"| {pool} |")
     if rows:
@@ -258,8 +250,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--filters", nargs="+", default=["bisect", "sort"],
-                    help="bisect, sort or bisect-serial, each optionally with /torch or /triton")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--graph-calls", type=int, default=8, help="calls per graph for the in-graph time (0: skip)")
     ap.add_argument("--json", help="write the rows to this JSON file")
@@ -267,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch.inference_mode():
         rows = bench_sampler(args.device, args.num_reqs, args.vocab, args.iters,
                              max_model_len=args.max_model_len, variants=args.variants,
-                             filter_impls=args.filters, graphs=not args.no_graphs, graph_calls=args.graph_calls)
+                             graphs=not args.no_graphs, graph_calls=args.graph_calls)
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,13 +1,12 @@
 """Which tier of the sort-free sampler (pivot_select) serves rows of a model's own logits.
 
     python -m graphrunner_tools.bench.sampler_tiers [--model builtin:qwen2.5-0.5b] [--temperature 0.8]
-        [--top-p 0.95] [--top-k 0] [--min-p 0] [--num-prompts 4] [--device cpu|cuda] [--reject|--no-reject]
+        [--top-p 0.95] [--top-k 0] [--min-p 0] [--num-prompts 4] [--device cpu|cuda]
 
 Generates a few tokens greedily, keeps the logits of the last step, and runs `pivot_sample_triton`
 on them with the given filters: per row, the probability of the top token, how many tokens hold
 the top-p mass, and the tier (-1 reject: the unfiltered draw, proven kept; 0 guess, 1 pivots,
-2 refine: pivots narrowed inside an overflowing window, 3 the one-program fallback). Tier -1 runs as
-the runtime's does (on unless GRAPHRUNNER_SAMPLER_REJECT=0); --reject or --no-reject override. The synthetic
+2 refine: pivots narrowed inside an overflowing window, 3 the one-program fallback). The synthetic
 logits of `bench sampler` and a trained model's can land in different tiers; this tells which
 one an end-to-end run pays for (on a CPU the kernels run under TRITON_INTERPRET=1).
 """
@@ -59,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--min-p", type=float, default=0.0)
-    reject = ap.add_mutually_exclusive_group()
-    reject.add_argument("--reject", dest="reject", action="store_true", default=None,
-                        help="run tier -1 (pivot_reject) whatever GRAPHRUNNER_SAMPLER_REJECT says")
-    reject.add_argument("--no-reject", dest="reject", action="store_false", help="turn tier -1 off")
     args = ap.parse_args(argv)
     from graphrunner.sample.pivot_select import pivot_sample_triton
 
@@ -74,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         x, torch.full((rows,), args.temperature, device=dev), torch.arange(rows, dtype=torch.int64, device=dev),
         torch.full((rows,), args.top_k, dtype=torch.int32, device=dev), torch.full((rows,), args.top_p, device=dev),
         torch.full((rows,), args.min_p, device=dev), args.top_k > 0, args.top_p < 1.0, args.min_p > 0.0,
-        torch.zeros(rows, dtype=torch.int64, device=dev), torch.zeros(rows, device=dev), reject=args.reject)
+        torch.zeros(rows, dtype=torch.int64, device=dev), torch.zeros(rows, device=dev))
     print(f"{args.model}: {rows} rows x {x.shape[1]} logits, T {args.temperature}, top-k {args.top_k}, "
           f"top-p {args.top_p}, min-p {args.min_p}")
     print("| row | top token prob | tokens holding top-p | tier |")
