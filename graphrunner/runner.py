@@ -116,7 +116,7 @@ class ModelRunner(RunnerReadouts):
         self.parallel = ParallelHooks(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
                                       device=self.device, spec=spec)
         self.state.on_row_freed.append(self.parallel.on_row_freed)
-        self.attn_backend = wrap_for_dcp(get_attention_backend(self.device), groups)  # DCP: KV sharded in the group
+        self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=self.parallel.is_last_stage, spec=spec, pcp=pcp,
@@ -142,7 +142,7 @@ class ModelRunner(RunnerReadouts):
         g = self.groups
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
-            tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size,
+            tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
         )
         self.body.model = model
         if self.body.spec is not None:  # a draft model, if the drafter has one

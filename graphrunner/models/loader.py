@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphrunner.config import LoadConfig, ModelConfig, resolve_dtype
+from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, resolve_dtype
 from graphrunner.layers.rotary import normalize_rope_scaling
 from graphrunner.models.registry import check_architecture, get_builtin, is_builtin
 
@@ -433,13 +433,15 @@ def load_model(
     tp: Any = None,
     pp_rank: int = 0,
     pp_size: int = 1,
+    kernel: KernelConfig | None = None,
 ) -> torch.nn.Module:
     """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.
     `"auto"`: safetensors from the folder `load_config.model` (cast and moved as loaded).
     `tp` (a `TPComm`), `pp_rank`/`pp_size`: build and fill only this rank's shard; dummy
-    weights are then the shards of the single-process model's dummy weights.
+    weights are then the shards of the single-process model's dummy weights. `kernel` (default
+    `KernelConfig()`) picks the layers' kernels.
     """
     from graphrunner.models.llama import LlamaForCausalLM
 
@@ -449,7 +451,7 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     start = time.perf_counter()
     model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
-                             pp_size=pp_size)
+                             pp_size=pp_size, kernel=kernel)
     sharded = model.tp.size > 1 or pp_size > 1
     if load_config.load_format == "dummy" or is_builtin(load_config.model):
         if sharded:
