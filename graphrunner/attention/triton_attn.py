@@ -52,6 +52,7 @@ from graphrunner.attention.kv_write import rope_write_kv_triton, write_kv_triton
 from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args, check_rope_args
 from graphrunner.config import MAX_KV_SPLITS, KernelConfig
 from graphrunner.kernels import HAS_TRITON, sm_count
+from graphrunner.kernels.device import device_properties
 from graphrunner.kernels.pdl import pdl_launch, pdl_max_rows
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
@@ -684,7 +685,7 @@ class TritonPagedAttentionBackend(WriteThenAttendBackend):
         kernel = kernel or KernelConfig()
         self.rope_in_attention = kernel.attention_rope
         self.max_kv_splits = kernel.attention_max_kv_splits
-        self.pdl_rows = pdl_max_rows(kernel, device)
+        self.pdl_rows = pdl_max_rows(kernel, device_properties(device))
 
     def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
         write_kv_triton(k, v, kv_cache, slot_mapping)

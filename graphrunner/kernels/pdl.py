@@ -8,8 +8,9 @@ graph). Hopper lets a kernel launched with the programmatic-serialization attrib
 while its predecessor is still running:
 
 - `pdl_max_rows(kernel, device)` is decided once, when a layer or backend is built: the
-  largest launch (in rows) that uses PDL on `device` under `KernelConfig` `kernel`, 0 when
-  none does (PDL off, no Triton, not a GPU with compute capability >= 9.0).
+  largest launch (in rows) that uses PDL on a device with properties `device`
+  (graphrunner.kernels.device) under `KernelConfig` `kernel`, 0 when none does (PDL off, no
+  Triton, not a GPU with compute capability >= 9.0).
 - `pdl_launch(rows, max_rows)` gives the launch keyword (`launch_pdl=True`) of a launch of
   `rows` rows. Stream capture records the attribute as a programmatic edge, so captured
   graphs keep the overlap.
@@ -31,22 +32,20 @@ instructions).
 
 from __future__ import annotations
 
-import torch
-
 from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.device import device_properties
+from graphrunner.kernels.device import DeviceProperties
 
 __all__ = ["PDL_MIN_CAPABILITY", "pdl_launch", "pdl_max_rows", "pdl_wait"]
 
 PDL_MIN_CAPABILITY = (9, 0)
 
 
-def pdl_max_rows(kernel: KernelConfig, device: torch.device | str | None) -> int:
-    """The largest launch, in rows, that uses PDL on `device` (0: none): `kernel.pdl_max_rows`
-    where `kernel.pdl` is on and the device can (Triton, compute capability >= 9.0)."""
-    props = device_properties(device)
-    if not (kernel.pdl and HAS_TRITON and props is not None and props.capability >= PDL_MIN_CAPABILITY):
+def pdl_max_rows(kernel: KernelConfig, device: DeviceProperties | None) -> int:
+    """The largest launch, in rows, that uses PDL on `device` (None: not a GPU; 0: none):
+    `kernel.pdl_max_rows` where `kernel.pdl` is on and the device can (Triton, compute
+    capability >= 9.0)."""
+    if not (kernel.pdl and HAS_TRITON and device is not None and device.capability >= PDL_MIN_CAPABILITY):
         return 0
     return kernel.pdl_max_rows
 

@@ -46,7 +46,7 @@ from torch import nn
 
 from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.device import device_properties
+from graphrunner.kernels.device import DeviceProperties, device_properties
 from graphrunner.kernels.pdl import pdl_max_rows
 from graphrunner.layers.gemv import (
     GEMV_DTYPES,
@@ -197,14 +197,18 @@ class GemvMethod(LinearMethod):
 
 
 def linear_method(kernel: KernelConfig, weight: torch.Tensor) -> LinearMethod:
-    """The method of a projection with `weight` [N, K] (this rank's share, on its device) under `kernel`."""
-    device = weight.device
-    if not (kernel.decode_gemv and HAS_TRITON and device.type == "cuda"):
-        return TORCH_LINEAR
+    """The method of a projection with `weight` [N, K] (this rank's share, on the device it runs on)."""
     n, k = weight.shape
-    props = device_properties(device)
-    norm_tile = norm_gemv_plan(n, k, props) if k <= kernel.norm_gemv_max_k else ()
-    return GemvMethod(gemv_plan(n, k, props), norm_tile, k <= kernel.swiglu_gemv_max_k, pdl_max_rows(kernel, device))
+    return choose_linear_method(kernel, device_properties(weight.device), n, k)
+
+
+def choose_linear_method(kernel: KernelConfig, device: DeviceProperties | None, n: int, k: int) -> LinearMethod:
+    """The method of an [N, K] projection under `kernel` on a GPU with properties `device` (None:
+    not a GPU, the torch method): the GEMV tiles, the fused entries that `kernel` allows, PDL."""
+    if not (kernel.decode_gemv and HAS_TRITON and device is not None):
+        return TORCH_LINEAR
+    norm_tile = norm_gemv_plan(n, k, device) if k <= kernel.norm_gemv_max_k else ()
+    return GemvMethod(gemv_plan(n, k, device), norm_tile, k <= kernel.swiglu_gemv_max_k, pdl_max_rows(kernel, device))
 
 
 def _split(size: int, tp_size: int, what: str) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels.device import device_properties
 from graphrunner.kernels.pdl import pdl_launch, pdl_max_rows
 
 FUSED_ADD_RMS_NORM = "graphrunner::fused_add_rms_norm"
@@ -36,7 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.fused = HAS_TRITON and self.weight.device.type == "cuda"
-        self.pdl_rows = pdl_max_rows(kernel or KernelConfig(), self.weight.device) if self.fused else 0
+        device_props = device_properties(self.weight.device)
+        self.pdl_rows = pdl_max_rows(kernel or KernelConfig(), device_props) if self.fused else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden] -> same shape and dtype
         return rms_norm(x, self.weight, self.eps)
