@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
+    KernelConfig,
     LoadConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -20,7 +21,7 @@ from graphrunner.runner import ModelRunner
 def make_runner(model: str = "builtin:tiny-llama", *, max_num_seqs=4, max_num_batched_tokens=64,
                 max_model_len=128, block_size=8, num_blocks=96, device="cpu", dtype="float32",
                 load_format="dummy", speculative: dict | None = None,
-                compilation: CompilationConfig | None = None) -> ModelRunner:
+                compilation: CompilationConfig | None = None, kernel: KernelConfig | None = None) -> ModelRunner:
     config = RunnerConfig(
         model=load_model_config(model),
         load=LoadConfig(model=model, load_format=load_format, seed=0),
@@ -32,6 +33,7 @@ def make_runner(model: str = "builtin:tiny-llama", *, max_num_seqs=4, max_num_ba
         # compiled at the first step: inductor's codegen there cost ~10 s (cold) for what every
         # such test checks; inductor has its own test (test_piecewise.test_inductor_backend).
         compilation=compilation if compilation is not None else CompilationConfig(compile_backend="eager"),
+        kernel=kernel if kernel is not None else KernelConfig(),
         dtype=dtype,
     )
     runner = ModelRunner(config, device)
