@@ -8,6 +8,7 @@ the custom ops under torch.compile."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,8 @@ def test_device_properties_give_bandwidth_and_the_wide_memory_class():
     assert H100.memory_bytes_per_s == pytest.approx(3.35e12, rel=0.01) and not H100.wide_memory
     assert H200.memory_bytes_per_s == pytest.approx(4.92e12, rel=0.01) and H200.wide_memory
     assert device_properties("cpu") is None and device_properties(torch.device("meta")) is None
+    unclocked = [dataclasses.replace(p, memory_bytes_per_s=0.0) for p in (H100, H200)]  # no clock reported
+    assert [p.wide_memory for p in unclocked] == [False, True]  # the memory size stands in
 
 
 def test_plan_follows_the_row_length():

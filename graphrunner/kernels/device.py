@@ -16,11 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WIDE_MEMORY_BYTES_PER_S", "DeviceProperties", "device_properties"]
+__all__ = ["WIDE_MEMORY_BYTES", "WIDE_MEMORY_BYTES_PER_S", "DeviceProperties", "device_properties"]
 
 # Parts at or above this peak bandwidth get the wide-memory GEMV plans (graphrunner.layers.gemv):
 # between an H100 SXM's 3.35 TB/s and an H200's 4.92 TB/s.
 WIDE_MEMORY_BYTES_PER_S = 4.0e12
+# Where the driver reports no memory clock, the memory size stands in: HBM3e parts carry more
+# than this (an H200 141 GB), HBM3 ones less (an H100 80 GB, an H100 NVL 94 GB).
+WIDE_MEMORY_BYTES = 120 << 30
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class DeviceProperties:
     @property
     def wide_memory(self) -> bool:
         """HBM3e-class bandwidth (an H200): the GEMV wants more bytes in flight per program."""
-        return self.memory_bytes_per_s >= WIDE_MEMORY_BYTES_PER_S
+        if self.memory_bytes_per_s > 0:
+            return self.memory_bytes_per_s >= WIDE_MEMORY_BYTES_PER_S
+        return self.total_memory >= WIDE_MEMORY_BYTES
 
     @classmethod
     def from_torch(cls, props) -> DeviceProperties:
