@@ -364,24 +364,41 @@ class SpeculativeConfig:
             )
 
 
+MAX_KV_SPLITS = 32  # the paged attention kernel's limit on key splits (graphrunner.attention.triton_attn)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernel serves each operation, chosen per runner (two runners in one process may differ).
 
-    Every field defaults to the choice that measured fastest; the plans behind each choice are
-    keyed by shapes and device properties (`graphrunner.kernels.device`), never by GPU names.
-    A choice a device cannot serve (no Triton, a CPU tensor) falls back to the torch path.
+    Every field defaults to the choice that measured fastest. Layers and attention backends
+    read it once, when they are built (`graphrunner.layers.linear`, `graphrunner.attention`),
+    and turn it into a plan keyed by shapes and device properties (`graphrunner.kernels.device`),
+    never by GPU names. A choice a device cannot serve (no Triton, a CPU tensor) falls back to
+    the torch path.
 
     Layers and attention:
-      decode_gemv            single-row projections run as one Triton GEMV launch (CUDA)
-      norm_gemv_max_k        residual add + RMSNorm fused into the next single-row GEMV for
-                             input widths up to this (0: never fused)
-      swiglu_gemv_max_k      SiLU(gate) * up fused into the down projection's single-row GEMV for
-                             input widths up to this (0: never fused)
-      attention_rope         the rotary embedding and the KV write folded into the attention launch
-      attention_max_kv_splits  the largest KV split count of the decode attention plan
-      pdl                    programmatic dependent launch between the decode kernels (Hopper)
-      pdl_max_rows           the largest batch whose kernels launch with PDL
+      decode_gemv            single-row projections (and the single-row LM head) run as one Triton GEMV
+                             launch instead of cuBLAS; off, the two fused GEMVs below are off too
+      norm_gemv_max_k        residual add + RMSNorm fused into the next single-row GEMV for input widths
+                             (hidden sizes) up to this; 0: never fused. Every GEMV program re-reads the whole
+                             row to normalize it. H100, batch 1: qwen2.5-0.5b (896) 0.82 vs 0.89 ms fused,
+                             llama-3.2-1b (2048) even, llama-3.1-8b (4096) 6.21 vs 5.81 ms (slower)
+      swiglu_gemv_max_k      SiLU(gate) * up fused into the down projection's single-row GEMV for input widths
+                             (intermediate sizes) up to this; 0: never fused. H100, batch 1: qwen2.5-0.5b (4864)
+                             even, llama-3.2-1b (8192) 1.253 vs 1.191 ms unfused, llama-3.1-8b (14336) slower
+      attention_rope         decode batches: the attention launch itself rotates q and k and writes the new
+                             k and v into the cache (one kernel less per layer); off, a rotary + KV-write
+                             kernel runs before it
+      attention_max_kv_splits  the most key splits (flash-decoding) the attention plan gives a small batch,
+                             in [1, MAX_KV_SPLITS]. H100, context 1024, batch 1: qwen2.5-0.5b 0.79 ms at 16 vs
+                             0.83-0.87 at 32; longer contexts were not measured and may want more
+      pdl                    programmatic dependent launch between the step's Triton kernels (compute
+                             capability >= 9.0): each may start while its predecessor drains. Kernel profiles
+                             want it off: kernels overlap and their individual times mean little
+      pdl_max_rows           the largest launch, in rows, that uses PDL. H100, qwen2.5-0.5b: batch 1 0.959 ->
+                             0.883 ms with PDL, but batch 8 1.218 -> 1.259 and 256 2.820 -> 3.052 (past one row
+                             the projections are cuBLAS GEMMs, and early Triton kernels only hold SM slots)
     Sampling:
       greedy_head            all-greedy batches take the argmax inside the LM head's GEMM
     """
@@ -403,8 +420,8 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KernelConfig.{name}={value!r} must be an int >= 0")
         splits = self.attention_max_kv_splits
-        if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
-            raise ValueError(f"KernelConfig.attention_max_kv_splits={splits!r} must be an int in [1, 64]")
+        if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_KV_SPLITS:
+            raise ValueError(f"KernelConfig.attention_max_kv_splits={splits!r} must be an int in [1, {MAX_KV_SPLITS}]")
         for f in dataclasses.fields(self):
             if f.type in (bool, "bool") and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"KernelConfig.{f.name}={getattr(self, f.name)!r} must be a bool")

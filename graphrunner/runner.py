@@ -116,7 +116,7 @@ class ModelRunner:
         self.pp = PipelineStage(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
                                 device=self.device, spec=spec) if groups.pp_size > 1 else None
         self.dp: LockstepDP | None = None
-        self.attn_backend = wrap_for_dcp(get_attention_backend(self.device), groups)  # DCP: KV sharded in the group
+        self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=groups.pp.is_last, spec=spec, pcp=pcp,

@@ -33,7 +33,7 @@ def make_runner(model: str = "builtin:tiny-llama", *, max_num_seqs=4, max_num_ba
         # compiled at the first step: inductor's codegen there cost ~10 s (cold) for what every
         # such test checks; inductor has its own test (test_piecewise.test_inductor_backend).
         compilation=compilation if compilation is not None else CompilationConfig(compile_backend="eager"),
-        kernel=kernel or KernelConfig(),
+        kernel=kernel if kernel is not None else KernelConfig(),
         dtype=dtype,
     )
     runner = ModelRunner(config, device)

@@ -22,9 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.attention import AttentionMetadata, get_attention_backend
-from graphrunner.attention.kv_write import write_kv, write_kv_torch
-from graphrunner.attention.torch_ref import TorchReferenceBackend
+from graphrunner.attention.base import rope_attention
+from graphrunner.attention.kv_write import write_kv
+from graphrunner.attention.torch_ref import TorchReferenceBackend, rotate_torch, write_kv_torch
+from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.layers.rotary import RotaryEmbedding
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 if HAS_TRITON:
@@ -462,7 +465,45 @@ def test_launch_grid_covers_every_token_once(qlens, pad_tokens, num_heads):
     assert seen == [1] * num_tokens
 
 
-# --------------------------------------------------------------------------- registry
+# --------------------------------------------------------------------------- registry and KernelConfig
+
+
+@needs_triton
+@pytest.mark.parametrize("rope_in_attention", [True, False])
+def test_triton_rope_attend_equals_the_torch_rotation_then_the_reference(rope_in_attention):
+    """A decode batch through `rope_attention` of a Triton backend (the rotary embedding and the KV write
+    in the attention launch, or the rotary + KV-write kernel first, as KernelConfig.attention_rope says)
+    against the torch backend's rotation, write and attention."""
+    batch = make_batch([(9, 1), (5, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=7)
+    positions = batch.metadata.seq_lens[:3].long() - 1
+    cos_sin = RotaryEmbedding(16, 64, 10000.0).cos_sin_cache
+    backend = get_attention_backend("cpu", "triton", KernelConfig(attention_rope=rope_in_attention))
+    assert backend.rope_in_attention == rope_in_attention
+    ref_cache = batch.kv_cache.clone()
+    ref = rope_attention(TorchReferenceBackend())(batch.q, batch.k, batch.v, positions, cos_sin, ref_cache,
+                                                  batch.metadata, 0.25)
+    got = rope_attention(backend)(batch.q, batch.k, batch.v, positions, cos_sin, batch.kv_cache, batch.metadata,
+                                  0.25)
+    torch.testing.assert_close(batch.kv_cache, ref_cache, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    written = ref_cache[0].flatten(0, 1)[batch.metadata.slot_mapping[:3]]  # the new keys, rotated
+    torch.testing.assert_close(written, rotate_torch(positions, batch.k, cos_sin), atol=0, rtol=0)
+
+
+@needs_triton
+def test_plan_caps_the_splits_at_kernel_config(monkeypatch):
+    """attention_max_kv_splits bounds the plan (132 SMs faked: batch 1 wants 132 splits)."""
+    import graphrunner.attention.triton_attn as triton_attn
+
+    monkeypatch.setattr(triton_attn, "sm_count", lambda device, cpu: 132)
+    cuda = torch.device("cuda", 0)
+    assert attention_launch_plan(1, 1, 14, 2, 64, cuda)["num_kv_splits"] == KernelConfig().attention_max_kv_splits
+    for cap in (1, 4, 32):
+        assert attention_launch_plan(1, 1, 14, 2, 64, cuda, cap)["num_kv_splits"] == cap
+    backend = get_attention_backend("cpu", "triton", KernelConfig(attention_max_kv_splits=4, pdl=True))
+    assert backend.max_kv_splits == 4 and backend.pdl_rows == 0  # no PDL off a GPU
+    with pytest.raises(ValueError, match=r"attention_max_kv_splits=33 must be an int in \[1, 32\]"):
+        KernelConfig(attention_max_kv_splits=33)
 
 
 def test_registry_defaults_and_errors():

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.attention.rope_kv import rope_write_kv_torch
+from graphrunner.attention.torch_ref import rope_write_kv_torch
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.layers.rotary import RotaryEmbedding
 from tests.test_attention import SENTINEL, heads, make_batch, request_lists
@@ -98,7 +98,7 @@ def test_refuses_what_it_cannot_serve():
 def test_gpu_bf16_fused_launch_equals_the_two_kernels(hk, head_dim, reqs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from graphrunner.attention.rope_kv import rope_write_kv_triton
+    from graphrunner.attention.kv_write import rope_write_kv_triton
 
     num_heads, num_kv_heads = hk
     batch = make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,

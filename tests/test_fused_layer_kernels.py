@@ -18,14 +18,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphrunner.attention.rope_kv import rope_write_kv_torch, rotate_torch
+from graphrunner.attention.torch_ref import rope_write_kv_torch, rotate_torch
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.layers.norm import add_rms_norm_torch
+from graphrunner.layers.norm import RMSNorm, add_rms_norm_torch
 from graphrunner.layers.rotary import RotaryEmbedding
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 if HAS_TRITON:
-    from graphrunner.attention.rope_kv import rope_write_kv_triton
+    from graphrunner.attention.kv_write import rope_write_kv_triton
     from graphrunner.layers.norm import add_rms_norm_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -103,13 +103,25 @@ def test_add_rms_norm_triton_matches_torch(num_tokens, hidden, seed):
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_triton
 def test_fused_add_rms_norm_op_is_sound():
-    """Schema and fake kernel of the custom op (its CPU implementation is the torch reference)."""
+    """Schema and fake kernel of the custom op (the Triton kernel, interpreted on CPU)."""
     import graphrunner.layers.norm as norm
 
     x, residual, weight = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16)
-    torch.library.opcheck(norm.fused_add_rms_norm, (x, residual, weight, 1e-5),
+    torch.library.opcheck(norm.fused_add_rms_norm, (x, residual, weight, 1e-5, 0),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_cpu_norm_takes_the_torch_reference():
+    """A norm built on the CPU is not fused (decided at construction) and adds, then normalizes, in torch."""
+    norm = RMSNorm(16, 1e-6, dtype=torch.float32)
+    assert not norm.fused and norm.pdl_rows == 0
+    norm.weight.data.normal_()
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    out, res = norm.add_norm(x, residual)
+    assert torch.equal(res, x + residual)
+    torch.testing.assert_close(out, add_rms_norm_torch(x, residual, norm.weight, 1e-6)[0], atol=0, rtol=0)
 
 
 # --------------------------------------------------------------------------- GPU

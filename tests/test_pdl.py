@@ -6,28 +6,33 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels import pdl as pdl_mod
+from graphrunner.kernels.device import DeviceProperties, device_properties
 
 CUDA = torch.cuda.is_available()
+HOPPER = DeviceProperties((9, 0), 132, 85_045_870_592, 52_428_800, 3.35e12)
+AMPERE = DeviceProperties((8, 0), 108, 85_045_870_592, 41_943_040, 2.04e12)
 
 
-def test_off_on_cpu_and_when_disabled(monkeypatch):
-    monkeypatch.setattr(pdl_mod, "PDL", True)
-    assert pdl_mod.pdl_launch(torch.device("cpu"), 1) == {}
-    assert not pdl_mod.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setattr(pdl_mod, "PDL", False)
-    assert not pdl_mod.pdl_enabled(torch.device("cuda", 0))
-    assert pdl_mod.pdl_launch(torch.device("cuda", 0), 1) == {}
+def test_max_rows_follow_kernel_config_and_the_device():
+    """Off a GPU, below compute capability 9.0, or with KernelConfig.pdl off: no launch uses PDL;
+    otherwise launches of up to KernelConfig.pdl_max_rows rows (the step's decode chain at batch 1)."""
+    assert pdl_mod.pdl_max_rows(KernelConfig(), None) == 0
+    assert pdl_mod.pdl_max_rows(KernelConfig(), AMPERE) == 0
+    assert pdl_mod.pdl_max_rows(KernelConfig(pdl=False), HOPPER) == 0
+    if HAS_TRITON:
+        assert pdl_mod.pdl_max_rows(KernelConfig(), HOPPER) == 1
+        assert pdl_mod.pdl_max_rows(KernelConfig(pdl_max_rows=8), HOPPER) == 8
 
 
-def test_launch_only_up_to_max_rows(monkeypatch):
-    """PDL applies to launches of at most PDL_MAX_ROWS rows; larger ones keep the full
-    dependency (measured slower with it: the module's comment)."""
-    monkeypatch.setattr(pdl_mod, "pdl_enabled", lambda device: True)
-    monkeypatch.setattr(pdl_mod, "PDL_MAX_ROWS", 4)
-    dev = torch.device("cuda", 0)
-    assert [bool(pdl_mod.pdl_launch(dev, rows)) for rows in (1, 4, 5, 256)] == [True, True, False, False]
+def test_launch_only_up_to_max_rows():
+    """PDL applies to launches of at most max_rows rows; larger ones keep the full dependency
+    (measured slower with it: KernelConfig's docstring)."""
+    assert [bool(pdl_mod.pdl_launch(rows, 4)) for rows in (1, 4, 5, 256)] == [True, True, False, False]
+    assert pdl_mod.pdl_launch(1, 0) == {} and pdl_mod.pdl_launch(0, 4) == {}
+    assert pdl_mod.pdl_launch(1, 1) == {"launch_pdl": True}
 
 
 if HAS_TRITON:
@@ -63,12 +68,11 @@ def _chain(value, mid, out, gdc: bool, launch: dict):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-def test_consumer_sees_producer_in_graph_replays(monkeypatch):
+def test_consumer_sees_producer_in_graph_replays():
     dev = torch.device("cuda")
-    monkeypatch.setattr(pdl_mod, "PDL", True)  # on whatever GRAPHRUNNER_PDL says
-    if not pdl_mod.pdl_enabled(dev):
+    if not pdl_mod.pdl_max_rows(KernelConfig(), device_properties(dev)):
         pytest.skip("PDL needs compute capability >= 9.0")
-    gdc, launch = True, pdl_mod.pdl_launch(dev, 1)
+    gdc, launch = True, pdl_mod.pdl_launch(1, 1)
     assert launch == {"launch_pdl": True}
     value = torch.ones(1, device=dev)
     mid = torch.empty(1 << 22, device=dev)
@@ -90,26 +94,34 @@ def test_consumer_sees_producer_in_graph_replays(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
-def test_step_with_pdl_gives_the_same_tokens(monkeypatch, mode):
+def test_step_with_pdl_gives_the_same_tokens(mode):
     """The whole decode step (GEMV, add + norm, rope / KV write, attention and its split merge
-    launched with PDL) against the same runner without it: identical greedy and seeded tokens,
-    batch 1 and mixed batches, eager warm-up and graph replays."""
-    from graphrunner import LLM, SamplingParams
+    launched with PDL) against the same runner without it (KernelConfig.pdl): identical greedy and
+    seeded tokens, batch 1 and mixed batches, eager warm-up and graph replays."""
+    from graphrunner.config import CompilationConfig
+    from graphrunner.protocol import SamplingParams
+    from tests.runner_driver import Driver, make_runner
 
-    if not pdl_mod._device_has_pdl(torch.cuda.current_device()):
+    if not pdl_mod.pdl_max_rows(KernelConfig(), device_properties("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0")
     prompts = [[(11 * i + j) % 2000 for j in range(2 + 13 * i)] for i in range(5)]
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)] * 2
-    params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160,
-              block_size=16, num_kv_blocks=64, enforce_eager=False, cudagraph_mode=mode)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)] * 2
+    params.append(SamplingParams(temperature=0.0))
     tokens = {}
     for on in (False, True):
-        monkeypatch.setattr(pdl_mod, "PDL", on)
-        llm = LLM("builtin:tiny-llama", **kw)
-        tokens[on] = [o.token_ids for o in llm.generate(prompts, params)]
-        tokens[on, "single"] = llm.generate([prompts[3]], params[0])[0].token_ids
-        del llm
-    assert tokens[True] == tokens[False]
+        for batch in ("mixed", "single"):
+            runner = make_runner(device="cuda", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
+                                 max_model_len=160, block_size=16,
+                                 num_blocks=64, compilation=CompilationConfig(cudagraph_mode=mode),
+                                 kernel=KernelConfig(pdl=on))
+            runner.capture_model()
+            driver = Driver(runner)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                if batch == "mixed" or i == 3:
+                    driver.add(str(i), prompt, p, max_len=160)
+            for _ in range(24):
+                driver.step()
+            tokens[on, batch] = {rid: r.outputs for rid, r in driver.reqs.items()}
+            del runner, driver
+    assert tokens[True, "mixed"] == tokens[False, "mixed"]
     assert tokens[True, "single"] == tokens[False, "single"]

@@ -2,6 +2,7 @@
 
 import pytest
 
+from graphrunner.kernels import HAS_TRITON
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from tests.runner_driver import Driver, make_runner
 
@@ -199,3 +200,40 @@ def test_profile_run_before_kv_cache_uses_no_live_state():
 
     profile_run(r.body, r.kv_cache_shape)
     assert r.req_states.num_live == 0 and r.buffers.kv_caches == [] and r.buffers.block_tables is None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_two_runners_in_one_process_keep_their_own_kernel_plans(monkeypatch):
+    """Each runner's layers and attention are planned when they are built, from that runner's KernelConfig.
+    With GPU-class device properties faked for the CPU (the Triton kernels then run interpreted), one runner's
+    projections take the GEMV method (its SwiGLU fusion off by config), the other's torch; the first runner
+    keeps its plan after the second is built, and both give the same greedy tokens."""
+    import graphrunner.layers.linear as linear
+    from graphrunner.config import KernelConfig
+    from graphrunner.kernels.device import DeviceProperties
+
+    no_pdl = DeviceProperties((8, 0), 108, 85_000_000_000, 41_943_040, 2.04e12)  # PDL needs 9.0 (not interpreted)
+    monkeypatch.setattr(linear, "device_properties", lambda device: no_pdl)
+    runners = {"gemv": make_runner(kernel=KernelConfig(swiglu_gemv_max_k=0)),
+               "torch": make_runner(kernel=KernelConfig(decode_gemv=False))}
+    layers = {name: r.model.model.local_layers[0] for name, r in runners.items()}
+    gemv = layers["gemv"].mlp.down_proj.method
+    assert isinstance(gemv, linear.GemvMethod) and not gemv.fuse_swiglu and gemv.norm_tile
+    assert isinstance(layers["gemv"].self_attn.qkv_proj.method, linear.GemvMethod)
+    heads = {name: r.model.lm_head or r.model.model.embed_tokens for name, r in runners.items()}
+    assert heads["gemv"].method.name == "gemv"
+    for layer in (layers["torch"].mlp.down_proj, layers["torch"].self_attn.o_proj, heads["torch"]):
+        assert layer.method is linear.TORCH_LINEAR
+    tokens = {}
+    for name, r in runners.items():
+        driver = Driver(r)
+        driver.add("a", [5, 9, 11, 3, 7, 100, 200])
+        for _ in range(3):
+            driver.step()
+        driver.add("b", list(range(1, 12)))
+        for _ in range(2):
+            driver.step()
+        tokens[name] = {rid: req.outputs for rid, req in driver.reqs.items()}
+    assert tokens["gemv"] == tokens["torch"]
+    assert isinstance(layers["gemv"].mlp.down_proj.method, linear.GemvMethod)

@@ -7,11 +7,18 @@ its request's cached context (causal within the request). Every field of
 object is valid inside a captured graph.
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(index 0 = keys, 1 = values).
+(index 0 = keys, 1 = values), stored head-major (graphrunner.kv_shape); every kernel takes
+the strides.
+
+A layer calls its backend once, with q and k not yet rotated: `rope_attention(backend)`,
+looked up when the layer is built, is the backend's own `rope_attend` (which may fold the
+rotary embedding and the KV write into its kernels), or for a backend that implements only
+`forward`, the torch rotation followed by `forward`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,3 +59,24 @@ class AttentionBackend(Protocol):
         out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place if given
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of padded tokens are unspecified
         ...
+
+
+RopeAttend = Callable[..., torch.Tensor]  # (q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None)
+
+
+def rope_attention(backend: Any) -> RopeAttend:
+    """What a layer calls for the rotary embedding, the KV write and attention (module docstring).
+
+    Arguments: q [T, H, D] and k [T, Hkv, D] not yet rotated, v [T, Hkv, D], positions [T] int64,
+    cos_sin [max_positions, D] float32 (cos | sin), the layer's kv_cache, metadata, scale and an
+    optional out [T, H, D] written in place; returns [T, H, D]."""
+    rope_attend = getattr(backend, "rope_attend", None)
+    if rope_attend is not None:
+        return rope_attend
+    from graphrunner.attention.torch_ref import rotate_torch
+
+    def rotate_then_forward(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+        q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
+        return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out)
+
+    return rotate_then_forward

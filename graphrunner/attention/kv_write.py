@@ -1,30 +1,38 @@
-"""Write a step's new keys and values into the paged KV cache.
+"""The Triton kernels that write a step's new keys and values into the paged KV cache.
 
 Slot s of the cache is `(block s // block_size, offset s % block_size)`; slot -1 marks
-a token whose k/v must not be written (padding, docs/architecture.md §4). Both implementations
-below are graph-safe: no host sync, no value-dependent shapes, writes in place.
+a token whose k/v must not be written (padding, docs/architecture.md §4). Both kernels are
+graph-safe: no host sync, no value-dependent shapes, writes in place; their torch references
+(`write_kv_torch`, `rope_write_kv_torch`) live in torch_ref.py.
 
 - `write_kv_triton`: one program per token; a token with slot -1 stores nothing.
-- `write_kv_torch`: one `index_put_` per cache half. A tensor op cannot "skip" an
-  element, and sending skipped tokens to a fixed slot (say 0) would overwrite the
-  k/v of whichever live request owns that slot. Instead every skipped token is
-  redirected to the slot *and the values* of one live token of the batch, so that
-  slot receives several writes of identical data and the result does not depend on
-  their order. When no token of the batch is live, every token rewrites slot 0 with
-  the cache's own current content, which changes nothing.
+- `rope_write_kv_triton`: the rotary embedding fused with the write, one kernel per layer
+  instead of five. Before attention a decoder layer rotates q and k by each token's position
+  (Neox style), makes v contiguous and writes k/v into the cache; compiled as separate ops that
+  is five graph nodes per layer (the cos/sin gather, the q rotation, the k rotation, the v copy,
+  the KV write), and at batch 1 each costs more in launch and drain than in memory traffic.
+  This kernel does all of it in one program per token: it gathers the token's cos/sin row,
+  rotates every q head into a fresh contiguous `q_rot`, and stores the rotated k and the
+  (strided) v at the token's slot, skipping slot -1 as `write_kv_triton` does. cos/sin are
+  rounded to the activation dtype first (as Hugging Face does); each rotated element is
+  computed in fp32 and rounded once, as inductor's fused rotary kernel computes it too.
 
-`write_kv` picks Triton for CUDA tensors when triton imports, else the torch path.
+`write_kv` picks the Triton kernel for CUDA tensors when triton imports, else the torch path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from graphrunner.attention.torch_ref import check_kv_args, check_rope_args, write_kv_torch
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels.pdl import pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from graphrunner.kernels.pdl import pdl_wait
 
     @triton.jit
     def _write_kv_kernel(
@@ -65,52 +73,58 @@ if HAS_TRITON:
         tl.store(dst, k.to(ty), mask=mask)
         tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
 
+    @triton.jit
+    def _rope_write_kv_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, cache_ptr,
+        block_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kt, stride_kh, stride_kd,
+        stride_vt, stride_vh, stride_vd,
+        stride_cs,
+        stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,  # head_dim // 2
+        H_PAD: tl.constexpr,
+        HKV_PAD: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL (graphrunner.kernels.pdl): wait before the first access
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        pdl_wait(GDC)
+        pos = tl.load(pos_ptr + t)
+        j = tl.arange(0, HALF_PAD)
+        j_ok = j < HALF
+        ty = q_out_ptr.dtype.element_ty
+        # cos | sin halves of the position's row, rounded to the activation dtype (as HF).
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_ok).to(ty).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_ok).to(ty).to(tl.float32)[None, :]
 
-def check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Host-side shape checks (metadata only, safe during capture)."""
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, num_kv_heads, head_dim]")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}, expected [2, num_blocks, block_size, num_kv_heads, head_dim]"
-        )
-    if tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
-        raise ValueError(
-            f"k/v heads x dim {tuple(k.shape[1:])} do not match kv_cache heads x dim {tuple(kv_cache.shape[3:])}"
-        )
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected [{k.shape[0]}]")
-    if slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping has dtype {slot_mapping.dtype}, expected torch.int64")
+        h = tl.arange(0, H_PAD)[:, None]
+        mask = (h < NUM_HEADS) & j_ok[None, :]
+        src = q_ptr + t * stride_qt + h * stride_qh + j[None, :] * stride_qd
+        x1 = tl.load(src, mask=mask).to(tl.float32)
+        x2 = tl.load(src + HALF * stride_qd, mask=mask).to(tl.float32)
+        dst = q_out_ptr + (t * NUM_HEADS + h) * (2 * HALF) + j[None, :]  # q_rot is contiguous [T, H, D]
+        tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
-
-def write_kv_torch(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
-) -> None:
-    """Torch reference of `write_kv`: graph-safe, see the module docstring for how -1 is skipped."""
-    check_kv_args(k, v, kv_cache, slot_mapping)
-    if k.shape[0] == 0:
-        return
-    block_size = kv_cache.shape[2]
-    live = slot_mapping >= 0  # [T] bool
-    any_live = live.any()  # 0-d bool, stays on the device
-    first = live.to(torch.int32).argmax().reshape(1)  # [1]: first live token (0 when none)
-    # Redirect target for skipped tokens: the first live token's slot, else slot 0.
-    fallback_slot = torch.where(
-        any_live, slot_mapping.index_select(0, first), torch.zeros_like(first, dtype=torch.int64)
-    )
-    slots = torch.where(live, slot_mapping, fallback_slot)  # [T], all valid
-    blk, off = slots // block_size, slots % block_size
-    live3 = live.view(-1, 1, 1)
-    for half, new in ((kv_cache[0], k), (kv_cache[1], v)):
-        new = new.to(half.dtype)
-        # Value for redirected tokens: the first live token's own row, else slot 0's current content.
-        fallback = torch.where(any_live, new.index_select(0, first), half[0, 0].unsqueeze(0))  # [1, Hkv, D]
-        values = torch.where(live3, new, fallback)  # [T, Hkv, D]
-        half.index_put_((blk, off), values)
+        slot = tl.load(slot_ptr + t)  # int64; -1 = do not write
+        hk = tl.arange(0, HKV_PAD)[:, None]
+        kv_mask = (hk < NUM_KV_HEADS) & j_ok[None, :] & (slot >= 0)
+        ksrc = k_ptr + t * stride_kt + hk * stride_kh + j[None, :] * stride_kd
+        k1 = tl.load(ksrc, mask=kv_mask).to(tl.float32)
+        k2 = tl.load(ksrc + HALF * stride_kd, mask=kv_mask).to(tl.float32)
+        vsrc = v_ptr + t * stride_vt + hk * stride_vh + j[None, :] * stride_vd
+        v1 = tl.load(vsrc, mask=kv_mask)
+        v2 = tl.load(vsrc + HALF * stride_vd, mask=kv_mask)
+        cty = cache_ptr.dtype.element_ty
+        kdst = (cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
+                + hk * stride_c_h + j[None, :] * stride_c_d)
+        tl.store(kdst, (k1 * cos - k2 * sin).to(ty).to(cty), mask=kv_mask)
+        tl.store(kdst + HALF * stride_c_d, (k2 * cos + k1 * sin).to(ty).to(cty), mask=kv_mask)
+        tl.store(kdst + stride_c_kv, v1.to(cty), mask=kv_mask)
+        tl.store(kdst + stride_c_kv + HALF * stride_c_d, v2.to(cty), mask=kv_mask)
 
 
 def write_kv_triton(
@@ -142,6 +156,48 @@ def write_kv_triton(
     )
 
 
+def rope_write_kv_triton(
+    q: torch.Tensor,  # [T, H, D], any strides
+    k: torch.Tensor,  # [T, Hkv, D], any strides
+    v: torch.Tensor,  # [T, Hkv, D], any strides
+    positions: torch.Tensor,  # [T] int64
+    cos_sin: torch.Tensor,  # [max_positions, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    pdl_rows: int = 0,  # launches of at most this many tokens use PDL (graphrunner.kernels.pdl)
+) -> torch.Tensor:  # q_rot [T, H, D] contiguous
+    """Rotate q and k by `positions`, write rotated k and v at `slot_mapping`; return rotated q.
+
+    One launch of T programs; runs on CPU tensors under TRITON_INTERPRET=1.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("rope_write_kv_triton needs triton, which failed to import; use rope_write_kv_torch")
+    check_rope_args(q, k, positions, cos_sin)
+    check_kv_args(k, v, kv_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    q_rot = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_rot
+    num_kv_heads = k.shape[1]
+    launch = pdl_launch(num_tokens, pdl_rows)
+    _rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin, slot_mapping, q_rot, kv_cache,
+        kv_cache.shape[2],
+        *q.stride(), *k.stride(), *v.stride(),
+        cos_sin.stride(0),
+        *kv_cache.stride(),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        H_PAD=triton.next_power_of_2(num_heads),
+        HKV_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        GDC=bool(launch),
+        **launch,
+    )
+    return q_rot
+
+
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -158,3 +214,6 @@ def write_kv(
         write_kv_triton(k, v, kv_cache, slot_mapping)
     else:
         write_kv_torch(k, v, kv_cache, slot_mapping)
+
+
+__all__ = ["rope_write_kv_triton", "write_kv", "write_kv_triton"]

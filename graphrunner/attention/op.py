@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.attention.base import AttentionBackend, AttentionMetadata
-from graphrunner.attention.rope_kv import rope_then_attend
+from graphrunner.attention.base import AttentionBackend, AttentionMetadata, rope_attention
 
 OP_NAME = "graphrunner::unified_attention"
 
@@ -93,15 +92,15 @@ def unified_attention(
 ) -> None:
     """Rotate q/k, write layer `layer_index`'s k/v into its cache and attend, into `out` (eager).
 
-    The rotary embedding lives inside the op so that it fuses with the KV write
-    (`graphrunner.attention.rope_kv`): one kernel instead of five per layer.
+    The rotary embedding lives inside the op so that the backend can fuse it with the KV
+    write and attention (`graphrunner.attention.base.rope_attention`).
     """
     ctx = current_forward_context()
     if not 0 <= layer_index < len(ctx.kv_caches):
         raise IndexError(f"layer_index={layer_index} is out of range for {len(ctx.kv_caches)} kv caches")
     # The KV cache is mutated too, but it is not an argument: compiled code never sees it.
-    rope_then_attend(ctx.backend, q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_index], ctx.metadata,
-                     scale, out=out)
+    rope_attention(ctx.backend)(q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_index], ctx.metadata, scale,
+                                out=out)
 
 
 @unified_attention.register_fake

@@ -4,6 +4,9 @@ Plain and explicit rather than fast: it reads the metadata back to the host and 
 over requests, so it is *not* graph-safe on CUDA (FULL graphs need the Triton backend;
 on CPU, "capture" re-runs the step eagerly, where host reads are fine).
 
+Every torch reference of the attention kernels lives here too: the KV write (`write_kv_torch`),
+the rotary embedding (`rotate_torch`) and the two together (`rope_write_kv_torch`).
+
 Log-sum-exp. Every paged backend can also write, per query token and head, the natural
 log-sum-exp of the scaled scores over the keys that token attended to (`out_lse`,
 [T, H] fp32): what lets partial attention over disjoint key shards be merged exactly
@@ -16,7 +19,94 @@ from __future__ import annotations
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.kv_write import write_kv
+
+
+def check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Host-side shape checks (metadata only, safe during capture)."""
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, num_kv_heads, head_dim]")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}, expected [2, num_blocks, block_size, num_kv_heads, head_dim]"
+        )
+    if tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(
+            f"k/v heads x dim {tuple(k.shape[1:])} do not match kv_cache heads x dim {tuple(kv_cache.shape[3:])}"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected [{k.shape[0]}]")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping has dtype {slot_mapping.dtype}, expected torch.int64")
+
+
+def write_kv_torch(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Write token t's k/v at cache slot `slot_mapping[t]`, skipping slot -1, in place (graph-safe).
+
+    One `index_put_` per cache half. A tensor op cannot "skip" an element, and sending skipped
+    tokens to a fixed slot (say 0) would overwrite the k/v of whichever live request owns that
+    slot. Instead every skipped token is redirected to the slot *and the values* of one live
+    token of the batch, so that slot receives several writes of identical data and the result
+    does not depend on their order. When no token of the batch is live, every token rewrites
+    slot 0 with the cache's own current content, which changes nothing.
+    """
+    check_kv_args(k, v, kv_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    block_size = kv_cache.shape[2]
+    live = slot_mapping >= 0  # [T] bool
+    any_live = live.any()  # 0-d bool, stays on the device
+    first = live.to(torch.int32).argmax().reshape(1)  # [1]: first live token (0 when none)
+    # Redirect target for skipped tokens: the first live token's slot, else slot 0.
+    fallback_slot = torch.where(
+        any_live, slot_mapping.index_select(0, first), torch.zeros_like(first, dtype=torch.int64)
+    )
+    slots = torch.where(live, slot_mapping, fallback_slot)  # [T], all valid
+    blk, off = slots // block_size, slots % block_size
+    live3 = live.view(-1, 1, 1)
+    for half, new in ((kv_cache[0], k), (kv_cache[1], v)):
+        new = new.to(half.dtype)
+        # Value for redirected tokens: the first live token's own row, else slot 0's current content.
+        fallback = torch.where(any_live, new.index_select(0, first), half[0, 0].unsqueeze(0))  # [1, Hkv, D]
+        values = torch.where(live3, new, fallback)  # [T, Hkv, D]
+        half.index_put_((blk, off), values)
+
+
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Host-side checks (metadata only, safe during capture)."""
+    if q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, num_heads, head_dim] like k {tuple(k.shape)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"head_dim={q.shape[2]} must be even for rotary embeddings")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [{q.shape[0]}]")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != q.shape[2] or cos_sin.dtype != torch.float32:
+        raise ValueError(
+            f"cos_sin_cache is {cos_sin.dtype} {tuple(cos_sin.shape)}, expected float32 [max_positions, {q.shape[2]}]"
+        )
+
+
+def rotate_torch(
+    positions: torch.Tensor,  # [T] int64
+    x: torch.Tensor,  # [T, heads, D]
+    cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin
+) -> torch.Tensor:  # [T, heads, D], contiguous, x's dtype
+    """Neox rotation of `x` by position, computed as the fused kernel does (fp32, one rounding)."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_write_kv_torch(q, k, v, positions, cos_sin, kv_cache, slot_mapping) -> torch.Tensor:
+    """Torch reference of `rope_write_kv_triton` (same arguments, same result)."""
+    check_rope_args(q, k, positions, cos_sin)
+    write_kv_torch(rotate_torch(positions, k, cos_sin), v, kv_cache, slot_mapping)
+    return rotate_torch(positions, q, cos_sin)
 
 
 def check_attention_args(
@@ -120,12 +210,9 @@ def _key_positions(seq_len: int, dcp: tuple[int, int, int] | None, device: torch
 
 class WriteThenAttendBackend:
     """The backend protocol as every paged backend implements it: write k/v into the
-    cache at `metadata.slot_mapping`, then attend (subclasses supply `attend`)."""
+    cache at `metadata.slot_mapping`, then attend (subclasses supply `write_kv` and `attend`)."""
 
     name = "base"
-    # The write is `write_kv` at the slot mapping and nothing else, so the fused rotary +
-    # KV-write kernel (graphrunner.attention.rope_kv) may do it in the backend's place.
-    writes_kv_plainly = True
 
     def forward(
         self,
@@ -143,10 +230,18 @@ class WriteThenAttendBackend:
         slots = metadata.slot_mapping[: metadata.num_tokens]
         if metadata.kv_gather is not None:  # PCP: every rank writes every token of the group
             k, v, slots = metadata.kv_gather.gather(k, v)
-        write_kv(k, v, kv_cache, slots)
+        self.write_kv(k, v, kv_cache, slots)
         if out is None:
             out = torch.empty_like(q)
         return self.attend(q, kv_cache, metadata, scale, out, out_lse)
+
+    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+        """q and k not yet rotated: the rotary embedding (torch), then `forward`."""
+        q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
+        return self.forward(q, k, v, kv_cache, metadata, scale, out=out)
+
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        raise NotImplementedError
 
     def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
         raise NotImplementedError
@@ -156,6 +251,9 @@ class TorchReferenceBackend(WriteThenAttendBackend):
     """Attention by paged gather + dense masked softmax, one request at a time (CPU path)."""
 
     name = "torch"
+
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        write_kv_torch(k, v, kv_cache, slot_mapping)
 
     def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
         return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse, dcp)

@@ -44,28 +44,26 @@ compiles without those stores, so attention without an LSE buffer runs the same 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.rope_kv import check_rope_args
-from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args
+from graphrunner.attention.kv_write import rope_write_kv_triton, write_kv_triton
+from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args, check_rope_args
+from graphrunner.config import MAX_KV_SPLITS, KernelConfig
 from graphrunner.kernels import HAS_TRITON, sm_count
-from graphrunner.kernels.pdl import pdl_launch
+from graphrunner.kernels.device import device_properties
+from graphrunner.kernels.pdl import pdl_launch, pdl_max_rows
 
 # Finite stand-in for -inf as the running max: keeps exp2(m_old - m_new) at 1 (not NaN)
 # for rows that have seen no visible key yet.
 _NEG_BIG = -1.0e30
 _MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
-_MAX_KV_SPLITS = 32
-# The plan's largest split count (GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS, read once at import). H100,
-# context 1024, FULL, batch 1: qwen2.5-0.5b
-# 0.794 / 0.790 ms at 16 against 0.865 / 0.832 at 32, llama-3.1-8b 6.66-6.75 against 6.80 (with
-# the rotary + KV write in the launch; at 1024 keys in 128-key blocks only 9 splits hold keys
-# either way).
-# Longer contexts were not measured; they may want more.
-_PLAN_MAX_SPLITS = min(_MAX_KV_SPLITS, int(os.environ.get("GRAPHRUNNER_ATTN_PLAN_MAX_SPLITS", "16")))
+# The plan's largest split count by default (KernelConfig.attention_max_kv_splits). H100, context
+# 1024, FULL, batch 1: qwen2.5-0.5b 0.794 / 0.790 ms at 16 against 0.865 / 0.832 at 32,
+# llama-3.1-8b 6.66-6.75 against 6.80 (with the rotary + KV write in the launch; at 1024 keys in
+# 128-key blocks only 9 splits hold keys either way). Longer contexts were not measured.
+_PLAN_MAX_SPLITS = KernelConfig().attention_max_kv_splits
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -97,9 +95,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _rotate(rows, stride_d, pos, cs_ptr, stride_cs, ok, d, HEAD_DIM: tl.constexpr):
-        """Neox rotation of rows[..., d] by pos, as rope_kv's kernel computes it: cos / sin rounded
-        to the activation dtype, fp32 arithmetic, one rounding (a [.., D_PAD] tile, zeros where
-        masked). pos and ok broadcast against d."""
+        """Neox rotation of rows[..., d] by pos, as kv_write.py's rotary + KV-write kernel computes
+        it: cos / sin rounded to the activation dtype, fp32 arithmetic, one rounding (a [.., D_PAD]
+        tile, zeros where masked). pos and ok broadcast against d."""
         HALF: tl.constexpr = HEAD_DIM // 2
         ty = rows.dtype.element_ty
         first = d < HALF
@@ -458,7 +456,8 @@ def _next_pow2(x: int) -> int:
 
 
 def attention_launch_plan(
-    num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    max_kv_splits: int = _PLAN_MAX_SPLITS,
 ) -> dict[str, int]:
     """Tile sizes, grid and launch options of `paged_attention_triton` for a padded batch shape.
 
@@ -467,7 +466,7 @@ def attention_launch_plan(
     (no more tokens than requests) get the smallest tile that still feeds `tl.dot`
     and long key blocks; longer queries get taller tiles so that each key block is
     reused by more rows. Block sizes / stages were picked by a sweep on an H200
-    (bf16, head_dim 64 and 128).
+    (bf16, head_dim 64 and 128). Small batches split the keys, up to `max_kv_splits` ways.
     """
     group = num_heads // num_kv_heads
     g_pad = _next_pow2(group)
@@ -483,12 +482,12 @@ def attention_launch_plan(
         # Tiles that can hold real work: one per request at least, more for long queries.
         busy = max(min(num_reqs, num_tokens), -(-num_tokens // block_q)) * num_kv_heads
         num_sms = sm_count(device, cpu=1)
-        num_kv_splits = max(1, min(_PLAN_MAX_SPLITS, (2 * num_sms) // max(busy, 1)))
+        num_kv_splits = max(1, min(max_kv_splits, (2 * num_sms) // max(busy, 1)))
     num_warps = 4
     if decode_like and d_pad <= 64 and num_kv_splits == 1:
         # Large decode batches of small heads: 64-key blocks and 2 warps keep more programs
         # resident per SM; on an H100 batch 256 of a 14/2 x 64 model ran 74.8 -> 55.1 µs
-        # (the KV-read floor; tools/bench/attn_sweep.py). Head dim 128 gains nothing.
+        # (the KV-read floor). Head dim 128 gains nothing.
         block_n, num_warps = 64, 2
     return {
         "block_q": block_q,
@@ -496,9 +495,8 @@ def attention_launch_plan(
         "d_pad": d_pad,
         "num_tiles": num_tiles,
         # Decode grid (module docstring) once (request, KV head) pairs alone fill the GPU (at most
-        # two splits): on an H100, 14/2 x 64 heads, context 1024 (tools/bench/attn_sweep.py
-        # --decode-grid both), batch 256 55.2 -> 52.5 µs and batch 64 16.7 -> 15.1 µs; at batch 1
-        # (32 splits) the search grid stays ahead, 5.6 vs 5.9 µs.
+        # two splits): on an H100, 14/2 x 64 heads, context 1024, batch 256 55.2 -> 52.5 µs and
+        # batch 64 16.7 -> 15.1 µs; at batch 1 (32 splits) the search grid stays ahead, 5.6 vs 5.9 µs.
         "decode_grid": decode_like and num_kv_splits <= 2,
         "num_kv_splits": num_kv_splits,
         "block_n": block_n,
@@ -551,6 +549,8 @@ def paged_attention_triton(
     dcp: tuple[int, int, int] | None = None,
     decode_grid: bool | None = None,
     rope_kv: RopeKV | None = None,
+    max_kv_splits: int = _PLAN_MAX_SPLITS,
+    pdl_rows: int = 0,
 ) -> torch.Tensor:
     """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
 
@@ -576,10 +576,11 @@ def paged_attention_triton(
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_tokens == 0:
         return out
-    plan = attention_launch_plan(num_tokens, metadata.num_reqs, num_heads, num_kv_heads, head_dim, q.device)
+    plan = attention_launch_plan(num_tokens, metadata.num_reqs, num_heads, num_kv_heads, head_dim, q.device,
+                                 max_kv_splits)
     splits = plan["num_kv_splits"] if num_kv_splits is None else num_kv_splits
-    if not 1 <= splits <= _MAX_KV_SPLITS:
-        raise ValueError(f"num_kv_splits={splits} must be in [1, {_MAX_KV_SPLITS}]")
+    if not 1 <= splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits={splits} must be in [1, {MAX_KV_SPLITS}]")
     d_pad = plan["d_pad"]
     block_n = plan["block_n"] if block_n is None else block_n
     num_warps = plan["num_warps"] if num_warps is None else num_warps
@@ -600,7 +601,7 @@ def paged_attention_triton(
     lse = out_lse if out_lse is not None else out  # unused by the kernel unless STORE_LSE
     lse_strides = out_lse.stride() if out_lse is not None else (0, 0)
     block_table = metadata.block_table
-    launch = pdl_launch(q.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
+    launch = pdl_launch(num_tokens, pdl_rows)
     gdc = bool(launch)
     registers = {"maxnreg": maxnreg} if maxnreg else {}  # 0: no cap, the option left out
     by_request = (plan["decode_grid"] or rope_kv is not None) if decode_grid is None else decode_grid
@@ -671,22 +672,44 @@ def paged_attention_triton(
 
 
 class TritonPagedAttentionBackend(WriteThenAttendBackend):
-    """Graph-safe paged attention: Triton KV write, then one mixed-batch Triton launch."""
+    """Graph-safe paged attention: Triton KV write, then one mixed-batch Triton launch.
+
+    Built for one device under a `KernelConfig`: the plan's split cap, PDL, and whether decode
+    batches fold the rotary embedding and the KV write into the attention launch."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: KernelConfig | None = None, device: torch.device | str | None = None) -> None:
         if not HAS_TRITON:
             raise RuntimeError("TritonPagedAttentionBackend needs triton, which failed to import")
+        kernel = kernel or KernelConfig()
+        self.rope_in_attention = kernel.attention_rope
+        self.max_kv_splits = kernel.attention_max_kv_splits
+        self.pdl_rows = pdl_max_rows(kernel, device_properties(device))
+
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        write_kv_triton(k, v, kv_cache, slot_mapping)
 
     def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
-        return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse, dcp=dcp)
+        return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse, dcp=dcp,
+                                      max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows)
 
-    def attend_rope(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out) -> torch.Tensor:
-        """q and k unrotated: rotary embedding, KV write and attention in the attention launch
-        (`RopeKV`; its decode grid suits decode batches, which rope_then_attend sends here)."""
-        rope = RopeKV(k, v, positions, cos_sin, metadata.slot_mapping)
-        return paged_attention_triton(q, kv_cache, metadata, scale, out, rope_kv=rope)
+    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+        """q and k not yet rotated. A decode batch (no more tokens than requests): the attention
+        launch rotates, writes and attends (`RopeKV`, with its decode grid). Other batches: the
+        rotary + KV-write kernel, then attention. Under prefill context parallelism (k/v
+        all-gathered before the write): the torch rotation, then `forward`."""
+        if metadata.kv_gather is not None:
+            return super().rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous like q_rot
+        if self.rope_in_attention and q.shape[0] <= metadata.num_reqs:
+            rope = RopeKV(k, v, positions, cos_sin, metadata.slot_mapping)
+            return paged_attention_triton(q, kv_cache, metadata, scale, out, rope_kv=rope,
+                                          max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows)
+        slots = metadata.slot_mapping[: metadata.num_tokens]
+        q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, kv_cache, slots, self.pdl_rows)
+        return self.attend(q_rot, kv_cache, metadata, scale, out)
 
 
 __all__ = ["RopeKV", "TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner.config import KernelConfig
 from graphrunner.distributed.comm import TPComm
-from graphrunner.layers.decode_linear import gemv_serves, gemv_triton, linear
+from graphrunner.layers.linear import linear_method
 from graphrunner.sample.argmax import argmax_rows
 from graphrunner.sample.greedy_head import greedy_head_fits, greedy_head_serves, greedy_head_triton
 
@@ -26,7 +27,7 @@ class _VocabParallel(nn.Module):
     """Owns this rank's [Vp, hidden] slice of a [vocab, hidden] matrix."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device, tp: TPComm | None,
-                 greedy_head: bool = True) -> None:
+                 kernel: KernelConfig | None) -> None:
         super().__init__()
         self.tp = tp or TPComm()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
@@ -35,8 +36,10 @@ class _VocabParallel(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        kernel = kernel or KernelConfig()
+        self.method = linear_method(kernel, self.weight)  # the head's projection
         # KernelConfig.greedy_head, where the fused kernel can serve this head (one rank, CUDA, half precision)
-        self.fused_greedy = greedy_head and self.tp.size == 1 and greedy_head_fits(self.weight)
+        self.fused_greedy = kernel.greedy_head and self.tp.size == 1 and greedy_head_fits(self.weight)
 
     def checkpoint_shape(self, param: str = "weight", shard_id=None) -> tuple[int, int]:
         if param != "weight" or shard_id is not None:
@@ -62,8 +65,8 @@ class _VocabParallel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
         """Project onto the (gathered) vocabulary: every TP rank gets the full logits."""
         if self.tp.size == 1:
-            return lm_logits(hidden, self.weight)
-        local = linear(hidden, self.weight)  # [R, Vp] in the model dtype, as HF
+            return self.method.logits(hidden, self.weight)
+        local = self.method.linear(hidden, self.weight)  # [R, Vp] in the model dtype, as HF
         return self.tp.gather_last_dim(local)[:, : self.vocab_size].float()
 
 
@@ -71,8 +74,8 @@ class VocabEmbedding(_VocabParallel):
     """input_ids [T] (int32 or int64) -> embeddings [T, hidden]."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
-                 tp: TPComm | None = None, greedy_head: bool = True) -> None:
-        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, greedy_head=greedy_head)
+                 tp: TPComm | None = None, kernel: KernelConfig | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, kernel=kernel)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp.size == 1:
@@ -89,27 +92,11 @@ class LMHead(_VocabParallel):
     """Untied LM head: hidden [R, hidden] -> logits [R, vocab] float32."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device=None,
-                 tp: TPComm | None = None, greedy_head: bool = True) -> None:
-        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, greedy_head=greedy_head)
-
-
-_HALF = (torch.bfloat16, torch.float16)
+                 tp: TPComm | None = None, kernel: KernelConfig | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, dtype=dtype, device=device, tp=tp, kernel=kernel)
 
 
 def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [R, H] x [V, H] -> [R, V] fp32
-    """The sampler's fp32 logits from a half-precision head.
-
-    Several rows on CUDA: one GEMM that accumulates in fp32 and writes fp32 (`mm`'s
-    `out_dtype`) instead of a half-precision [R, V] result followed by a cast kernel, which
-    read it back and wrote it again (at 256 rows x 151,936 that cast alone took 121 µs of a
-    2.97 ms qwen2.5-0.5b step on an H100). The logits are then the fp32 accumulator itself,
-    not its rounding to the model dtype (HF rounds; the difference is within that rounding).
-    One row: the one-launch GEMV (module decode_linear) writing fp32 the same way, so batch 1
-    and larger batches round alike. CPU and fp32 models: the model-dtype matmul, as HF.
-    """
-    if hidden.is_cuda and hidden.dtype in _HALF and weight.dtype == hidden.dtype:
-        if hidden.shape[0] == 1 and gemv_serves(hidden, weight) and not torch.compiler.is_compiling():
-            return gemv_triton(hidden, weight, out_dtype=torch.float32)
-        if hidden.shape[0] > 1:
-            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-    return linear(hidden, weight).float()
+    """The fp32 logits of a single-rank head with `weight` under the default `KernelConfig`
+    (`LinearMethod.logits`)."""
+    return linear_method(KernelConfig(), weight).logits(hidden, weight)

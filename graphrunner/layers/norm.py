@@ -7,9 +7,9 @@ On CUDA the pre-norm block boundary (`add_norm`: residual add, then RMSNorm) is 
 Triton kernel behind the opaque custom op `graphrunner::fused_add_rms_norm`. Left to
 inductor, that boundary compiled to three graph nodes per norm: a copy of the residual
 into the preceding GEMM's output (inductor turns `mm + residual` into an addmm that
-accumulates in place), a reduction kernel and a pointwise kernel. The op
-keeps the GEMM plain and does the add, the statistics and the scaling in one program
-per token.
+accumulates in place), a reduction kernel and a pointwise kernel. The op keeps the GEMM
+plain and does the add, the statistics and the scaling in one program per token. Whether
+a norm takes it is decided once, when the norm is built on its device.
 """
 
 from __future__ import annotations
@@ -17,19 +17,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphrunner.kernels import HAS_TRITON, use_triton
-from graphrunner.kernels.pdl import pdl_launch
+from graphrunner.config import KernelConfig
+from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels.device import device_properties
+from graphrunner.kernels.pdl import pdl_launch, pdl_max_rows
 
 FUSED_ADD_RMS_NORM = "graphrunner::fused_add_rms_norm"
 
 
 class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dimension."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dimension.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype, device=None) -> None:
+    Built on the device it runs on: a CUDA norm with Triton does `add_norm` in the fused kernel
+    (launched with PDL up to `kernel.pdl_max_rows` rows), any other the torch reference."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype, device=None,
+                 kernel: KernelConfig | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.fused = HAS_TRITON and self.weight.device.type == "cuda"
+        device_props = device_properties(self.weight.device)
+        self.pdl_rows = pdl_max_rows(kernel or KernelConfig(), device_props) if self.fused else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden] -> same shape and dtype
         return rms_norm(x, self.weight, self.eps)
@@ -39,8 +48,8 @@ class RMSNorm(nn.Module):
 
         The sum stays in the activation dtype (as HF), and it is the next residual.
         """
-        if use_triton(x) and x.dim() == 2:
-            return torch.ops.graphrunner.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self.fused:
+            return torch.ops.graphrunner.fused_add_rms_norm(x, residual, self.weight, self.eps, self.pdl_rows)
         return add_rms_norm_torch(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -91,6 +100,7 @@ def add_rms_norm_triton(
     residual: torch.Tensor,  # [T, hidden], unit stride along hidden
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    pdl_rows: int = 0,  # launches of at most this many tokens use PDL (graphrunner.kernels.pdl)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, contiguous
     """One program per token: the residual sum, its fp32 statistics and the scaled output."""
     if not HAS_TRITON:
@@ -104,7 +114,7 @@ def add_rms_norm_triton(
     out, res_out = _two_like(x)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
-        launch = pdl_launch(x.device, num_tokens)  # {} unless PDL is on (graphrunner.kernels.pdl)
+        launch = pdl_launch(num_tokens, pdl_rows)
         _add_rms_norm_kernel[(num_tokens,)](x, residual, weight, out, res_out, hidden, eps, x.stride(0),
                                             residual.stride(0), BLOCK=block, GDC=bool(launch),
                                             num_warps=min(16, max(1, block // 256)), **launch)
@@ -113,24 +123,14 @@ def add_rms_norm_triton(
 
 @torch.library.custom_op(FUSED_ADD_RMS_NORM, mutates_args=())
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl_rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual) in one kernel (CUDA), or the torch reference."""
-    return add_rms_norm(x, residual, weight, eps)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual): [T, hidden] each, contiguous
-    """The op's body: the Triton kernel on CUDA, else the torch reference made contiguous."""
-    if use_triton(x):
-        return add_rms_norm_triton(x, residual, weight, eps)
-    normed, res = add_rms_norm_torch(x, residual, weight, eps)
-    return normed.contiguous(), res.contiguous()
+    """(rms_norm(x + residual) * weight, x + residual) in one Triton kernel (`add_rms_norm_triton`)."""
+    return add_rms_norm_triton(x, residual, weight, eps, pdl_rows)
 
 
 @fused_add_rms_norm.register_fake
-def _fused_add_rms_norm_fake(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_add_rms_norm_fake(x, residual, weight, eps, pdl_rows=0) -> tuple[torch.Tensor, torch.Tensor]:
     return _two_like(x)
 
 

@@ -3,7 +3,7 @@
 cos/sin for every position up to `max_position_embeddings` are precomputed once into an
 fp32 buffer and gathered by `positions` at run time: no host sync, and the same tensor is
 read by every captured graph. The model applies the rotation inside the attention op,
-fused with the KV-cache write (graphrunner.attention.rope_kv); `RotaryEmbedding` owns the
+fused with the KV-cache write (graphrunner.attention.base.rope_attention); `RotaryEmbedding` owns the
 table, and its `forward` is Hugging Face's formula, the reference the tests hold it to.
 """
 

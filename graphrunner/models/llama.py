@@ -28,15 +28,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from graphrunner.attention.base import AttentionBackend, AttentionMetadata
+from graphrunner.attention.base import AttentionBackend, AttentionMetadata, rope_attention
 from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
-from graphrunner.attention.rope_kv import rope_then_attend
 from graphrunner.config import KernelConfig, ModelConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from graphrunner.layers.norm import RMSNorm
-from graphrunner.layers.norm_linear import add_norm_project
 from graphrunner.layers.rotary import RotaryEmbedding
 from graphrunner.models.registry import check_architecture
 from graphrunner.models.stages import MissingLayer, pp_layer_range
@@ -57,6 +55,7 @@ class Attention(nn.Module):
         device,
         layer_index: int = 0,
         tp: TPComm | None = None,
+        kernel: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         tp = tp or TPComm()
@@ -76,6 +75,7 @@ class Attention(nn.Module):
             tp_rank=tp.rank,
             kv_tp_size=tp.kv_shards[0],
             kv_tp_rank=tp.kv_shards[1],
+            kernel=kernel,
         )
         # Heads of this TP rank.
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = RowLinear(
             config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
-            tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None,
+            tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
         )
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         # so that it is registered (and moved, and listed) once, by LlamaModel.
         self._rotary = [rotary]
         self.attn_backend = attn_backend
+        self._rope_attend = rope_attention(attn_backend)  # the backend's rotary + KV write + attention
 
     def forward(
         self,
@@ -130,8 +131,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, H, D]
         """Rotary embedding, KV write and attention: the torch.compile split point.
 
-        The rotation happens here, with the KV write, so that one fused kernel does both
-        (`graphrunner.attention.rope_kv`). In op mode `kv_cache` and `metadata` are ignored
+        The rotation happens in the backend, with the KV write, so that its kernels can fuse
+        them (`graphrunner.attention.base.rope_attention`). In op mode `kv_cache` and `metadata` are ignored
         (the op reads them from the forward context) and the output is allocated here, so
         that under PIECEWISE graphs it belongs to the preceding compiled piece and has a
         stable address.
@@ -142,29 +143,30 @@ class Attention(nn.Module):
             torch.ops.graphrunner.unified_attention(q, k, v, positions, cos_sin, out, self.layer_index, self.scale)
             return out
         assert kv_cache is not None, "outside op mode every layer gets its KV cache"
-        return rope_then_attend(self.attn_backend, q, k, v, positions, cos_sin, kv_cache, metadata, self.scale)
+        return self._rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, self.scale)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig, *, dtype, device, tp: TPComm | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, dtype, device, tp: TPComm | None = None,
+                 kernel: KernelConfig | None = None) -> None:
         super().__init__()
         tp = tp or TPComm()
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(
-            config.hidden_size, [i, i], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank
+            config.hidden_size, [i, i], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank, kernel=kernel
         )
         self.down_proj = RowLinear(
             i, config.hidden_size, dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank,
-            all_reduce=tp.all_reduce if tp.size > 1 else None,
+            all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.forward_gate_up(self.gate_up_proj(x))
 
     def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate_up_proj's) -> [T, hidden]
-        # At batch 1 SiLU·mul happens inside the down GEMV (layers/swiglu.py).
+        # At batch 1 SiLU·mul happens inside the down GEMV (layers/linear.py).
         return self.down_proj.forward_swiglu(gate_up)
 
 
@@ -182,14 +184,16 @@ class DecoderLayer(nn.Module):
         device,
         layer_index: int = 0,
         tp: TPComm | None = None,
+        kernel: KernelConfig | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype=dtype, device=device, kernel=kernel)
         self.self_attn = Attention(
-            config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp
+            config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp, kernel=kernel
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device, kernel=kernel)
+        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
 
     def forward(
         self,
@@ -199,15 +203,15 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (block output, residual), both [T, hidden]
-        # Each half enters through add_norm_project: residual add, RMSNorm and the half's
-        # first projection, one launch at one row on CUDA (layers/norm_linear.py).
+        # Each half enters through its first projection's add_norm_forward: residual add, RMSNorm
+        # and the projection, one launch at one row on CUDA (layers/linear.py).
         attn = self.self_attn
         if residual is None:
             residual, qkv = hidden, attn.qkv_proj(self.input_layernorm(hidden))
         else:
-            qkv, residual = add_norm_project(self.input_layernorm, hidden, residual, attn.qkv_proj)
+            qkv, residual = attn.qkv_proj.add_norm_forward(self.input_layernorm, hidden, residual)
         hidden = attn.forward_qkv(positions, qkv, kv_cache, metadata)
-        gate_up, residual = add_norm_project(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
+        gate_up, residual = self.mlp.gate_up_proj.add_norm_forward(self.post_attention_layernorm, hidden, residual)
         return self.mlp.forward_gate_up(gate_up), residual
 
 
@@ -233,8 +237,7 @@ class LlamaModel(nn.Module):
         # The last stage keeps the embedding too when the head is tied to it.
         needs_embed = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
         self.embed_tokens = (
-            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp,
-                           greedy_head=kernel.greedy_head)
+            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp, kernel=kernel)
             if needs_embed else None
         )
         self.rotary_emb = RotaryEmbedding(
@@ -243,14 +246,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 config, self.rotary_emb, attn_backend, dtype=dtype, device=device,
-                layer_index=i - self.start_layer, tp=tp,
+                layer_index=i - self.start_layer, tp=tp, kernel=kernel,
             )
             if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) if self.is_last_stage else None
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, kernel=kernel)
+            if self.is_last_stage else None
         )
 
     @property
@@ -323,6 +327,7 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created directly on `device` in `dtype` (no CPU staging) and are
     filled by `load_weights` (HF names) or `graphrunner.models.loader.init_dummy_weights`.
+    `kernel` (default `KernelConfig()`) picks every layer's kernels, once, for that device.
     """
 
     def __init__(
@@ -350,8 +355,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings or not self.model.is_last_stage
-            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=self.tp,
-                        greedy_head=kernel.greedy_head)
+            else LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=self.tp, kernel=kernel)
         )
 
     def forward(

@@ -440,8 +440,8 @@ def load_model(
     `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.
     `"auto"`: safetensors from the folder `load_config.model` (cast and moved as loaded).
     `tp` (a `TPComm`), `pp_rank`/`pp_size`: build and fill only this rank's shard; dummy
-    weights are then the shards of the single-process model's dummy weights. `kernel`: the
-    runner's kernel choices (default: `KernelConfig()`).
+    weights are then the shards of the single-process model's dummy weights. `kernel` (default
+    `KernelConfig()`) picks the layers' kernels.
     """
     from graphrunner.models.llama import LlamaForCausalLM
 

@@ -90,6 +90,8 @@ def add_kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="profiled decode steps per batch size")
     p.add_argument("--top", type=int, default=15, help="kernels listed per batch size")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables here")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch with programmatic dependent launch (off by default: kernels then overlap)")
 
 
 def _run_kernels(args: argparse.Namespace) -> int:

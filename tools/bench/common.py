@@ -21,6 +21,7 @@ from capture.modes import CUDAGraphMode
 from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
+    KernelConfig,
     LoadConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -143,8 +144,10 @@ def build_runner_config(
     compile_backend: str,
     load_format: str = "auto",
     seed: int = 0,
+    kernel: KernelConfig | None = None,
 ) -> RunnerConfig:
-    """A RunnerConfig for one benchmarked mode. NONE means enforce_eager (nothing captured)."""
+    """A RunnerConfig for one benchmarked mode. NONE means enforce_eager (nothing captured); `kernel`
+    (default `KernelConfig()`) picks the layers' and attention's kernels."""
     from graphrunner.models.loader import is_builtin, load_model_config
 
     if load_format == "auto" and is_builtin(model):
@@ -165,6 +168,7 @@ def build_runner_config(
             enforce_eager=eager,
             compile_backend=compile_backend,
         ),
+        kernel=kernel if kernel is not None else KernelConfig(),
         dtype=dtype,
         seed=seed,
     )

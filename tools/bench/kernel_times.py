@@ -11,7 +11,9 @@ reports line up: gemm/gemv, attention, triton fused, reduce, ...
         --modes FULL --markdown out.md
 
 Kernel time is the sum of kernel durations; the gap to the step's wall time is launch,
-drain and host time that no kernel accounts for.
+drain and host time that no kernel accounts for. The runner is built without programmatic
+dependent launch (`KernelConfig(pdl=False)`) unless `--pdl` asks for it: with PDL a kernel
+starts while its predecessor drains, and the profiler's per-kernel times overlap.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from capture.modes import CUDAGraphMode
 from capture.report import short_kernel_name
+from graphrunner.config import KernelConfig
 from graphrunner.protocol import SchedulerOutput
 from graphrunner_tools.bench import latency
 from graphrunner_tools.bench.common import resolve_device
@@ -109,7 +112,7 @@ def run_args(args: argparse.Namespace) -> int:
     """Profile what `args` asks for, print the tables, write the markdown file if asked."""
     spec = latency.LatencySpec(model=args.model, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                                context=args.context, modes=tuple(args.modes.split(",")), steps=args.steps,
-                               warmup=2)
+                               warmup=2, kernel=KernelConfig(pdl=args.pdl))
     results = run(spec, args.top)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from capture.modes import CUDAGraphMode
+from graphrunner.config import KernelConfig
 from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner_tools.bench.common import (
     Stats,
@@ -81,6 +82,7 @@ class LatencySpec:
     seed: int = 0
     copy_bytes: int | None = None  # None: 2 GiB on CUDA, 128 MiB on CPU
     random_kv: bool = True
+    kernel: KernelConfig = field(default_factory=KernelConfig)  # the runner's kernel choices
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
@@ -236,6 +238,7 @@ def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, 
         compile_backend=spec.compile_backend or default_compile_backend(device),
         load_format=spec.load_format,
         seed=spec.seed,
+        kernel=spec.kernel,
     )
     log(f"{mode.name}: building {spec.model} on {device} ({num_blocks} KV blocks x {spec.block_size} tokens)")
     return ModelRunner(config, device)

@@ -65,9 +65,9 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
                "graphrunner's residual add + RMSNorm (graphrunner/layers/norm.py)"),
     FamilyRule("reduce", r"reduce",
                "torch reductions (reduce_kernel) and cuBLAS split-K reduces (splitKreduce_kernel)"),
-    FamilyRule("gemm/gemv", r"gemm|gemv|cutlass|xmma|cublas|nvjet|^triton_tem_|^_small_m_linear_kernel$",
+    FamilyRule("gemm/gemv", r"gemm|gemv|cutlass|xmma|cublas|nvjet|^triton_tem_",
                "cuBLAS / cuBLASLt / cutlass GEMMs and GEMVs (sm90_xmma_*, nvjet_*, gemv2T_kernel_val, "
-               "cutlass::Kernel2), inductor's GEMM templates (triton_tem_) and graphrunner's small-M linear"),
+               "cutlass::Kernel2), and inductor's GEMM templates (triton_tem_)"),
     FamilyRule("elementwise/copy", r"elementwise|copy|index|fill",
                "torch pointwise kernels and copies (vectorized_elementwise_kernel, elementwise_kernel, "
                "CatArrayBatchedCopy, index_select)"),
