@@ -64,6 +64,18 @@ class AttentionBackend(Protocol):
 RopeAttend = Callable[..., torch.Tensor]  # (q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None)
 
 
+def rotate_torch(
+    positions: torch.Tensor,  # [T] int64
+    x: torch.Tensor,  # [T, heads, D]
+    cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin
+) -> torch.Tensor:  # [T, heads, D], contiguous, x's dtype
+    """Neox rotation of `x` by position, computed as the fused kernel does (fp32, one rounding)."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def rope_attention(backend: Any) -> RopeAttend:
     """What a layer calls for the rotary embedding, the KV write and attention (module docstring).
 
@@ -73,8 +85,6 @@ def rope_attention(backend: Any) -> RopeAttend:
     rope_attend = getattr(backend, "rope_attend", None)
     if rope_attend is not None:
         return rope_attend
-    from graphrunner.attention.torch_ref import rotate_torch
-
     def rotate_then_forward(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
         q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
         return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out)

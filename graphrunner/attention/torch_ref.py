@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.attention.base import AttentionMetadata
+from graphrunner.attention.base import AttentionMetadata, rotate_torch
 
 
 def check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -88,18 +88,6 @@ def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, c
         raise ValueError(
             f"cos_sin_cache is {cos_sin.dtype} {tuple(cos_sin.shape)}, expected float32 [max_positions, {q.shape[2]}]"
         )
-
-
-def rotate_torch(
-    positions: torch.Tensor,  # [T] int64
-    x: torch.Tensor,  # [T, heads, D]
-    cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin
-) -> torch.Tensor:  # [T, heads, D], contiguous, x's dtype
-    """Neox rotation of `x` by position, computed as the fused kernel does (fp32, one rounding)."""
-    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def rope_write_kv_torch(q, k, v, positions, cos_sin, kv_cache, slot_mapping) -> torch.Tensor:
