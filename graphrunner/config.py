@@ -426,6 +426,22 @@ class KernelConfig:
             if f.type in (bool, "bool") and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"KernelConfig.{f.name}={getattr(self, f.name)!r} must be a bool")
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | KernelConfig | None) -> KernelConfig:
+        """A KernelConfig from `{field: value}` (vLLM-style `kernel_config={...}`; a KernelConfig or None
+        passes through / gives the defaults). ValueError naming an unknown field and the known ones."""
+        if values is None:
+            return cls()
+        if isinstance(values, cls):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"kernel_config={values!r} must be a dict of KernelConfig fields or a KernelConfig")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"kernel_config has unknown field(s) {unknown}; KernelConfig fields: {known}")
+        return cls(**values)
+
 
 @dataclass(frozen=True)
 class LoadConfig:

@@ -398,3 +398,20 @@ def test_gpu_replay_ratio_is_positive():
     for r in data["rows"]:
         assert r["replayed_full"] and r["timer"] == "cuda events"
         assert r["speedup"] > 0
+
+
+def test_inspect_kernels_prints_the_config_and_each_projection_plan():
+    report = run_json("kernels", "--model", "builtin:qwen2.5-0.5b", "--device", "cpu",
+                      "--kernel-config", '{"norm_gemv_max_k": 0, "pdl": false}')
+    assert report["kernel_config"]["norm_gemv_max_k"] == 0 and report["kernel_config"]["pdl"] is False
+    assert report["kernel_config"]["greedy_head"] is True  # the fields not given keep their defaults
+    assert report["device_properties"] is None  # a CPU: every projection takes the torch method
+    shapes = {name: (p["n"], p["k"]) for name, p in report["projections"].items()}
+    assert shapes == {"qkv_proj": (1152, 896), "o_proj": (896, 896), "gate_up_proj": (9728, 896),
+                      "down_proj": (896, 4864), "lm_head": (151936, 896)}
+    assert {p["method"] for p in report["projections"].values()} == {"LinearMethod(torch: F.linear)"}
+
+
+def test_inspect_kernels_names_an_unknown_field():
+    with pytest.raises(SystemExit, match=r"unknown field\(s\) \['pd'\].*pdl_max_rows"):
+        main(["inspect", "kernels", "--device", "cpu", "--kernel-config", '{"pd": 1}'])

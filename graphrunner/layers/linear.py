@@ -67,6 +67,9 @@ class LinearMethod:
 
     name = "torch"
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(torch: F.linear)"
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)  # x [T, K] -> [T, N]
 

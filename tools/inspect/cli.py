@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_capture(sub)
     _register_replay(sub)
     _register_simulate(sub)
+    _register_kernels(sub)
 
 
 # ---- arguments ----------------------------------------------------------------------
@@ -159,6 +160,14 @@ def _register_simulate(sub: argparse._SubParsersAction) -> None:
                    help="fixed work of every step, in tokens, added to its padded tokens (with -pp P > 1)")
 
 
+def _register_kernels(sub: argparse._SubParsersAction) -> None:
+    p = _parser(sub, "kernels", "the runner's kernel choices (KernelConfig), the device's properties and the plan "
+                                "each projection gets")
+    add_model_args(p, model=_DEFAULT_MODEL)
+    p.add_argument("--kernel-config", default=None, metavar="JSON",
+                   help='KernelConfig fields as JSON, e.g. \'{"pdl": false}\'; unset = the defaults')
+
+
 # ---- running ------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """Run the chosen subcommand; returns the exit status."""
@@ -168,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "capture": _run_capture,
         "replay": _run_replay,
         "simulate": _run_simulate,
+        "kernels": _run_kernels,
     }
     from graphrunner_tools.inspect.render import InspectError
 
@@ -378,3 +388,25 @@ if __name__ == "__main__":  # pragma: no cover
     from graphrunner.cli import main
 
     sys.exit(main(["inspect", *sys.argv[1:]]))
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from graphrunner.config import KernelConfig
+    from graphrunner_tools.inspect.kernels import kernel_report, kernel_text
+    from graphrunner_tools.inspect.render import print_json
+
+    try:
+        values = json.loads(args.kernel_config) if args.kernel_config else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kernel-config is not JSON ({e}): {args.kernel_config!r}") from None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    report = kernel_report(args.model, KernelConfig.from_dict(values), device)
+    if args.json:
+        print_json(report)
+    else:
+        print(kernel_text(report))
+    return 0
