@@ -56,7 +56,7 @@ def subcommands() -> list[Subcommand]:
     from graphrunner.distributed import launch
     from graphrunner.engine import cli as generate
 
-    builtin: list[Subcommand] = [generate, launch]  # type: ignore[list-item]  # modules satisfy the protocol
+    builtin: list[Subcommand] = [generate, launch]  # modules satisfy the protocol
     registered = sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
     return builtin + [cast(Subcommand, ep.load()) for ep in registered]
 

@@ -67,14 +67,14 @@ def test_tensor_descriptor_arguments_are_recorded_as_descriptor_types():
     descriptor kernel) records them as `tensordesc<dtype[box]>`, the type triton.compile takes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from graphrunner.sample.greedy_head import _head_argmax_tma_kernel
+    from graphrunner.sample.greedy_head import _head_argmax_persistent_kernel
     from graphrunner_tools.compile_check import _launch_record
 
     x, w = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16)
     parts = [torch.zeros(4, 2, dtype=d) for d in (torch.float32, torch.int32, torch.int32)]
     args = (TensorDescriptor.from_tensor(x, [16, 32]), TensorDescriptor.from_tensor(w, [32, 32]), *parts, 4, 64, 32, 2)
-    consts = {"BM": 16, "BN": 32, "BK": 32, "IEEE": False, "PERSISTENT": True}
-    rec = _launch_record(_head_argmax_tma_kernel.fn, args, consts)
+    consts = {"BM": 16, "BN": 32, "BK": 32, "IEEE": False}
+    rec = _launch_record(_head_argmax_persistent_kernel.fn, args, consts)
     assert rec["sig"]["x_desc"] == "tensordesc<bf16[16, 32]>"
     assert rec["sig"]["w_desc"] == "tensordesc<bf16[32, 32]>"
     assert rec["sig"]["max_ptr"] == "*fp32" and rec["sig"]["num_programs"] == "i32"

@@ -221,7 +221,8 @@ def test_gpu_heads_built_with_and_without_greedy_head_choose_their_path(monkeypa
     g = torch.Generator(device="cuda").manual_seed(3)
     weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     hidden = torch.randn(8, 896, device="cuda", dtype=torch.bfloat16, generator=g)
-    heads = {on: LMHead(151936, 896, dtype=torch.bfloat16, device="cuda", greedy_head=on) for on in (True, False)}
+    heads = {on: LMHead(151936, 896, dtype=torch.bfloat16, device="cuda",
+                         kernel=KernelConfig(greedy_head=on)) for on in (True, False)}
     for on, head in heads.items():
         head.weight.data.copy_(weight)
         assert head.fused_greedy == on

@@ -680,12 +680,6 @@ if HAS_TRITON:
 
 
 _COL_BLOCK = 256  # block-table columns per loop iteration
-_TOKEN_BLOCK = 1024  # tokens per loop iteration
-
-
-def _require_triton() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not importable; use the torch reference implementation")
 
 
 def gather_block_table_triton(table: torch.Tensor, idx_mapping: torch.Tensor, out: torch.Tensor) -> None:
