@@ -137,8 +137,11 @@ class OutputProcessor:
         for out in ended:
             child = self._children.pop(out.req_id, None)
             self._followed.pop(out.req_id, None)
-            if child is not None:
-                self._end(out, child, news)
+            if child is None:  # queued on the scheduler directly: an output of its own
+                parent = _Parent(out.req_id, None, out.prompt_token_ids, out.request_params, [out.req_id], False)
+                self._parents[out.req_id] = parent
+                child = _Child(parent, 0, out.request_params, None, followed=False)
+            self._end(out, child, news)
         for req_id, child in list(self._followed.items()):
             req = self.scheduler.requests.get(req_id)
             if req is None:  # aborted through the scheduler directly: nothing more to report
@@ -270,7 +273,7 @@ def _cumulative(token_ids: list[int], logprobs: list[dict] | None) -> float | No
     """The sum of the sampled tokens' logprobs, or None when none were computed."""
     if logprobs is None:
         return None
-    return float(sum(entry[t].logprob for t, entry in zip(token_ids, logprobs) if t in entry))
+    return float(sum(entry[t].logprob for t, entry in zip(token_ids, logprobs, strict=False) if t in entry))
 
 
 def _truncated(out: SequenceOutput, num_tokens: int, finish_reason: str) -> SequenceOutput:

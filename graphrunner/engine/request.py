@@ -150,6 +150,7 @@ class Request:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            request_params=self.sampling_params,
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
         )
@@ -176,6 +177,7 @@ class SequenceOutput:
     # The detokenized output (cut at a stop string); None when the model has no tokenizer.
     text: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    request_params: SamplingParams = field(default_factory=SamplingParams)  # the request's sampling params
     arrival_time: float | None = None
     first_token_time: float | None = None
 

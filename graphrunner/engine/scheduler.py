@@ -51,7 +51,7 @@ from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, vali
 from graphrunner.engine.block_allocator import BlockAllocator
 from graphrunner.engine.pipeline_rule import PipelineRule
 from graphrunner.engine.prefix_cache import PrefixCachingAllocator
-from graphrunner.engine.request import Request, SequenceOutput, RequestStatus
+from graphrunner.engine.request import Request, RequestStatus, SequenceOutput
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from graphrunner.config import MAX_SPECULATIVE_TOKENS
-from graphrunner.engine.request import SequenceOutput, RequestStatus
+from graphrunner.engine.request import RequestStatus, SequenceOutput
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.state.staging import host_buffer
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
