@@ -49,10 +49,11 @@ def subcommands() -> list[Subcommand]:
     """
     from graphrunner.distributed import launch
     from graphrunner.engine import cli as generate
+    from graphrunner.engine import serve_cli as serve
     from graphrunner_tools.bench import cli as bench
     from graphrunner_tools.inspect import cli as inspect
 
-    return [generate, inspect, bench, launch]
+    return [generate, serve, inspect, bench, launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
