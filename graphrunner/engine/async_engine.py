@@ -100,8 +100,8 @@ class AsyncEngine:
         if self.error is not None or not self._thread.is_alive():
             raise EngineDead(f"the engine thread stopped: {self.error!r}")
         if self._num_live >= self.max_live:
-            raise QueueFull(f"{self._num_live} requests are live, the most this server admits "
-                            f"(max_num_seqs + --max-queued-requests = {self.max_live})")
+            raise QueueFull(f"the server is at its request limit ({self._num_live} live of max_num_seqs + "
+                            f"--max-queued-requests = {self.max_live}); retry later")
         self._num_live += 1
         queue: asyncio.Queue = asyncio.Queue()
         self._send("add", (request_id, prompt, params, _Live(queue, asyncio.get_running_loop(), stream)))
