@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ class AsyncEngine:
         return self._num_live
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs: deltas when `stream`, else its one final output. Leaving early
         (or the task being cancelled) aborts it."""
         if self.error is not None or not self._thread.is_alive():

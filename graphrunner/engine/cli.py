@@ -63,7 +63,7 @@ def strict_subparser(subparsers: argparse._SubParsersAction, name: str, **kwargs
 def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
     """The options that build an `LLM` (vLLM's flag names), shared by `generate` and `serve`;
     `engine_kwargs` hands them on."""
-    add_runner_args(p, model=model, compile_backend="inductor")
+    add_runner_args(p, model=model, compile_backend="inductor")  # type: ignore[arg-type]  # serve: None
     add_limit_args(
         p,
         max_num_seqs=None,

@@ -29,7 +29,8 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-PromptType = str | TextPrompt | TokensPrompt | Sequence[int]
+# A prompt: a text, token ids, or a prompt dict (LLM.chat's carry both keys).
+PromptType = str | TextPrompt | TokensPrompt | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 

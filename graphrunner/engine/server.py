@@ -20,7 +20,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,19 +295,19 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from several request streams as they come; closing it aborts them all."""
     if len(streams) == 1:
         try:
             async for out in streams[0]:
                 yield 0, out
         finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in stream:
                 await queue.put((i, out))
@@ -486,7 +486,7 @@ def prometheus_text(engine: AsyncEngine, model_name: str) -> str:
     label = f'model_name="{model_name}"'
     lines = []
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+    def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
         lines.append(f"# HELP graphrunner:{name} {help_text}")
         lines.append(f"# TYPE graphrunner:{name} {kind}")
         for suffix_labels, value in samples:
@@ -505,10 +505,9 @@ def prometheus_text(engine: AsyncEngine, model_name: str) -> str:
     metric("engine_steps_total", "counter", "Engine steps run.", [(f"{{{label}}}", s.num_steps)])
     metric("request_success_total", "counter", "Finished completions by finish reason.",
            [(f'{{{label},finished_reason="{reason}"}}', count) for reason, count in sorted(s.finished.items())])
-    samples, running = [], 0
+    samples: list[tuple[str, float]] = []
     for bound, count in zip(TTFT_BUCKETS, s.ttft_buckets, strict=True):
-        running = count  # buckets are cumulative already (each counts every ttft <= bound)
-        samples.append((f'_bucket{{{label},le="{bound}"}}', running))
+        samples.append((f'_bucket{{{label},le="{bound}"}}', count))  # cumulative: each counts every ttft <= bound
     samples += [(f'_bucket{{{label},le="+Inf"}}', s.ttft_count), (f"_sum{{{label}}}", s.ttft_sum),
                 (f"_count{{{label}}}", s.ttft_count)]
     metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first token.", samples)
