@@ -12,13 +12,10 @@ extra: pip install 'graphrunner[serve]'.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
 from graphrunner.engine.cli import add_engine_args, engine_kwargs, strict_subparser
-
-API_KEY_ENV = "GRAPHRUNNER_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (vLLM's default: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests held beyond --max-num-seqs; more get HTTP 429")
@@ -68,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(**kwargs)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"graphrunner serve: {e}") from None
-    serve(llm, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    serve(llm, host=args.host, port=args.port, api_key=args.api_key or None,
           served_model_name=args.served_model_name or model, max_queued_requests=args.max_queued_requests,
           log_level=args.uvicorn_log_level)
     return 0
