@@ -1,18 +1,32 @@
 """graphrunner: an LLM model runner built for CUDA graphs.
 
 Engines import `ModelRunner` and the protocol types; `LLM` is the reference engine's
-offline API. Heavy modules load lazily so that `import graphrunner` stays cheap.
+offline API, with vLLM's input and output types. Heavy modules load lazily (on first
+attribute access) so that `import graphrunner` stays cheap; type checkers see every export
+through the `TYPE_CHECKING` imports below.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from graphrunner.protocol import (
     CachedRequestData,
+    Logprob,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from graphrunner.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from graphrunner.engine.llm import LLM
+    from graphrunner.engine.prompts import TextPrompt, TokensPrompt
+    from graphrunner.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+    from graphrunner.runner import ModelRunner
 
 
 def _version() -> str:
@@ -29,25 +43,37 @@ __all__ = [
     "LLM",
     "ModelRunner",
     "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "TextPrompt",
+    "TokensPrompt",
+    "Logprob",
     "SchedulerOutput",
     "NewRequestData",
     "CachedRequestData",
     "ModelRunnerOutput",
 ]
 
+# The lazily loaded names and their modules.
+_LAZY = {
+    "LLM": "graphrunner.engine.llm",
+    "ModelRunner": "graphrunner.runner",
+    "RequestOutput": "graphrunner.engine.request",
+    "CompletionOutput": "graphrunner.engine.request",
+    "RequestMetrics": "graphrunner.engine.request",
+    "BeamSearchParams": "graphrunner.engine.beam_search",
+    "BeamSearchOutput": "graphrunner.engine.beam_search",
+    "BeamSearchSequence": "graphrunner.engine.beam_search",
+    "TextPrompt": "graphrunner.engine.prompts",
+    "TokensPrompt": "graphrunner.engine.prompts",
+}
+
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from graphrunner.engine.llm import LLM
-
-        return LLM
-    if name == "RequestOutput":
-        from graphrunner.engine.request import RequestOutput
-
-        return RequestOutput
-    if name == "ModelRunner":
-        from graphrunner.runner import ModelRunner
-
-        return ModelRunner
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'graphrunner' has no attribute {name!r}")

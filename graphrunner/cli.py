@@ -55,8 +55,9 @@ def subcommands() -> list[Subcommand]:
     """
     from graphrunner.distributed import launch
     from graphrunner.engine import cli as generate
+    from graphrunner.engine import serve_cli as serve
 
-    builtin: list[Subcommand] = [generate, launch]  # modules satisfy the protocol
+    builtin: list[Subcommand] = [generate, serve, launch]  # modules satisfy the protocol
     registered = sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
     return builtin + [cast(Subcommand, ep.load()) for ep in registered]
 

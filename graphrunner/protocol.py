@@ -6,6 +6,7 @@ few changes. All of these are plain host-side data (lists and dicts of Python in
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,8 @@ from graphrunner.structured_outputs import StructuredOutputsParams
 # distinct seed; larger ints would not fit the row.
 SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 63) - 1
+# Most completions one prompt may ask for (n, best_of).
+MAX_N = 1024
 # Counts the sampler keeps in int32 rows (min_tokens).
 INT32_MAX = (1 << 31) - 1
 # Float settings reach the device as float32: larger magnitudes would turn into inf there.
@@ -135,9 +138,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()  # strings that end the request (the engine matches decoded text; needs a tokenizer)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # The engine's side (vLLM's names); the runner reads none of these.
+    n: int = 1  # completions per prompt
+    best_of: int | None = None  # sampled per prompt (>= n); the n with the highest cumulative logprob are returned
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()  # words never generated (each must be one token, with or without a leading space)
+    detokenize: bool = True  # build the text (False: token ids only)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name), safe to change with `dataclasses.replace`."""
+        return copy.deepcopy(self)
 
     def validate(self) -> None:
         """Check every field by type and range; ValueError names the field, the value and
@@ -194,6 +209,25 @@ class SamplingParams:
         set_(self, "stop", stop_strings)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs={_show(self.structured_outputs)} must be a StructuredOutputsParams")
+        self._validate_engine_fields()
+
+    def _validate_engine_fields(self) -> None:
+        """The fields only the engine reads: n, best_of, the text switches, bad_words."""
+        set_ = object.__setattr__
+        set_(self, "n", _int_field("n", self.n, f"an int in [1, {MAX_N}]", 1, MAX_N))
+        if self.best_of is not None:
+            set_(self, "best_of", _int_field("best_of", self.best_of, f"None or an int in [n={self.n}, {MAX_N}]",
+                                             self.n, MAX_N))
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}={_show(value)} must be a bool, got {type(value).__name__}")
+            set_(self, name, bool(value))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        if not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words={_show(self.bad_words)} must be a list of non-blank strings")
+        set_(self, "bad_words", words)
 
     @property
     def is_greedy(self) -> bool:

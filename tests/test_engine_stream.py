@@ -67,7 +67,7 @@ def test_stream_yields_tokens_in_order_and_adds_up_to_generate(llm, reference):
     for r in ids:
         assert [d.finish_reason for d in got[r]] == [None] * (len(got[r]) - 1) + ["length"]
         assert all(d.token_ids for d in got[r])  # each delta has news
-        assert all(d.text is None for d in got[r])  # no tokenizer
+        assert all(d.text == "" for d in got[r])  # no tokenizer: no text
     assert_clean(llm)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from graphrunner.cli import main
-from graphrunner.engine.request import RequestOutput
+from graphrunner.engine.request import SequenceOutput
 from graphrunner.protocol import SamplingParams
 from graphrunner_tools.bench import soak
 
@@ -91,7 +91,7 @@ def test_check_output_flags_broken_outputs():
     params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(7,), allowed_token_ids=(5, 6, 7))
 
     def output(tokens, reason):
-        return RequestOutput("r", [1, 2], tokens, reason)
+        return SequenceOutput("r", [1, 2], tokens, reason)
 
     assert soak.check_output(output([5, 6, 7], "stop"), params, LIMITS) is None
     assert soak.check_output(output([5, 6, 5], "abort"), params, LIMITS) is None

@@ -26,7 +26,9 @@ def validate_prompt(sched: Scheduler, req_id: str, prompt: list[int], params: Sa
     if not prompt:
         raise ValueError(f"request {req_id!r}: the prompt is empty")
     if len(prompt) > sched.max_model_len:
-        raise ValueError(f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={sched.max_model_len}")
+        source = getattr(sched, "max_model_len_source", "")
+        raise ValueError(f"request {req_id!r}: prompt length {len(prompt)} exceeds max_model_len={sched.max_model_len}"
+                         + (f" ({source})" if source else ""))
     vocab = sched.vocab_size
     bad = None if vocab is None else next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -41,41 +42,57 @@ NUM_SHOWN_OUTPUTS = 3
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `generate` subcommand to the `graphrunner` parser."""
-    p = subparsers.add_parser(
-        "generate",
-        help="generate from random or text prompts and report throughput",
-        description=__doc__,
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_runner_args(p, model="builtin:tiny-llama", compile_backend="inductor")
-    p.add_argument("--num-prompts", type=int, default=8, help="random prompts to generate for (ignored with --prompt)")
-    p.add_argument("--prompt-len", type=int, default=32, help="tokens per random prompt")
-    p.add_argument("--prompt", nargs="+", metavar="TEXT", default=None, help="text prompts (needs tokenizer.json)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 disables top-p")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+class StrictParser(argparse.ArgumentParser):
+    """A subcommand's parser that reports an unknown option itself, with its own usage (argparse
+    would leave it to the top-level parser, whose usage says nothing of the subcommand's options)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, []
+
+
+def strict_subparser(subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """`subparsers.add_parser(name, ...)` as a `StrictParser`."""
+    p = subparsers.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
+    p.__class__ = StrictParser
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
+    """The options that build an `LLM` (vLLM's flag names), shared by `generate` and `serve`;
+    `engine_kwargs` hands them on."""
+    add_runner_args(p, model=model, compile_backend="inductor")  # type: ignore[arg-type]  # serve: None
     add_limit_args(
         p,
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
         max_model_len=None,
         num_kv_blocks=None,
-        help={"max_model_len": "unset = min(model limit, 2048)", "num_kv_blocks": "unset = sized from a profile run"},
+        help={"max_num_seqs": "unset = 256 (vLLM's default)",
+              "max_num_batched_tokens": "unset = 16384 on CUDA, 4096 on a CPU (vLLM's defaults)",
+              "max_model_len": "unset = the model's max_position_embeddings, lowered (with a notice) to what the "
+                               "KV cache holds",
+              "num_kv_blocks": "unset = sized from a profile run"},
     )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the runner may use (weights, activations, KV cache)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run every step eagerly (default: graphs on CUDA, eager on CPU)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: graphrunner runs no code from a model folder (its architectures are built in)")
+    p.add_argument("--tokenizer", default=None, help="a folder to load the tokenizer from (default: the model's)")
     add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES} (unset = FULL_AND_PIECEWISE)")
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
     add_speculative_args(p)
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks")
+    p.add_argument("-pp", "--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("-dp", "--dp", "--data-parallel-size", dest="dp", type=int, default=1,
+                   help="data-parallel replicas")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of identical prompt prefixes (vLLM's default: on)")
     p.add_argument("--data-parallel-lockstep", action="store_true",
@@ -88,6 +105,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decode context-parallel ranks (inside TP): the KV cache sharded over them")
     p.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds before a collective with a dead or stalled rank raises")
+
+
+def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """`LLM`'s keyword arguments from `add_engine_args`' options; SystemExit for a refused one."""
+    if args.trust_remote_code:
+        raise SystemExit(f"graphrunner {command}: --trust-remote-code is refused: graphrunner runs no Python code "
+                         "from a model folder; its architectures are built in (graphrunner.models.registry)")
+    return dict(
+        **runner_kwargs(args),
+        **limit_kwargs(args),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        cudagraph_mode=args.mode,
+        cudagraph_capture_sizes=_sizes(args.capture_sizes),
+        debug_cudagraphs=args.debug_cudagraphs,
+        async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        data_parallel_size=args.dp,
+        prefill_context_parallel_size=args.pcp,
+        decode_context_parallel_size=args.dcp,
+        data_parallel_lockstep=args.data_parallel_lockstep,
+        **dbo_cli_kwargs(args),
+        enable_prefix_caching=args.enable_prefix_caching,
+        collective_timeout_s=args.collective_timeout,
+        tokenizer=args.tokenizer,
+        **speculative_kwargs(args, f"graphrunner {command}"),
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `generate` subcommand to the `graphrunner` parser."""
+    p = strict_subparser(subparsers, "generate", help="generate from random or text prompts and report throughput",
+                         description=__doc__)
+    add_engine_args(p, model="builtin:tiny-llama")
+    p.add_argument("--num-prompts", type=int, default=8, help="random prompts to generate for (ignored with --prompt)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per random prompt")
+    p.add_argument("--prompt", nargs="+", metavar="TEXT", default=None, help="text prompts (needs tokenizer.json)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables top-p")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string (repeatable; needs a tokenizer)")
+    p.add_argument("--stop-token-ids", default=None, metavar="IDS", help="comma-separated token ids that end a request")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="return the sampled token's logprob and the top K (shown for the first outputs)")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--launch-timeout", type=float, default=None,
                    help="when re-launching as several ranks: kill them all after this many seconds")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -136,9 +203,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise SystemExit(f"graphrunner generate: --record-batches={args.record_batches!r}: {e}") from None
 
+    progress = _progress(is_printer)
+    progress(f"loading {args.model} ...")
     load_start = time.perf_counter()
     llm = _build_llm(args)
     load_seconds = time.perf_counter() - load_start
+    progress(f"loaded in {load_seconds:.1f} s")
 
     if tokenizer is not None:
         prompts = [tokenizer.encode(text).ids for text in args.prompt]
@@ -146,26 +216,61 @@ def run(args: argparse.Namespace) -> int:
         prompts = _random_prompts(args.num_prompts, args.prompt_len, llm.vocab_size, args.seed)
 
     if args.warmup:
+        progress("warm-up run (untimed, up to 4 tokens per prompt; --no-warmup skips it) ...")
         try:
-            llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)))
+            llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)), use_tqdm=False)
         except ValueError:
             pass  # the timed run below reports the error
         llm.scheduler.reset_prefix_cache()  # the timed run must prefill its prompts, not hit the warm-up's
     # Recording starts after the warmup so that the trace is exactly the timed workload.
     llm.record_batches = args.record_batches
+    progress(f"timed run: {len(prompts)} prompts x {params.max_tokens} tokens")
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=is_printer)
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"graphrunner generate: {e}") from None
     elapsed = time.perf_counter() - start
     graphs = llm.runner.graphs
     mode_name = graphs.mode.name if graphs is not None and graphs.captured else "NONE (eager)"  # before shutdown
     llm.shutdown()
-    if is_printer:
+    if is_printer and args.json:
+        print(json.dumps(_summary(args, llm, prompts, outputs, load_seconds=load_seconds, elapsed=elapsed,
+                                  mode_name=mode_name)))
+    elif is_printer:
         _print_summary(args, llm, prompts, outputs, tokenizer, load_seconds=load_seconds, elapsed=elapsed,
                        mode_name=mode_name)
     return 0
+
+
+def _progress(enabled: bool):
+    """A function printing one progress line to stderr (stdout keeps the summary, or the JSON)."""
+    def say(message: str) -> None:
+        if enabled:
+            print(f"graphrunner generate: {message}", file=sys.stderr, flush=True)
+    return say
+
+
+def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outputs: list[RequestOutput], *,
+             load_seconds: float, elapsed: float, mode_name: str) -> dict[str, Any]:
+    """The run's figures as one JSON-ready dict (`--json`)."""
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "kind": "generate", "model": args.model, "device": str(llm.device), "cudagraph_mode": mode_name,
+        "dtype": str(llm.dtype).removeprefix("torch."), "kv_blocks": llm.scheduler.num_blocks,
+        "block_size": args.block_size, "max_model_len": llm.scheduler.max_model_len,
+        "max_num_seqs": llm.scheduler.max_num_seqs, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+        "load_seconds": round(load_seconds, 3), "num_prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": num_generated,
+        "preemptions": llm.scheduler.num_preemptions,
+        "prefix_cache_hit_rate": getattr(llm.scheduler.block_allocator, "hit_rate", None),
+        "scheduling": "async" if args.async_scheduling else "sync", "elapsed_seconds": round(elapsed, 4),
+        "output_tokens_per_s": num_generated / elapsed if elapsed > 0 else None,
+        "outputs": [{"request_id": o.request_id, "completions": [
+            {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             "token_ids": c.token_ids, "text": c.text, "cumulative_logprob": c.cumulative_logprob}
+            for c in o.outputs]} for o in outputs[:NUM_SHOWN_OUTPUTS]],
+    }
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -173,12 +278,17 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from graphrunner.protocol import SamplingParams
 
     try:
+        stop_ids = parse_int_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else ()
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             ignore_eos=args.ignore_eos,
+            stop=tuple(args.stop or ()),
+            stop_token_ids=stop_ids,
+            logprobs=args.logprobs,
+            n=args.n,
         )
     except ValueError as e:
         raise SystemExit(f"graphrunner generate: {e}") from None
@@ -194,25 +304,7 @@ def _build_llm(args: argparse.Namespace) -> LLM:
     from graphrunner.engine.llm import LLM
 
     try:
-        return LLM(
-            **runner_kwargs(args),
-            **limit_kwargs(args),
-            enforce_eager=args.enforce_eager,
-            cudagraph_mode=args.mode,
-            cudagraph_capture_sizes=_sizes(args.capture_sizes),
-            debug_cudagraphs=args.debug_cudagraphs,
-            async_scheduling=args.async_scheduling,
-            tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp,
-            data_parallel_size=args.dp,
-            prefill_context_parallel_size=args.pcp,
-            decode_context_parallel_size=args.dcp,
-            data_parallel_lockstep=args.data_parallel_lockstep,
-            **dbo_cli_kwargs(args),
-            enable_prefix_caching=args.enable_prefix_caching,
-            collective_timeout_s=args.collective_timeout,
-            **speculative_kwargs(args, "graphrunner generate"),
-        )
+        return LLM(**engine_kwargs(args, "generate"))
     except (ValueError, FileNotFoundError) as e:  # no traceback needed
         raise SystemExit(f"graphrunner generate: {e}") from None
 
@@ -228,7 +320,7 @@ def _print_summary(
     elapsed: float,
     mode_name: str,
 ) -> None:
-    num_generated = sum(len(o.token_ids) for o in outputs)
+    num_generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"model:            {args.model}")
     weights = _random_weights_reason(args)
     if weights:
@@ -258,8 +350,14 @@ def _print_summary(
     print(f"elapsed seconds:  {elapsed:.3f}")
     print(f"output tokens/s:  {num_generated / elapsed if elapsed > 0 else float('inf'):.1f}")
     for i, out in enumerate(outputs[:NUM_SHOWN_OUTPUTS]):
-        shown = repr(tokenizer.decode(out.token_ids)) if tokenizer is not None else out.token_ids
-        print(f"output {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {shown}")
+        for c in out.outputs:
+            shown = repr(tokenizer.decode(c.token_ids)) if tokenizer is not None else c.token_ids
+            name = f"output {i}" if len(out.outputs) == 1 else f"output {i}.{c.index}"
+            print(f"{name} ({c.finish_reason}, {len(c.token_ids)} tokens): {shown}")
+            if c.logprobs:
+                first = c.logprobs[0]
+                print("  logprobs of its first token: "
+                      + ", ".join(f"{t}: {lp.logprob:.3f}" for t, lp in list(first.items())[:6]))
 
 
 def _random_weights_reason(args: argparse.Namespace) -> str | None:

@@ -38,7 +38,24 @@ def load_text_tokenizer(model: str) -> Any | None:
         from graphrunner.models.loader import load_tokenizer
 
         return _TokenizersAdapter(load_tokenizer(model))
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers / json / tokenizers errors that do not say which file is at fault
+        raise ValueError(f"cannot load the tokenizer of {folder} ({_tokenizer_files(folder)}): "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _tokenizer_files(folder: Path) -> str:
+    """The tokenizer files of `folder` that exist, and the first of them that is not valid JSON."""
+    import json
+
+    present = [name for name in (*TOKENIZER_FILES, "special_tokens_map.json") if (folder / name).is_file()]
+    for name in present:
+        try:
+            json.loads((folder / name).read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            return f"{folder / name} is not valid JSON: {e}"
+    return "files: " + ", ".join(str(folder / name) for name in present)
 
 
 class _TokenizersAdapter:
@@ -60,14 +77,19 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: anything with `decode(ids, skip_special_tokens=True)`.
         stop: strings that end the request (`SamplingParams.stop`); the text is truncated
-            before the earliest one found (vLLM's include_stop_str_in_output=False).
+            before the earliest one found, or after it with `include_stop_str_in_output`.
         min_tokens: stop strings count only from the token after the first `min_tokens` (vLLM).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_tokens: int = 0, *,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.min_tokens = min_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self.stop_reason: str | None = None  # the stop string that ended the text
         self.token_ids: list[int] = []
         self.text = ""
         self.stopped = False  # a stop string was found; nothing is added after it
@@ -128,13 +150,14 @@ class IncrementalDetokenizer:
             start = max(len(self.text) - num_new_chars - len(s) + 1, 0)
             at = self.text.find(s, start)
             if at >= 0:
-                found.append(at)
+                found.append((at, s))
         if not found:
             return False
-        self.text = self.text[:min(found)]
+        at, self.stop_reason = min(found, key=lambda hit: hit[0])
+        self.text = self.text[:at + len(self.stop_reason) if self.include_stop_str_in_output else at]
         self.stopped = True
         return True
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -2,9 +2,9 @@
 
     llm = LLM("builtin:tiny-llama")
     outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
-    outputs[0].token_ids
+    outputs[0].outputs[0].token_ids
     for delta in llm.generate_stream(["Hello"], SamplingParams(stop=["."])):  # text: a folder with a tokenizer
-        print(delta.text, end="")                 # new tokens as they are sampled; llm.abort_request(id)
+        print(delta.outputs[0].text, end="")      # new tokens as they are sampled; llm.abort_request(id)
 
 It drives a `ModelRunner` only through the runner's public API, the way an outside
 engine would: build a `RunnerConfig`, load, size and allocate the KV cache, then loop
@@ -36,13 +36,21 @@ import torch
 
 from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from graphrunner.engine.batch_trace import append_record
+from graphrunner.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from graphrunner.engine.chat import ChatMessages, render_chat
 from graphrunner.engine.data_parallel import any_replica, gather_replicas
 from graphrunner.engine.detokenizer import load_text_tokenizer
-from graphrunner.engine.options import check_compilation_kwargs, parallel_config, resolve_speculative_config
+from graphrunner.engine.options import (
+    check_compilation_kwargs,
+    check_model_source,
+    default_limits,
+    parallel_config,
+    resolve_speculative_config,
+)
 from graphrunner.engine.outputs import OutputProcessor
-from graphrunner.engine.prompts import PlannedRequests, plan_requests
-from graphrunner.engine.request import RequestOutput
-from graphrunner.engine.runner_config import build_runner_config
+from graphrunner.engine.prompts import PlannedRequests, PromptType, plan_requests
+from graphrunner.engine.request import RequestOutput, SequenceOutput
+from graphrunner.engine.runner_config import build_runner_config, fit_max_model_len
 from graphrunner.engine.scheduler import Scheduler
 from graphrunner.engine.structured import can_compile_grammars, make_structured_outputs
 from graphrunner.engine.workers import WorkerLLM, wants_workers
@@ -56,8 +64,10 @@ class LLM:
         model: "builtin:NAME" (dummy weights) or a Hugging Face checkpoint folder.
         dtype: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "float16", "bfloat16".
         device: defaults to CUDA when available, else CPU.
-        max_num_seqs, max_num_batched_tokens: per-step batch limits.
-        max_model_len: defaults to min(model max_position_embeddings, 2048).
+        max_num_seqs, max_num_batched_tokens: per-step batch limits; None: vLLM's defaults for the
+            device (256 requests; 16384 tokens on CUDA, 4096 on a CPU).
+        max_model_len: prompt + output tokens of one request; None: the model's
+            max_position_embeddings, or less when the KV cache cannot hold that many (logged).
         block_size: tokens per KV block.
         seed: seeds dummy weights and sampling; equal seeds give equal outputs.
         num_kv_blocks: KV blocks to allocate; None sizes the cache from a profile run.
@@ -91,6 +101,10 @@ class LLM:
             in and out only. Otherwise a folder with tokenizer files takes text prompts, fills
             `RequestOutput.text` and honours `SamplingParams.stop` (transformers.AutoTokenizer).
         enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes (vLLM's default).
+        tokenizer: a folder to load the tokenizer from instead of the model's.
+        revision, tokenizer_revision: hub revisions (vLLM's names); graphrunner loads local folders,
+            which have none, so only None is accepted.
+        trust_remote_code: refused when True: graphrunner runs no code from a model folder.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's of `ParallelConfig` (enable_dbo, ...).
     """
 
@@ -108,8 +122,8 @@ class LLM:
         *,
         dtype: str = "auto",
         device: torch.device | str | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         block_size: int = 16,
         seed: int = 0,
@@ -130,10 +144,16 @@ class LLM:
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
         enable_prefix_caching: bool = True,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
-        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(model)  # before the model: fails fast
+        check_model_source(model, tokenizer, revision, tokenizer_revision, trust_remote_code)
+        # Before the model: a bad tokenizer fails fast.
+        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model)
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
@@ -142,6 +162,7 @@ class LLM:
         speculative = resolve_speculative_config(speculative_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
+        max_num_seqs, max_num_batched_tokens = default_limits(self.device, max_num_seqs, max_num_batched_tokens)
         self.config = build_runner_config(
             model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
@@ -155,6 +176,7 @@ class LLM:
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
                              "stages exchange a speculative step's outcome within the step; use one of them")
         self.scheduler = self._make_scheduler(async_scheduling, pipelined, enable_prefix_caching)
+        fit_max_model_len(self.scheduler, self.config, explicit=max_model_len is not None)
         self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
         self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers
         self.async_scheduling = async_scheduling or pipelined
@@ -239,18 +261,29 @@ class LLM:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (transformers' when installed), or None when the model has none (vLLM's name)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): later requests compute their prompts anew. True."""
+        self.scheduler.reset_prefix_cache()
+        return True
+
     def generate(
         self,
-        prompts: str | Sequence[Sequence[int] | str],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order.
 
-        A prompt is a list of token ids, or a text when the model has a tokenizer.
-        `sampling_params` is one setting for all prompts, one per prompt, or None for the
-        defaults. A bad prompt raises ValueError before any step runs and leaves no trace.
+        A prompt is a list of token ids, a text when the model has a tokenizer, or vLLM's prompt
+        dict (`{"prompt": text}` / `{"prompt_token_ids": ids}`). `sampling_params` is one setting
+        for all prompts, one per prompt, or None for the defaults; `n` > 1 gives each prompt n
+        completions (`outputs[i]`). A bad prompt raises ValueError before any step runs and
+        leaves no trace. `use_tqdm` shows a progress bar (stderr) over the prompts.
         """
         all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False)
         results: dict[str, RequestOutput] = {}
@@ -258,7 +291,7 @@ class LLM:
         try:
             while self._any_unfinished():
                 for out in self.step():
-                    results[out.req_id] = out
+                    results[out.request_id] = out
                     if progress is not None:
                         progress.update(1)
             # A step launched after the last request's end holds only discarded tokens.
@@ -277,20 +310,47 @@ class LLM:
 
     def generate_stream(
         self,
-        prompts: str | Sequence[Sequence[int] | str],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Generate for every prompt, yielding each request's news as its tokens are sampled.
 
-        Each yielded `RequestOutput` is a delta: the request's new `token_ids` (and `text`,
-        and `logprobs`) since its previous one; the last one per request has its
-        `finish_reason`. `out.req_id` names the request (the prompt's global number, as a
-        string). `abort_request(req_id)` inside the loop ends that request: its last delta
-        comes next, with finish_reason "abort". Leaving the loop early aborts the rest.
+        Each yielded `RequestOutput` is a delta: its `outputs` hold the completions with news,
+        each with its new `token_ids` (and `text`, and `logprobs`) since its previous one; the
+        last one per request is `finished` (each completion's last delta has its
+        `finish_reason`). `out.request_id` names the request (the prompt's global number, as
+        a string). `abort_request(request_id)` inside the loop ends that request: its last
+        delta comes next, with finish_reason "abort". Leaving the loop early aborts the rest.
         Bad prompts raise here, before the first iteration; the requests are queued when
-        it starts. Under DP each replica yields its own share of the prompts.
+        it starts. Under DP each replica yields its own share of the prompts. best_of > n
+        cannot stream (the best are known only at the end).
         """
-        return self._stream(self._plan_requests(prompts, sampling_params))
+        planned = self._plan_requests(prompts, sampling_params)
+        for request_id, params in zip(planned.all_ids, planned.params, strict=True):
+            if params.best_of is not None and params.best_of > params.n:
+                raise ValueError(f"request {request_id!r}: best_of={params.best_of} > n={params.n} cannot stream: "
+                                 "the best completions are known only when all have finished")
+        return self._stream(planned)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                    stream: bool = True) -> None:
+        """Queue one prompt under `request_id` (vLLM's LLMEngine.add_request), for a caller that
+        drives the steps itself (`step_outputs`); ValueError, with nothing queued, for a bad one."""
+        planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
+        self._queue_requests(planned, stream)
+
+    def step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """One engine step: (the requests that finished in it, the stream deltas of streamed requests).
+        A no-op returning the outputs of requests aborted since the last step when none is live."""
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            return self._outputs.process([])
+        if not self.scheduler.has_unfinished_requests():
+            return self._outputs.process(self._resolve_in_flight())
+        return self._step_outputs()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any queued or running request remains (vLLM's name)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or self._outputs.has_pending
 
     def _stream(self, planned: PlannedRequests) -> Iterator[RequestOutput]:
         req_ids = self._queue_requests(planned, stream=True)
@@ -303,31 +363,34 @@ class LLM:
                         break
                     deltas = self._step_outputs()[1]
                 for out in deltas:
-                    if out.req_id in live:
+                    if out.request_id in live:
                         if out.finished:
-                            live.discard(out.req_id)
+                            live.discard(out.request_id)
                         yield out
             self._resolve_in_flight()
         except GeneratorExit:  # the caller left the loop: nothing of this call stays live
-            for req_id in live:
-                self.scheduler.abort_request(req_id)
+            for request_id in live:
+                for child_id in self._outputs.child_ids(request_id):
+                    self.scheduler.abort_request(child_id)
             self._outputs.forget(set(req_ids))
             raise
         except BaseException:
             self._abort_after_failure()
             raise
 
-    def abort_request(self, req_id: str | Iterable[str]) -> None:
-        """End live requests (vLLM's name); unknown or finished ids are ignored. The runner frees
-        their rows with the next step; an aborted request's output ("abort", with the tokens it
-        had) comes from the next `step()` (or the stream), its tokens still in flight are dropped."""
-        for one in [req_id] if isinstance(req_id, str) else list(req_id):
-            out = self.scheduler.abort_request(one)
-            if out is not None:
-                self._outputs.add_finished(out)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """End live requests (vLLM's name; every completion of each); unknown or finished ids are
+        ignored. The runner frees their rows with the next step; an aborted request's output
+        ("abort", with the tokens it had) comes from the next `step()` (or the stream), its tokens
+        still in flight are dropped."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            for child_id in self._outputs.child_ids(one):
+                out = self.scheduler.abort_request(child_id)
+                if out is not None:
+                    self._outputs.add_finished(out)
 
     def _add_requests(
-        self, prompts: str | Sequence[Sequence[int] | str],
+        self, prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None, stream: bool,
     ) -> tuple[list[str], list[str]]:
         """Check and queue a call's prompts: (every request id, those of this DP replica)."""
@@ -335,7 +398,7 @@ class LLM:
         return planned.all_ids, self._queue_requests(planned, stream)
 
     def _plan_requests(
-        self, prompts: str | Sequence[Sequence[int] | str],
+        self, prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> PlannedRequests:
         """A call's requests, every one checked (on every rank, so DP ranks fail alike) before any is queued."""
@@ -346,15 +409,23 @@ class LLM:
     def _queue_requests(self, planned: PlannedRequests, stream: bool) -> list[str]:
         """Queue this DP replica's share of checked requests; returns their ids."""
         req_ids: list[str] = []
+        added: list[str] = []
         try:
             for i in range(self.groups.dp_rank, len(planned.all_ids), self.groups.dp_size):
-                req = self.scheduler.add_request(planned.all_ids[i], planned.prompts[i], planned.params[i])
-                self._structured.add(req.req_id, planned.params[i].structured_outputs)
-                self._outputs.add_request(req.req_id, req.prompt_token_ids, planned.params[i], stream)
-                req_ids.append(req.req_id)
+                children = planned.children[i]
+                for j, (child_id, child_params) in enumerate(children):
+                    # Siblings wait for the first child's prompt blocks (prefix cache) instead of computing them.
+                    req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
+                                                     wait_for=children[0][0] if j else None)
+                    added.append(req.req_id)
+                    self._structured.add(req.req_id, child_params.structured_outputs)
+                self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
+                                          planned.params[i], children, stream)
+                req_ids.append(planned.all_ids[i])
         except BaseException:
-            for req_id in req_ids:
+            for req_id in added:
                 self.scheduler.abort_request(req_id)
+            self._outputs.forget(set(req_ids))
             raise
         return req_ids
 
@@ -415,12 +486,40 @@ class LLM:
         """
         return self._step_outputs()[0]
 
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (vLLM's `LLM.chat`): each conversation (a list of
+        `{"role": ..., "content": ...}` messages, or a list of such lists) is rendered with the
+        tokenizer's chat template (or `chat_template`), then generated from like a prompt."""
+        prompts = render_chat(self.tokenizer, messages, chat_template=chat_template,
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
+                              chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): per prompt, the `beam_width` best sequences by
+        length-penalised cumulative logprob (`BeamSearchOutput.sequences`, best first). Each step
+        extends every live beam by one token through `generate` (the prefix cache keeps the
+        beams' shared prefixes), keeping the `beam_width` best of 2 x beam_width candidates."""
+        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
+
     def _step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
         """One step: (the finished requests' outputs, the stream deltas); see `OutputProcessor`."""
         finished = self._step_async() if self.async_scheduling else self._step_sync()
         return self._outputs.process(finished)
 
-    def _step_sync(self) -> list[RequestOutput]:
+    def _step_sync(self) -> list[SequenceOutput]:
         """Schedule, execute and sample one step, and apply its output."""
         if not self.scheduler.has_unfinished_requests():
             if self.groups.dp_lockstep:
@@ -444,7 +543,7 @@ class LLM:
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         return finished + self._structured.after_output(runner_output, self.scheduler)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self) -> list[SequenceOutput]:
         """Launch the next step, then apply the previous one's output (one step late; before it: grammar drafts)."""
         launched, early = None, self._resolve_in_flight() if self._structured.wants_drafts(self.scheduler) else []
         if self.scheduler.has_unfinished_requests():
@@ -472,19 +571,19 @@ class LLM:
         # Resolve the oldest steps beyond the depth (all but the newest P - 1 under pipelined PP),
         # or the oldest one when nothing could be launched (every request waits on a token).
         keep = self._keep_in_flight if launched is not None else len(self._in_flight) - 1
-        finished: list[RequestOutput] = early
+        finished: list[SequenceOutput] = early
         while len(self._in_flight) > max(keep, 0):
             finished += self._resolve_oldest()
         return finished
 
-    def _resolve_in_flight(self) -> list[RequestOutput]:
+    def _resolve_in_flight(self) -> list[SequenceOutput]:
         """Wait for every in-flight step's output and apply them in order (async scheduling)."""
-        finished: list[RequestOutput] = []
+        finished: list[SequenceOutput] = []
         while self._in_flight:
             finished += self._resolve_oldest()
         return finished
 
-    def _resolve_oldest(self) -> list[RequestOutput]:
+    def _resolve_oldest(self) -> list[SequenceOutput]:
         """Wait for the oldest in-flight step's output (its copy, or a PP stage's broadcast) and apply it."""
         scheduler_output, pending = self._in_flight[0]
         runner_output: ModelRunnerOutput = pending.get()

@@ -68,17 +68,75 @@ def check_async_layout(parallel: ParallelConfig, async_scheduling: bool) -> None
                          "decode context parallelism and independent data parallelism")
 
 
+# vLLM's default batch limits of its offline `LLM` class, per device type: (max_num_seqs, max_num_batched_tokens).
+DEFAULT_LIMITS = {"cuda": (256, 16384), "cpu": (256, 4096)}
+
+
+def default_limits(device: Any, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> tuple[int, int]:
+    """`LLM`'s batch limits, each None replaced by vLLM's default for the device type."""
+    seqs, tokens = DEFAULT_LIMITS.get(getattr(device, "type", str(device)), DEFAULT_LIMITS["cpu"])
+    return (seqs if max_num_seqs is None else max_num_seqs,
+            tokens if max_num_batched_tokens is None else max_num_batched_tokens)
+
+
+def check_model_source(model: str, tokenizer: str | None, revision: str | None, tokenizer_revision: str | None,
+                       trust_remote_code: bool) -> None:
+    """Refuse what graphrunner cannot honour about where the model comes from (ValueError with the reason)."""
+    if trust_remote_code:
+        raise ValueError("trust_remote_code=True is refused: graphrunner runs no Python code from a model folder; "
+                         "its architectures are built in (graphrunner.models.registry)")
+    for name, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r}: graphrunner loads local folders ({model!r}), which have no hub "
+                             f"revisions; check out the revision into a folder and pass that")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ValueError(f"tokenizer={tokenizer!r} must be a folder path (a string)")
+
+
 def resolve_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig:
     """`speculative_config=` as vLLM takes it: a dict, its JSON text (`--speculative-config`),
     a `SpeculativeConfig`, or None (off). Errors name the value and the allowed set."""
     if isinstance(value, SpeculativeConfig):
         return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None  # SpeculativeConfig.from_dict reports it
+        value = parsed if isinstance(parsed, dict) else value
     if isinstance(value, Mapping):
         value = dict(value)
+        if "method" not in value and value.get("model") is not None:
+            value["method"] = infer_speculative_method(str(value["model"]))
     try:
         return SpeculativeConfig.from_dict(value)
     except TypeError as e:  # e.g. a bool or a list: not a dict, a JSON text or None
         raise ValueError(f"speculative_config={value!r}: {e}") from None
+
+
+def infer_speculative_method(model: str) -> str:
+    """The speculative method vLLM infers from a draft `model` given without `method`: "ngram" for
+    "[ngram]" / "ngram", EAGLE-3 or EAGLE when the name (or the folder's architectures) says so,
+    else a draft model."""
+    import json
+    from pathlib import Path
+
+    name = model.lower()
+    if name in ("ngram", "[ngram]"):
+        return "ngram"
+    config = Path(model) / "config.json"
+    if config.is_file():
+        try:
+            name += " " + " ".join(json.loads(config.read_text()).get("architectures") or []).lower()
+        except (OSError, ValueError, AttributeError):
+            pass  # the loader reports a broken config.json, naming it
+    if "eagle3" in name:
+        return "eagle3"
+    if "eagle" in name:
+        return "eagle"
+    return "draft_model"
 
 
 def per_prompt_params(

@@ -1,14 +1,37 @@
-"""Text in: a call's prompts (token-id lists or texts) checked and numbered before any is queued."""
+"""Text in: a call's prompts (token-id lists, texts or vLLM's prompt dicts) checked and numbered
+before any is queued, and each prompt's scheduler requests (one, or n / best_of for parallel sampling).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from graphrunner.engine.options import per_prompt_params
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import SEED_MAX, SEED_MIN, SamplingParams
+
+# The bias that bans a bad word's token: no logit comes near it, and it stays finite in float32.
+BANNED_BIAS = -1e30
+
+
+class TextPrompt(TypedDict):
+    """A text prompt as a dict (vLLM's `TextPrompt`): `{"prompt": "Hello"}`."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A token-id prompt as a dict (vLLM's `TokensPrompt`): `{"prompt_token_ids": [1, 2, 3]}`."""
+
+    prompt_token_ids: list[int]
+
+
+# A prompt: a text, token ids, or a prompt dict (LLM.chat's carry both keys).
+PromptType = str | TextPrompt | TokensPrompt | Sequence[int] | Mapping[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass(frozen=True)
@@ -18,21 +41,113 @@ class PlannedRequests:
     all_ids: list[str]
     prompts: list[Sequence[int]]
     params: list[SamplingParams]
+    texts: list[str | None]  # each prompt's text (None for token ids)
+    # Per prompt, its scheduler requests: (id, params): one, or n (best_of) with derived seeds.
+    children: list[list[tuple[str, SamplingParams]]]
 
 
 def plan_requests(
     prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None, tokenizer: Any | None,
     first_id: int, check: Callable[[str, Sequence[int], SamplingParams], None],
+    request_ids: list[str] | None = None,
 ) -> PlannedRequests:
     """Tokenize the prompts, pair them with their params and ids (`first_id`, `first_id + 1`, ...:
-    global prompt numbers, identical whatever the DP layout) and `check` every one before any
-    is queued, so that a bad request raises here and never becomes live."""
-    token_prompts = tokenize_prompts(prompts, tokenizer)
+    global prompt numbers, identical whatever the DP layout; or `request_ids`) and `check` every
+    scheduler request before any is queued, so that a bad one raises here and never becomes live."""
+    texts, token_prompts = split_prompts(prompts, tokenizer)
     params = per_prompt_params(sampling_params, len(token_prompts))
-    all_ids = [str(first_id + i) for i in range(len(token_prompts))]
+    all_ids = request_ids if request_ids is not None else [str(first_id + i) for i in range(len(token_prompts))]
+    children = []
     for i, req_id in enumerate(all_ids):
-        check(req_id, token_prompts[i], params[i])
-    return PlannedRequests(all_ids, token_prompts, params)
+        children.append(child_requests(req_id, params[i], tokenizer))
+        for child_id, child_params in children[-1]:
+            check(child_id, token_prompts[i], child_params)
+    return PlannedRequests(all_ids, token_prompts, params, texts, children)
+
+
+def child_requests(request_id: str, params: SamplingParams, tokenizer: Any | None) -> list[tuple[str, SamplingParams]]:
+    """A prompt's scheduler requests: itself (n == 1), or `best_of or n` children with ids
+    "{i}_{request_id}", each with n=1 and, when `params.seed` is set, seed + i (vLLM's
+    derivation, wrapped into int64), so child i equals a separate request with that seed.
+    best_of > n computes the sampled tokens' logprobs (to rank the children)."""
+    count = params.best_of or params.n
+    base = dataclasses.replace(params, n=1, best_of=None, bad_words=(),
+                               logit_bias=_banned_bias(params, tokenizer))
+    if count > params.n and base.logprobs is None:
+        base = dataclasses.replace(base, logprobs=0)
+    if count == 1:
+        return [(request_id, base)]
+    return [(f"{i}_{request_id}", base if params.seed is None else dataclasses.replace(base, seed=derived_seed(
+        params.seed, i))) for i in range(count)]
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """Child `index`'s seed: seed + index, wrapped into the int64 range the runner keeps seeds in."""
+    return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+
+
+def _banned_bias(params: SamplingParams, tokenizer: Any | None) -> Mapping[int, float] | None:
+    """`logit_bias` with each bad word's token banned. A word bans the token it encodes to, with and
+    without a leading space; a word that is more than one token either way is refused."""
+    if not params.bad_words:
+        return params.logit_bias
+    if tokenizer is None:
+        raise ValueError(f"bad_words={list(params.bad_words)} needs a tokenizer to find the words' tokens, "
+                         "and this model has none")
+    bias = dict(params.logit_bias or {})
+    for word in params.bad_words:
+        variants = [_encode_plain(tokenizer, text) for text in (word.lstrip(), " " + word.lstrip())]
+        single = [ids[0] for ids in variants if len(ids) == 1]
+        if not single:
+            raise ValueError(f"bad_words: {word!r} encodes to {min(len(v) for v in variants)} tokens; only words "
+                             "of one token (with or without a leading space) are supported")
+        for token in single:
+            bias[token] = BANNED_BIAS
+    return bias
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s token ids without special tokens (BOS) added."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # the `tokenizers` adapter adds none
+        return list(tokenizer.encode(text))
+
+
+def split_prompts(prompts: Any, tokenizer: Any | None) -> tuple[list[str | None], list[Sequence[int]]]:
+    """(each prompt's text or None, its token ids) for `generate`'s prompts: a text or prompt dict
+    (one prompt), or a list of texts, token-id lists and prompt dicts (see `tokenize_prompts`)."""
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
+    if isinstance(prompts, bytes) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
+        raise TypeError("prompts must be a list of token-id lists (or of texts), one per prompt")
+    texts: list[str | None] = []
+    unwrapped: list[Any] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, Mapping):
+            text = _dict_prompt(i, prompt)
+            unwrapped.append(prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text)
+        else:
+            text = prompt if isinstance(prompt, str) else None
+            unwrapped.append(prompt)
+        texts.append(text)
+    return texts, tokenize_prompts(unwrapped, tokenizer)
+
+
+def _dict_prompt(i: int, prompt: Mapping) -> str | None:
+    """Check prompt dict `i` (vLLM's TextPrompt / TokensPrompt); its text, or None for token ids.
+    A dict with both keys runs its token ids and reports its text (as `LLM.chat` builds them)."""
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt {i}: keys {unknown} are not supported; a prompt dict has 'prompt' (a text) "
+                         "or 'prompt_token_ids' (token ids)")
+    if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+        raise ValueError(f"prompt {i}: a prompt dict needs 'prompt' (a text) or 'prompt_token_ids', got no key")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise TypeError(f"prompt {i}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+    if isinstance(prompt.get("prompt_token_ids"), str):
+        raise TypeError(f"prompt {i}: 'prompt_token_ids' must be a list of token ids, got a text")
+    return prompt.get("prompt")
 
 
 def tokenize_prompts(prompts: Any, tokenizer: Any | None) -> list[Sequence[int]]:

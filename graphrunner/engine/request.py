@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams
@@ -66,6 +67,11 @@ class Request:
     logprobs: list[dict] | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict each.
     prompt_logprobs: list[dict | None] | None = None
+    # n > 1: a sibling queued only once this request's prompt blocks are in the prefix cache.
+    wait_for: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None and self.logprobs is None:
@@ -73,6 +79,8 @@ class Request:
 
     def append_output(self, token: int, logprobs: dict | None) -> None:
         """One sampled token (and its logprobs when the request asked for them)."""
+        if not self.output_token_ids:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
@@ -133,24 +141,28 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens_with_placeholders - self.num_computed_tokens
 
-    def to_output(self) -> RequestOutput:
-        return RequestOutput(
+    def to_output(self) -> SequenceOutput:
+        return SequenceOutput(
             req_id=self.req_id,
             prompt_token_ids=list(self.prompt_token_ids),
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            request_params=self.sampling_params,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
         )
 
 
 @dataclass
-class RequestOutput:
-    """A finished request, shaped like vLLM's: `.token_ids` are the generated tokens only.
+class SequenceOutput:
+    """What the scheduler hands back for one of its requests (a sequence: one completion of a
+    prompt): flat, token ids only. `OutputProcessor` turns these into `RequestOutput`s.
 
-    In a stream (`LLM.generate_stream`) each output is a delta: `token_ids`, `text` and
-    `logprobs` hold what is new since that request's previous output, and the last one
-    has the finish reason (and the prompt logprobs).
+    In a stream each is a delta: `token_ids` and `logprobs` hold what is new since the
+    request's previous one, and the last one has the finish reason (and the prompt logprobs).
     """
 
     req_id: str
@@ -162,11 +174,113 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     # SamplingParams.prompt_logprobs=k: None for the first prompt token, then one dict per token.
     prompt_logprobs: list[dict | None] | None = None
-    # The detokenized output (special tokens skipped, cut before a stop string); None when
-    # the model has no tokenizer.
+    # The detokenized output (cut at a stop string); None when the model has no tokenizer.
     text: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    request_params: SamplingParams = field(default_factory=SamplingParams)  # the request's sampling params
+    arrival_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's `CompletionOutput`).
+
+    Attributes:
+        index: the completion's number among the prompt's `n` (or `best_of`) samples.
+        text: the generated text (special tokens skipped unless asked; "" without a tokenizer).
+        token_ids: the generated token ids.
+        cumulative_logprob: the sum of the sampled tokens' logprobs; None unless logprobs were computed.
+        logprobs: per generated token, {token_id: Logprob} (the sampled token and the top-k), when asked.
+        finish_reason: "stop", "length" or "abort"; None while the request runs.
+        stop_reason: the stop string or stop token id that ended it; None for EOS, length or abort.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Whether this completion has ended (vLLM: a method)."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times (time.monotonic()) of a request's life: queued, first token, finished."""
+
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt's outputs, in vLLM's shape: `outputs[i]` is its i-th completion.
+
+    From `LLM.generate` every output is final (`finished`). In a stream
+    (`LLM.generate_stream`) each is a delta: `outputs` holds the completions with news, each
+    with only its new `token_ids`, `text` and `logprobs`; the last one per prompt has
+    `finished=True` (and the prompt logprobs).
+
+    Attributes:
+        request_id: the prompt's id (its number in the call order, as a string, unless given).
+        prompt: the prompt text (None for a token-id prompt).
+        prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs=k`: None for the first prompt
+            token, then {token_id: Logprob} per token.
+        outputs: the completions (`n` of them when final).
+        finished: every completion has ended.
+        metrics: arrival, first-token and finish times.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+
+    The flat fields of earlier releases (`req_id`, `token_ids`, `text`, `logprobs`,
+    `finish_reason`) remain as read-only properties (of the first completion) for one release.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None
+
+    def _first(self) -> CompletionOutput:
+        if not self.outputs:
+            raise AttributeError(f"request {self.request_id!r}: this output holds no completion")
+        return self.outputs[0]
+
+    @property
+    def req_id(self) -> str:
+        """Deprecated: `request_id`."""
+        return self.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Deprecated: `outputs[0].token_ids`."""
+        return self._first().token_ids
+
+    @property
+    def text(self) -> str:
+        """Deprecated: `outputs[0].text`."""
+        return self._first().text
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        """Deprecated: `outputs[0].logprobs`."""
+        return self._first().logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Deprecated: `outputs[0].finish_reason`."""
+        return self._first().finish_reason

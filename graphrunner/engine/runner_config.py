@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,9 +17,7 @@ from graphrunner.config import (
     SpeculativeConfig,
 )
 
-# The default context when the caller gives none: long enough for demos, small enough
-# that a model with a huge max_position_embeddings does not size huge runner buffers.
-DEFAULT_MAX_MODEL_LEN = 2048
+logger = logging.getLogger(__name__)
 
 
 def build_runner_config(
@@ -32,7 +31,7 @@ def build_runner_config(
 
     model_config = load_model_config(model)
     if max_model_len is None:
-        max_model_len = min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        max_model_len = model_config.max_position_embeddings  # vLLM's default; fit_max_model_len may lower it
     if load_format == "auto" and is_builtin(model):
         load_format = "dummy"  # builtins have no checkpoint
     if enforce_eager is None:
@@ -55,3 +54,24 @@ def build_runner_config(
         dtype=dtype,
         seed=seed,
     )
+
+
+def fit_max_model_len(scheduler: Any, config: RunnerConfig, explicit: bool) -> None:
+    """Name where the scheduler's max_model_len came from (its over-length errors say so), and
+    lower a default one to what the KV cache holds, with a logged notice (vLLM's default is the
+    model's length; an explicit one that does not fit is the caller's to change: requests that
+    would need more blocks are refused at admission)."""
+    model_len = config.model.max_position_embeddings
+    if explicit:
+        scheduler.max_model_len_source = "max_model_len as given"
+        return
+    scheduler.max_model_len_source = f"the model's max_position_embeddings={model_len}, the default"
+    capacity = scheduler.num_blocks * scheduler.block_size - scheduler.spec_lookahead
+    if capacity < scheduler.max_model_len:
+        logger.warning(
+            "max_model_len lowered from the model's %d to %d: the KV cache holds %d blocks of %d tokens "
+            "(pass max_model_len, num_kv_blocks or gpu_memory_utilization to change it)",
+            scheduler.max_model_len, capacity, scheduler.num_blocks, scheduler.block_size)
+        scheduler.max_model_len = capacity
+        scheduler.max_model_len_source = (f"lowered from the model's {model_len} to what the KV cache holds "
+                                          f"({scheduler.num_blocks} blocks x {scheduler.block_size} tokens)")

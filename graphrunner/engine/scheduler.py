@@ -51,7 +51,7 @@ from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, vali
 from graphrunner.engine.block_allocator import BlockAllocator
 from graphrunner.engine.pipeline_rule import PipelineRule
 from graphrunner.engine.prefix_cache import PrefixCachingAllocator
-from graphrunner.engine.request import Request, RequestOutput, RequestStatus
+from graphrunner.engine.request import Request, RequestStatus, SequenceOutput
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,
@@ -132,6 +132,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_model_len_source = ""  # where max_model_len came from, for over-length errors (LLM sets it)
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
         self.vocab_size = vocab_size
@@ -155,19 +156,56 @@ class Scheduler:
         self.spec_lookahead = num_speculative_tokens * (2 if self.async_scheduling else 1) + num_lookahead_tokens
         # Async: the launched plans whose outputs are not applied yet, in schedule order.
         self._in_flight: deque[_Launched] = deque()
+        # Siblings held back until their leader's prompt blocks are cached (add_request's wait_for).
+        self._deferred: dict[str, list[Request]] = {}
 
     # ---------------------------------------------------------------- requests
     @property
     def num_blocks(self) -> int:
         return self.block_allocator.num_blocks
 
-    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
-        """Queue a request. Raises ValueError (and changes nothing) when it can never run."""
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                    wait_for: str | None = None) -> Request:
+        """Queue a request. Raises ValueError (and changes nothing) when it can never run.
+
+        `wait_for`: a live request with the same prompt (a sibling of parallel sampling, n > 1).
+        With prefix caching this one is held back until that request's prompt blocks are
+        cached, so that it takes them instead of computing the prompt again; then it goes to
+        the front of the queue. Without prefix caching (or with nothing to share) it queues now.
+        """
         prompt = self.check_request(req_id, prompt_token_ids, sampling_params)
         req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
         self.requests[req_id] = req
-        self.waiting.append(req)
+        if wait_for is not None and self._can_share(wait_for, req):
+            req.wait_for = wait_for
+            self._deferred.setdefault(wait_for, []).append(req)
+        else:
+            self.waiting.append(req)
         return req
+
+    def _can_share(self, leader_id: str, req: Request) -> bool:
+        """Whether `req` gains from waiting for live `leader_id`'s prompt blocks (module docstring of
+        prefix_cache.py: at most (prompt - 1) // block_size full blocks are ever taken from the cache)."""
+        leader = self.requests.get(leader_id)
+        return (isinstance(self.block_allocator, PrefixCachingAllocator) and leader is not None
+                and leader.num_output_tokens == 0 and req.sampling_params.prompt_logprobs is None
+                and (len(req.prompt_token_ids) - 1) // self.block_size > 0)
+
+    def _release_deferred(self, leader_id: str) -> None:
+        """Queue the requests held back for `leader_id` (its prompt is cached, or it ended), first in line."""
+        for req in reversed(self._deferred.pop(leader_id, [])):
+            req.wait_for = None
+            self.waiting.appendleft(req)
+
+    def _unlink(self, req: Request) -> None:
+        """Take a live request out of the running list, the waiting queue or the held-back siblings."""
+        if req.wait_for is not None:
+            self._deferred[req.wait_for].remove(req)
+            req.wait_for = None
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def check_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> list[int]:
         """Raise ValueError if `add_request` would refuse the request; changes nothing.
@@ -202,24 +240,24 @@ class Scheduler:
             self.block_allocator.reset()
             self.cached_blocks.clear()
 
-    def abort_request(self, req_id: str) -> RequestOutput | None:
+    def abort_request(self, req_id: str) -> SequenceOutput | None:
         """Drop a live request (no-op for an unknown id); returns its output with finish_reason "abort"."""
         return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
 
-    def finish_request(self, req_id: str, status: RequestStatus) -> RequestOutput | None:
+    def finish_request(self, req_id: str, status: RequestStatus) -> SequenceOutput | None:
         """End a live request from outside a step (abort, stop string); None for an unknown id. Its
         blocks are freed at once (steps run in order), its in-flight tokens dropped when their
         outputs are applied (async), and the next plan's `finished_req_ids` frees its runner row."""
         req = self.requests.get(req_id)
         if req is None:
             return None
-        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        self._unlink(req)
         if req.status == RequestStatus.RUNNING:  # only a request the runner holds is announced
             self._finished_req_ids.add(req_id)
         self._finish(req, status)
         return req.to_output()
 
-    def abort_after_failure(self) -> list[RequestOutput]:
+    def abort_after_failure(self) -> list[SequenceOutput]:
         """Abort every live request after a step raised part-way (the engine's recovery path).
 
         Unlike `abort_request`, every aborted id goes to the runner in the next
@@ -228,7 +266,7 @@ class Scheduler:
         are dropped. Returns the outputs ("abort")."""
         outputs = []
         for req in list(self.requests.values()):
-            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            self._unlink(req)
             req.num_output_placeholders = 0
             self._finished_req_ids.add(req.req_id)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -307,6 +345,8 @@ class Scheduler:
                 break  # FCFS: do not let later, smaller requests jump the queue
             self.waiting.popleft()
             num_new, req.block_ids = admitted
+            if not req.num_preemptions:
+                req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = req.num_tokens
             self.running.append(req)
@@ -407,16 +447,37 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[SequenceOutput]:
         """Apply one step's sampled tokens; returns the requests that finished in it.
 
         Raises RuntimeError when the runner's output does not match the plan (a token for a
         partial prefill chunk, none for a chunk that reached its end, or more than a chunk can
         emit: 1, or 1 + its draft slots for a decode)."""
-        cache_filled_blocks(self, scheduler_output)  # prefix caching: the blocks the last applied step filled
+        # Prefix caching: key the blocks the last applied step filled (sync: this one's, once applied).
+        if self.async_scheduling:
+            cache_filled_blocks(self, scheduler_output)
+        finished = self._apply_output(scheduler_output, runner_output)
+        if not self.async_scheduling:
+            cache_filled_blocks(self, scheduler_output)
+        if self._deferred:
+            for leader_id in [r for r in self._deferred if self._prompt_cached(r)]:
+                self._release_deferred(leader_id)
+        return finished
+
+    def _prompt_cached(self, leader_id: str) -> bool:
+        """Whether the siblings held back for `leader_id` may go: its shareable prompt blocks are
+        keyed in the prefix cache (or it ended)."""
+        leader = self.requests.get(leader_id)
+        if leader is None:
+            return True
+        return self.cached_blocks.get(leader_id, 0) >= (leader.num_prompt_tokens - 1) // self.block_size
+
+    def _apply_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[SequenceOutput]:
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
-        finished: list[RequestOutput] = []
+        finished: list[SequenceOutput] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -438,7 +499,7 @@ class Scheduler:
 
     def _update_from_async_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[SequenceOutput]:
         """Async: placeholders become tokens, rejected drafts stop counting as computed, and
         finished requests' later in-flight tokens are dropped."""
         if not self._in_flight or self._in_flight[0].plan is not scheduler_output:
@@ -447,7 +508,7 @@ class Scheduler:
                 f"({len(self._in_flight)} plans in flight)"
             )
         launched = self._in_flight.popleft()
-        finished: list[RequestOutput] = []
+        finished: list[SequenceOutput] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:
@@ -474,7 +535,7 @@ class Scheduler:
 
     def _append_sampled(
         self, req: Request, sampled: list[int], runner_output: ModelRunnerOutput, index: int
-    ) -> RequestOutput | None:
+    ) -> SequenceOutput | None:
         """Append a step's tokens one by one; the first that ends the request finishes it
         (the rest of an accepted run is dropped) and its output is returned."""
         for j, token in enumerate(sampled):
@@ -492,6 +553,8 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.req_id in self._deferred:
+            self._release_deferred(req.req_id)
         req.status = status
         if req.block_ids:
             self.block_allocator.free(req.block_ids)

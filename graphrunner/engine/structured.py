@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from graphrunner.config import MAX_SPECULATIVE_TOKENS
-from graphrunner.engine.request import RequestOutput, RequestStatus
+from graphrunner.engine.request import RequestStatus, SequenceOutput
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.state.staging import host_buffer
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
@@ -365,7 +365,7 @@ class StructuredOutputs:
             return runner.sample_tokens(async_output=async_output)
         return runner.sample_tokens(async_output=async_output, grammar_output=grammar)
 
-    def after_output(self, runner_output: ModelRunnerOutput, scheduler: Any) -> list[RequestOutput]:
+    def after_output(self, runner_output: ModelRunnerOutput, scheduler: Any) -> list[SequenceOutput]:
         """Advance the matchers by the step's tokens; end (finish_reason "stop") the requests whose
         grammar is complete or broken and still live; forget the matchers of finished requests.
 
@@ -376,7 +376,7 @@ class StructuredOutputs:
         tokens per request waits for `grammar_output`."""
         if not self.matchers:
             return []
-        ended: list[RequestOutput] = []
+        ended: list[SequenceOutput] = []
         stops, sampled = self._stops, runner_output.sampled_token_ids
         if stops is not None and not self.broken and stops.isdisjoint(chain.from_iterable(sampled)):
             self.unsorted.append((runner_output.req_ids, sampled))  # no token can complete a grammar: all deferred
@@ -390,7 +390,7 @@ class StructuredOutputs:
         return ended
 
     def _advance(self, req_ids: list[str], sampled: list[list[int]], scheduler: Any,
-                 ended: list[RequestOutput]) -> None:
+                 ended: list[SequenceOutput]) -> None:
         """`after_output` request by request: defer what cannot complete a grammar, accept the rest."""
         if self.unsorted:  # earlier steps' tokens first
             self._sort_unsorted()

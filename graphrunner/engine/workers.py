@@ -113,6 +113,14 @@ class WorkerLLM:
         """`LLM.generate` on every rank; rank 0's outputs."""
         return self._call("generate", *args, **kwargs)
 
+    def chat(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.chat` on every rank; rank 0's outputs."""
+        return self._call("chat", *args, **kwargs)
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.beam_search` on every rank; rank 0's outputs."""
+        return self._call("beam_search", *args, **kwargs)
+
     def shutdown(self) -> None:
         """Stop every rank (each shuts its LLM down first). Idempotent."""
         self._finalizer()

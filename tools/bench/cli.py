@@ -24,6 +24,7 @@ from graphrunner.cli_args import (
     parse_int_list,
     runner_kwargs,
 )
+from graphrunner_tools.bench import serve_load
 
 _DESCRIPTION = __doc__
 
@@ -46,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_sampler(sub)
     _register_soak(sub)
     _register_spec(sub)
+    serve_load.register(sub)  # `bench serve`: its own parser and run (graphrunner_tools/bench/serve_load.py)
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
