@@ -10,13 +10,10 @@ prefixes, so a step prefills little more than each beam's last block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphrunner.engine.prompts import split_prompts
 from graphrunner.protocol import SamplingParams
-
-if TYPE_CHECKING:
-    from graphrunner.engine.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_p
     return beam.cum_logprob / (max(length, 1) ** length_penalty)
 
 
-def run_beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def run_beam_search(llm: Any, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """`LLM.beam_search` (module docstring)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
