@@ -8,6 +8,7 @@ built with; derive a changed copy with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,14 +92,27 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name in ("rms_norm_eps", "rope_theta"):  # eps < 0 or theta <= 0 give NaN logits
+            value = getattr(self, name)
+            finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (finite and value > 0):
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        eos = self.eos_token_id
+        if not isinstance(eos, tuple) or not all(type(t) is int and t >= 0 for t in eos):
+            raise ValueError(f"eos_token_id={eos!r} must be a tuple of token ids (ints >= 0)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
 
     @property
     def q_size(self) -> int:

@@ -287,3 +287,75 @@ def test_cli_bad_device_prints_no_traceback():
     )
     assert proc.returncode != 0
     assert "'tpu'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------ config.json values
+
+import json  # noqa: E402
+
+# field -> values that must be refused (each names config.json, the field and the value)
+BAD_CONFIG_VALUES = {
+    "rope_theta": [0, -1.0, float("inf"), "1e4"],
+    "rms_norm_eps": [-1e-6, 0, "x"],
+    "tie_word_embeddings": ["false", 1],
+    "eos_token_id": ["23", [1, "2"], -1, True],
+    "num_hidden_layers": [True, 0, 2.0],
+    "hidden_size": [64.0, "64"],
+    "num_attention_heads": ["4", 0],
+    "num_key_value_heads": [2.5],
+    "architectures": ["LlamaForCausalLM", [1]],
+    "max_position_embeddings": [-5],
+}
+
+
+@settings(deadline=None)
+@given(item=st.sampled_from([(f, v) for f, vs in BAD_CONFIG_VALUES.items() for v in vs]))
+def test_bad_config_values_name_file_field_and_value(checkpoints, scratch, item):
+    field, value = item
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    raw = json.loads((checkpoints[0] / "config.json").read_text())
+    raw[field] = value
+    if field == "rope_theta" and isinstance(raw.get("rope_parameters"), dict):  # transformers-5 keys
+        raw["rope_parameters"]["rope_theta"] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=re.escape(f"config.json field {field}={value!r}")):
+        load_model_config(str(folder))
+
+
+def test_model_config_refuses_what_the_model_cannot_use():
+    cfg = load_model_config("builtin:tiny-llama")
+    import dataclasses
+
+    for field, value in (("rope_theta", 0.0), ("rms_norm_eps", -1.0), ("tie_word_embeddings", "false"),
+                         ("num_attention_heads", 0), ("eos_token_id", ("23",)), ("num_hidden_layers", True)):
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
+            dataclasses.replace(cfg, **{field: value})
+
+
+def test_unexpected_tensor_is_an_error_and_inv_freq_a_warning(single, caplog):
+    file = single / "model.safetensors"
+    _rewrite(file, "model.norm.weight", lambda t: t)
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="graphrunner.models"):
+        _load(single)
+    assert "rotary_emb.inv_freq" in caplog.text
+    tensors["model.layers.0.mlp.extra.weight"] = torch.ones(4)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{_names(file)}: unexpected tensor 'model\.layers\.0\.mlp\.extra"):
+        _load(single)
+
+
+def test_integer_weights_are_an_error(single):
+    _rewrite(single / "model.safetensors", "model.norm.weight", lambda t: t.to(torch.int32))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has dtype torch\.int32"):
+        _load(single)
+
+
+def test_a_directory_named_model_safetensors_is_named(tmp_path, checkpoints):
+    folder = Path(shutil.copytree(checkpoints[0], tmp_path / "dir"))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=_names(folder / "model.safetensors") + " is not a regular file"):
+        _load(folder)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,28 +107,30 @@ def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> Model
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias") is not None and not isinstance(raw.get("mlp_bias"), bool):
+        raise _bad_field("mlp_bias", raw["mlp_bias"], "true or false (a JSON boolean)")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     _warn_sliding_window(raw, arch)
 
-    heads = raw["num_attention_heads"]
-    hidden = raw["hidden_size"]
-    max_pos = raw.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    heads = _positive_int(raw, "num_attention_heads")
+    hidden = _positive_int(raw, "hidden_size")
+    max_pos = _positive_int(raw, "max_position_embeddings", defaults["max_position_embeddings"])
     rope_theta, rope_scaling = _rope(raw, max_pos)
 
     return ModelConfig(
-        vocab_size=raw["vocab_size"],
+        vocab_size=_positive_int(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
+        intermediate_size=_positive_int(raw, "intermediate_size"),
+        num_hidden_layers=_positive_int(raw, "num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        rms_norm_eps=float(raw.get("rms_norm_eps") or defaults["rms_norm_eps"]),
+        num_key_value_heads=_positive_int(raw, "num_key_value_heads", heads),
+        head_dim=_positive_int(raw, "head_dim", hidden // heads),
+        rms_norm_eps=_positive_float(raw, "rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_attention_bias(raw, arch),
         qk_norm=arch == "Qwen3ForCausalLM",
         eos_token_id=_eos(raw.get("eos_token_id")),
@@ -187,8 +190,47 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _bad_field(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"config.json field {name}={value!r} must be {rule}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(raw: dict[str, Any], name: str, default: int | None = None) -> int:
+    """`raw[name]`, an int >= 1 (absent or null: `default`; KeyError when there is none)."""
+    value = raw.get(name) if default is not None else raw[name]
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad_field(name, value, "an int >= 1")
+    return value
+
+
+def _positive_float(raw: dict[str, Any], name: str, default: float) -> float:
+    """`raw[name]`, a finite number > 0 (absent or null: `default`)."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise _bad_field(name, value, "a finite number > 0")
+    return float(value)
+
+
+def _bool(raw: dict[str, Any], name: str, default: bool) -> bool:
+    value = raw.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad_field(name, value, "true or false (a JSON boolean)")
+    return value
+
+
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise _bad_field("architectures", archs, "a list of architecture names")
     if archs:
         return archs[0]
     model_type = raw.get("model_type")
@@ -206,6 +248,8 @@ def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | No
     if not params:
         params = dict(old_scaling)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not (math.isfinite(theta) and theta > 0):
+        raise _bad_field("rope_theta", theta, "a finite number > 0")
     return float(theta), normalize_rope_scaling(params, max_position_embeddings=max_pos)
 
 
@@ -215,15 +259,16 @@ def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
         return True
     if arch == "MistralForCausalLM":
         return False
-    return bool(raw.get("attention_bias", False))
+    return _bool(raw, "attention_bias", False)
 
 
-def _eos(value: int | list[int] | None) -> tuple[int, ...]:
+def _eos(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = [value] if not isinstance(value, list) else value
+    if not all(_is_int(v) and v >= 0 for v in ids):
+        raise _bad_field("eos_token_id", value, "a token id (an int >= 0) or a list of them")
+    return tuple(ids)
 
 
 def _warn_sliding_window(raw: dict[str, Any], arch: str) -> None:
@@ -281,6 +326,8 @@ def _open_safetensors(file: Path) -> Any:
 
     try:
         return safe_open(str(file), framework="pt", device="cpu")
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {str(file)!r} cannot be read: {e}") from e
     except SafetensorError as e:
         # The header's offsets reach past the end of the file: the file was cut short
         # (an interrupted download or copy). Anything else: not a safetensors file at all.
@@ -318,6 +365,9 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     others = sorted(folder.glob("*.safetensors"))
+    for file in others:
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {str(file)!r} is not a regular file (a directory?)")
     if others:
         return others
     raise FileNotFoundError(f"no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}) in folder {str(folder)!r}")
@@ -330,10 +380,21 @@ def _load_checkpoint(model: LlamaForCausalLM, folder: Path) -> None:
     with the folder."""
     files = _checkpoint_files(folder)
     current: list[Path] = []  # the file of the tensor being loaded; empty once all are
+    expected = _checkpoint_names(model)
+    harmless: list[str] = []
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for file, name, tensor in _iter_file_tensors(files, progress=True):
             current[:] = [file]
+            if name not in expected:
+                if name.endswith(_HARMLESS_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    harmless.append(name)
+                    continue
+                raise CheckpointError(f"checkpoint file {str(file)!r}: unexpected tensor {name!r}; "
+                                      f"{model.config.architecture} has no such weight")
+            if not tensor.dtype.is_floating_point:
+                raise CheckpointError(f"checkpoint file {str(file)!r}: tensor {name!r} has dtype {tensor.dtype}; "
+                                      "weights must be floating point")
             yield name, tensor
         current.clear()
 
@@ -345,6 +406,21 @@ def _load_checkpoint(model: LlamaForCausalLM, folder: Path) -> None:
         where = f"checkpoint file {str(current[0])!r}" if current else f"checkpoint folder {str(folder)!r}"
         raise CheckpointError(f"{where}: {e}") from e
     _check_finite(model, files)
+    if harmless:
+        logger.warning("ignored %d checkpoint tensor(s) the model recomputes: %s", len(harmless), harmless[:8])
+
+
+# Buffers some checkpoints save that the model derives itself.
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _checkpoint_names(model: LlamaForCausalLM) -> set[str]:
+    """The tensor names the unsharded model reads (a TP/PP rank loads a part of them)."""
+    from graphrunner.attention.torch_ref import TorchReferenceBackend
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    full = LlamaForCausalLM(model.config, TorchReferenceBackend(), dtype=torch.float32, device="meta")
+    return set(full._weight_targets())
 
 
 @torch.no_grad()
