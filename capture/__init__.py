@@ -2,7 +2,7 @@
 
 Keep this file free of torch: `modes`, `descriptor` and `dispatch` are pure standard
 library so configs, the inspection tool and hypothesis tests import them without a GPU
-stack (tests/test_dispatch.py enforces it). Torch-based modules of this package (FULL
+stack (tests/capture/test_dispatch.py enforces it). Torch-based modules of this package (FULL
 capture, PIECEWISE backend, pool, report) are imported by their own module path.
 """
 

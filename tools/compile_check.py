@@ -4,7 +4,7 @@ The Triton interpreter (TRITON_INTERPRET=1, what CI runs) executes kernels as Py
 code the real compiler refuses (a loop variable retyped between loops, say), so a kernel can pass
 every CPU test and fail its first launch on the device. This tool closes that gap on the CPU:
 
-    TRITON_INTERPRET=1 python -m graphrunner_tools.compile_check record -- -q tests/test_x.py
+    TRITON_INTERPRET=1 python -m graphrunner_tools.compile_check record -- -q tests/step/test_runner.py
     python -m graphrunner_tools.compile_check compile [--arch 90]
 
 `record` runs pytest with the interpreter and writes each launch's kernel, argument types and

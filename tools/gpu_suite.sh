@@ -22,15 +22,15 @@ case "${1:-tests}" in
   dist)
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
     # The CPU (gloo) suite first: quick, and it catches breakage before NCCL is involved.
-    pyt 300 --hypothesis-profile ci tests/test_dist_engine.py 2>&1 | tee "$OUT/dist_cpu_tests.log" | tail -5 || rc=1
-    pyt 1500 -m gpu tests/test_dist_gpu.py -rs 2>&1 | tee "$OUT/dist_gpu_tests.log" | tail -30 || rc=1
+    pyt 300 --hypothesis-profile ci tests/distributed/test_dist_engine.py 2>&1 | tee "$OUT/dist_cpu_tests.log" | tail -5 || rc=1
+    pyt 1500 -m gpu tests/distributed/test_dist_gpu.py -rs 2>&1 | tee "$OUT/dist_gpu_tests.log" | tail -30 || rc=1
     ;;
   scale)
-    # tests/test_graph_modes.py compares NONE, FULL, FULL_DECODE_ONLY, PIECEWISE and
+    # tests/capture/test_graph_modes.py compares NONE, FULL, FULL_DECODE_ONLY, PIECEWISE and
     # FULL_AND_PIECEWISE on the GPU with debug checks on; the `scale` profile runs 2,000
     # workloads per property, and the statistics print the count that ran.
     export GRAPHRUNNER_GRAPH_TEST_DEVICE=cuda
-    pyt "${2:-900}" --hypothesis-profile scale --hypothesis-show-statistics tests/test_graph_modes.py \
+    pyt "${2:-900}" --hypothesis-profile scale --hypothesis-show-statistics tests/capture/test_graph_modes.py \
       -k "all_modes_produce_identical_tokens or poisoned" 2>&1 | tee "$OUT/graph_vs_eager.log" \
       | grep -E "passing|failing|passed|failed|Stopped because" | tail -12 || rc=1
     ;;

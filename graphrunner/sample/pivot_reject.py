@@ -46,7 +46,7 @@ saves the pivots and the refinement (~1.4 ms for flat rows at 256 x 151,936). Ac
 draw's chance of being kept: ~top_p on flat rows, where the guess tier fails; top-k on flat rows
 is cut by the bucket bound before pass B.
 
-It always runs after the guess. tests/test_sample_reject.py checks it against tiers 1-3 (the same
+It always runs after the guess. tests/sample/test_sample_reject.py checks it against tiers 1-3 (the same
 token for every row, on and off; every accepted token in the kept set of an independent sort
 reference; top-k, top-p and min-p placed exactly at the draw; non-finite rows never accepted; CUDA
 graph replays on a GPU). `graphrunner bench sampler` times the sampler with it, and

@@ -77,7 +77,7 @@ class Sampler:
     Non-finite logits (a faulty model or kernel) are not detected (that would cost a host
     sync) but are contained: every stage works row by row, so NaN or +-inf in one row never
     changes another row's token or logprobs, and the bad row still gets a token id in
-    [0, V) (tests/test_fault_step.py checks every variant, both paths). The bad row's
+    [0, V) (tests/engine/test_fault_step.py checks every variant, both paths). The bad row's
     token is meaningless; which one it is: the first +inf entry, if any survives the masks
     (allowed ids, min_tokens); token 0 for a row of only -inf; for a greedy row (and any row
     of the greedy variant) the first NaN entry, as `torch.argmax` ranks NaN above every

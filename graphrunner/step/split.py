@@ -44,7 +44,7 @@ class SplitStep:
         # Single-stage only: the forward graph replays from execute_model, before the runner's
         # `PipelineStage.receive` (run in `ModelRunner._run`), which is where a PP stage's inputs arrive (the
         # previous stage's hidden states; a pipelined stage's due input tokens). Every PP stage is excluded
-        # (the last one receives): tests/test_dist_pp_structured.py.
+        # (the last one receives): tests/distributed/test_dist_pp_structured.py.
         single_stage = body.is_last_stage and body.buffers.stage.hidden_in is None
         return (desc.is_full and desc.uniform_token_count == 1 and single_stage and body.spec is None
                 and body.pcp is None)
