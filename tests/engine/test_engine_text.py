@@ -7,6 +7,7 @@ sampled id decodes. `make_text_model` is shared with tests/engine/test_engine_st
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,20 @@ from tests.hf_fixtures import make_hf_checkpoint  # noqa: E402
 CORPUS = ["hello world, the graph runner runs graphs.", "stop here. the quick brown fox jumps over the lazy dog",
           "héllo wörld: café crème brûlée, naïve façade"] * 4
 EOS = "<eos>"
+
+
+# A chat template for the text model's tokenizer (llm.chat, /v1/chat/completions).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def add_chat_template(folder: Path) -> Path:
+    """Give the tokenizer folder of `make_text_model` a chat template; returns the folder."""
+    config = folder / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["chat_template"] = CHAT_TEMPLATE
+    config.write_text(json.dumps(data))
+    return folder
 
 
 def make_text_model(folder: Path) -> Path:

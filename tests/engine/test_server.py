@@ -12,7 +12,6 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,23 +25,13 @@ pytest.importorskip("uvicorn")
 
 from graphrunner import LLM, SamplingParams  # noqa: E402
 from graphrunner.engine.serve_cli import make_server  # noqa: E402
-from tests.engine.test_engine_text import make_text_model  # noqa: E402
+from tests.engine.test_engine_text import add_chat_template, make_text_model  # noqa: E402
 
 KEY = "test-key"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 PROMPT = "hello world"
 MESSAGES = [{"role": "user", "content": "the graph runner"}]
 GREEDY = dict(max_tokens=8, temperature=0.0)
 DEADLINE_S = 30.0
-
-
-def add_chat_template(folder: Path) -> Path:
-    config = folder / "tokenizer_config.json"
-    data = json.loads(config.read_text())
-    data["chat_template"] = CHAT_TEMPLATE
-    config.write_text(json.dumps(data))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ requests with vLLM's derived seeds, and share the prompt's KV blocks through the
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
@@ -21,22 +20,15 @@ pytest.importorskip("tokenizers")
 from graphrunner import LLM, SamplingParams  # noqa: E402
 from graphrunner.engine.prompts import derived_seed  # noqa: E402
 from graphrunner.protocol import SEED_MAX, SEED_MIN  # noqa: E402
-from tests.engine.test_engine_text import make_text_model  # noqa: E402
+from tests.engine.test_engine_text import add_chat_template, make_text_model  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 ENGINE_ARGS = dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
                    block_size=8, num_kv_blocks=128)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    folder = make_text_model(tmp_path_factory.mktemp("vllm_scripts"))
-    config = folder / "tokenizer_config.json"
-    data = json.loads(config.read_text())
-    data["chat_template"] = CHAT_TEMPLATE
-    config.write_text(json.dumps(data))
-    return folder
+    return add_chat_template(make_text_model(tmp_path_factory.mktemp("vllm_scripts")))
 
 
 @pytest.fixture(scope="module")
