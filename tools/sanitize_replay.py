@@ -31,6 +31,7 @@ def main(device: str = "cuda") -> int:
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     replayed = set()
     graphs = llm.runner.graphs
+    assert graphs is not None, "cudagraph_mode FULL keeps graphs"
     key_of = {id(g): f"{desc}[{variant_name(v)}]" for (desc, v), g in graphs.full_graphs.items()}
     for graph in graphs.full_graphs.values():
         original = graph.replay

@@ -61,7 +61,7 @@ def _decode_worker(args, tp: int, dcp: int) -> dict:
     prompt = [(37 * j + 11) % 30000 + 1 for j in range(C)]
     orig = _timed_steps(llm, record)
     out = llm.generate([prompt], SamplingParams(max_tokens=args.decode_steps, temperature=0.0, ignore_eos=True))
-    llm.step = orig
+    llm.step = orig  # type: ignore[method-assign]
     samples = samples[2:]
     result = {
         "kv_blocks_per_rank": llm.scheduler.num_blocks, "positions_per_block": llm.config.tokens_per_block,
@@ -98,7 +98,7 @@ def worker(args) -> None:
         num_kv_blocks=(longest + 64) // 16 + 64, enforce_eager=False, cudagraph_capture_sizes=[1, 2, 4, 8],
         collective_timeout_s=args.timeout, seed=0,
     )
-    result: dict = {"config": args.worker, "model": args.model, "pcp": pcp, "startup_s": time.perf_counter() - start,
+    result = {"config": args.worker, "model": args.model, "pcp": pcp, "startup_s": time.perf_counter() - start,
                     "ttft": []}
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for L in lens:

@@ -31,6 +31,8 @@ def _pivot_module(path: str | None):
 
         return pivot_select
     spec = importlib.util.spec_from_file_location("pivot_select_under_test", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--pivot-module {path!r}: not a loadable Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -40,7 +40,7 @@ from graphrunner_tools.bench.common import default_compile_backend, env_info, re
 
 if TYPE_CHECKING:
     from graphrunner.engine.llm import LLM
-    from graphrunner.engine.request import RequestOutput
+    from graphrunner.engine.request import RequestOutput, SequenceOutput
 
 logger = logging.getLogger("graphrunner.bench")
 
@@ -233,7 +233,7 @@ def random_params(rng: np.random.Generator, max_tokens: int, lim: _Limits) -> Sa
     return SamplingParams(**kw)
 
 
-def check_output(out: RequestOutput, params: SamplingParams, lim: _Limits) -> str | None:
+def check_output(out: RequestOutput | SequenceOutput, params: SamplingParams, lim: _Limits) -> str | None:
     """What is wrong with a finished output, or None."""
     toks, n = out.token_ids, len(out.token_ids)
     enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(lim.eos_ids))
@@ -272,7 +272,7 @@ class _Counters:
     output_errors: list[str] = field(default_factory=list)
     num_output_errors: int = 0
 
-    def record(self, out: RequestOutput, workload: Workload) -> None:
+    def record(self, out: RequestOutput | SequenceOutput, workload: Workload) -> None:
         params = workload.params.pop(out.req_id)
         if out.finish_reason == "abort":
             self.aborted += 1

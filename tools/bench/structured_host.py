@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ def token_paths(backend: XGrammarBackend, num: int, steps: int, vocab: int, seed
     row = np.zeros(-(-vocab // 32), dtype=np.int32)
     paths: list[list[int]] = []
     while len(paths) < num:
-        matcher, path = backend.compile(PARAMS), []
+        matcher, path = backend.compile(PARAMS), list[int]()
         while len(path) < steps and not matcher.is_terminated():
             matcher.fill_bitmask(row)
             allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
@@ -92,7 +93,7 @@ def run(args) -> dict[str, dict[str, float]]:
         so.num_scheduled_tokens = dict.fromkeys(ids, 1)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[p[step]] for p in paths])
-        masks = []
+        masks: list[Any] = []
         for t in threads[step % len(threads):] + threads[: step % len(threads)]:  # rotate who goes first
             engine, states = engines[t]
             a = time.perf_counter()
