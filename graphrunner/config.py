@@ -69,8 +69,52 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    A sparse layer routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts of
+    width `moe_intermediate_size` (softmax over the experts, then the top-k, renormalised to sum 1
+    when `norm_topk_prob`), plus, when `shared_expert_intermediate_size` > 0, a dense shared
+    expert scaled by a sigmoid gate (Qwen2-MoE). Layer i is sparse unless it is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`; a dense layer has
+    the model's `intermediate_size`.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"shared_expert_intermediate_size={shared!r} must be an int >= 0")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be <= num_experts={self.num_experts}"
+            )
+        layers = self.mlp_only_layers
+        if not isinstance(layers, tuple) or not all(type(i) is int and i >= 0 for i in layers):
+            raise ValueError(f"mlp_only_layers={layers!r} must be a tuple of layer indices (ints >= 0)")
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` holds experts (else a dense MLP)."""
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), dense or with
+    mixture-of-experts layers (`moe`: Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     vocab_size: int
     hidden_size: int
@@ -90,6 +134,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
     name: str = "model"
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -108,6 +153,12 @@ class ModelConfig:
         eos = self.eos_token_id
         if not isinstance(eos, tuple) or not all(type(t) is int and t >= 0 for t in eos):
             raise ValueError(f"eos_token_id={eos!r} must be a tuple of token ids (ints >= 0)")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"moe={self.moe!r} must be a MoEConfig or None")
+        if self.moe is not None and any(i >= self.num_hidden_layers for i in self.moe.mlp_only_layers):
+            raise ValueError(
+                f"mlp_only_layers={self.moe.mlp_only_layers} names a layer past num_hidden_layers={self.num_hidden_layers}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -122,17 +173,35 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` holds experts."""
+        return self.moe is not None and self.moe.is_sparse_layer(index)
+
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameter count (embeddings counted once when tied). `active`: what one token reads,
+        counting `num_experts_per_tok` experts (and the router) of each sparse layer."""
+        h, L = self.hidden_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * h * i + 2 * h
+        total = 0
+        for index in range(L):
+            total += attn + 2 * h + self.mlp_params(index, experts=None if not active else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + h
+        return total + emb + h
+
+    def mlp_params(self, index: int, experts: int | None = None) -> int:
+        """Parameters of layer `index`'s MLP: all of them (`experts=None`), or with `experts`
+        distinct routed experts (0: the `num_experts_per_tok` one token reads)."""
+        h = self.hidden_size
+        moe = self.moe
+        if moe is None or not moe.is_sparse_layer(index):
+            return 3 * h * self.intermediate_size
+        count = moe.num_experts if experts is None else (experts or moe.num_experts_per_tok)
+        shared = 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+        return count * 3 * h * moe.moe_intermediate_size + h * moe.num_experts + shared
 
 
 @dataclass(frozen=True)
@@ -211,9 +280,12 @@ class ParallelConfig:
     # (stage 0 applies it on the device; engine/pipeline_rule.py), so the host launches the next
     # batch without waiting for tokens. False: disjoint batches, each resolved at the host first.
     pp_token_placeholders: bool = True
+    # Mixture-of-experts layers split their experts over the TP ranks (each rank holds E / TP whole
+    # experts) instead of splitting every expert's width (vLLM's name). Dense layers are unaffected.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders"):
+        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",

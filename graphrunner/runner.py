@@ -141,7 +141,7 @@ class ModelRunner:
         g = self.groups
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
-            tp=TPComm.from_groups(g), pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
+            tp=TPComm.from_groups(g, expert_parallel=self.config.parallel.enable_expert_parallel), pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
         )
         self.body.model = model
         if self.body.spec is not None:  # a draft model, if the drafter has one

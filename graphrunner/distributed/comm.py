@@ -69,7 +69,8 @@ class TPComm:
     `group_name` is the torch name of the TP device group ("" for a group of one).
     """
 
-    def __init__(self, size: int = 1, rank: int = 0, group_name: str = "", dcp_size: int = 1) -> None:
+    def __init__(self, size: int = 1, rank: int = 0, group_name: str = "", dcp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"tp rank={rank} must be in [0, size={size})")
         if size > 1 and not group_name:
@@ -77,6 +78,8 @@ class TPComm:
         if size % dcp_size:
             raise ValueError(f"decode_context_parallel_size={dcp_size} must divide the TP size {size}")
         self.size, self.rank, self.group_name = size, rank, group_name
+        # MoE layers split their experts over the group instead of each expert's width.
+        self.expert_parallel = expert_parallel
         # DCP: the K/V heads are sharded over size // dcp_size groups of dcp_size ranks each.
         self.dcp_size = dcp_size
 
@@ -86,9 +89,9 @@ class TPComm:
         return self.size // self.dcp_size, self.rank // self.dcp_size
 
     @classmethod
-    def from_groups(cls, groups) -> TPComm:
+    def from_groups(cls, groups, *, expert_parallel: bool = False) -> TPComm:
         """From a `ParallelGroups` (its TP group)."""
-        return cls(groups.tp_size, groups.tp_rank, groups.tp.device_group_name, groups.dcp_size)
+        return cls(groups.tp_size, groups.tp_rank, groups.tp.device_group_name, groups.dcp_size, expert_parallel)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -103,7 +106,8 @@ class TPComm:
         return g.permute(1, 0, 2).reshape(x.shape[0], self.size * x.shape[1])
 
     def __repr__(self) -> str:
-        return f"TPComm(size={self.size}, rank={self.rank}, group={self.group_name!r}, dcp_size={self.dcp_size})"
+        return (f"TPComm(size={self.size}, rank={self.rank}, group={self.group_name!r}, dcp_size={self.dcp_size}, "
+                f"expert_parallel={self.expert_parallel})")
 
 
 __all__ = ["TPComm", "tp_all_gather", "tp_all_reduce"]

@@ -34,6 +34,7 @@ from graphrunner.config import KernelConfig, ModelConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+from graphrunner.layers.moe.layer import DOWN, GATE, UP, FusedMoE
 from graphrunner.layers.norm import RMSNorm
 from graphrunner.layers.rotary import RotaryEmbedding
 from graphrunner.models.registry import check_architecture
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         # Heads of this TP rank.
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         # HF Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2's bias is on q/k/v only.
-        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        o_bias = config.attention_bias and config.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         self.o_proj = RowLinear(
             config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
             tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
@@ -183,6 +184,7 @@ class DecoderLayer(nn.Module):
         dtype,
         device,
         layer_index: int = 0,
+        global_index: int = 0,
         tp: TPComm | None = None,
         kernel: KernelConfig | None = None,
     ) -> None:
@@ -193,7 +195,10 @@ class DecoderLayer(nn.Module):
             config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp, kernel=kernel
         )
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device, kernel=kernel)
-        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
+        self.mlp: MLP | FusedMoE = (
+            FusedMoE(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
+            if config.is_sparse_layer(global_index) else MLP(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
+        )
 
     def forward(
         self,
@@ -211,8 +216,12 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = attn.qkv_proj.add_norm_forward(self.input_layernorm, hidden, residual)
         hidden = attn.forward_qkv(positions, qkv, kv_cache, metadata)
-        gate_up, residual = self.mlp.gate_up_proj.add_norm_forward(self.post_attention_layernorm, hidden, residual)
-        return self.mlp.forward_gate_up(gate_up), residual
+        mlp = self.mlp
+        if isinstance(mlp, FusedMoE):
+            hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+            return mlp(hidden), residual
+        gate_up, residual = mlp.gate_up_proj.add_norm_forward(self.post_attention_layernorm, hidden, residual)
+        return mlp.forward_gate_up(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -246,7 +255,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 config, self.rotary_emb, attn_backend, dtype=dtype, device=device,
-                layer_index=i - self.start_layer, tp=tp, kernel=kernel,
+                layer_index=i - self.start_layer, global_index=i, tp=tp, kernel=kernel,
             )
             if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -316,10 +325,13 @@ class ShardedModule(Protocol):
 
 @dataclass(frozen=True)
 class _WeightTarget:
-    """Where one checkpoint tensor goes: its expected (full HF) shape and the copy."""
+    """Where one checkpoint tensor goes: its expected (full HF) shape and the copy. `covers`:
+    for a tensor that is another form of several required ones (a fused experts tensor for
+    the per-expert ones), the names it stands for."""
 
     shape: tuple[int, ...]
     load: Callable[[torch.Tensor], object]
+    covers: tuple[str, ...] = ()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -417,23 +429,25 @@ class LlamaForCausalLM(nn.Module):
         every missing tensor once the stream ends. Unexpected tensors are skipped with a
         debug log (rotary `inv_freq` buffers, and `lm_head.weight` when tied, silently).
         """
-        targets = self._weight_targets()
+        targets, alternates = self._weight_targets()
         loaded: set[str] = set()
         ignored: list[str] = []
         for name, tensor in weights:
-            target = targets.get(name)
+            target = targets.get(name) or alternates.get(name)
             if target is None:
                 if not name.endswith("rotary_emb.inv_freq") and not (name == "lm_head.weight" and self.lm_head is None):
                     ignored.append(name)
                 continue
-            if name in loaded:
-                raise ValueError(f"checkpoint tensor {name!r} appears more than once")
+            stands_for = target.covers or (name,)
+            if not loaded.isdisjoint(stands_for):
+                again = name if name in loaded else f"{name} (another form of {sorted(loaded & set(stands_for))[0]})"
+                raise ValueError(f"checkpoint tensor {again!r} appears more than once")
             if tuple(tensor.shape) != target.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}"
                 )
             target.load(tensor)
-            loaded.add(name)
+            loaded.update(stands_for)
         if ignored:
             logger.debug("ignored %d unexpected checkpoint tensors: %s", len(ignored), ignored)
         missing = sorted(set(targets) - loaded)
@@ -441,9 +455,11 @@ class LlamaForCausalLM(nn.Module):
             shown = missing[:8] + (["..."] if len(missing) > 8 else [])
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
-    def _weight_targets(self) -> dict[str, _WeightTarget]:
-        """HF tensor name -> target, covering every parameter of this model exactly once."""
+    def _weight_targets(self) -> tuple[dict[str, _WeightTarget], dict[str, _WeightTarget]]:
+        """(HF tensor name -> target, covering every parameter of this model exactly once;
+        other accepted forms of some of them -> target, each naming what it covers)."""
         targets: dict[str, _WeightTarget] = {}
+        alternates: dict[str, _WeightTarget] = {}
 
         def plain(name: str, param: nn.Parameter) -> None:
             targets[name] = _WeightTarget(tuple(param.shape), param.copy_)
@@ -475,10 +491,43 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 plain(p + "self_attn.q_norm.weight", attn.q_norm.weight)
                 plain(p + "self_attn.k_norm.weight", attn.k_norm.weight)
+            if isinstance(mlp, FusedMoE):
+                self._expert_targets(p, mlp, targets, alternates, plain, sharded)
+                continue
             sharded(p + "mlp.gate_proj.weight", mlp.gate_up_proj, "weight", 0)
             sharded(p + "mlp.up_proj.weight", mlp.gate_up_proj, "weight", 1)
             sharded(p + "mlp.down_proj.weight", mlp.down_proj, "weight")
-        return targets
+        return targets, alternates
+
+    def _expert_targets(self, p: str, moe: FusedMoE, targets: dict[str, _WeightTarget],
+                        alternates: dict[str, _WeightTarget], plain: Callable, sharded: Callable) -> None:
+        """A sparse layer's tensors, as `save_pretrained` writes them (one key set per expert:
+        Mixtral `block_sparse_moe.experts.N.w1|w3|w2`, Qwen `mlp.experts.N.gate|up|down_proj`),
+        or as transformers 5 holds them in memory (`mlp.experts.gate_up_proj` [E, 2I, H] and
+        `mlp.experts.down_proj` [E, H, I], the router at `mlp.gate`): either form loads."""
+        mixtral = self.config.architecture == "MixtralForCausalLM"
+        block = p + ("block_sparse_moe." if mixtral else "mlp.")
+        names = {GATE: "w1", UP: "w3", DOWN: "w2"} if mixtral else {
+            GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
+        plain(block + "gate.weight", moe.gate.weight)
+        gate_up, down = [], []
+        for e in range(moe.num_experts):
+            for part in (GATE, UP, DOWN):
+                name = f"{block}experts.{e}.{names[part]}.weight"
+                sharded(name, moe, "w2" if part == DOWN else "w13", (e, part))
+                (down if part == DOWN else gate_up).append(name)
+        for param, fused, covered in (("w13", "gate_up_proj", gate_up), ("w2", "down_proj", down)):
+            alternates[f"{p}mlp.experts.{fused}"] = _WeightTarget(
+                moe.checkpoint_shape(param), lambda t, param=param: moe.load_full(param, t), tuple(covered))
+        if mixtral:
+            router = block + "gate.weight"
+            alternates[p + "mlp.gate.weight"] = _WeightTarget(targets[router].shape, targets[router].load, (router,))
+        if moe.shared_gate_up is not None:
+            assert moe.shared_down is not None and moe.shared_expert_gate is not None, "built together"
+            sharded(block + "shared_expert.gate_proj.weight", moe.shared_gate_up, "weight", 0)
+            sharded(block + "shared_expert.up_proj.weight", moe.shared_gate_up, "weight", 1)
+            sharded(block + "shared_expert.down_proj.weight", moe.shared_down, "weight")
+            plain(block + "shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
     # ------------------------------------------------------------------ sharded dummy weights
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, resolve_dtype
+from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, MoEConfig, resolve_dtype
 from graphrunner.layers.rotary import normalize_rope_scaling
 from graphrunner.models.registry import check_architecture, get_builtin, is_builtin
 
@@ -60,6 +60,9 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # HF class defaults that differ per architecture (used when a key is absent).
@@ -68,6 +71,22 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+}
+
+# The experts' config keys and the HF class defaults for each MoE architecture: (key of the expert
+# count, key of the expert width, defaults). Mixtral's experts have the model's intermediate_size
+# and always renormalise the top-k weights.
+_MOE_KEYS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "MixtralForCausalLM": ("num_local_experts", "intermediate_size", {
+        "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size", {
+        "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "norm_topk_prob": False}),
+    "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size", {
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False}),
 }
 
 
@@ -132,10 +151,52 @@ def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> Model
         max_position_embeddings=max_pos,
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         attention_bias=_attention_bias(raw, arch),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         eos_token_id=_eos(raw.get("eos_token_id")),
         architecture=arch,
         name=name,
+        moe=_moe(raw, arch),
+    )
+
+
+def _moe(raw: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The experts of a MoE architecture's config.json (None for a dense one, or a Qwen-MoE
+    config with num_experts 0, which Hugging Face builds with dense layers only)."""
+    if arch not in _MOE_KEYS:
+        return None
+    count_key, width_key, defaults = _MOE_KEYS[arch]
+    # transformers 5 writes every family's expert count as num_local_experts; Hub configs of the
+    # Qwen families say num_experts.
+    present = [key for key in ("num_experts", "num_local_experts") if raw.get(key) is not None]
+    if len(present) == 2 and raw["num_experts"] != raw["num_local_experts"]:
+        raise _bad_field("num_experts", raw["num_experts"], f"equal to num_local_experts={raw['num_local_experts']!r}")
+    count_key = present[0] if present else count_key
+    count = raw.get(count_key, defaults.get(count_key))
+    if count == 0 and count_key == "num_experts":
+        return None
+    if _is_int(count) and count < 0:
+        raise _bad_field(count_key, count, "an int >= 0")
+    norm = True if arch == "MixtralForCausalLM" else _bool(raw, "norm_topk_prob", defaults["norm_topk_prob"])
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(_is_int(i) and i >= 0 for i in only):
+        raise _bad_field("mlp_only_layers", only, "a list of layer indices (ints >= 0)")
+    shared = raw.get("shared_expert_intermediate_size", defaults.get("shared_expert_intermediate_size", 0))
+    if shared is None or (_is_int(shared) and shared == 0):
+        shared = 0
+    elif not _is_int(shared) or shared < 0:
+        raise _bad_field("shared_expert_intermediate_size", shared, "an int >= 0")
+    experts = _positive_int({count_key: count}, count_key)
+    top_k = _positive_int(raw, "num_experts_per_tok", defaults["num_experts_per_tok"])
+    if top_k > experts:
+        raise _bad_field("num_experts_per_tok", top_k, f"<= {count_key}={experts}")
+    return MoEConfig(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_positive_int(raw, width_key, defaults.get(width_key)),
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared,
+        decoder_sparse_step=_positive_int(raw, "decoder_sparse_step", 1),
+        mlp_only_layers=tuple(only),
     )
 
 
@@ -257,6 +318,8 @@ def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
     # Qwen2 hard-codes bias on q/k/v (its config has no key for it); Mistral never has one.
     if arch == "Qwen2ForCausalLM":
         return True
+    if arch == "Qwen2MoeForCausalLM":
+        return _bool(raw, "qkv_bias", True)
     if arch == "MistralForCausalLM":
         return False
     return _bool(raw, "attention_bias", False)
@@ -275,7 +338,9 @@ def _warn_sliding_window(raw: dict[str, Any], arch: str) -> None:
     # Attention backends are full-causal; a window shorter than the context would
     # change results past the window, so say so instead of failing to load.
     window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and not raw.get(
+        "use_sliding_window", False
+    ):
         window = None
     if window is not None:
         logger.warning(
@@ -420,7 +485,8 @@ def _checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     from graphrunner.models.llama import LlamaForCausalLM
 
     full = LlamaForCausalLM(model.config, TorchReferenceBackend(), dtype=torch.float32, device="meta")
-    return set(full._weight_targets())
+    targets, alternates = full._weight_targets()
+    return set(targets) | set(alternates)
 
 
 @torch.no_grad()

@@ -10,15 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from graphrunner.config import ModelConfig
+from graphrunner.config import ModelConfig, MoEConfig
 
 BUILTIN_PREFIX = "builtin:"
 
 # Hugging Face `architectures[0]` values the Llama-family model implements. They differ
-# only in flags the config carries (qkv bias, q/k norm, tied embeddings), so one model
-# class serves them all.
+# only in flags the config carries (qkv bias, q/k norm, tied embeddings, experts), so one
+# model class serves them all.
+MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} | MOE_ARCHITECTURES
 )
 
 _LLAMA3_EOS = (128001, 128008, 128009)
@@ -105,6 +106,79 @@ BUILTIN_MODELS: Mapping[str, ModelConfig] = MappingProxyType(
             max_position_embeddings=131072,
             tie_word_embeddings=False,
             eos_token_id=_LLAMA3_EOS,
+        ),
+        "builtin:tiny-moe": ModelConfig(
+            name="builtin:tiny-moe",
+            architecture="Qwen3MoeForCausalLM",
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            qk_norm=True,
+            eos_token_id=(2,),
+            moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+        ),
+        "builtin:qwen3-30b-a3b": ModelConfig(
+            name="builtin:qwen3-30b-a3b",
+            architecture="Qwen3MoeForCausalLM",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            eos_token_id=(151645, 151643),
+            moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+        ),
+        "builtin:mixtral-8x7b": ModelConfig(
+            name="builtin:mixtral-8x7b",
+            architecture="MixtralForCausalLM",
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+            tie_word_embeddings=False,
+            eos_token_id=(2,),
+            moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True),
+        ),
+        "builtin:qwen1.5-moe-a2.7b": ModelConfig(
+            name="builtin:qwen1.5-moe-a2.7b",
+            architecture="Qwen2MoeForCausalLM",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            eos_token_id=(151643,),
+            moe=MoEConfig(
+                num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
+                shared_expert_intermediate_size=5632,
+            ),
         ),
     }
 )

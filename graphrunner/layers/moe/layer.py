@@ -1,0 +1,169 @@
+"""`FusedMoE`: the sparse MLP of a mixture-of-experts decoder layer.
+
+    x ─▶ router (replicated [E, H] GEMM) ─▶ route: softmax, top-k, optional renormalisation
+      ─▶ experts: sum over the chosen experts of weight * down(silu(gate(x)) * up(x))
+      (+ sigmoid(shared_gate(x)) * shared_expert(x), Qwen2-MoE)
+      ─▶ one all-reduce over the TP group (TP or EP), inside the graph like a dense layer's
+
+Parallelism over the TP group of size P:
+
+  tensor parallel (default)   every rank holds every expert, with 1/P of its intermediate
+                              dimension (gate/up rows, down columns); partial sums all-reduced.
+  expert parallel             (`TPComm.expert_parallel`, vLLM's `enable_expert_parallel`) rank r
+                              holds experts [r E/P, (r+1) E/P) whole. The activations entering
+                              the layer are already replicated over the TP group, so a rank
+                              picks its own experts' slots locally (`expert_map`, no dispatch
+                              collective) and the combine is the same all-reduce of partial sums:
+                              one collective per layer whatever the batch, with static sizes, so
+                              it is captured in FULL graphs.
+
+The expert computation is chosen once, by device: the Triton kernels of `kernels.py` on CUDA
+(only the experts that received tokens are read), the torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrunner.config import KernelConfig, ModelConfig
+from graphrunner.distributed.comm import TPComm
+from graphrunner.layers.linear import MergedColumnLinear, RowLinear
+from graphrunner.layers.moe.reference import fused_moe_reference, route_reference
+
+# Per-expert checkpoint tensors: (param, part) -> shard id of `load_shard`.
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+def _partial(x: torch.Tensor) -> torch.Tensor:
+    """The shared expert's down projection stays a partial sum: it is reduced together with the
+    routed experts' partial output, in the layer's one all-reduce."""
+    return x
+
+
+class FusedMoE(nn.Module):
+    """Router, routed experts and optional shared expert of one sparse layer.
+
+    Parameters: `gate.weight` [E, H] (the router), `w13` [E_local, 2 I_local, H] (gate rows, then
+    up rows), `w2` [E_local, H, I_local], and with a shared expert `shared_gate_up`, `shared_down`
+    and `shared_expert_gate.weight` [1, H]. `expert_map` (a buffer, expert parallel only) maps a
+    global expert id to its local index, -1 when another rank holds it.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device,
+        tp: TPComm | None = None,
+        kernel: KernelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError(f"{config.name}: FusedMoE needs a config with experts (ModelConfig.moe)")
+        tp = tp or TPComm()
+        self.tp = tp
+        h, num_experts, inter = config.hidden_size, moe.num_experts, moe.moe_intermediate_size
+        self.hidden_size, self.num_experts, self.intermediate_size = h, num_experts, inter
+        self.top_k, self.renormalize = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(
+                    f"expert parallelism over {tp.size} ranks needs num_experts={num_experts} to be a multiple "
+                    f"of {tp.size}"
+                )
+            self.num_local_experts, self.intermediate_local = num_experts // tp.size, inter
+            self.first_expert = tp.rank * self.num_local_experts
+            local = torch.full((num_experts,), -1, dtype=torch.int32)
+            local[self.first_expert : self.first_expert + self.num_local_experts] = torch.arange(
+                self.num_local_experts, dtype=torch.int32
+            )
+            self.register_buffer("expert_map", local.to(device), persistent=False)
+        else:
+            if inter % tp.size:
+                raise ValueError(
+                    f"moe_intermediate_size={inter} is not divisible by tp_size={tp.size} (use expert parallelism, "
+                    "or a TP size that divides it)"
+                )
+            self.num_local_experts, self.intermediate_local, self.first_expert = num_experts, inter // tp.size, 0
+            self.expert_map = None
+        e_local, i_local = self.num_local_experts, self.intermediate_local
+        self.gate = nn.Linear(h, num_experts, bias=False, dtype=dtype, device=device)
+        self.gate.weight.requires_grad_(False)
+        self.w13 = nn.Parameter(torch.empty(e_local, 2 * i_local, h, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e_local, h, i_local, dtype=dtype, device=device), requires_grad=False)
+        shared = moe.shared_expert_intermediate_size
+        self.shared_gate_up: MergedColumnLinear | None = None
+        self.shared_down: RowLinear | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared:
+            self.shared_gate_up = MergedColumnLinear(
+                h, [shared, shared], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank, kernel=kernel
+            )
+            self.shared_down = RowLinear(
+                shared, h, dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank,
+                all_reduce=_partial if tp.size > 1 else None, kernel=kernel,
+            )
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype, device=device)
+            self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        logits = F.linear(x, self.gate.weight)  # [T, E] in x's dtype, as the HF routers compute it
+        weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [T, k] fp32, int32
+        out = fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_expert_gate is not None, "built together"
+            shared = self.shared_down.forward_swiglu(self.shared_gate_up(x))
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return self.tp.all_reduce(out)
+
+    # ------------------------------------------------------------------ weights
+
+    def checkpoint_shape(self, param: str, shard_id: tuple[int, str] | None = None) -> tuple[int, ...]:
+        """The full Hugging Face shape of one checkpoint tensor: a per-expert projection
+        (`param` "w13" with shard (expert, "gate" | "up"), or "w2" with (expert, "down")), or a
+        fused one (shard None: [E, 2I, H] gate|up, [E, H, I] down)."""
+        h, inter, num_experts = self.hidden_size, self.intermediate_size, self.num_experts
+        if shard_id is None:
+            return {"w13": (num_experts, 2 * inter, h), "w2": (num_experts, h, inter)}[param]
+        return (h, inter) if shard_id[1] == DOWN else (inter, h)
+
+    @torch.no_grad()
+    def load_shard(self, param: str, tensor: torch.Tensor, shard_id: tuple[int, str] | None = None) -> None:
+        """Copy this rank's share of a full checkpoint tensor (see `checkpoint_shape`); a
+        per-expert tensor of an expert another rank holds is skipped."""
+        if shard_id is None:
+            self.load_full(param, tensor)
+            return
+        expert, part = shard_id
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        i_local, start = self.intermediate_local, self._inter_start
+        if part == DOWN:
+            self.w2[local].copy_(tensor.narrow(1, start, i_local))
+        else:
+            row = 0 if part == GATE else i_local
+            self.w13[local, row : row + i_local].copy_(tensor.narrow(0, start, i_local))
+
+    @torch.no_grad()
+    def load_full(self, param: str, tensor: torch.Tensor) -> None:
+        """Load this rank's share of the fused (all experts) `w13` [E, 2I, H] or `w2` [E, H, I]."""
+        experts = tensor.narrow(0, self.first_expert, self.num_local_experts)
+        i_local, start, inter = self.intermediate_local, self._inter_start, self.intermediate_size
+        if param == "w13":
+            self.w13[:, :i_local].copy_(experts.narrow(1, start, i_local))
+            self.w13[:, i_local:].copy_(experts.narrow(1, inter + start, i_local))
+        elif param == "w2":
+            self.w2.copy_(experts.narrow(2, start, i_local))
+        else:
+            raise ValueError(f"FusedMoE has no fused parameter {param!r} (w13, w2)")
+
+    @property
+    def _inter_start(self) -> int:
+        """Where this rank's slice of an expert's intermediate dimension starts."""
+        return 0 if self.expert_parallel else self.tp.rank * self.intermediate_local
