@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=640,
@@ -71,6 +72,17 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # head_dim 32 != hidden / heads = 16: Qwen3 states head_dim explicitly.
     "qwen3": dict(head_dim=32, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Mixture of experts: 8 experts of width 32 (Mixtral's experts take intermediate_size).
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Top-3 without renormalisation, a shared expert with its sigmoid gate, qkv bias, and a dense
+    # layer (mlp_only_layers) of the model's intermediate_size.
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 _INIT_STD = 0.1  # logits O(1) at hidden 64-128, so an atol of 1e-4 is a real check
@@ -85,6 +97,9 @@ def _config_class(arch: str):
         "mistral": "MistralConfig",
         "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
     }
     if arch not in names:
         raise ValueError(f"unknown fixture arch {arch!r}; allowed: {list(ARCHS)}")

@@ -315,12 +315,13 @@ def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | No
 
 
 def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
-    # Qwen2 hard-codes bias on q/k/v (its config has no key for it); Mistral never has one.
+    # Qwen2 hard-codes bias on q/k/v (its config has no key for it), Qwen2-MoE reads qkv_bias; Mistral
+    # and Mixtral never have one.
     if arch == "Qwen2ForCausalLM":
         return True
     if arch == "Qwen2MoeForCausalLM":
         return _bool(raw, "qkv_bias", True)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return False
     return _bool(raw, "attention_bias", False)
 

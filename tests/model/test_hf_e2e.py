@@ -1,6 +1,7 @@
 """End-to-end parity with Hugging Face transformers on the same weights.
 
-Tiny Llama / Llama-3 (rope scaling) / Mistral / Qwen2 / Qwen3 checkpoints are built with
+Tiny Llama / Llama-3 (rope scaling) / Mistral / Qwen2 / Qwen3 checkpoints, and the
+mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE ones, are built with
 transformers, saved, loaded by our loader and run through the reference engine; 32 greedy
 tokens must equal a plain transformers greedy loop (full recompute each step, an
 independent reference), alone and in a mixed batch under chunked prefill and preemption.
@@ -10,9 +11,7 @@ import pytest
 import torch
 
 from graphrunner import LLM, SamplingParams
-from tests.hf_fixtures import load_hf_model, make_hf_checkpoint
-
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+from tests.hf_fixtures import ARCHS, load_hf_model, make_hf_checkpoint
 NUM_TOKENS = 32
 
 

@@ -24,7 +24,9 @@ from graphrunner.models import (
     load_model,
     load_model_config,
 )
+from graphrunner.layers.moe.layer import FusedMoE
 from graphrunner.models.loader import model_config_from_dict
+from graphrunner.models.registry import MOE_ARCHITECTURES
 from tests.hf_fixtures import ARCHS, make_hf_checkpoint, write_legacy_config
 
 
@@ -161,9 +163,11 @@ def test_config_parsing_invariants(fields):
     assert cfg.eos_token_id == (() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos))
     assert cfg.tie_word_embeddings is bool(fields["tie"])  # HF default: untied
     arch = fields["arch"]
-    expected_bias = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(arch, bool(fields["bias"]))
+    expected_bias = {"Qwen2ForCausalLM": True, "Qwen2MoeForCausalLM": True, "MistralForCausalLM": False,
+                     "MixtralForCausalLM": False}.get(arch, bool(fields["bias"]))
     assert cfg.attention_bias is expected_bias
-    assert cfg.qk_norm is (arch == "Qwen3ForCausalLM")
+    assert cfg.qk_norm is (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
+    assert (cfg.moe is not None) is (arch in MOE_ARCHITECTURES)
     if fields["rope"] in ("none", "default"):
         assert cfg.rope_scaling is None
     else:
@@ -217,8 +221,14 @@ def test_every_parameter_element_is_filled(arch, checkpoints):
     attn = model.model.layers[1].self_attn
     q = attn.qkv_proj.weight[: attn.qkv_proj.q_size]
     assert torch.equal(q, weights["model.layers.1.self_attn.q_proj.weight"])
-    up = model.model.layers[0].mlp.gate_up_proj.weight[model.config.intermediate_size :]
-    assert torch.equal(up, weights["model.layers.0.mlp.up_proj.weight"])
+    mlp = model.model.layers[0].mlp
+    if isinstance(mlp, FusedMoE):  # expert 1's up projection, the second half of its gate|up rows
+        name = ("model.layers.0.block_sparse_moe.experts.1.w3.weight" if arch == "mixtral"
+                else "model.layers.0.mlp.experts.1.up_proj.weight")
+        assert torch.equal(mlp.w13[1, mlp.intermediate_size :], weights[name])
+    else:
+        up = mlp.gate_up_proj.weight[model.config.intermediate_size :]
+        assert torch.equal(up, weights["model.layers.0.mlp.up_proj.weight"])
 
 
 def test_tied_lm_head_falls_back_to_embeddings(checkpoints):

@@ -71,6 +71,11 @@ PARITY_CASES = {
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "qwen2-moe-sparse-step": ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False}),
 }
 
 
