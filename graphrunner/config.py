@@ -157,7 +157,8 @@ class ModelConfig:
             raise ValueError(f"moe={self.moe!r} must be a MoEConfig or None")
         if self.moe is not None and any(i >= self.num_hidden_layers for i in self.moe.mlp_only_layers):
             raise ValueError(
-                f"mlp_only_layers={self.moe.mlp_only_layers} names a layer past num_hidden_layers={self.num_hidden_layers}"
+                f"mlp_only_layers={self.moe.mlp_only_layers} names a layer past "
+                f"num_hidden_layers={self.num_hidden_layers}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(

@@ -139,9 +139,10 @@ class ModelRunner:
 
         start = time.perf_counter()
         g = self.groups
+        tp = TPComm.from_groups(g, expert_parallel=self.config.parallel.enable_expert_parallel)
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
-            tp=TPComm.from_groups(g, expert_parallel=self.config.parallel.enable_expert_parallel), pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
+            tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
         )
         self.body.model = model
         if self.body.spec is not None:  # a draft model, if the drafter has one

@@ -99,6 +99,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
                    help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
                         "default: each replica runs on its own")
     add_dbo_args(p)
+    p.add_argument("-ep", "--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts layers split their experts over the TP ranks instead of each "
+                        "expert's width")
     p.add_argument("-pcp", "--prefill-context-parallel-size", dest="pcp", type=int, default=1,
                    help="prefill context-parallel ranks: each prefill's tokens split over them")
     p.add_argument("-dcp", "--decode-context-parallel-size", dest="dcp", type=int, default=1,
@@ -127,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
         prefill_context_parallel_size=args.pcp,
         decode_context_parallel_size=args.dcp,
         data_parallel_lockstep=args.data_parallel_lockstep,
+        enable_expert_parallel=args.enable_expert_parallel,
         **dbo_cli_kwargs(args),
         enable_prefix_caching=args.enable_prefix_caching,
         collective_timeout_s=args.collective_timeout,

@@ -92,6 +92,8 @@ class LLM:
         data_parallel_lockstep: False (default): DP replicas run independently (a dense model
             shares nothing across them); True: they step together, agreeing on each step's
             descriptor (one CPU all-reduce) with dummy steps on idle replicas.
+        enable_expert_parallel: a mixture-of-experts model's layers split their experts over the TP
+            ranks (E / TP whole experts each) instead of every expert's width (vLLM's name).
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -140,6 +142,7 @@ class LLM:
         decode_context_parallel_size: int = 1,
         cp_kv_cache_interleave_size: int = 1,
         data_parallel_lockstep: bool = False,
+        enable_expert_parallel: bool = False,
         collective_timeout_s: float = 60.0,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
@@ -157,7 +160,8 @@ class LLM:
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
-            decode_context_parallel_size=decode_context_parallel_size, extra=kwargs,
+            decode_context_parallel_size=decode_context_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         speculative = resolve_speculative_config(speculative_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py

@@ -36,7 +36,7 @@ def parallel_config(
 ) -> ParallelConfig:
     """The `ParallelConfig` of `LLM`'s layout arguments (`context_parallel`: vLLM's
     prefill_context_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
-    data_parallel_lockstep; `extra`: LLM's extra keywords, whose `PARALLEL_EXTRA_FIELDS` (DBO's,
+    data_parallel_lockstep, enable_expert_parallel; `extra`: LLM's extra keywords, whose `PARALLEL_EXTRA_FIELDS` (DBO's,
     pp_token_placeholders) are taken out); refuses async scheduling over several processes."""
     taken = {name: extra.pop(name) for name in PARALLEL_EXTRA_FIELDS if name in extra} if extra else {}
     parallel = ParallelConfig(

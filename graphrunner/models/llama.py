@@ -20,6 +20,7 @@ next one, and a non-first stage takes them as extra `forward` arguments.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -510,7 +511,8 @@ class LlamaForCausalLM(nn.Module):
         names = {GATE: "w1", UP: "w3", DOWN: "w2"} if mixtral else {
             GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
         plain(block + "gate.weight", moe.gate.weight)
-        gate_up, down = [], []
+        gate_up: list[str] = []
+        down: list[str] = []
         for e in range(moe.num_experts):
             for part in (GATE, UP, DOWN):
                 name = f"{block}experts.{e}.{names[part]}.weight"
@@ -518,7 +520,7 @@ class LlamaForCausalLM(nn.Module):
                 (down if part == DOWN else gate_up).append(name)
         for param, fused, covered in (("w13", "gate_up_proj", gate_up), ("w2", "down_proj", down)):
             alternates[f"{p}mlp.experts.{fused}"] = _WeightTarget(
-                moe.checkpoint_shape(param), lambda t, param=param: moe.load_full(param, t), tuple(covered))
+                moe.checkpoint_shape(param), functools.partial(moe.load_full, param), tuple(covered))
         if mixtral:
             router = block + "gate.weight"
             alternates[p + "mlp.gate.weight"] = _WeightTarget(targets[router].shape, targets[router].load, (router,))

@@ -170,9 +170,9 @@ def _moe(raw: dict[str, Any], arch: str) -> MoEConfig | None:
     present = [key for key in ("num_experts", "num_local_experts") if raw.get(key) is not None]
     if len(present) == 2 and raw["num_experts"] != raw["num_local_experts"]:
         raise _bad_field("num_experts", raw["num_experts"], f"equal to num_local_experts={raw['num_local_experts']!r}")
+    count = raw[present[0]] if present else defaults[count_key]
     count_key = present[0] if present else count_key
-    count = raw.get(count_key, defaults.get(count_key))
-    if count == 0 and count_key == "num_experts":
+    if count == 0 and arch != "MixtralForCausalLM":
         return None
     if _is_int(count) and count < 0:
         raise _bad_field(count_key, count, "an int >= 0")

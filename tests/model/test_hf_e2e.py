@@ -12,6 +12,7 @@ import torch
 
 from graphrunner import LLM, SamplingParams
 from tests.hf_fixtures import ARCHS, load_hf_model, make_hf_checkpoint
+
 NUM_TOKENS = 32
 
 

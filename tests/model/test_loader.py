@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.config import LoadConfig
+from graphrunner.layers.moe.layer import FusedMoE
 from graphrunner.models import (
     BUILTIN_MODELS,
     SUPPORTED_ARCHITECTURES,
@@ -24,7 +25,6 @@ from graphrunner.models import (
     load_model,
     load_model_config,
 )
-from graphrunner.layers.moe.layer import FusedMoE
 from graphrunner.models.loader import model_config_from_dict
 from graphrunner.models.registry import MOE_ARCHITECTURES
 from tests.hf_fixtures import ARCHS, make_hf_checkpoint, write_legacy_config
