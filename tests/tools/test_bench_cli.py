@@ -24,7 +24,12 @@ from graphrunner.cli_args import parse_int_list
 from graphrunner.config import LoadConfig
 from graphrunner.models.loader import load_model, load_model_config
 from graphrunner_tools.bench.common import Stats
-from graphrunner_tools.bench.roofline import kv_bytes_per_token, measure_copy_bandwidth, weight_bytes_read
+from graphrunner_tools.bench.roofline import (
+    expected_active_experts,
+    kv_bytes_per_token,
+    measure_copy_bandwidth,
+    weight_bytes_read,
+)
 from graphrunner_tools.bench.throughput import sample_lengths
 
 MODEL = "builtin:tiny-llama"
@@ -193,9 +198,9 @@ def test_sample_lengths(n, mean, seed):
 
 # ---- roofline and statistics ----------------------------------------------------------
 @functools.cache
-def _tiny_model(tied: bool):
-    config = dataclasses.replace(load_model_config(MODEL), tie_word_embeddings=tied)
-    model = load_model(config, LoadConfig(model=MODEL, load_format="dummy"), attn_backend=None,
+def _tiny_model(tied: bool, name: str = MODEL):
+    config = dataclasses.replace(load_model_config(name), tie_word_embeddings=tied)
+    model = load_model(config, LoadConfig(model=name, load_format="dummy"), attn_backend=None,
                        dtype=torch.float32, device="cpu")
     return config, model
 
@@ -212,6 +217,23 @@ def test_weight_bytes_match_parameter_count(tied, num_tokens):
     else:
         # The LM head is read whole; the input embedding only for the gathered rows.
         assert got == (config.num_params() - V * H + min(num_tokens, V) * H) * 4
+
+
+@settings(deadline=None)
+@given(num_tokens=st.integers(1, 300))
+def test_weight_bytes_of_a_moe_model_count_the_expected_active_experts(num_tokens):
+    """tiny-moe: 8 experts, top-2. One token reads 2 experts per layer; many read all 8."""
+    config, model = _tiny_model(False, "builtin:tiny-moe")
+    moe = config.moe
+    assert moe is not None
+    V, H, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    expert = 3 * H * moe.moe_intermediate_size
+    active = 8 * (1 - (1 - 2 / 8) ** num_tokens)
+    want = config.num_params() - V * H + min(num_tokens, V) * H - L * moe.num_experts * expert
+    assert weight_bytes_read(model, config, num_tokens) == pytest.approx((want + L * active * expert) * 4, abs=8 * L)
+    if num_tokens == 1:
+        assert active == 2
+    assert expected_active_experts(128, 8, 8) == pytest.approx(51.6, abs=0.05)  # Qwen3-30B-A3B at batch 8
 
 
 def test_kv_bytes_per_token_matches_the_runner_cache_layout():

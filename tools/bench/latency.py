@@ -43,6 +43,7 @@ from graphrunner_tools.bench.common import (
 from graphrunner_tools.bench.roofline import (
     Bandwidth,
     decode_roofline,
+    expected_active_experts,
     kv_bytes_per_token,
     measure_copy_bandwidth,
     weight_bytes_read,
@@ -152,6 +153,8 @@ class LatencyRow:
     kv_bytes: int
     roofline_ms: float
     roofline_fraction: float  # roofline / measured median
+    # Mixture of experts: distinct experts per sparse layer the roofline counts (EXPERT_FORMULA).
+    active_experts: float | None = None
 
 
 @dataclass
@@ -198,7 +201,8 @@ def run_latency(spec: LatencySpec, log: Log = print) -> LatencyResult:
                 log(
                     f"  {mode.name:<9} bs={bs:<4} {row.median_ms:8.3f} ms/step (p90 {row.p90_ms:.3f})  "
                     f"{row.tokens_per_s:10.1f} tok/s  {100 * row.roofline_fraction:5.1f}% of roofline  "
-                    f"[{row.descriptor}]"
+                    + ("" if row.active_experts is None else f"({row.active_experts:.1f} experts/layer)  ")
+                    + f"[{row.descriptor}]"
                 )
         except Exception as e:  # one broken mode must not hide the others' numbers
             info.error = f"{type(e).__name__}: {e}"
@@ -299,6 +303,8 @@ def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, band
         kv_bytes=roof.kv_bytes,
         roofline_ms=roof.seconds * 1e3,
         roofline_fraction=roof.fraction_of(stats.median),
+        active_experts=None if (moe := runner.model_config.moe) is None else expected_active_experts(
+            moe.num_experts, moe.num_experts_per_tok, bs),
     )
 
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from graphrunner_tools.bench.roofline import EXPERT_FORMULA
+
 if TYPE_CHECKING:
     from graphrunner_tools.bench.capture_bench import CaptureResult
     from graphrunner_tools.bench.latency import LatencyResult
@@ -48,9 +50,19 @@ def env_lines(env: dict[str, Any]) -> list[str]:
 _LAT_COLUMNS = ("mode", "bs", "graph", "ms/step", "p90 ms", "dev ms", "tok/s", "roofline ms", "% roofline")
 
 
+def _is_moe(result: LatencyResult) -> bool:
+    return any(r.active_experts is not None for r in result.rows)
+
+
+def _latency_columns(result: LatencyResult) -> tuple[str, ...]:
+    return _LAT_COLUMNS + (("experts/layer",) if _is_moe(result) else ())
+
+
 def _latency_cells(result: LatencyResult) -> list[tuple[str, ...]]:
     cells: list[tuple[str, ...]] = []
+    moe = _is_moe(result)
     for r in result.rows:
+        experts = () if not moe else ("-" if r.active_experts is None else f"{r.active_experts:.1f}",)
         cells.append(
             (
                 r.mode,
@@ -62,6 +74,7 @@ def _latency_cells(result: LatencyResult) -> list[tuple[str, ...]]:
                 f"{r.tokens_per_s:.1f}",
                 f"{r.roofline_ms:.3f}",
                 _pct(r.roofline_fraction),
+                *experts,
             )
         )
     return cells
@@ -82,6 +95,7 @@ def _latency_header(result: LatencyResult) -> list[str]:
         f"decode latency: {s.model}, context {s.context}, {s.steps} timed steps after {s.warmup} warmup",
         *env_lines(result.env),
         f"copy bandwidth: {bw.bytes_per_s / 1e9:.1f} GB/s ({bw.method}); roofline = (weights + KV read) / bandwidth",
+        *([f"weights read count the routed experts as {EXPERT_FORMULA}"] if _is_moe(result) else []),
     ]
 
 
@@ -103,14 +117,15 @@ def _mode_lines(result: LatencyResult) -> list[str]:
 
 def latency_table(result: LatencyResult) -> str:
     """The readable mode x batch table, with the run's context above it."""
-    table = _text_table(_LAT_COLUMNS, _latency_cells(result))
+    table = _text_table(_latency_columns(result), _latency_cells(result))
     return "\n".join([*_latency_header(result), *_mode_lines(result), "", *table])
 
 
 def latency_markdown(result: LatencyResult) -> str:
     lines = [f"### {result.spec.model}: decode step latency", ""]
     lines += [f"- {line}" for line in [*_latency_header(result)[1:], *_mode_lines(result)]]
-    lines += ["", "| " + " | ".join(_LAT_COLUMNS) + " |", "|" + "|".join("---" for _ in _LAT_COLUMNS) + "|"]
+    columns = _latency_columns(result)
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in _latency_cells(result)]
     return "\n".join(lines) + "\n"
 
