@@ -174,8 +174,8 @@ class MoEWorkspace:
                  intermediate_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens={max_num_tokens} must be >= 1")
-        if not 1 <= top_k <= min(MAX_TOP_K, num_experts):
-            raise ValueError(f"top_k={top_k} must be in [1, min({MAX_TOP_K}, num_experts={num_experts})]")
+        if not 1 <= top_k <= MAX_TOP_K:  # not bounded by the local experts: the others may be elsewhere
+            raise ValueError(f"top_k={top_k} must be in [1, {MAX_TOP_K}]")
         if dtype not in MOE_DTYPES:
             raise ValueError(f"dtype {dtype} must be one of {MOE_DTYPES}")
         self.max_num_tokens, self.top_k, self.num_experts = max_num_tokens, top_k, num_experts
@@ -306,6 +306,8 @@ if HAS_TRITON:
         # (block, N tile) of program pid: GROUP_M blocks sweep N together (L2 reuse of weight tiles);
         # with GROUP_M = 1 a block's N tiles are consecutive programs.
         num_n = tl.cdiv(N, BLOCK_N)
+        if GROUP_M == 1:
+            return pid // num_n, pid % num_n
         group = pid // (GROUP_M * num_n)
         first_m = group * GROUP_M
         size_m = tl.minimum(num_blocks - first_m, GROUP_M)
@@ -323,12 +325,10 @@ if HAS_TRITON:
         if expert < 0:  # past the used blocks: no weight is read
             return
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        live = slots < num_slots
-        # Padding rows read token 0 (always there) instead of a masked load: unmasked loads stay
-        # vectorized, and their rows are dropped at the store.
-        tokens = tl.where(live, slots // TOP_K, 0).to(tl.int64)
+        live = slots < num_slots  # padding rows: masked, no bytes read (the mask is constant along K)
+        tokens = (slots // TOP_K).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Columns past I wrap to valid rows of w13 (dropped at the store), again to keep loads unmasked.
+        # Columns past I wrap to valid rows of w13 (dropped at the store), so weight loads need no mask.
         w_rows = (cols % I).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
@@ -338,12 +338,12 @@ if HAS_TRITON:
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
                 g = tl.load(g_ptrs)
                 u = tl.load(u_ptrs)
             else:
                 k_ok = ks < H - k0
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
                 g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
                 u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
@@ -352,7 +352,7 @@ if HAS_TRITON:
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
         act = acc_g * tl.sigmoid(acc_g) * acc_u  # fp32, one rounding at the store
-        out = act_ptr + tl.where(live, slots, 0).to(tl.int64)[:, None] * stride_as + cols[None, :]
+        out = act_ptr + slots.to(tl.int64)[:, None] * stride_as + cols[None, :]
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
@@ -366,7 +366,7 @@ if HAS_TRITON:
             return
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         live = slots < num_slots
-        rows = tl.where(live, slots, 0).to(tl.int64)  # padding rows read slot 0's row, dropped at the store
+        rows = slots.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + rows[:, None] * stride_as + ks[None, :]
@@ -375,17 +375,17 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, I, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
                 b = tl.load(b_ptrs)
             else:
                 k_ok = ks < I - k0
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
         # Each expert's output rounded to the model dtype before it is weighted, as the reference.
-        y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(topk_weights_ptr + rows)[:, None]
+        y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(topk_weights_ptr + rows, mask=live)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :], y, mask=live[:, None] & (cols[None, :] < H))
 
     @triton.jit
