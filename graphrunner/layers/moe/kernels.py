@@ -26,8 +26,8 @@ routing (no host synchronisation, no `.item()`, no data-dependent shape):
 
 Blocks exist only for experts that received tokens, and programs of unused blocks exit before any
 load: the GEMMs read the weights of the active experts only, which is what bounds batch-1 decode
-(Qwen3-30B-A3B: 8 of 128 experts, ~75 MB of bf16 weights a layer). `fused_moe` is launches 2-5;
-`route` is separate because a model may route differently.
+(Qwen3-30B-A3B: 8 of 128 experts, ~75 MB of bf16 weights a layer). `fused_moe` makes launches 2-5;
+`route` is a call of its own because a model may route differently.
 
 `MoEWorkspace` holds the buffers of launches 2-5 (sorted slots, block experts, the padded count,
 the activation, the per-slot rows) at a maximum token count: every layer of a step reuses it
@@ -69,7 +69,10 @@ _BLOCK_M_CHOICES = (16, 32, 64, 128)
 _TARGET_PROGRAMS = 256
 # Shared memory a GEMM's pipeline stages may take, so that two programs fit one SM (227 KiB each).
 _STAGE_BUDGET_BYTES = 96 * 1024
-_ALIGN_CHUNK = 128  # slots placed per alignment program
+# Slots placed per alignment program; with 8 warps its [CHUNK, E] one-hot selections stay at <= 64
+# registers a thread for 256 experts.
+_ALIGN_CHUNK = 64
+_ALIGN_WARPS = 8
 _ALIGN_SCAN = 1024  # slots per histogram step of the counting pass
 _ALIGN_BLOCKS = 32  # blocks per step of the block pass
 _ROUTE_ELEMENTS = 4096  # logits per routing program (rows x experts)
@@ -316,11 +319,11 @@ if HAS_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks, I, H,
+    def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks, inter, H,
                         stride_xt, stride_we, stride_wn, stride_wk, stride_as, TOP_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-        pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, I, BLOCK_N, GROUP_M)
+        pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, inter, BLOCK_N, GROUP_M)
         expert = tl.load(block_experts_ptr + pid_m)
         if expert < 0:  # past the used blocks: no weight is read
             return
@@ -329,11 +332,11 @@ if HAS_TRITON:
         tokens = (slots // TOP_K).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Columns past I wrap to valid rows of w13 (dropped at the store), so weight loads need no mask.
-        w_rows = (cols % I).to(tl.int64)
+        w_rows = (cols % inter).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
         g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None] * stride_wk
-        u_ptrs = g_ptrs + I * stride_wn
+        u_ptrs = g_ptrs + inter * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -353,11 +356,11 @@ if HAS_TRITON:
             u_ptrs += BLOCK_K * stride_wk
         act = acc_g * tl.sigmoid(acc_g) * acc_u  # fp32, one rounding at the store
         out = act_ptr + slots.to(tl.int64)[:, None] * stride_as + cols[None, :]
-        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < I))
+        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < inter))
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots,
-                     num_blocks, H, I, stride_as, stride_we, stride_wn, stride_wk, stride_os,
+                     num_blocks, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
         pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, H, BLOCK_N, GROUP_M)
@@ -373,12 +376,12 @@ if HAS_TRITON:
         b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % H).to(tl.int64)[None, :] * stride_wn
                   + ks[:, None] * stride_wk)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, inter, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
                 b = tl.load(b_ptrs)
             else:
-                k_ok = ks < I - k0
+                k_ok = ks < inter - k0
                 a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -488,7 +491,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         topk_ids, expert_map if expert_map is not None else topk_ids, sorted_slots, block_experts, num_padded,
         num_slots, expert_map.shape[0] if expert_map is not None else num_experts, num_experts, num_blocks,
         _cdiv(num_blocks, programs), HAS_MAP=expert_map is not None, BLOCK_M=block_m,
-        BLOCK_E=_next_pow2(num_experts), CHUNK=_ALIGN_CHUNK, SCAN=_ALIGN_SCAN, BLOCKS=_ALIGN_BLOCKS, num_warps=4)
+        BLOCK_E=max(16, _next_pow2(num_experts)), CHUNK=_ALIGN_CHUNK, SCAN=_ALIGN_SCAN, BLOCKS=_ALIGN_BLOCKS,
+        num_warps=_ALIGN_WARPS)
     return out
 
 
