@@ -115,12 +115,12 @@ def moe_config(num_tokens: int, hidden_size: int, intermediate_size: int, num_ex
     - BLOCK_M: the smallest of 16, 32, 64, 128 that holds an expert's average share of the T * k
       slots. Decode (T * k <= E) gets 16, the smallest MMA row count: an active expert with one or
       two slots pads at most 15 rows, and each weight tile is read once per block anyway.
-    - BLOCK_N: the widest tile (64 or 32 or 16 at BLOCK_M <= 32; up to 64 for gate|up, which keeps two
-      accumulators, and 128 for down at larger BLOCK_M) that still gives about `_TARGET_PROGRAMS`
-      programs over the blocks that will be active, min(T * k, E) at least: at batch 1 the GEMMs are a
+    - BLOCK_N: the widest tile that still gives about `_TARGET_PROGRAMS` programs over the blocks that
+      will be active (min(T * k, E) at least), from 16 up to 32 for gate|up (two accumulators: 64
+      columns of w13) and 64 for down at BLOCK_M <= 32, twice that above: at batch 1 the GEMMs are a
       pure read of 8 experts' weights (Qwen3-30B-A3B), and thin tiles spread that read over every SM.
-      Qwen3-30B-A3B at T = 1: gate|up 8 x 48 programs of 16 columns (twice, gate and up), down 8 x 64
-      of 32; Mixtral (H = 4096, I = 14336, k = 2) at T = 1: gate|up 2 x 224 of 64, down 2 x 256 of 16.
+      Qwen3-30B-A3B at T = 1: gate|up 8 x 48 programs of 16 columns (each of gate and up), down 8 x 32
+      of 64; Mixtral (H = 4096, I = 14336, k = 2) at T = 1: gate|up 2 x 448 of 32, down 2 x 128 of 32.
     - BLOCK_K 128 at BLOCK_M <= 32 (long contiguous weight reads per row), 64 above (register room for
       the larger accumulators); num_stages as many as `_STAGE_BUDGET_BYTES` allows, 2 to 4.
     - GROUP_M 8 once blocks repeat an expert (BLOCK_M >= 64), so concurrent programs share weight tiles
@@ -147,7 +147,7 @@ def moe_config(num_tokens: int, hidden_size: int, intermediate_size: int, num_ex
     return MoEConfig(
         block_m=block_m,
         group_m=1 if small else 8,
-        gate_up=tile(intermediate_size, hidden_size, 64, 2),
+        gate_up=tile(intermediate_size, hidden_size, 32 if small else 64, 2),
         down=tile(hidden_size, intermediate_size, 64 if small else 128, 1),
     )
 
