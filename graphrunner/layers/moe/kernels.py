@@ -461,9 +461,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     local expert (ascending expert, ascending slot within one), each group padded with the sentinel
     T * k to a multiple of `block_m`, the sentinel also after the last group. block_experts
     [len(sorted_slots) // block_m] int32: each block's local expert, -1 from num_padded on.
-    num_padded [1] int32 (vLLM's num_tokens_post_padded): the sum of the padded group sizes. A slot is dropped when its expert maps
-    to -1 in `expert_map` ([E_global] int32) or is not in [0, num_experts). Every element of the
-    three outputs is written, so `out` (preallocated views of these sizes) may hold anything before."""
+    num_padded [1] int32 (vLLM's num_tokens_post_padded): the sum of the padded group sizes. A slot
+    is dropped when its expert maps to -1 in `expert_map` ([E_global] int32) or is not in
+    [0, num_experts). Every element of the three outputs is written, so `out` (preallocated views of
+    these sizes) may hold anything before."""
     _require_triton("moe_align_block_size")
     _check_routing(topk_ids, expert_map)
     if not 1 <= num_experts <= MAX_EXPERTS:
