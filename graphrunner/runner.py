@@ -145,9 +145,12 @@ class ModelRunner:
             tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
         )
         self.body.model = model
+        # Microbatches run side by side on two streams: each MoE layer call then takes its own buffers.
+        if not self.config.parallel.enable_dbo:
+            model.allocate_workspace(self.limits.max_num_tokens)
         if self.body.spec is not None:  # a draft model, if the drafter has one
             self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device)
-        self.prompt_logprobs.compute_logits = model.compute_logits  # type: ignore[assignment]  # nn.Module attr
+        self.prompt_logprobs.compute_logits = model.compute_logits
         if self.pp is not None:
             self.buffers.stage = self.pp.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
                                                           self.dtype)

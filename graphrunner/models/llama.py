@@ -399,6 +399,16 @@ class LlamaForCausalLM(nn.Module):
         self.model.attention_op_mode = bool(enabled)
         for layer in self.model.local_layers:
             layer.self_attn.attention_op_mode = bool(enabled)
+            if isinstance(layer.mlp, FusedMoE):  # its kernels, too, behind an op torch.compile does not trace
+                layer.mlp.op_mode = bool(enabled)
+
+    def allocate_workspace(self, max_num_tokens: int) -> None:
+        """Allocate the buffers layers share across a step of up to `max_num_tokens` tokens (the
+        MoE kernels' one `MoEWorkspace`), before any graph is captured; nothing for a dense model."""
+        sparse = [layer.mlp for layer in self.model.local_layers if isinstance(layer.mlp, FusedMoE)]
+        workspace = sparse[0].new_workspace(max_num_tokens) if sparse else None
+        for moe in sparse:
+            moe.workspace = workspace
 
     @property
     def attention_op_enabled(self) -> bool:

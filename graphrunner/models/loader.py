@@ -577,7 +577,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     kernel: KernelConfig | None = None,
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `load_format="dummy"` (always, for builtins): random weights from `load_config.seed`.

@@ -154,6 +154,7 @@ def _triton_kernels(rel: str) -> list[str]:
       "graphrunner/sample/bitmask.py"], "sampling"),
     (["graphrunner/kernels/input_prep.py", "graphrunner/kernels/dcp.py"],
      "step inputs"),
+    (["graphrunner/layers/moe/kernels.py"], "moe"),
 ])
 def test_the_projects_own_triton_kernels_are_classified(files, family):
     names = [n for f in files for n in _triton_kernels(f)]

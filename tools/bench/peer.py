@@ -130,7 +130,7 @@ def hf_state_from_runner(runner_model: nn.Module) -> dict[str, torch.Tensor]:
     gate_up_proj -> gate_proj | up_proj. Raises ValueError for a tensor-parallel shard
     (only the full, tp_size=1 model maps onto a transformers model).
     """
-    from graphrunner.models.llama import LlamaForCausalLM
+    from graphrunner.models.llama import MLP, LlamaForCausalLM
 
     if not isinstance(runner_model, LlamaForCausalLM):
         raise TypeError(f"the peer maps a LlamaForCausalLM onto transformers, not a {type(runner_model).__name__}")
@@ -146,6 +146,8 @@ def hf_state_from_runner(runner_model: nn.Module) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(m.local_layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, MLP):
+            raise ValueError(f"layer {i} holds experts: the peer maps dense models only")
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if linear.tp_size != 1:
                 raise ValueError(f"layer {i}: tp_size={linear.tp_size}; the peer needs the full model (tp_size=1)")

@@ -51,6 +51,9 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
     FamilyRule(ATTENTION, r"^_(paged_attn|merge_splits|merge_states|write_kv|rope_write_kv)_kernel$|flash|fmha",
                "graphrunner/attention: paged attention, its split-KV merge, the LSE merge, the KV-cache write "
                "(alone, or fused with the rotary embedding)"),
+    FamilyRule("moe", r"^_moe_\w+_kernel$",
+               "graphrunner/layers/moe: routing, token-to-expert alignment, the grouped gate|up and down GEMMs, "
+               "the top-k sum"),
     FamilyRule("sampling",
                r"^_(gumbel_argmax|threshold|pick|stats|plan|guess|pivot|compact|select|partial|combine|dense|sparse"
                r"|refresh|bitmask|refine|stream|reject_draw|reject_count|reject_decide)_kernel$",
@@ -73,7 +76,7 @@ FAMILY_RULES: tuple[FamilyRule, ...] = (
                "CatArrayBatchedCopy, index_select)"),
 )
 # Display order (largest share first in a decode step); every family of the rules, plus the two fallbacks.
-FAMILIES: tuple[str, ...] = ("gemm/gemv", "triton fused", ATTENTION, "elementwise/copy", "reduce", "nccl",
+FAMILIES: tuple[str, ...] = ("gemm/gemv", "moe", "triton fused", ATTENTION, "elementwise/copy", "reduce", "nccl",
                              NON_KERNEL, "sampling", "step inputs", OTHER)
 assert {r.family for r in FAMILY_RULES} | {NON_KERNEL, OTHER} == set(FAMILIES)
 

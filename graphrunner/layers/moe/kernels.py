@@ -50,7 +50,7 @@ from graphrunner.kernels import HAS_TRITON, check_tensor
 __all__ = [
     "MOE_DTYPES",
     "GemmTile",
-    "MoEConfig",
+    "MoETiles",
     "MoEWorkspace",
     "fused_moe",
     "fused_moe_available",
@@ -90,7 +90,7 @@ class GemmTile:
 
 
 @dataclass(frozen=True)
-class MoEConfig:
+class MoETiles:
     """The tiles of one `fused_moe` call. `block_m` is shared by the alignment and both GEMMs (the
     sorted layout is padded to it); `group_m` blocks share an N sweep for L2 reuse of weight tiles."""
 
@@ -109,7 +109,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def moe_config(num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-               element_size: int = 2) -> MoEConfig:
+               element_size: int = 2) -> MoETiles:
     """The tiles of `fused_moe` for T tokens, H, I, E_local experts and k, with `element_size`-byte operands.
 
     - BLOCK_M: the smallest of 16, 32, 64, 128 that holds an expert's average share of the T * k
@@ -144,7 +144,7 @@ def moe_config(num_tokens: int, hidden_size: int, intermediate_size: int, num_ex
         stages = max(2, min(4, _STAGE_BUDGET_BYTES // stage_bytes))
         return GemmTile(block_n, bk, warps, stages)
 
-    return MoEConfig(
+    return MoETiles(
         block_m=block_m,
         group_m=1 if small else 8,
         gate_up=tile(intermediate_size, hidden_size, 32 if small else 64, 2),
@@ -217,7 +217,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, T, E, TOP_K: tl.constexpr,
+    def _moe_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, T, E, TOP_K: tl.constexpr,
                       RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         # Rows [pid * BLOCK_T, +BLOCK_T): softmax in fp32, then TOP_K rounds of take-the-max-and-mask.
@@ -257,7 +257,7 @@ if HAS_TRITON:
         return tl.where((e >= 0) & (e < num_local), e, -1)
 
     @triton.jit
-    def _align_kernel(ids_ptr, map_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_global,
+    def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_global,
                       num_local, num_blocks, blocks_per_program, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SCAN: tl.constexpr, BLOCKS: tl.constexpr):
         pid = tl.program_id(0)
@@ -319,7 +319,7 @@ if HAS_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks, inter, H,
+    def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks, inter, H,
                         stride_xt, stride_we, stride_wn, stride_wk, stride_as, TOP_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -359,7 +359,7 @@ if HAS_TRITON:
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < inter))
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots,
+    def _moe_down_kernel(act_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots,
                      num_blocks, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -392,7 +392,7 @@ if HAS_TRITON:
         tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :], y, mask=live[:, None] & (cols[None, :] < H))
 
     @triton.jit
-    def _sum_kernel(slot_out_ptr, ids_ptr, map_ptr, out_ptr, T, H, num_global, num_local, stride_os, stride_ot,
+    def _moe_sum_kernel(slot_out_ptr, ids_ptr, map_ptr, out_ptr, T, H, num_global, num_local, stride_os, stride_ot,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -434,7 +434,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if num_tokens:
         block_e = _next_pow2(num_experts)
         block_t = min(_next_pow2(num_tokens), max(1, _ROUTE_ELEMENTS // block_e))
-        _route_kernel[(_cdiv(num_tokens, block_t),)](
+        _moe_route_kernel[(_cdiv(num_tokens, block_t),)](
             router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts, TOP_K=top_k,
             RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(top_k), num_warps=4)
     return weights, ids
@@ -488,7 +488,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         num_padded.zero_()
         return out
     programs = _cdiv(num_slots, _ALIGN_CHUNK)
-    _align_kernel[(programs,)](
+    _moe_align_kernel[(programs,)](
         topk_ids, expert_map if expert_map is not None else topk_ids, sorted_slots, block_experts, num_padded,
         num_slots, expert_map.shape[0] if expert_map is not None else num_experts, num_experts, num_blocks,
         _cdiv(num_blocks, programs), HAS_MAP=expert_map is not None, BLOCK_M=block_m,
@@ -537,20 +537,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     bm, gm = config.block_m, config.group_m
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32, not TF32
     t = config.gate_up
-    _gate_up_kernel[(num_blocks * _cdiv(inter, t.block_n),)](
+    _moe_gate_up_kernel[(num_blocks * _cdiv(inter, t.block_n),)](
         x, w13, act, sorted_slots, block_experts, num_slots, num_blocks, inter, hidden, x.stride(0),
         w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=hidden % t.block_k == 0, PRECISION=precision,
         num_warps=t.num_warps, num_stages=t.num_stages)
     t = config.down
-    _down_kernel[(num_blocks * _cdiv(hidden, t.block_n),)](
+    _moe_down_kernel[(num_blocks * _cdiv(hidden, t.block_n),)](
         act, w2, topk_weights, slot_out, sorted_slots, block_experts, num_slots, num_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=inter % t.block_k == 0, PRECISION=precision,
         num_warps=t.num_warps, num_stages=t.num_stages)
     block_h = min(_SUM_BLOCK_H, _next_pow2(hidden))
     block_t = min(_next_pow2(num_tokens), max(1, 2048 // block_h))
-    _sum_kernel[(_cdiv(num_tokens, block_t), _cdiv(hidden, block_h))](
+    _moe_sum_kernel[(_cdiv(num_tokens, block_t), _cdiv(hidden, block_h))](
         slot_out, topk_ids, expert_map if expert_map is not None else topk_ids, out, num_tokens, hidden,
         expert_map.shape[0] if expert_map is not None else num_experts, num_experts, slot_out.stride(0),
         out.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)

@@ -18,7 +18,11 @@ Parallelism over the TP group of size P:
                               it is captured in FULL graphs.
 
 The expert computation is chosen once, by device: the Triton kernels of `kernels.py` on CUDA
-(only the experts that received tokens are read), the torch reference elsewhere.
+(routing, alignment, two grouped GEMMs and the top-k sum: five launches, reading only the experts
+that received tokens), the torch reference elsewhere. Eagerly and inside FULL graph capture the
+kernels run over the model's shared `MoEWorkspace` (`allocate_workspace`); under torch.compile
+(op mode, PIECEWISE) they run inside the opaque custom op `graphrunner::fused_moe`, whose
+buffers come from the piece's graph pool.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 from graphrunner.config import KernelConfig, ModelConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.linear import MergedColumnLinear, RowLinear
+from graphrunner.layers.moe import kernels
 from graphrunner.layers.moe.reference import fused_moe_reference, route_reference
 
 # Per-expert checkpoint tensors: (param, part) -> shard id of `load_shard`.
@@ -40,6 +45,21 @@ def _partial(x: torch.Tensor) -> torch.Tensor:
     """The shared expert's down projection stays a partial sum: it is reduced together with the
     routed experts' partial output, in the layer's one all-reduce."""
     return x
+
+
+@torch.library.custom_op("graphrunner::fused_moe", mutates_args=())
+def fused_moe_op(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 expert_map: torch.Tensor | None, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Routing and the routed experts (`kernels.route`, `kernels.fused_moe`) as one op that
+    torch.compile does not look into: its grids and tiles depend on the token count, which a
+    compiled piece knows only at run time."""
+    weights, ids = kernels.route(router_logits, top_k, renormalize)
+    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map)
+
+
+@fused_moe_op.register_fake
+def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class FusedMoE(nn.Module):
@@ -110,11 +130,29 @@ class FusedMoE(nn.Module):
             )
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype, device=device)
             self.shared_expert_gate.weight.requires_grad_(False)
+        self.use_kernels = kernels.fused_moe_available(device) and dtype in kernels.MOE_DTYPES
+        self.op_mode = False  # set by LlamaForCausalLM.use_attention_op: traced by torch.compile
+        self.workspace: kernels.MoEWorkspace | None = None  # shared by the model's sparse layers
+
+    def new_workspace(self, max_num_tokens: int) -> kernels.MoEWorkspace | None:
+        """Buffers the kernels of a step of up to `max_num_tokens` tokens need (None on the torch
+        path); one serves every sparse layer of a model, as they run one after another."""
+        if not self.use_kernels:
+            return None
+        return kernels.MoEWorkspace(max_num_tokens, self.top_k, self.num_local_experts, self.hidden_size,
+                                    self.intermediate_local, self.w13.dtype, self.w13.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = F.linear(x, self.gate.weight)  # [T, E] in x's dtype, as the HF routers compute it
-        weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [T, k] fp32, int32
-        out = fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
+        if not self.use_kernels:
+            weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [T, k] fp32, int32
+            out = fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
+        elif self.op_mode:
+            out = torch.ops.graphrunner.fused_moe(x, logits, self.w13, self.w2, self.expert_map, self.top_k,
+                                                  self.renormalize)
+        else:
+            weights, ids = kernels.route(logits, self.top_k, self.renormalize)
+            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_expert_gate is not None, "built together"
             shared = self.shared_down.forward_swiglu(self.shared_gate_up(x))
