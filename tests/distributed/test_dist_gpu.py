@@ -99,6 +99,10 @@ TWO_GPU_LAYOUTS = {
     # sharded attention and the LSE merge run in FULL decode graphs (NCCL captured) and between pieces.
     "tp2dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
     "tp2dcp2-ngram3": dict(tensor_parallel_size=2, decode_context_parallel_size=2, speculative_config=NGRAM3),
+    # Mixture of experts: every expert split over both GPUs, or 4 whole experts each (expert parallel);
+    # the fused MoE kernels and the layer's NCCL all-reduce inside FULL graphs and PIECEWISE pieces.
+    "moe-tp2": dict(model="builtin:tiny-moe", tensor_parallel_size=2),
+    "moe-tp2-ep": dict(model="builtin:tiny-moe", tensor_parallel_size=2, enable_expert_parallel=True),
 }
 
 FOUR_GPU_LAYOUTS = {  # combined parallelism
