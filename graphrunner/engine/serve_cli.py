@@ -92,7 +92,10 @@ def make_server(llm: Any, *, host: str, port: int, api_key: str | None, served_m
     from graphrunner.engine.async_engine import AsyncEngine
     from graphrunner.engine.server import ServerConfig, build_app
 
-    engine = AsyncEngine(llm, max_live=llm.scheduler.max_num_seqs + max_queued_requests)
+    # Every DP replica runs up to max_num_seqs requests.
+    parallel = llm.config.parallel
+    engine = AsyncEngine(llm, max_live=llm.config.scheduler.max_num_seqs * parallel.data_parallel_size
+                         + max_queued_requests)
     config = ServerConfig(served_model_name=served_model_name, model=llm.config.load.model, api_key=api_key,
                           max_queued_requests=max_queued_requests)
     app = build_app(engine, config)
