@@ -439,7 +439,7 @@ class LLM:
                     req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
                                                      wait_for=children[0][0] if j else None)
                     added.append(req.req_id)
-                    self._structured.add(req.req_id, child_params.structured_outputs)
+                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
                                           planned.params[i], children, stream)
                 req_ids.append(planned.all_ids[i])
