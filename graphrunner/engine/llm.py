@@ -153,7 +153,8 @@ class LLM:
         check_compilation_kwargs(kwargs)
         check_model_source(model, tokenizer, revision, tokenizer_revision, trust_remote_code)
         # Before the model: a bad tokenizer fails fast.
-        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model)
+        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model,
+                                                                              required=tokenizer is not None)
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,

@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     args.model = model
     if args.max_queued_requests < 0:
         raise SystemExit(f"graphrunner serve: --max-queued-requests={args.max_queued_requests} must be >= 0")
+    if args.async_scheduling and (args.pcp > 1 or (args.data_parallel_lockstep and args.dp > 1)):
+        # On by this server's default, not by the caller: a layout the async loop cannot run gets the sync one.
+        print("graphrunner serve: async scheduling off: it does not run with -pcp > 1 or --data-parallel-lockstep",
+              file=sys.stderr, flush=True)
+        args.async_scheduling = False
     kwargs = engine_kwargs(args, "serve")
     try:
         import uvicorn  # noqa: F401
