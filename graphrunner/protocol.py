@@ -144,8 +144,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True
-    bad_words: tuple[str, ...] = ()  # words never generated (each must be one token, with or without a leading space)
+    bad_words: tuple[str, ...] = ()  # words never generated (the engine tokenizes them; see bad_words_token_ids)
     detokenize: bool = True  # build the text (False: token ids only)
+    # The runner's side of bad_words (vLLM's _bad_words_token_ids, the engine fills it): token sequences of
+    # two or more tokens whose last token is banned after the request's generated tokens end with the rest.
+    # The engine supplies a mask row for such a request every step, as for a grammar (structured_outputs).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -212,7 +216,7 @@ class SamplingParams:
         self._validate_engine_fields()
 
     def _validate_engine_fields(self) -> None:
-        """The fields only the engine reads: n, best_of, the text switches, bad_words."""
+        """The fields only the engine reads (n, best_of, the text switches, bad_words) and bad_words_token_ids."""
         set_ = object.__setattr__
         set_(self, "n", _int_field("n", self.n, f"an int in [1, {MAX_N}]", 1, MAX_N))
         if self.best_of is not None:
@@ -228,6 +232,11 @@ class SamplingParams:
         if not all(isinstance(w, str) and w.strip() for w in words):
             raise ValueError(f"bad_words={_show(self.bad_words)} must be a list of non-blank strings")
         set_(self, "bad_words", words)
+        sequences = tuple(_token_ids("bad_words_token_ids", seq) for seq in self.bad_words_token_ids or ())
+        short = next((list(seq) for seq in sequences if len(seq) < 2), None)
+        if short is not None:
+            raise ValueError(f"bad_words_token_ids: {short} has fewer than 2 tokens (ban one token with logit_bias)")
+        set_(self, "bad_words_token_ids", sequences)
 
     @property
     def is_greedy(self) -> bool:

@@ -70,7 +70,9 @@ class AsyncEngine:
     """Runs an `LLM` on a background thread for asyncio callers (module docstring).
 
     Args:
-        llm: the engine; from now on only the engine thread touches it.
+        llm: the engine (an `LLM`, or the `WorkerLLM` of a parallel one); from now on only the engine
+            thread touches it, through `add_request`, `abort_request`, `step_outputs`,
+            `has_unfinished_requests` and `scheduler_stats`.
         max_live: most requests live at once (running, waiting and not yet admitted); more
             raise `QueueFull`.
     """
@@ -172,9 +174,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             finished, deltas = self.llm.step_outputs()
-        except Exception as e:  # a failed step: its requests end with the error, the engine goes on
+        except Exception as e:  # a failed step (the LLM aborted its requests): they end with the error
             logger.exception("an engine step failed; its requests are aborted")
-            self.llm._abort_after_failure()
             for request_id in list(self._live):
                 self._deliver(request_id, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"), end=True)
             return
@@ -217,13 +218,12 @@ class AsyncEngine:
                     stats.ttft_buckets[i] += 1
 
     def _publish_gauges(self) -> None:
-        scheduler = self.llm.scheduler
-        alloc = scheduler.block_allocator
-        self.stats.num_running = len(scheduler.running)
-        self.stats.num_waiting = scheduler.num_unfinished_requests - len(scheduler.running)
-        self.stats.kv_cache_usage = alloc.num_used / alloc.num_blocks
-        self.stats.num_preemptions = scheduler.num_preemptions
-        self.stats.prefix_cache_hit_rate = getattr(alloc, "hit_rate", 0.0)
+        now_ = self.llm.scheduler_stats()
+        self.stats.num_running = now_.num_running
+        self.stats.num_waiting = now_.num_waiting
+        self.stats.kv_cache_usage = now_.kv_cache_usage
+        self.stats.num_preemptions = now_.num_preemptions
+        self.stats.prefix_cache_hit_rate = now_.prefix_cache_hit_rate
 
 
 def now() -> int:

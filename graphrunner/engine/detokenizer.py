@@ -23,14 +23,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def load_text_tokenizer(model: str) -> Any | None:
+def load_text_tokenizer(model: str, required: bool = False) -> Any | None:
     """The tokenizer of a Hugging Face model folder, or None when it has none (builtins never do).
+    `required` (a folder named as `tokenizer=`): ValueError instead of None, naming the folder.
 
     `transformers.AutoTokenizer` when transformers is installed, else a `tokenizers.Tokenizer`
     over tokenizer.json (the `text` extra) behind the same encode/decode calls.
     """
     folder = Path(model)
     if model.startswith("builtin:") or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if required:
+            where = "a built-in model has none" if model.startswith("builtin:") else (
+                f"the folder has neither of {list(TOKENIZER_FILES)}" if folder.is_dir() else "no such folder")
+            raise ValueError(f"tokenizer={model!r}: no tokenizer to load ({where})")
         return None
     try:
         from transformers import AutoTokenizer

@@ -51,7 +51,7 @@ from graphrunner.engine.outputs import OutputProcessor
 from graphrunner.engine.prompts import PlannedRequests, PromptType, plan_requests
 from graphrunner.engine.request import RequestOutput, SequenceOutput
 from graphrunner.engine.runner_config import build_runner_config, fit_max_model_len
-from graphrunner.engine.scheduler import Scheduler
+from graphrunner.engine.scheduler import Scheduler, SchedulerStats
 from graphrunner.engine.structured import can_compile_grammars, make_structured_outputs
 from graphrunner.engine.workers import WorkerLLM, wants_workers
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -156,7 +156,8 @@ class LLM:
         check_compilation_kwargs(kwargs)
         check_model_source(model, tokenizer, revision, tokenizer_revision, trust_remote_code)
         # Before the model: a bad tokenizer fails fast.
-        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model)
+        self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model,
+                                                                              required=tokenizer is not None)
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
@@ -339,18 +340,38 @@ class LLM:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     stream: bool = True) -> None:
         """Queue one prompt under `request_id` (vLLM's LLMEngine.add_request), for a caller that
-        drives the steps itself (`step_outputs`); ValueError, with nothing queued, for a bad one."""
+        drives the steps itself (`step_outputs`); ValueError, with nothing queued, for a bad one.
+        Under DP the request runs on the replica of the ranks it is added on: a driver sends it to
+        one replica's ranks (`WorkerLLM` does), unlike `generate`, which shares its prompts out."""
         planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
-        self._queue_requests(planned, stream)
+        self._queue_requests(planned, stream, share_out=False)
 
     def step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
         """One engine step: (the requests that finished in it, the stream deltas of streamed requests).
-        A no-op returning the outputs of requests aborted since the last step when none is live."""
-        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
-            return self._outputs.process([])
-        if not self.scheduler.has_unfinished_requests():
+        A no-op returning the outputs of requests aborted since the last step when none is live
+        (under lockstep DP: when no replica has one; every rank must call it, as every rank steps).
+        A failed step aborts every live request before its error propagates, so the next call
+        starts clean."""
+        try:
+            busy = self.scheduler.has_unfinished_requests()
+            if self.groups.dp_lockstep:
+                busy = self._any_unfinished()  # a replica with nothing to do joins the others' step
+            if busy:
+                return self._step_outputs()
             return self._outputs.process(self._resolve_in_flight())
-        return self._step_outputs()
+        except BaseException:
+            self._abort_after_failure()
+            raise
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's counts at this moment (running, waiting, KV blocks used, preemptions,
+        prefix-cache hits): what the server's /metrics reports."""
+        return self.scheduler.stats()
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens one request may hold (the model's length unless lowered; see `LLM`)."""
+        return self.scheduler.max_model_len
 
     def has_unfinished_requests(self) -> bool:
         """Whether any queued or running request remains (vLLM's name)."""
@@ -410,19 +431,20 @@ class LLM:
         self._next_req_id += len(planned.all_ids)
         return planned
 
-    def _queue_requests(self, planned: PlannedRequests, stream: bool) -> list[str]:
-        """Queue this DP replica's share of checked requests; returns their ids."""
+    def _queue_requests(self, planned: PlannedRequests, stream: bool, share_out: bool = True) -> list[str]:
+        """Queue this DP replica's share of checked requests (`share_out=False`: all of them); returns their ids."""
         req_ids: list[str] = []
         added: list[str] = []
+        first, stride = (self.groups.dp_rank, self.groups.dp_size) if share_out else (0, 1)
         try:
-            for i in range(self.groups.dp_rank, len(planned.all_ids), self.groups.dp_size):
+            for i in range(first, len(planned.all_ids), stride):
                 children = planned.children[i]
                 for j, (child_id, child_params) in enumerate(children):
                     # Siblings wait for the first child's prompt blocks (prefix cache) instead of computing them.
                     req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
                                                      wait_for=children[0][0] if j else None)
                     added.append(req.req_id)
-                    self._structured.add(req.req_id, child_params.structured_outputs)
+                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
                                           planned.params[i], children, stream)
                 req_ids.append(planned.all_ids[i])

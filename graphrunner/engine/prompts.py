@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from graphrunner.engine.bad_words import bad_words_token_ids
 from graphrunner.engine.options import per_prompt_params
 from graphrunner.protocol import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -71,8 +72,7 @@ def child_requests(request_id: str, params: SamplingParams, tokenizer: Any | Non
     derivation, wrapped into int64), so child i equals a separate request with that seed.
     best_of > n computes the sampled tokens' logprobs (to rank the children)."""
     count = params.best_of or params.n
-    base = dataclasses.replace(params, n=1, best_of=None, bad_words=(),
-                               logit_bias=_banned_bias(params, tokenizer))
+    base = dataclasses.replace(params, n=1, best_of=None, **_with_bad_words(params, tokenizer))
     if count > params.n and base.logprobs is None:
         base = dataclasses.replace(base, logprobs=0)
     if count == 1:
@@ -86,32 +86,22 @@ def derived_seed(seed: int, index: int) -> int:
     return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
-def _banned_bias(params: SamplingParams, tokenizer: Any | None) -> Mapping[int, float] | None:
-    """`logit_bias` with each bad word's token banned. A word bans the token it encodes to, with and
-    without a leading space; a word that is more than one token either way is refused."""
+def _with_bad_words(params: SamplingParams, tokenizer: Any | None) -> dict[str, Any]:
+    """The child fields that carry `bad_words` to the runner (engine/bad_words.py): a word of one
+    token banned through `logit_bias`, one of several tokens through `bad_words_token_ids`."""
     if not params.bad_words:
-        return params.logit_bias
+        return {"bad_words": ()}
     if tokenizer is None:
         raise ValueError(f"bad_words={list(params.bad_words)} needs a tokenizer to find the words' tokens, "
                          "and this model has none")
     bias = dict(params.logit_bias or {})
-    for word in params.bad_words:
-        variants = [_encode_plain(tokenizer, text) for text in (word.lstrip(), " " + word.lstrip())]
-        single = [ids[0] for ids in variants if len(ids) == 1]
-        if not single:
-            raise ValueError(f"bad_words: {word!r} encodes to {min(len(v) for v in variants)} tokens; only words "
-                             "of one token (with or without a leading space) are supported")
-        for token in single:
-            bias[token] = BANNED_BIAS
-    return bias
-
-
-def _encode_plain(tokenizer: Any, text: str) -> list[int]:
-    """`text`'s token ids without special tokens (BOS) added."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # the `tokenizers` adapter adds none
-        return list(tokenizer.encode(text))
+    sequences = list(params.bad_words_token_ids)
+    for seq in bad_words_token_ids(params.bad_words, tokenizer):
+        if len(seq) == 1:
+            bias[seq[0]] = BANNED_BIAS
+        elif tuple(seq) not in sequences:
+            sequences.append(tuple(seq))
+    return {"bad_words": (), "logit_bias": bias or None, "bad_words_token_ids": tuple(sequences)}
 
 
 def split_prompts(prompts: Any, tokenizer: Any | None) -> tuple[list[str | None], list[Sequence[int]]]:

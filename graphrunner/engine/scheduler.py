@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
@@ -65,6 +65,34 @@ from graphrunner.protocol import (
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """What the scheduler holds at one moment (the server's /metrics gauges): counts, so that the
+    stats of data-parallel replicas add up (`merge`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @staticmethod
+    def merge(parts: Iterable[SchedulerStats]) -> SchedulerStats:
+        """The stats of several replicas as one (every count summed)."""
+        parts = list(parts)
+        return SchedulerStats(*(sum(getattr(p, f.name) for p in parts) for f in fields(SchedulerStats)))
 
 
 @dataclass(frozen=True)
@@ -280,6 +308,15 @@ class Scheduler:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        """The counts behind the server's gauges (`SchedulerStats`)."""
+        alloc = self.block_allocator
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.requests) - len(self.running),
+            num_used_blocks=alloc.num_used, num_blocks=alloc.num_blocks, num_preemptions=self.num_preemptions,
+            prefix_hit_tokens=getattr(alloc, "num_hit_tokens", 0),  # 0 without prefix caching
+            prefix_query_tokens=getattr(alloc, "num_query_tokens", 0))
 
     # ---------------------------------------------------------------- schedule
 

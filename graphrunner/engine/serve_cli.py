@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     args.model = model
     if args.max_queued_requests < 0:
         raise SystemExit(f"graphrunner serve: --max-queued-requests={args.max_queued_requests} must be >= 0")
+    if args.async_scheduling and (args.pcp > 1 or (args.data_parallel_lockstep and args.dp > 1)):
+        # On by this server's default, not by the caller: a layout the async loop cannot run gets the sync one.
+        print("graphrunner serve: async scheduling off: it does not run with -pcp > 1 or --data-parallel-lockstep",
+              file=sys.stderr, flush=True)
+        args.async_scheduling = False
     kwargs = engine_kwargs(args, "serve")
     try:
         import uvicorn  # noqa: F401
@@ -92,7 +97,10 @@ def make_server(llm: Any, *, host: str, port: int, api_key: str | None, served_m
     from graphrunner.engine.async_engine import AsyncEngine
     from graphrunner.engine.server import ServerConfig, build_app
 
-    engine = AsyncEngine(llm, max_live=llm.scheduler.max_num_seqs + max_queued_requests)
+    # Every DP replica runs up to max_num_seqs requests.
+    parallel = llm.config.parallel
+    engine = AsyncEngine(llm, max_live=llm.config.scheduler.max_num_seqs * parallel.data_parallel_size
+                         + max_queued_requests)
     config = ServerConfig(served_model_name=served_model_name, model=llm.config.load.model, api_key=api_key,
                           max_queued_requests=max_queued_requests)
     app = build_app(engine, config)

@@ -117,7 +117,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application over a running `AsyncEngine` (module docstring)."""
     app = FastAPI(title="graphrunner", docs_url=None, redoc_url=None)
     llm = engine.llm
-    max_model_len = llm.scheduler.max_model_len
+    max_model_len = llm.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

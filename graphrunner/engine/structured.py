@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from graphrunner.config import MAX_SPECULATIVE_TOKENS
+from graphrunner.engine.bad_words import WordBans, clear_bits
 from graphrunner.engine.request import RequestStatus, SequenceOutput
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.state.staging import host_buffer
@@ -221,6 +222,9 @@ class StructuredOutputs:
         # sorting into `pending` is left to the next `grammar_output` too (`_flush`), off the gap between steps.
         self.unsorted: list[tuple[list[str], list[list[int]]]] = []
         self._stops: frozenset[int] | None = getattr(backend, "stop_token_ids", None)
+        # Requests with bad words of several tokens (engine/bad_words.py): their mask rows ban what
+        # their last tokens make a word's end; with a grammar, on top of its mask.
+        self.bans: dict[str, WordBans] = {}
 
     @property
     def pending(self) -> dict[str, list[int]]:
@@ -235,8 +239,12 @@ class StructuredOutputs:
             raise ValueError(f"request {req_id!r}: structured_outputs need a tokenizer (a model folder with one) "
                              "and xgrammar (pip install 'graphrunner[structured]')")
 
-    def add(self, req_id: str, params: StructuredOutputsParams | None) -> None:
-        """Compile the request's grammar (errors name the request and what failed)."""
+    def add(self, req_id: str, params: StructuredOutputsParams | None,
+            bad_words_token_ids: Sequence[Sequence[int]] = ()) -> None:
+        """Compile the request's grammar (errors name the request and what failed); keep its bad
+        words of several tokens (`SamplingParams.bad_words_token_ids`)."""
+        if bad_words_token_ids:
+            self.bans[req_id] = WordBans(bad_words_token_ids)
         if params is None:
             return
         self.check(req_id, params)
@@ -250,6 +258,7 @@ class StructuredOutputs:
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.bans.pop(req_id, None)
         self.drafts.pop(req_id, None)
         self.terminated.discard(req_id)
         self._pending.pop(req_id, None)
@@ -258,26 +267,46 @@ class StructuredOutputs:
     def grammar_output(self, so: SchedulerOutput, device: Any = None, block: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
         1 + len(so.scheduled_spec_decode_tokens[req_id]) rows per request (`place_drafts` first).
-        device: the runner's; the masks are filled in a host block it uploads as is (pinned on CUDA):
-        `block(num_rows, words)`'s (the runner's persistent staging, `ModelRunner.grammar_block`;
-        valid until the block after next) or a fresh one."""
+        Those with a grammar come first, then those with bad words only; bad words clear bits of
+        either. device: the runner's; the masks are filled in a host block it uploads as is (pinned
+        on CUDA): `block(num_rows, words)`'s (the runner's persistent staging,
+        `ModelRunner.grammar_block`; valid until the block after next) or a fresh one."""
         ids = [rid for rid in so.num_scheduled_tokens if rid in self.matchers]
-        if not ids:
+        ban_only = [rid for rid in so.num_scheduled_tokens if rid in self.bans and rid not in self.matchers]
+        if not ids and not ban_only:
             return None
-        if self._pending or self.unsorted:
+        if ids and (self._pending or self.unsorted):
             self._flush(ids)
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in ids] if spec else []
-        shape = (len(ids) + sum(map(len, drafts)), self.words)
+        num_rows = len(ids) + sum(map(len, drafts))  # the grammar rows
+        all_ids = ids + ban_only
+        shape = (len(all_ids) + sum(len(spec.get(rid, [])) for rid in all_ids) if spec else len(all_ids), self.words)
         staged = block(*shape) if block is not None else host_buffer(shape, torch.int32, device or "cpu")
         mask = staged.numpy()  # every row is written whole below
         matchers = [self.matchers[rid] for rid in ids]
         fill_many = getattr(self.backend, "fill_many", None)
-        if fill_many is not None and len(mask) == len(ids) and self.terminated.isdisjoint(ids):
-            fill_many(matchers, mask)  # the common step: one live row each, in order
-        else:
-            _fill_each(matchers, drafts or [[]] * len(ids), mask, fill_many)
-        return GrammarOutput(ids, mask, pinned=staged)
+        if ids and fill_many is not None and num_rows == len(ids) and self.terminated.isdisjoint(ids):
+            fill_many(matchers, mask[:num_rows])  # the common step: one live row each, in order
+        elif ids:
+            _fill_each(matchers, drafts or [[]] * len(ids), mask[:num_rows], fill_many)
+        mask[num_rows:] = -1  # bad words only: every token allowed but the bans below
+        if self.bans:
+            self._apply_bans(all_ids, spec, mask)
+        return GrammarOutput(all_ids, mask, pinned=staged)
+
+    def _apply_bans(self, ids: list[str], spec: dict[str, list[int]], mask: np.ndarray) -> None:
+        """Clear the banned tokens in the rows of `ids` that have bad words (row j after drafts 0..j-1)."""
+        start = 0
+        for rid in ids:
+            tokens = spec.get(rid, []) if spec else []
+            bans = self.bans.get(rid)
+            if bans is not None:
+                for j in range(1 + len(tokens)):
+                    banned = bans.banned(tokens[:j])
+                    if banned:
+                        clear_bits(mask[start + j], banned)
+            start += 1 + len(tokens)
 
     def accept(self, req_id: str, tokens: list[int]) -> bool:
         """Advance `req_id`'s matcher by its new tokens; True when its grammar is now complete (or
@@ -329,7 +358,7 @@ class StructuredOutputs:
     def wants_drafts(self, scheduler: Any) -> bool:
         """Speculation with a live grammar: steps need the runner's drafts as ids (and, with async
         scheduling, every step in flight resolved before the next is planned)."""
-        return bool(self.matchers) and scheduler.num_speculative_tokens > 0
+        return bool(self.matchers or self.bans) and scheduler.num_speculative_tokens > 0
 
     def place_drafts(self, runner: Any, so: SchedulerOutput, scheduler: Any) -> None:
         """Before `execute_model(so)`, speculation: each constrained decode verifies the runner's
@@ -340,27 +369,32 @@ class StructuredOutputs:
         taken = runner.take_draft_token_ids()  # the last step's proposals (every step's is taken here)
         if taken is not None:
             self.drafts.update((rid, list(ids)) for rid, ids in zip(taken.req_ids, taken.draft_token_ids, strict=True)
-                               if rid in self.matchers)
+                               if rid in self.matchers or rid in self.bans)
         if self._pending or self.unsorted:
             self._flush([rid for rid in so.num_scheduled_tokens if rid in self.matchers])
         cached = so.scheduled_cached_reqs
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))  # before the step
         for rid, num_tokens in list(so.num_scheduled_tokens.items()):
             req = scheduler.requests.get(rid)
-            if rid not in self.matchers or req is None or num_tokens < 2:
+            if (rid not in self.matchers and rid not in self.bans) or req is None or num_tokens < 2:
                 continue
             if 0 < req.num_prefill_tokens <= computed.get(rid, -1):  # a decode (not a prefill chunk)
-                drafts = _valid_prefix(self.matchers[rid], self.drafts.get(rid, [])[: num_tokens - 1])
+                drafts = self.drafts.get(rid, [])[: num_tokens - 1]
+                if rid in self.matchers:
+                    drafts = _valid_prefix(self.matchers[rid], drafts)
+                if rid in self.bans:
+                    drafts = self.bans[rid].valid_drafts(drafts)
                 scheduler.schedule_drafts(so, rid, drafts)
 
     def constrains(self, so: SchedulerOutput) -> bool:
         """Whether the step schedules a constrained request (its mask needs every earlier token)."""
-        return bool(self.matchers) and any(rid in self.matchers for rid in so.num_scheduled_tokens)
+        matchers, bans = self.matchers, self.bans
+        return bool(matchers or bans) and any(rid in matchers or rid in bans for rid in so.num_scheduled_tokens)
 
     def sample(self, runner: Any, so: SchedulerOutput, async_output: bool = False) -> Any:
         """`runner.sample_tokens` with the step's masks (None when it has no constrained request)."""
         grammar = (self.grammar_output(so, getattr(runner, "device", None), getattr(runner, "grammar_block", None))
-                   if self.matchers else None)
+                   if self.matchers or self.bans else None)
         if grammar is None:  # the plain call: engines and wrappers that know no grammar see no change
             return runner.sample_tokens(async_output=async_output)
         return runner.sample_tokens(async_output=async_output, grammar_output=grammar)
@@ -373,7 +407,9 @@ class StructuredOutputs:
         the matchers accept them in the next `grammar_output` (or `place_drafts`), which runs while
         the step's forward does, instead of here, between two steps, where the device waits. A step
         without any stop token (the usual one) is recorded whole, in one append: even sorting its
-        tokens per request waits for `grammar_output`."""
+        tokens per request waits for `grammar_output`. Bad words take their requests' tokens at once."""
+        if self.bans:
+            self._advance_bans(runner_output, scheduler)
         if not self.matchers:
             return []
         ended: list[SequenceOutput] = []
@@ -388,6 +424,15 @@ class StructuredOutputs:
         for rid in [r for r in self.matchers if r not in requests]:
             self.remove(rid)
         return ended
+
+    def _advance_bans(self, runner_output: ModelRunnerOutput, scheduler: Any) -> None:
+        """The bad-words requests' new tokens; forget those that finished."""
+        bans = self.bans
+        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            if tokens and rid in bans:
+                bans[rid].accept(tokens)
+        for rid in [r for r in bans if r not in scheduler.requests]:
+            del bans[rid]
 
     def _advance(self, req_ids: list[str], sampled: list[list[int]], scheduler: Any,
                  ended: list[SequenceOutput]) -> None:

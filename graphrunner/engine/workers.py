@@ -6,17 +6,26 @@ asks for a world of more than one rank, `LLM(...)` returns a `WorkerLLM` instead
 ranks itself as spawned processes (torch.multiprocessing, the `spawn` start method, so CUDA is
 initialised afresh in each), gives each the torchrun variables, and drives them: every call is
 sent to every rank, every rank runs it, and rank 0's result comes back. An error in any rank is
-raised in the caller with that rank's traceback; the ranks are then shut down. `shutdown()`,
-the context manager and interpreter exit stop every worker (joined, then killed after a grace
-period), so no process is left behind.
+raised in the caller with that rank's traceback (a bad request's ValueError or TypeError as
+itself, caused by a `WorkerError` with the traceback, as `LLM` raises it); a rank that fails to
+start shuts the others down. `shutdown()`, the context manager and interpreter exit stop every
+worker (joined, then killed after a grace period), so no process is left behind.
+
+It also drives the engine loop a server runs (`add_request`, `abort_request`, `step_outputs`,
+`has_unfinished_requests`, `scheduler_stats`): under data parallelism each request goes to the
+ranks of one replica (the one with the fewest live requests), every rank steps, and the
+replicas' outputs are merged.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import pickle
+import threading
 import traceback
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 GRACE_SECONDS = 10.0
@@ -27,15 +36,34 @@ class WorkerError(RuntimeError):
     """A worker rank raised; the message carries its traceback."""
 
 
-def _worker_main(rank: int, world: int, port: int, conn: Any, llm_cls: type, args: tuple, kwargs: dict) -> None:
-    """One rank: build the LLM (`llm_cls`, pickled by reference), then run the driver's calls until "shutdown"."""
+# A rank's exception of these types is the caller's mistake (a bad model, prompt or parameter),
+# refused before anything changed: the driver raises it as itself, as `LLM` would.
+REQUEST_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+
+def _error_reply(rank: int, exc: BaseException) -> tuple[str, int, tuple[str, BaseException | None]]:
+    """("error", rank, (traceback, the exception when it is a request error and pickles, else None))."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    own: BaseException | None = None
+    if isinstance(exc, REQUEST_ERRORS):
+        try:
+            own = pickle.loads(pickle.dumps(exc))
+        except Exception:  # an exception that does not round-trip travels as its traceback only
+            own = None
+    return ("error", rank, (text, own))
+
+
+def _worker_main(rank: int, world: int, port: int, conn: Any, llm_cls: type, args: tuple, kwargs: dict,
+                 reports: bool) -> None:
+    """One rank: build the LLM (`llm_cls`, pickled by reference), then run the driver's calls until
+    "shutdown". `reports`: this rank leads a DP replica and sends its results (the others send None)."""
     from graphrunner.distributed.launch import rank_env
 
     os.environ.update(rank_env(rank, world, port, base={}))
     try:
         llm = llm_cls(*args, **kwargs)
-    except BaseException:
-        conn.send(("error", rank, traceback.format_exc()))
+    except BaseException as e:
+        conn.send(_error_reply(rank, e))
         conn.close()
         return
     conn.send(("ready", rank, None))
@@ -46,18 +74,20 @@ def _worker_main(rank: int, world: int, port: int, conn: Any, llm_cls: type, arg
                 break
             try:
                 result = getattr(llm, method)(*call_args, **call_kwargs)
-            except BaseException:
-                conn.send(("error", rank, traceback.format_exc()))
+            except BaseException as e:
+                conn.send(_error_reply(rank, e))
                 continue
-            conn.send(("ok", rank, result if rank == 0 else None))
+            conn.send(("ok", rank, result if reports else None))
     finally:
         llm.shutdown()
         conn.close()
 
 
 class WorkerLLM:
-    """Drives the spawned ranks of one `LLM` (module docstring). Use like `LLM`: `generate`,
-    `shutdown`, `with ...:`; attributes that live in the ranks (runner, scheduler) are not here."""
+    """Drives the spawned ranks of one `LLM` (module docstring). Use like `LLM`: `generate`, `chat`,
+    `beam_search`, the engine loop of `AsyncEngine`, `shutdown`, `with ...:`; `tokenizer`, `config`
+    and `max_model_len` are rank 0's, copied at start; the runner and scheduler live in the ranks.
+    Calls from several threads run one at a time."""
 
     def __init__(self, world_size: int, llm_cls: type, args: tuple, kwargs: dict) -> None:
         import torch.multiprocessing as mp
@@ -67,47 +97,74 @@ class WorkerLLM:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world_size = world_size
+        # DP replica r holds the global ranks [r * size, (r + 1) * size) (distributed/groups.py); its first leads.
+        self.data_parallel_size = int(kwargs.get("data_parallel_size", 1))
+        replica = world_size // self.data_parallel_size
+        self._replicas = [list(range(r * replica, (r + 1) * replica)) for r in range(self.data_parallel_size)]
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, llm_cls, args, kwargs),
-                               daemon=True)
+            proc = ctx.Process(target=_worker_main, daemon=True,
+                               args=(rank, world_size, port, child, llm_cls, args, kwargs, rank % replica == 0))
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
         atexit.register(self._finalizer)
-        self._gather("start", STARTUP_TIMEOUT_S)
+        self._owner: dict[str, int] = {}  # live request id -> its DP replica (add_request's routing)
+        self._lock = threading.Lock()  # one call at a time on the pipes, whichever thread makes it
+        self._gather("start", range(world_size), STARTUP_TIMEOUT_S)
+        # What callers read as attributes, fetched now, so reading one never talks to the ranks.
+        self.tokenizer, self.config, self.max_model_len = (
+            self._call_ranks([0], "__getattribute__", name)[0] for name in ("tokenizer", "config", "max_model_len"))
 
-    def _gather(self, what: str, timeout: float | None = None) -> Any:
-        """Every rank's reply to one call; rank 0's result. Raises WorkerError on any rank's error."""
-        result, errors = None, []
-        for conn, proc in zip(self._conns, self._procs, strict=True):
+    def _gather(self, what: str, ranks: Sequence[int], timeout: float | None = None) -> list[Any]:
+        """The replies of `ranks` to one call: each replica leader's result (None from the others).
+        Raises a rank's request error as itself, anything else as WorkerError."""
+        results: list[Any] = []
+        errors: list[str] = []
+        request_error: BaseException | None = None
+        for rank in ranks:
+            conn, proc = self._conns[rank], self._procs[rank]
             if timeout is not None and not conn.poll(timeout):
-                errors.append(f"rank {self._procs.index(proc)}: no reply to {what} in {timeout:.0f} s")
+                errors.append(f"rank {rank}: no reply to {what} in {timeout:.0f} s")
                 continue
             try:
-                status, rank, payload = conn.recv()
+                status, _, payload = conn.recv()
             except EOFError:
-                errors.append(f"rank {self._procs.index(proc)} exited (code {proc.exitcode}) during {what}")
+                errors.append(f"rank {rank} exited (code {proc.exitcode}) during {what}")
                 continue
             if status == "error":
-                errors.append(f"rank {rank} raised during {what}:\n{payload}")
-            elif rank == 0:
-                result = payload
+                text, own = payload
+                errors.append(f"rank {rank} raised during {what}:\n{text}")
+                request_error = request_error or own
+            results.append(payload if status == "ok" else None)
         if errors:
             if what == "start":
                 self.shutdown()
-            raise WorkerError("\n".join(errors))
-        return result
+            failure = WorkerError("\n".join(errors))
+            if request_error is not None:  # the root cause; the others' errors (a peer gone) follow from it
+                raise request_error from failure
+            raise failure
+        return results
+
+    def _call_ranks(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method` on each of `ranks`; their replies (`_gather`)."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise RuntimeError(f"{method}() after shutdown(): the worker ranks are gone")
+            for rank in ranks:
+                self._conns[rank].send((method, args, kwargs))
+            return self._gather(f"{method}()", ranks)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if not self._finalizer.alive:
-            raise RuntimeError(f"{method}() after shutdown(): the worker ranks are gone")
-        for conn in self._conns:
-            conn.send((method, args, kwargs))
-        return self._gather(f"{method}()")
+        """`method` on every rank (SPMD); rank 0's result."""
+        return self._call_ranks(range(self.world_size), method, *args, **kwargs)[0]
+
+    def _leader_results(self, method: str, *args: Any) -> list[Any]:
+        """`method` on each replica's leader only (it reads the replica's state; no collective runs)."""
+        return self._call_ranks([ranks[0] for ranks in self._replicas], method, *args)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """`LLM.generate` on every rank; rank 0's outputs."""
@@ -120,6 +177,59 @@ class WorkerLLM:
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
         """`LLM.beam_search` on every rank; rank 0's outputs."""
         return self._call("beam_search", *args, **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        """Rank 0's tokenizer (None without one)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """`LLM.reset_prefix_cache` on every rank."""
+        return bool(self._call("reset_prefix_cache"))
+
+    # ---------------------------------------------------------------- the engine loop (AsyncEngine)
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, *, stream: bool = True) -> None:
+        """`LLM.add_request` on the ranks of the replica with the fewest live requests; ValueError
+        (nothing queued anywhere) for a bad request."""
+        load = [0] * self.data_parallel_size
+        for replica in self._owner.values():
+            load[replica] += 1
+        replica = min(range(self.data_parallel_size), key=load.__getitem__)
+        self._call_ranks(self._replicas[replica], "add_request", request_id, prompt, params, stream=stream)
+        self._owner[request_id] = replica
+
+    def abort_request(self, request_id: str) -> None:
+        """`LLM.abort_request` on the ranks of the request's replica; unknown ids are ignored."""
+        replica = self._owner.get(request_id)
+        if replica is not None:
+            self._call_ranks(self._replicas[replica], "abort_request", request_id)
+
+    def step_outputs(self) -> tuple[list[Any], list[Any]]:
+        """`LLM.step_outputs` on every rank (each replica steps its own requests); the replicas'
+        finished outputs and stream deltas, merged. A failed step forgets every request (the
+        ranks aborted them)."""
+        finished: list[Any] = []
+        deltas: list[Any] = []
+        try:
+            for part in self._call_ranks(range(self.world_size), "step_outputs"):
+                if part is not None:
+                    finished += part[0]
+                    deltas += part[1]
+        except BaseException:
+            self._owner.clear()
+            raise
+        for out in finished:
+            self._owner.pop(out.request_id, None)
+        return finished, deltas
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any replica holds a live request or unreported output."""
+        return any(self._leader_results("has_unfinished_requests"))
+
+    def scheduler_stats(self) -> Any:
+        """The replicas' `SchedulerStats`, summed."""
+        from graphrunner.engine.scheduler import SchedulerStats
+
+        return SchedulerStats.merge(self._leader_results("scheduler_stats"))
 
     def shutdown(self) -> None:
         """Stop every rank (each shuts its LLM down first). Idempotent."""

@@ -209,11 +209,13 @@ class SamplingStates:
                 )
         if params.allowed_token_ids is not None:
             check_ids("allowed_token_ids", params.allowed_token_ids)
-        if params.allowed_token_ids is not None or params.structured_outputs is not None:
+        for seq in params.bad_words_token_ids:
+            check_ids("bad_words_token_ids", seq)
+        if params.allowed_token_ids is not None or _takes_masks(params):
             if self.allowed_mask is None:
                 raise ValueError(
-                    "allowed_token_ids and structured_outputs need SamplingStates(vocab_size=...); this runner was "
-                    "built without it"
+                    "allowed_token_ids, structured_outputs and bad_words_token_ids need "
+                    "SamplingStates(vocab_size=...); this runner was built without it"
                 )
             if self.vocab_size != vocab_size:
                 raise ValueError(f"vocab_size={vocab_size} differs from SamplingStates.vocab_size={self.vocab_size}")
@@ -267,7 +269,7 @@ class SamplingStates:
         stop = self._min_tokens_ids(params, eos_ids) if params.min_tokens > 0 else []
         min_tokens = params.min_tokens if stop else 0  # nothing to mask: min_tokens is moot
         use_allowed = params.allowed_token_ids is not None
-        use_grammar = params.structured_outputs is not None
+        use_grammar = _takes_masks(params)
 
         self.random_np[row] = random
         self.grammar_np[row] = use_grammar
@@ -377,3 +379,9 @@ class SamplingStates:
     def logprobs_of(self, rows: np.ndarray) -> np.ndarray:
         """The logprob count each row asked for (-1 = none): how many columns to return."""
         return self.logprobs_np[np.asarray(rows, dtype=np.int64)]
+
+
+def _takes_masks(params: SamplingParams) -> bool:
+    """Whether the engine hands the request's next-token mask in every step's GrammarOutput: a grammar, or
+    bad words of several tokens (the ban of a word's last token depends on the tokens before it)."""
+    return params.structured_outputs is not None or bool(params.bad_words_token_ids)

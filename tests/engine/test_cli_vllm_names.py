@@ -18,6 +18,26 @@ def test_vllm_flag_names_parse():
     assert args.enforce_eager is True and args.async_scheduling is True and args.api_key == "k"
 
 
+@pytest.mark.parametrize("layout", [["-pcp", "2"], ["-dp", "2", "--data-parallel-lockstep"]])
+def test_serve_turns_its_async_default_off_for_layouts_that_cannot_run_it(monkeypatch, capsys, layout):
+    import graphrunner.engine.llm as llm_module
+    from graphrunner.engine import serve_cli
+
+    taken: dict = {}
+
+    def fake_llm(**kwargs):
+        taken.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(llm_module, "LLM", fake_llm)
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    args = build_parser().parse_args(["serve", "builtin:tiny-llama", "--device", "cpu", *layout])
+    with pytest.raises(SystemExit, match="stop here"):
+        serve_cli.run(args)
+    assert taken["async_scheduling"] is False and "async scheduling off" in capsys.readouterr().err
+
+
 def test_unknown_flag_prints_the_subcommand_usage(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--bogus"])

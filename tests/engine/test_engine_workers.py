@@ -9,6 +9,7 @@ traceback; shutdown (and a failed start) must leave no process behind.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -42,8 +43,10 @@ def test_llm_with_tp2_starts_its_workers_and_matches_one_process() -> None:
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, _params())] == reference
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], _params())] == reference[:2]  # calls repeat
-        with pytest.raises(WorkerError, match=r"rank 0 raised during generate\(\):(.|\n)*ValueError"):
-            llm.generate([[1, 2, 10**9]], _params())  # a bad token id: every rank refuses it
+        with pytest.raises(ValueError, match="out of range") as info:  # a bad token id: raised as `LLM` raises it
+            llm.generate([[1, 2, 10**9]], _params())
+        assert isinstance(info.value.__cause__, WorkerError)  # with every rank's traceback
+        assert re.search(r"rank 0 raised during generate\(\):(.|\n)*ValueError", str(info.value.__cause__))
         assert [o.token_ids for o in llm.generate(PROMPTS[:1], _params())] == reference[:1]  # still serving
     finally:
         llm.shutdown()
@@ -53,10 +56,11 @@ def test_llm_with_tp2_starts_its_workers_and_matches_one_process() -> None:
 
 
 def test_a_rank_that_fails_to_start_surfaces_its_traceback_and_leaves_nothing() -> None:
-    with pytest.raises(WorkerError, match="rank 0 raised during start(.|\n)*unknown builtin model"):
-        from graphrunner.engine.llm import LLM
+    from graphrunner.engine.llm import LLM
 
+    with pytest.raises(ValueError, match="unknown builtin model") as info:
         WorkerLLM(2, LLM, ("builtin:no-such-model",), dict(tensor_parallel_size=2, **ARGS))
+    assert re.search("rank 0 raised during start(.|\n)*unknown builtin model", str(info.value.__cause__))
     import multiprocessing
 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")]

@@ -235,6 +235,11 @@ def test_tokenizer_errors_name_the_file(tmp_path, folder):
     (broken / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"{broken / 'tokenizer.json'} is not valid JSON"):
         LLM(str(broken), **ENGINE_ARGS)
+    # A tokenizer named apart from the model must be there: never silently none.
+    with pytest.raises(ValueError, match=f"tokenizer='{tmp_path / 'missing'}': no tokenizer to load \\(no such folder"):
+        LLM(str(folder), tokenizer=str(tmp_path / "missing"), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="has neither of \\['tokenizer.json', 'tokenizer_config.json'\\]"):
+        LLM(str(folder), tokenizer=str(tmp_path), **ENGINE_ARGS)
 
 
 def test_refused_arguments_say_why(folder):
