@@ -167,6 +167,19 @@ def test_explain_by_sizes():
     assert data["descriptor"] == str(table.dispatch(2, 6, None)) == "PIECEWISE(t=8)"
 
 
+def test_explain_states_the_expert_slots_of_a_moe_model():
+    """Qwen3-30B-A3B (128 experts, top-8) at 3 decodes padded to 4 tokens: 32 routing slots,
+    blocks of 16 rows, each of at most 32 active experts padded by at most 15 rows."""
+    argv = [*table_argv("FULL", "ALWAYS", [1, 2, 4, 8], 8, 32, 1), "--model", "builtin:qwen3-30b-a3b"]
+    data = run_json("explain", *argv, "--num-tokens", "3", "--uniform", "1")
+    assert data["descriptor"] == "FULL(t=4,r=4)"
+    assert data["moe"] == {"num_experts": 128, "top_k": 8, "padded_tokens": 4, "slots": 32, "block_m": 16,
+                           "padded_slots": 32 + 32 * 15, "max_active_experts": 32}
+    assert "4 padded tokens x top-8 = 32 routing slots" in run_text("explain", *argv, "--num-tokens", "3",
+                                                                       "--uniform", "1")
+    assert run_json("explain", *argv[:-2], "--num-tokens", "3", "--uniform", "1")["moe"] is None
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

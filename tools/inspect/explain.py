@@ -80,6 +80,7 @@ def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation,
         "padding_reqs": exp.padding_reqs,
         "waste": exp.waste,  # padding tokens / tokens the step runs
         "speculative": explain_summary(built.spec.speculation, exp),  # None without speculation
+        "moe": moe_dict(built.spec.model, exp.chosen.num_tokens),  # None for a dense (or no) model
     }
     if pcp is not None and pcp.pcp_size > 1:
         out["pcp"] = pcp_dict(pcp)
@@ -98,10 +99,40 @@ def explanation_text(built: BuiltTable, shape: BatchShape, exp: Explanation, pcp
         f"padding:        {exp.padding_tokens} tokens ({chosen.num_tokens} run for {shape.num_tokens} real; "
         f"{pct(exp.waste)} of the step), {exp.padding_reqs} requests ({reqs_run} run for {shape.num_reqs} real)",
         *explain_lines(built.spec.speculation, exp),
+        *moe_lines(built.spec.model, chosen.num_tokens),
     ]
     if pcp is not None and pcp.pcp_size > 1:
         lines += pcp_lines(pcp)
     return "\n".join(lines)
+
+
+# ---- mixture of experts: the expert slots the padded step routes -------------------------------
+def moe_dict(model: str | None, num_tokens: int) -> dict[str, Any] | None:
+    """For a MoE `model` (one GPU): the step's T x k routing slots, the GEMM row block the MoE
+    kernels pick at T, the sorted-slot buffer (each active expert's slots padded to that block)
+    and the most experts the step can read; None for a dense model or none given."""
+    if model is None:
+        return None
+    from graphrunner.layers.moe.kernels import max_padded_slots, moe_config
+    from graphrunner.models.loader import load_model_config
+
+    cfg = load_model_config(model)
+    if cfg.moe is None:
+        return None
+    e, k = cfg.moe.num_experts, cfg.moe.num_experts_per_tok
+    block_m = moe_config(num_tokens, cfg.hidden_size, cfg.moe.moe_intermediate_size, e, k).block_m
+    return {"num_experts": e, "top_k": k, "padded_tokens": num_tokens, "slots": num_tokens * k,
+            "block_m": block_m, "padded_slots": max_padded_slots(num_tokens, k, e, block_m),
+            "max_active_experts": min(num_tokens * k, e)}
+
+
+def moe_lines(model: str | None, num_tokens: int) -> list[str]:
+    moe = moe_dict(model, num_tokens)
+    if moe is None:
+        return []
+    return [f"experts:        {moe['padded_tokens']} padded tokens x top-{moe['top_k']} = {moe['slots']} routing slots "
+            f"over {moe['num_experts']} experts; sorted by expert in blocks of {moe['block_m']} rows: at most "
+            f"{moe['padded_slots']} rows, at most {moe['max_active_experts']} experts read per layer"]
 
 
 # ---- prefill context parallelism: how the batch would be split across P ranks ----------
