@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,25 @@ logger = logging.getLogger("graphrunner.runner")
 
 _GIB = 1 << 30
 _INFERENCE_MODE_GUARD = getattr(torch._C, "_InferenceMode", None)
+
+
+@dataclass
+class StartupTimes:
+    """Where a runner's start-up went, recorded once per phase (seconds; 0 for a phase not run).
+
+    load: building the model and reading its weights (`load_model`); compile: torch.compile of
+    the pieces (`capture_model`, a warm compile cache makes it short); capture: recording the
+    graphs (`capture_model`, without the compile)."""
+
+    load: float = 0.0
+    compile: float = 0.0
+    capture: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"load {self.load:.2f} s / compile {self.compile:.2f} s / capture {self.capture:.2f} s"
 
 
 def _inference_mode() -> Any:
@@ -127,6 +147,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # with the KV cache
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
+        self.startup_times = StartupTimes()
         self._pending: PendingStep | None = None
         self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
@@ -156,10 +177,11 @@ class ModelRunner:
                                                           self.dtype)
         else:
             self.buffers.stage = StageBuffers()
+        self.startup_times.load = time.perf_counter() - start
         logger.info(
             "loaded %s (%.2f GiB of %s weights) on %s in %.2f s", self.model_config.name,
             sum(p.numel() * p.element_size() for p in model.parameters()) / _GIB, self.dtype, self.device,
-            time.perf_counter() - start,
+            self.startup_times.load,
         )
 
     @property
@@ -214,8 +236,9 @@ class ModelRunner:
         graph's node list for the report (kernel names, node counts) at some memory cost.
         """
         graphs = self._require_graphs()
-        self.capture_report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
-        return self.capture_report
+        self.capture_report = report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
+        self.startup_times.compile, self.startup_times.capture = report.compile_seconds, report.total_seconds
+        return report
 
     def shutdown(self) -> None:
         """Release graphs and the graph pool first, then the KV cache (lifecycle order).
@@ -417,4 +440,4 @@ class ModelRunner:
         return self.planner
 
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StartupTimes"]

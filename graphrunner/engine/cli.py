@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     load_start = time.perf_counter()
     llm = _build_llm(args)
     load_seconds = time.perf_counter() - load_start
-    progress(f"loaded in {load_seconds:.1f} s")
+    progress(f"ready in {load_seconds:.1f} s ({llm.runner.startup_times})")
 
     if tokenizer is not None:
         prompts = [tokenizer.encode(text).ids for text in args.prompt]
@@ -264,7 +264,9 @@ def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outpu
         "dtype": str(llm.dtype).removeprefix("torch."), "kv_blocks": llm.scheduler.num_blocks,
         "block_size": args.block_size, "max_model_len": llm.scheduler.max_model_len,
         "max_num_seqs": llm.scheduler.max_num_seqs, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
-        "load_seconds": round(load_seconds, 3), "num_prompts": len(prompts),
+        "load_seconds": round(load_seconds, 3),
+        "startup_seconds": {k: round(v, 3) for k, v in llm.runner.startup_times.to_dict().items()},
+        "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": num_generated,
         "preemptions": llm.scheduler.num_preemptions,
         "prefix_cache_hit_rate": getattr(llm.scheduler.block_allocator, "hit_rate", None),
@@ -339,7 +341,7 @@ def _print_summary(
         print(f"pipeline stages:  {args.pp}")
         print(f"data parallel:    {args.dp}")
     print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")
-    print(f"load seconds:     {load_seconds:.2f}")
+    print(f"load seconds:     {load_seconds:.2f} ({llm.runner.startup_times})")
     print(f"num prompts:      {len(prompts)}")
     print(f"prompt tokens:    {sum(len(p) for p in prompts)}")
     print(f"generated tokens: {num_generated}")

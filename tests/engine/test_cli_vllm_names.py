@@ -58,6 +58,7 @@ def test_generate_json_with_stop_ids_logprobs_and_n(capsys):
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["kind"] == "generate" and data["num_prompts"] == 2 and data["max_model_len"] == 32
+    assert set(data["startup_seconds"]) == {"load", "compile", "capture"} and data["startup_seconds"]["load"] > 0
     assert [len(o["completions"]) for o in data["outputs"]] == [2, 2]
     assert all(c["cumulative_logprob"] is not None for o in data["outputs"] for c in o["completions"])
     assert "warm-up run (untimed" in captured.err and "timed run: 2 prompts" in captured.err

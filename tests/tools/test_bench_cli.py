@@ -149,6 +149,11 @@ def test_capture_prints_report_and_json(tmp_path, capsys):
     assert captured_sizes == set(data["capture_sizes"])
     assert report["total_seconds"] >= sum(rec["seconds"] for rec in report["records"]) > 0
     assert f"{report['num_graphs']} graphs (FULL)" in text
+    phases = data["startup_seconds"]
+    assert phases == {"load": data["load_seconds"], "compile": report["compile_seconds"],
+                      "capture": report["total_seconds"]}
+    assert phases["load"] > 0 and phases["capture"] > 0
+    assert f"start-up: load {phases['load']:.2f} s / compile {phases['compile']:.2f} s" in text
     for rec in report["records"]:
         assert rec["key"] in text
 
@@ -181,7 +186,37 @@ def test_throughput_counts_every_output_token(tmp_path, capsys):
     assert data["output_tokens_per_s"] == pytest.approx(data["output_tokens"] / data["elapsed_seconds"])
     assert data["ideal_output_tokens_per_s"] > 0
     assert data["ideal_fraction"] == pytest.approx(data["output_tokens_per_s"] / data["ideal_output_tokens_per_s"])
-    assert "output tokens/s" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "output tokens/s" in text
+    # The engine's default loop; no CUDA events on a CPU, so the busy share is reported as not measured.
+    assert data["scheduling"] == "async" and data["spec"]["async_scheduling"] is True
+    assert data["gpu_busy_fraction"] is None and "GPU busy:            not measured" in text
+    assert set(data["startup_seconds"]) == {"load", "compile", "capture"}
+    assert data["startup_seconds"]["load"] > 0 and data["startup_seconds"]["capture"] > 0
+
+
+def test_throughput_no_async_scheduling_runs_the_sync_loop(tmp_path):
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", MODEL, "--device", "cpu", "--num-prompts", "2", "--input-len", "4",
+            "--output-len", "2", "--mode", "NONE", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+            "--no-async-scheduling", "--json", str(out), *COPY]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["scheduling"] == "sync" and data["spec"]["async_scheduling"] is False
+    assert data["output_tokens"] == data["expected_output_tokens"] == 2 * 2
+
+
+@pytest.mark.gpu
+def test_gpu_throughput_reports_gpu_busy_fraction(tmp_path):
+    """On CUDA the steps are bracketed by events: the busy share is a fraction of the run, and the
+    runner's execute_model is its own method again afterwards."""
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", MODEL, "--device", "cuda", "--num-prompts", "8", "--input-len", "16",
+            "--output-len", "16", "--mode", "FULL", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+            "--json", str(out), *COPY]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert 0.0 < data["gpu_busy_fraction"] <= 1.0
 
 
 @settings(deadline=None)

@@ -67,6 +67,8 @@ class CaptureResult:
             "env": self.env,
             "capture_sizes": list(self.capture_sizes),
             "load_seconds": self.load_seconds,
+            "startup_seconds": {"load": self.load_seconds, "compile": self.report.compile_seconds,
+                                "capture": self.report.total_seconds},
             "report": self.report.to_dict(),
         }
 

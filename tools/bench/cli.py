@@ -138,6 +138,8 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     add_limit_args(p, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=None,
                    help={"num_kv_blocks": "unset = sized from a profile run"})
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch step N+1 while step N runs (the engine's default; same tokens)")
     _copy_mib_arg(p)
     p.add_argument(
         "--peer",
@@ -422,6 +424,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             mode=args.mode,
             **limit_kwargs(args),
             gpu_memory_utilization=args.gpu_memory_utilization,
+            async_scheduling=args.async_scheduling,
             copy_bytes=_copy_bytes(args),
             peer=args.peer,
             peer_variants=tuple(v.strip() for v in args.peer_variants.split(",") if v.strip()),

@@ -182,7 +182,8 @@ def capture_text(result: CaptureResult, top_kernels: int = 15) -> str:
         f"graph capture: {result.spec.model}, mode {result.spec.mode} (resolved {r.mode})",
         *env_lines(result.env),
         f"capture sizes: {list(result.capture_sizes)}",
-        f"model load {result.load_seconds:.2f} s",
+        f"start-up: load {result.load_seconds:.2f} s / compile {r.compile_seconds:.2f} s / "
+        f"capture {r.total_seconds:.2f} s",
         "",
         str(r),
     ]
@@ -199,6 +200,8 @@ def capture_markdown(result: CaptureResult) -> str:
         f"### {result.spec.model}: graph capture ({r.mode})",
         "",
         f"- {env_lines(result.env)[0]}",
+        f"- start-up: load {result.load_seconds:.2f} s / compile {r.compile_seconds:.2f} s / "
+        f"capture {r.total_seconds:.2f} s",
         f"- {r.num_graphs} graphs in {r.total_seconds:.2f} s; pool {r.pool_bytes / _GIB:.3f} GiB; "
         f"device memory in use +{r.free_memory_delta_bytes / _GIB:.3f} GiB",
         "",
@@ -218,7 +221,9 @@ def throughput_text(result: ThroughputResult) -> str:
         f"offline throughput: {s.model}, {s.num_prompts} prompts, "
         f"input {s.input_len}, output {s.output_len} ({s.dist})",
         *env_lines(result.env),
-        f"mode {result.mode}, max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}",
+        f"mode {result.mode}, {result.scheduling} scheduling, max_num_seqs {s.max_num_seqs}, "
+        f"max_num_batched_tokens {s.max_num_batched_tokens}",
+        f"start-up seconds:    {_startup(result.startup_seconds)}",
         f"input tokens:        {result.input_tokens}",
         f"output tokens:       {result.output_tokens}",
         f"elapsed seconds:     {result.elapsed_seconds:.3f}",
@@ -230,6 +235,7 @@ def throughput_text(result: ThroughputResult) -> str:
         f"ideal output tok/s:  {result.ideal_output_tokens_per_s:.1f} "
         f"(decode at batch {result.ideal_batch}, each step reading all weights + mean KV)",
         f"fraction of ideal:   {_pct(result.ideal_fraction)}",
+        f"GPU busy:            {_busy(result.gpu_busy_fraction)}",
     ]
     return "\n".join(lines)
 
@@ -239,8 +245,18 @@ def throughput_markdown(result: ThroughputResult) -> str:
     return (
         f"### {s.model}: offline throughput\n\n"
         f"- {env_lines(result.env)[0]}\n\n"
-        "| prompts | input | output | dist | mode | output tok/s | ideal tok/s | % ideal |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-        f"| {s.num_prompts} | {s.input_len} | {s.output_len} | {s.dist} | {result.mode} | "
-        f"{result.output_tokens_per_s:.1f} | {result.ideal_output_tokens_per_s:.1f} | {_pct(result.ideal_fraction)} |\n"
+        "| prompts | input | output | dist | mode | scheduling | output tok/s | ideal tok/s | % ideal | GPU busy "
+        "| load / compile / capture s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        f"| {s.num_prompts} | {s.input_len} | {s.output_len} | {s.dist} | {result.mode} | {result.scheduling} | "
+        f"{result.output_tokens_per_s:.1f} | {result.ideal_output_tokens_per_s:.1f} | {_pct(result.ideal_fraction)} | "
+        f"{_busy(result.gpu_busy_fraction)} | {_startup(result.startup_seconds)} |\n"
     )
+
+
+def _busy(fraction: float | None) -> str:
+    return "not measured (no CUDA events)" if fraction is None else _pct(fraction)
+
+
+def _startup(seconds: dict[str, float]) -> str:
+    return " / ".join(f"{seconds.get(k, 0.0):.2f}" for k in ("load", "compile", "capture"))

@@ -15,6 +15,13 @@ tokens/s would be
 Prefill is ignored (it is compute, not bytes), so the ideal is an upper bound; the
 reported fraction is measured / ideal.
 
+GPU busy: CUDA events recorded around every engine step of the timed run (each
+`execute_model`: state commit, input upload and the graph replay or eager step) give the
+device time the steps took; busy / (first start .. last end) is the share of the run the
+GPU spent on steps, the rest is the host keeping it waiting. On a CPU it is not measured.
+
+Start-up: the runner's load / compile / capture seconds (`ModelRunner.startup_times`).
+
 Peer (`peer=True`): after our run, Hugging Face transformers `generate` runs the same
 prompts with the same output length on a model holding our weights (tools/bench/peer.py),
 as one batch of all prompts; so the workload must be one batch for us too (`dist`
@@ -24,9 +31,10 @@ that the peer's copy of the weights fits where ours ran.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,6 +83,7 @@ class ThroughputSpec:
     compile_backend: str | None = None
     load_format: str = "auto"
     seed: int = 0
+    async_scheduling: bool = True  # the engine's default (LLM(async_scheduling=...))
     copy_bytes: int | None = None
     peer: bool = False  # also time Hugging Face transformers generate on the same weights
     peer_variants: tuple[str, ...] = PEER_VARIANTS
@@ -122,6 +131,9 @@ class ThroughputResult:
     preemptions: int
     ideal_batch: int
     ideal_output_tokens_per_s: float
+    gpu_busy_fraction: float | None = None  # None: not measured (no CUDA events on this device)
+    startup_seconds: dict[str, float] = field(default_factory=dict)  # load / compile / capture
+    scheduling: str = "async"
     peer: PeerComparison | None = None
 
     @property
@@ -158,6 +170,9 @@ class ThroughputResult:
             "ideal_batch": self.ideal_batch,
             "ideal_output_tokens_per_s": self.ideal_output_tokens_per_s,
             "ideal_fraction": self.ideal_fraction,
+            "gpu_busy_fraction": self.gpu_busy_fraction,
+            "startup_seconds": self.startup_seconds,
+            "scheduling": self.scheduling,
             "peer": None if self.peer is None else self.peer.to_dict(),
         }
 
@@ -192,7 +207,43 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
         enforce_eager=eager,
         cudagraph_mode=None if eager else mode.name,
         compile_backend=spec.compile_backend or default_compile_backend(device),
+        async_scheduling=spec.async_scheduling,
     )
+
+
+class StepEvents:
+    """CUDA events around every `execute_model` of a runner while installed; `busy_fraction()`
+    after the run. Recording an event is asynchronous, so the timed run is undisturbed."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        import torch
+
+        self._runner = runner
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._orig = runner.execute_model
+        new_event = functools.partial(torch.cuda.Event, enable_timing=True)
+
+        def execute_model(*args, **kwargs):
+            start = new_event()
+            start.record()
+            try:
+                return self._orig(*args, **kwargs)
+            finally:
+                end = new_event()
+                end.record()
+                self.pairs.append((start, end))
+
+        runner.execute_model = execute_model  # type: ignore[method-assign]
+
+    def close(self) -> float | None:
+        """Uninstall; the steps' device time over the window from the first step's start to the
+        last one's end (None without steps). Call after the device finished the run."""
+        del self._runner.execute_model  # the class's method again
+        if not self.pairs:
+            return None
+        busy = sum(a.elapsed_time(b) for a, b in self.pairs)
+        window = self.pairs[0][0].elapsed_time(self.pairs[-1][1])
+        return min(1.0, busy / window) if window > 0 else None
 
 
 def _ideal_output_tokens_per_s(
@@ -209,18 +260,24 @@ def _ideal_output_tokens_per_s(
 
 def _timed_generate(
     llm: LLM, prompts: list[list[int]], params: list[SamplingParams], device: torch.device
-) -> tuple[list[RequestOutput], float, int]:
-    """Generate once briefly (warmup), then timed: (outputs, seconds, preemptions of the timed run)."""
+) -> tuple[list[RequestOutput], float, int, float | None]:
+    """Generate once briefly (warmup), then timed: (outputs, seconds, preemptions of the timed run,
+    GPU-busy fraction or None on a CPU)."""
     warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
     # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
     llm.generate(prompts, warm)
     preempt_before = llm.scheduler.num_preemptions
     synchronize(device)
+    events = StepEvents(llm.runner) if device.type == "cuda" else None
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    synchronize(device)
-    return outputs, time.perf_counter() - start, llm.scheduler.num_preemptions - preempt_before
+    try:
+        outputs = llm.generate(prompts, params)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    finally:
+        busy = events.close() if events is not None else None
+    return outputs, elapsed, llm.scheduler.num_preemptions - preempt_before, busy
 
 
 def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
@@ -239,7 +296,7 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         vocab = llm.vocab_size
         prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
-        outputs, elapsed, preemptions = _timed_generate(llm, prompts, params, device)
+        outputs, elapsed, preemptions, busy = _timed_generate(llm, prompts, params, device)
         output_tokens = sum(len(o.token_ids) for o in outputs)
         concurrency = min(spec.num_prompts, spec.max_num_seqs)
         runner = llm.runner
@@ -257,6 +314,9 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
             preemptions=preemptions,
             ideal_batch=concurrency,
             ideal_output_tokens_per_s=ideal,
+            gpu_busy_fraction=busy,
+            startup_seconds=runner.startup_times.to_dict(),
+            scheduling="async" if llm.async_scheduling else "sync",
         )
     finally:
         llm.runner.shutdown()
