@@ -355,7 +355,7 @@ class CompilationConfig:
     structured_output_graphs also captures, per FULL single-token decode size, a forward graph
     and two sampling graphs, so that a structured-output decode step's forward runs while the
     engine computes its grammar masks (graphrunner/step/split.py); off, such a step runs whole
-    once its masks arrive.
+    once its masks arrive. lazy_sampler_variants: see the field.
     """
 
     cudagraph_mode: str | None = None
@@ -364,6 +364,11 @@ class CompilationConfig:
     debug_cudagraphs: bool = False
     compile_backend: str = "inductor"
     structured_output_graphs: bool = False
+    # The all-features sampler variant (penalties, bias, allowed ids, min_tokens, logprobs) of a
+    # FULL descriptor is captured when a batch first needs it, not at start-up: it is a third of
+    # the FULL graphs (52 of 156 for qwen2.5-0.5b's default table), most of which a workload
+    # never uses. False captures every variant up front.
+    lazy_sampler_variants: bool = True
 
     def __post_init__(self) -> None:
         if self.cudagraph_capture_sizes is not None:

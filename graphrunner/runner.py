@@ -220,8 +220,14 @@ class ModelRunner:
             self.buffers.draft_kv_caches = self.body.spec.attach_kv_cache(self.buffers.block_tables, num_blocks)
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, L.block_size,
                     num_blocks * shape.block_bytes / _GIB)
+        # A capture on first use runs on one rank alone: only where no peer joins its collectives
+        # and no drafts sit in per-step buffers (step/graphs.py).
+        g = self.groups
+        lazy = (self.config.compilation.lazy_sampler_variants and self.body.spec is None and g.pp_size == 1
+                and not g.dp_lockstep and self.body.pcp is None)
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
-                                          num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
+                                          num_live=lambda: self.state.requests.num_live, name=self.model_config.name,
+                                          lazy_variants=lazy)
         if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
             self.dp = LockstepDP(self.groups, graphs, self.pp, self.device)
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L,
@@ -335,7 +341,9 @@ class ModelRunner:
             if sampling_graph is not None:
                 sampling_graph.replay()
             else:
-                graphs.run(desc, batch, current.full_graph if current is not None else None)
+                graph = graphs.run(desc, batch, current.full_graph if current is not None else None)
+                if current is not None and current.full_graph is None:  # captured on first use
+                    current.full_graph = graph
         except RuntimeError as e:  # under TP/PP/DP: a CollectiveError naming this rank
             self.groups.raise_step_failure(e)
         produces, all_produce, verify = planner.advance(batch, plan)

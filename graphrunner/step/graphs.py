@@ -11,6 +11,15 @@ static inside a graph, so a greedy-only batch replays a graph that skips the ran
 sampling pipeline, a plain random-sampling batch (temperature / top-k / top-p / min-p)
 one that skips penalties, bias, allowed ids, min_tokens and logprobs, and any other
 batch the one with every feature on.
+
+With `lazy_variants` the all-features graphs are not captured up front: the first step that
+needs one captures it, between the step's upload and its run (outside any running graph),
+then re-uploads its own inputs and replays it. The capture's dummy step touches only the
+scratch row, the per-step buffers the run rewrites anyway, and the KV blocks of the scratch
+row's table, which are saved and restored around it; the output ring has already made the
+step wait for the previous step's D2H copy. Layouts where a capture would have to be
+collective across ranks or where drafts live in per-step buffers (PP, lockstep DP,
+speculation) capture every variant up front.
 """
 
 from __future__ import annotations
@@ -84,8 +93,10 @@ class StepGraphs:
     """
 
     def __init__(self, comp: CompilationConfig, body: StepBody, device: torch.device, *,
-                 num_live: Callable[[], int], name: str = "model") -> None:
+                 num_live: Callable[[], int], name: str = "model", lazy_variants: bool = False) -> None:
         self.body = body
+        # Variants captured by capture(); the rest on first use (module docstring).
+        self.eager_variants = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
         self.device = device
         self.num_live = num_live
         self.name = name
@@ -125,12 +136,15 @@ class StepGraphs:
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
         return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
 
-    def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph:
-        """The captured FULL graph that serves `desc` for a batch needing `features`."""
-        return self.full_graphs[(desc, sampling_variant(features))]
+    def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph | None:
+        """The captured FULL graph that serves `desc` for a batch needing `features`; None for a
+        variant captured on first use and not used yet (`run` captures it)."""
+        return self.full_graphs.get((desc, sampling_variant(features)))
 
     def replay_full(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> None:
-        self.full_graph(desc, features).replay()
+        graph = self.full_graph(desc, features)
+        assert graph is not None, f"{desc}[{variant_name(sampling_variant(features))}] is not captured"
+        graph.replay()
 
     def split_pair(self, desc: BatchExecutionDescriptor,
                    features_after_masks: SamplingFeatures) -> tuple[FullGraph, FullGraph] | None:
@@ -141,14 +155,20 @@ class StepGraphs:
             return None
         return self.split_graphs[(desc, None)], self.split_graphs[(desc, variant)]
 
-    def run(self, desc: BatchExecutionDescriptor, batch: InputBatch, graph: FullGraph | None = None) -> None:
-        """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager)."""
+    def run(self, desc: BatchExecutionDescriptor, batch: InputBatch,
+            graph: FullGraph | None = None) -> FullGraph | None:
+        """Run a prepared batch as `desc` says: replay its FULL graph, or the body (PIECEWISE / eager).
+        Returns the FULL graph replayed (None otherwise), so that a plan may keep one captured on first use."""
         if graph is not None:  # FULL, looked up by the caller (a steady-decode plan holds it)
             graph.replay()
         elif desc.is_full:
-            self.full_graph(desc, batch.sampling_features).replay()
+            graph = self.full_graph(desc, batch.sampling_features)
+            if graph is None:
+                graph = self.capture_on_first_use(desc, batch)
+            graph.replay()
         else:
             self.body.run(batch, piecewise=desc.is_piecewise)
+        return graph
 
     # ---- start-up -----------------------------------------------------------------
     def capture(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -175,7 +195,7 @@ class StepGraphs:
         work: list[tuple[BatchExecutionDescriptor, SamplingFeatures | None]] = [
             (d, None) for d in descriptors if d.is_piecewise
         ]
-        work += [(d, v) for d in descriptors if d.is_full for v in SAMPLING_VARIANTS]
+        work += [(d, v) for d in descriptors if d.is_full for v in self.eager_variants]
         if self.split is not None:  # the split pairs last: (desc, None) stands for the pair
             work += [(d, None) for d in descriptors if self.split.serves(d)]
         free_before = self.pool.free_bytes()
@@ -196,6 +216,30 @@ class StepGraphs:
         report.free_memory_delta_bytes = free_before - self.pool.free_bytes()
         logger.info("captured %d graphs in %.2f s (%s)", report.num_graphs, report.total_seconds, self.mode.name)
         return report
+
+    def capture_on_first_use(self, desc: BatchExecutionDescriptor, batch: InputBatch) -> FullGraph:
+        """Capture the variant `batch` needs at `desc` in the middle of a step, after its upload:
+        the KV blocks the dummy step writes are restored and the batch's inputs uploaded again
+        (module docstring). Other graphs stay valid: `generation` (a recapture) is unchanged."""
+        assert self.pool is not None and self.captured, "lazy capture after capture()"
+        variant = sampling_variant(batch.sampling_features)
+        label = f"{desc}[{variant_name(variant)}]"
+        body = self.body
+        kv = [*body.buffers.kv_caches, *body.buffers.draft_kv_caches]
+        requests = body.buffers.requests
+        blocks = torch.from_numpy(np.unique(body.block_tables.table_np[requests.scratch_row])).to(self.device).long()
+        saved = [cache[:, blocks].clone() for cache in kv]  # [2, n, block_size, heads, dim] each
+        start = time.perf_counter()
+        try:
+            record = self._capture_one(desc, variant, label, inspect_nodes=False)
+        finally:
+            for cache, old in zip(kv, saved, strict=True):
+                cache[:, blocks] = old
+            body.reset_scratch_row()
+            body.buffers.inputs.upload(batch.idx_mapping_np, batch.query_lens_np, batch.num_reqs_padded,
+                                       requests.scratch_row)
+        logger.info("captured %s on first use in %.2f s", record.key, time.perf_counter() - start)
+        return self.full_graphs[(desc, variant)]
 
     def _capture_all(self, work: list[tuple[BatchExecutionDescriptor, SamplingFeatures | None]],
                      report: CaptureReport, inspect_nodes: bool, progress: bool, free_before: int) -> None:

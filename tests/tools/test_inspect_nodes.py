@@ -364,7 +364,7 @@ def test_cpu_capture_says_node_lists_need_a_cuda_device():
     data = run_json("capture", *CAPTURE)
     nf = data["node_families"]
     assert nf["num_hidden_layers"] == 4 and nf["default_graph"] == "FULL(t=1,r=1,q=1)[greedy]"
-    assert len(nf["graphs"]) == 6
+    assert len(nf["graphs"]) == 4  # two sizes x the start-up variants (greedy, sampled)
     assert all(g["num_nodes"] is None and "CUDA device" in g["note"] for g in nf["graphs"])
 
 
@@ -378,7 +378,7 @@ def test_gpu_decode_graph_families_sum_to_its_nodes_and_layers_are_counted():
     layers = nf["num_hidden_layers"]
     graphs = {g["graph"]: g for g in nf["graphs"]}
     assert nf["default_graph"] == "FULL(t=1,r=1,q=1)[greedy]" and set(graphs) == {
-        f"FULL(t=1,r=1,q=1)[{v}]" for v in ("greedy", "sampled", "all")}
+        f"FULL(t=1,r=1,q=1)[{v}]" for v in ("greedy", "sampled")}
     for g in graphs.values():
         record = next(r for r in data["report"]["records"] if r["key"] == g["graph"])
         assert g["num_nodes"] == record["num_nodes"] and g["num_nodes"] > 0, g
