@@ -355,7 +355,7 @@ class CompilationConfig:
     structured_output_graphs also captures, per FULL single-token decode size, a forward graph
     and two sampling graphs, so that a structured-output decode step's forward runs while the
     engine computes its grammar masks (graphrunner/step/split.py); off, such a step runs whole
-    once its masks arrive. lazy_sampler_variants: see the field.
+    once its masks arrive. lazy_sampler_variants, compile_cache_dir: see the fields.
     """
 
     cudagraph_mode: str | None = None
@@ -369,6 +369,11 @@ class CompilationConfig:
     # the FULL graphs (52 of 156 for qwen2.5-0.5b's default table), most of which a workload
     # never uses. False captures every variant up front.
     lazy_sampler_variants: bool = True
+    # What compilation produces (inductor's FX-graph / AOTAutograd caches, Triton kernels) is kept
+    # here, one folder per configuration (graphrunner/compile_cache.py), so that a warm start
+    # compiles nothing; None (or "") keeps torch's and Triton's own defaults. Used where there is
+    # something to keep: on CUDA, or with inductor on a CPU.
+    compile_cache_dir: str | None = "~/.cache/graphrunner/compile"
 
     def __post_init__(self) -> None:
         if self.cudagraph_capture_sizes is not None:

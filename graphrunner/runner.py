@@ -17,6 +17,7 @@ objects the step calls at fixed points, absent when unused.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -148,6 +149,7 @@ class ModelRunner:
         self.planner: StepPlanner | None = None
         self.capture_report: CaptureReport | None = None  # the last capture_model() result
         self.startup_times = StartupTimes()
+        self._compile_cache: Any = None  # graphrunner.compile_cache.CompileCache, made on first use
         self._pending: PendingStep | None = None
         self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
@@ -195,18 +197,33 @@ class ModelRunner:
         layers = self.model.num_local_layers if self.model is not None else m.num_hidden_layers
         return KVCacheShape(layers, self.limits.block_size, self.num_kv_heads_local, m.head_dim, self.dtype)
 
+    def compile_cache_scope(self) -> Any:
+        """Compilation and Triton JIT inside this block go to (and load from) the configuration's
+        entry of the compile cache (`CompilationConfig.compile_cache_dir`); a no-op where it is off
+        or nothing is compiled (a CPU without inductor)."""
+        comp = self.config.compilation
+        compiles = self.device.type == "cuda" or (comp.compile_backend == "inductor" and not comp.enforce_eager)
+        if self._compile_cache is None and compiles and comp.compile_cache_dir:
+            from graphrunner.compile_cache import CompileCache
+
+            mode = "NONE" if comp.enforce_eager else (comp.cudagraph_mode or "default")
+            self._compile_cache = CompileCache.for_runner(comp.compile_cache_dir, self.model_config, self.dtype,
+                                                          mode, comp.compile_backend, self.device, self.groups.rank)
+        return self._compile_cache.scope() if self._compile_cache is not None else contextlib.nullcontext()
+
     @torch.inference_mode()
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit: a fixed count if configured, else profile + memory budget
         (CUDA: `gpu_memory_utilization` of the device; CPU: `cpu_kv_cache_bytes`)."""
         self._require_model()
         L, spec = self.limits, self.body.spec
-        return determine_num_kv_blocks(
-            self.kv_cache_shape, self.config.cache, self.body, self.device,
-            max_blocks=L.max_num_reqs * L.max_num_blocks_per_req, max_num_blocks_per_req=L.max_num_blocks_per_req,
-            max_model_len=L.max_model_len, agree=self.groups.agree_min,
-            extra_block_bytes=spec.draft_block_bytes(L.block_size) if spec is not None else 0,
-        )
+        with self.compile_cache_scope():  # the profile step JIT-compiles the Triton kernels
+            return determine_num_kv_blocks(
+                self.kv_cache_shape, self.config.cache, self.body, self.device,
+                max_blocks=L.max_num_reqs * L.max_num_blocks_per_req, max_num_blocks_per_req=L.max_num_blocks_per_req,
+                max_model_len=L.max_model_len, agree=self.groups.agree_min,
+                extra_block_bytes=spec.draft_block_bytes(L.block_size) if spec is not None else 0,
+            )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache (one tensor per layer) and the block tables."""
@@ -242,7 +259,8 @@ class ModelRunner:
         graph's node list for the report (kernel names, node counts) at some memory cost.
         """
         graphs = self._require_graphs()
-        self.capture_report = report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
+        with self.compile_cache_scope():
+            self.capture_report = report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
         self.startup_times.compile, self.startup_times.capture = report.compile_seconds, report.total_seconds
         return report
 
