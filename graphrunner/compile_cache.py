@@ -54,13 +54,21 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def _project_version() -> str | None:
+    """The installed distribution's version (read here: importing the package would be an import circle)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("graphrunner")
+    except metadata.PackageNotFoundError:  # a bare checkout: the source digest still keys the code
+        return None
+
+
 def key_fields(model_config: Any, dtype: Any, mode: str, compile_backend: str, device: Any,
                rank: int = 0) -> dict[str, Any]:
     """Every input that changes the generated code, as JSON-ready values; `rank` keeps the ranks of
     a parallel run (whose shards differ) in entries of their own, none deleting another's files."""
     import torch
-
-    import graphrunner
 
     try:
         import triton
@@ -70,12 +78,13 @@ def key_fields(model_config: Any, dtype: Any, mode: str, compile_backend: str, d
         triton_version = None
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    shape = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else dict(model_config)
+    is_config = dataclasses.is_dataclass(model_config) and not isinstance(model_config, type)
+    shape = dataclasses.asdict(model_config) if is_config else dict(model_config)
     shape.pop("name", None)  # the same shapes under two names compile alike
     return {
         "model": shape, "dtype": str(dtype), "mode": mode, "compile_backend": compile_backend,
         "device": device.type, "capability": capability, "torch": torch.__version__, "triton": triton_version,
-        "graphrunner": graphrunner.__version__, "sources": source_digest(), "rank": rank,
+        "graphrunner": _project_version(), "sources": source_digest(), "rank": rank,
     }
 
 

@@ -85,8 +85,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
     p.add_argument("--tokenizer", default=None, help="a folder to load the tokenizer from (default: the model's)")
     add_graph_args(p, mode=None, mode_help=f"{CUDAGRAPH_MODES} (unset = FULL_AND_PIECEWISE)")
     p.add_argument("--debug-cudagraphs", action="store_true", help="check addresses and padding on every replay")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch step N+1 while step N runs (same tokens, less host time per step)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch step N+1 while step N runs (same tokens, less host time per step); "
+                        "unset = on unless the layout cannot run it (-pcp, lockstep DP, PP with speculation)")
     add_speculative_args(p)
     p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks")
@@ -270,7 +271,7 @@ def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outpu
         "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": num_generated,
         "preemptions": llm.scheduler.num_preemptions,
         "prefix_cache_hit_rate": getattr(llm.scheduler.block_allocator, "hit_rate", None),
-        "scheduling": "async" if args.async_scheduling else "sync", "elapsed_seconds": round(elapsed, 4),
+        "scheduling": "async" if llm.async_scheduling else "sync", "elapsed_seconds": round(elapsed, 4),
         "output_tokens_per_s": num_generated / elapsed if elapsed > 0 else None,
         "outputs": [{"request_id": o.request_id, "completions": [
             {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
@@ -349,7 +350,7 @@ def _print_summary(
     hit_rate = getattr(llm.scheduler.block_allocator, "hit_rate", None)
     if hit_rate is not None:
         print(f"prefix cache:     {hit_rate:.1%} of prompt tokens hit")
-    print(f"scheduling:       {'async' if args.async_scheduling else 'sync'}")
+    print(f"scheduling:       {'async' if llm.async_scheduling else 'sync'}")
     spec = llm.config.speculative
     if spec.num_speculative_tokens:
         print(f"speculative:      {spec.method}, k={spec.num_speculative_tokens}")

@@ -27,6 +27,7 @@ and gather the outputs, so `generate` returns the full, identical result list on
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -41,6 +42,7 @@ from graphrunner.engine.chat import ChatMessages, render_chat
 from graphrunner.engine.data_parallel import any_replica, gather_replicas
 from graphrunner.engine.detokenizer import load_text_tokenizer
 from graphrunner.engine.options import (
+    async_scheduling_default,
     check_compilation_kwargs,
     check_model_source,
     default_limits,
@@ -55,6 +57,8 @@ from graphrunner.engine.scheduler import Scheduler, SchedulerStats
 from graphrunner.engine.structured import can_compile_grammars, make_structured_outputs
 from graphrunner.engine.workers import WorkerLLM, wants_workers
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+logger = logging.getLogger("graphrunner.engine")
 
 
 class LLM:
@@ -81,6 +85,8 @@ class LLM:
             between `generate` calls.
         async_scheduling: schedule and launch step N + 1 before step N's tokens are
             resolved (module docstring); same tokens, less host time on the critical path.
+            None (default): on, as in vLLM, unless the layout cannot run the async loop
+            (prefill context parallelism, lockstep DP, PP with speculation), which is logged.
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the parallel
             layout; their product must equal WORLD_SIZE (run under torchrun or
             `graphrunner launch`). `device` then names the device type; each rank takes
@@ -134,7 +140,7 @@ class LLM:
         load_format: str = "auto",
         enforce_eager: bool | None = None,
         record_batches: str | os.PathLike | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
@@ -158,13 +164,21 @@ class LLM:
         # Before the model: a bad tokenizer fails fast.
         self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model,
                                                                               required=tokenizer is not None)
+        speculative = resolve_speculative_config(speculative_config)
+        if async_scheduling is None:
+            probe = ParallelConfig(
+                pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+                prefill_context_parallel_size=prefill_context_parallel_size,
+                data_parallel_lockstep=data_parallel_lockstep)
+            async_scheduling, blocker = async_scheduling_default(probe, speculative)
+            if blocker is not None:
+                logger.info("async scheduling off: the async loop does not run with %s", blocker)
         parallel = parallel_config(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, collective_timeout_s, async_scheduling,
             prefill_context_parallel_size=prefill_context_parallel_size, data_parallel_lockstep=data_parallel_lockstep,
             decode_context_parallel_size=decode_context_parallel_size, enable_expert_parallel=enable_expert_parallel,
             extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
-        speculative = resolve_speculative_config(speculative_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
         max_num_seqs, max_num_batched_tokens = default_limits(self.device, max_num_seqs, max_num_batched_tokens)

@@ -68,6 +68,18 @@ def check_async_layout(parallel: ParallelConfig, async_scheduling: bool) -> None
                          "decode context parallelism and independent data parallelism")
 
 
+def async_scheduling_default(parallel: ParallelConfig, speculative: SpeculativeConfig) -> tuple[bool, str | None]:
+    """`LLM(async_scheduling=None)`: on (vLLM's default) unless the layout cannot run the async loop;
+    (on, the reason it is off or None)."""
+    if parallel.prefill_context_parallel_size > 1:
+        return False, f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}"
+    if parallel.data_parallel_lockstep and parallel.data_parallel_size > 1:
+        return False, "data_parallel_lockstep=True"
+    if parallel.pipeline_parallel_size > 1 and speculative.num_speculative_tokens:
+        return False, "pipeline_parallel_size > 1 with speculative decoding"
+    return True, None
+
+
 # vLLM's default batch limits of its offline `LLM` class, per device type: (max_num_seqs, max_num_batched_tokens).
 DEFAULT_LIMITS = {"cuda": (256, 16384), "cpu": (256, 4096)}
 

@@ -25,9 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="builtin:NAME or a Hugging Face checkpoint folder (or --model)")
     add_engine_args(p, model=None)
-    p.set_defaults(async_scheduling=True)
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="schedule each step only after the previous one's tokens are known")
+    p.set_defaults(async_scheduling=True)  # --no-async-scheduling: from add_engine_args
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (vLLM's default: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--api-key", default=None,

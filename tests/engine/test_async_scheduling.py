@@ -23,16 +23,37 @@ SMALL = dict(device="cpu", dtype="float32", max_num_seqs=5, max_num_batched_toke
              block_size=4, num_kv_blocks=13, seed=0)
 
 
-def _llm(mode: str, async_scheduling: bool) -> LLM:
+def _llm(mode: str, async_scheduling: bool | None) -> LLM:
+    # None: the engine's default, which is the async loop.
+    kw = {} if async_scheduling is None else {"async_scheduling": async_scheduling}
     if mode == "NONE":
-        return LLM("builtin:tiny-llama", enforce_eager=True, async_scheduling=async_scheduling, **SMALL)
+        return LLM("builtin:tiny-llama", enforce_eager=True, **kw, **SMALL)
     return LLM("builtin:tiny-llama", enforce_eager=False, cudagraph_mode=mode, cudagraph_capture_sizes=SIZES,
-               compile_backend="eager", async_scheduling=async_scheduling, **SMALL)
+               compile_backend="eager", **kw, **SMALL)
 
 
 @pytest.fixture(scope="module")
 def pairs():
-    return {mode: (_llm(mode, False), _llm(mode, True)) for mode in ("NONE", "FULL")}
+    pairs = {mode: (_llm(mode, False), _llm(mode, None)) for mode in ("NONE", "FULL")}
+    assert all(not sync.async_scheduling and default.async_scheduling for sync, default in pairs.values())
+    return pairs
+
+
+@pytest.mark.parametrize("layout, reason", [
+    (dict(prefill_context_parallel_size=2), "prefill_context_parallel_size=2"),
+    (dict(data_parallel_size=2, data_parallel_lockstep=True), "data_parallel_lockstep=True"),
+    (dict(pipeline_parallel_size=2, spec=2), "pipeline_parallel_size > 1 with speculative decoding"),
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2), None),
+    (dict(data_parallel_size=2), None),
+])
+def test_default_is_async_unless_the_layout_cannot_run_it(layout, reason):
+    from graphrunner.config import ParallelConfig, SpeculativeConfig
+    from graphrunner.engine.options import async_scheduling_default
+
+    k = layout.pop("spec", 0)
+    spec = SpeculativeConfig(num_speculative_tokens=k, method="ngram") if k else SpeculativeConfig()
+    on, why = async_scheduling_default(ParallelConfig(**layout), spec)
+    assert (on, why) == (reason is None, reason)
 
 
 def _params(max_tokens: int, seed: int | None, stop: tuple[int, ...]) -> SamplingParams:
