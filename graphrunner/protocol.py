@@ -260,6 +260,11 @@ class NewRequestData:
         check_token_ids(f"request {self.req_id!r} prompt_token_ids", self.prompt_token_ids)
         if self.output_token_ids:
             check_token_ids(f"request {self.req_id!r} output_token_ids", self.output_token_ids)
+        # Tuples and arrays as lists: `all_token_ids` concatenates the two.
+        if type(self.prompt_token_ids) is not list:
+            self.prompt_token_ids = list(self.prompt_token_ids)
+        if type(self.output_token_ids) is not list:
+            self.output_token_ids = list(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,7 +12,8 @@ Three checks evaluate the same rule definitions:
   between such steps, in a handful of C-level calls.
 On any violation the fast checks hand over to the reference, which finds the first
 offending value and raises with its message. Tests check that all three accept exactly
-the same inputs.
+the same inputs. Field types (`check_field_types`) are checked on every step, first:
+the runner runs them before it reads any field to look for a steady-decode plan.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphrunner.limits import StepLimits
-from graphrunner.protocol import NewRequestData, SchedulerOutput
+from graphrunner.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner.state.rules import (
     SCHEDULED_RULES,
     SHAPE_RULES,
+    BlockClaim,
     Rows,
     any_violated,
     batch_violation,
     block_ids_message,
     block_ids_out_of_range,
+    block_sharing_violation,
     field_type_violation,
     first_violation,
+    first_written_block,
     prompt_violation,
     spec_tokens_violation,
     token_limit,
@@ -72,9 +76,19 @@ class DecodeHint:
         self.room_ref = None
 
 
+def check_field_types(so: SchedulerOutput) -> None:
+    """ValueError naming the first SchedulerOutput field of the wrong type (`rules.field_type_violation`)."""
+    error = field_type_violation(so)
+    if error:
+        raise ValueError(error)
+
+
 def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput,
-                              hint: DecodeHint | None = None, new_blocks: bool | None = None) -> None:
+                              hint: DecodeHint | None = None, new_blocks: bool | None = None, *,
+                              types_checked: bool = False) -> None:
     """Check `so` against the runner's limits and state; ValueError names the first violation.
+
+    `types_checked`: the caller has run `check_field_types(so)` on this very object.
 
     `hint` (optional) is the runner's steady-decode shortcut: the caller has checked
     that `so` admits and removes nothing, that `num_scheduled_tokens` and
@@ -83,6 +97,8 @@ def validate_scheduler_output(state: StateStore, limits: StepLimits, so: Schedul
     the hint was made. `new_blocks` (optional, with a hint): whether any
     `scheduled_cached_reqs.new_block_ids` entry is non-empty, if the caller knows.
     """
+    if not types_checked:
+        check_field_types(so)
     try:
         if hint is not None:
             _validate_steady_decode(state, limits, so, hint, new_blocks)
@@ -108,20 +124,49 @@ def _check_blocks(req_id: str, block_ids: list[int], held: int, state: StateStor
 
 
 def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) -> None:
-    """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
+    """A new request's SamplingParams: the construction checks again (the object may have
+    been changed since, through object.__setattr__), then the vocabulary- and
+    runner-dependent ones."""
+    params = new.sampling_params
     try:
-        state.sampling.validate(new.sampling_params, limits.vocab_size, state.eos_token_ids,
-                                prompt_len=len(new.prompt_token_ids))
+        params.validate()
+        state.sampling.validate(params, limits.vocab_size, state.eos_token_ids, prompt_len=len(new.prompt_token_ids))
+        _check_min_tokens_leave_a_token(params, state.eos_token_ids)
     except ValueError as e:
         raise ValueError(f"request {new.req_id!r}: {e}") from None
+
+
+def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> None:
+    """While min_tokens holds, the stop ids (and EOS, unless ignore_eos) are masked: an
+    allowed_token_ids list of only those would leave no token to sample."""
+    if not params.min_tokens or params.allowed_token_ids is None:
+        return
+    masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if masked.issuperset(params.allowed_token_ids):
+        raise ValueError(
+            f"allowed_token_ids={list(params.allowed_token_ids)} are all stop or EOS tokens, which "
+            f"min_tokens={params.min_tokens} masks: no token could be sampled")
+
+
+def _sharing_error(state: StateStore, limits: StepLimits, claims: list[BlockClaim],
+                   removed_rows: list[int]) -> str | None:
+    """The KV-block ownership rule (`rules.block_sharing_violation`) for this step's new blocks."""
+    if not claims:
+        return None
+    tables, names = state.tables, state.requests.index_to_req_id
+    freed = (np.concatenate([tables.table_np[r, : tables.num_blocks[r]] for r in removed_rows])
+             if removed_rows else None)
+
+    def holder_ids(block: int) -> list[str]:
+        return [str(names[r]) for r in tables.holder_rows(block) if r not in removed_rows and names[r] is not None]
+
+    return block_sharing_violation(claims, tables.holders, freed, holder_ids)
 
 
 def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
     """Request-by-request check of every rule; raises ValueError at the first violation."""
     requests, held_blocks = state.requests, state.tables.num_blocks
-    error = field_type_violation(so)
-    if error:
-        raise ValueError(error)
+    check_field_types(so)
     total = sum(so.num_scheduled_tokens.values())
     error = batch_violation(total, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), limits)
     if error:
@@ -129,6 +174,7 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
 
     removed = so.finished_req_ids | so.preempted_req_ids
     live = {rid for rid in requests.req_id_to_index if rid not in removed}
+    claims: list[BlockClaim] = []  # the blocks each request adds this step
     # req_id -> (num_computed, known tokens, blocks held) after this step's admissions.
     after: dict[str, tuple[int, int, int]] = {}
     for rid in live:
@@ -146,6 +192,7 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
         held = _check_blocks(rid, new.block_ids, 0, state, limits)
         _check_sampling(state, limits, new)
         after[rid] = (new.num_computed_tokens, len(tokens), held)
+        claims.append(BlockClaim(rid, list(new.block_ids), first_written_block(new.num_computed_tokens, 0, limits)))
     if len(after) > limits.max_num_reqs:
         raise ValueError(f"{len(after)} live requests exceed max_num_seqs={limits.max_num_reqs}")
 
@@ -159,6 +206,12 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
         if nc != computed:
             raise ValueError(f"request {rid!r}: scheduler says num_computed_tokens={nc}, runner has {computed}")
         after[rid] = (computed, known, _check_blocks(rid, new_blocks or [], held, state, limits))
+        if new_blocks:
+            claims.append(BlockClaim(rid, list(new_blocks), first_written_block(computed, held, limits)))
+    removed_rows = [requests.req_id_to_index[rid] for rid in removed if rid in requests.req_id_to_index]
+    error = _sharing_error(state, limits, claims, removed_rows)
+    if error:
+        raise ValueError(error)
 
     for rid, n in so.num_scheduled_tokens.items():
         if rid not in after:
@@ -238,9 +291,11 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         new_blocks = any(cached.new_block_ids)
     limit = hint.limit
     if new_blocks:
-        held = _held_after_new_blocks(state.tables.num_blocks, rows, cached.new_block_ids,
-                                      state.tables.num_kv_blocks, limits)
+        held_before = state.tables.num_blocks
+        held = _held_after_new_blocks(held_before, rows, cached.new_block_ids, state.tables.num_kv_blocks, limits)
         limit = token_limit(held[rows], limits)
+        if _sharing_error(state, limits, _cached_claims(cached, rows, computed, held_before, limits), []):
+            raise _Invalid
     # The max_model_len and blocks_held rules, as room left under `rules.token_limit`.
     # With speculation rows advance by their accepted counts, not by q each: no shortcut.
     if new_blocks or not hint.all_decode or q > 1:
@@ -267,9 +322,16 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
             raise _Invalid
 
 
+def _cached_claims(cached: CachedRequestData, rows: np.ndarray, computed: np.ndarray, held: np.ndarray,
+                   limits: StepLimits) -> list[BlockClaim]:
+    """The blocks running requests add this step. computed: [R] their num_computed_tokens (in
+    `cached` order); rows: [R] their state rows; held: blocks per state row before the step."""
+    return [BlockClaim(rid, list(blocks), first_written_block(int(computed[i]), int(held[rows[i]]), limits))
+            for i, (rid, blocks) in enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True)) if blocks]
+
+
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
-    if field_type_violation(so):  # before numpy reads the counts (it would coerce or raise its own error)
-        raise _Invalid
+    """The general step's check (types: checked before, by `check_field_types`)."""
     requests, tables, nst = state.requests, state.tables, so.num_scheduled_tokens
     n = np.fromiter(nst.values(), dtype=np.int64, count=len(nst))  # [S] tokens per scheduled request
     if batch_violation(int(n.sum()), so.total_num_scheduled_tokens, len(n), limits):
@@ -278,6 +340,7 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
     index = requests.req_id_to_index
     computed, known, held = requests.num_computed_np, requests.prefill_len_np, tables.num_blocks
     new_rows: dict[str, int] = {}
+    claims: list[BlockClaim] = []
     news = so.scheduled_new_reqs
     if news:
         base = requests.num_rows
@@ -297,6 +360,8 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
             except ValueError:
                 raise _Invalid from None
             new_rows[rid] = base + j
+            if blocks:
+                claims.append(BlockClaim(rid, list(blocks), first_written_block(new.num_computed_tokens, 0, limits)))
             new_computed.append(new.num_computed_tokens)
             new_known.append(len(tokens))
             new_held.append(len(blocks))
@@ -319,7 +384,12 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if not np.array_equal(nc, computed[crows]):
             raise _Invalid
         if any(cached.new_block_ids):
+            claims += _cached_claims(cached, crows, nc, held, limits)
             held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
+    if claims:
+        removed_rows = [index[rid] for rid in removed if rid in index]
+        if _sharing_error(state, limits, claims, removed_rows):
+            raise _Invalid
 
     rows = _rows_of(nst, index, removed, new_rows) if len(n) else np.zeros(0, dtype=np.int64)
     if len(n) and any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):
