@@ -233,13 +233,13 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _SEQUENCES = (list, tuple)
 
 
-def _not_ints(values: Any) -> Any:
-    """The first value of `values` that is not an int64 integer, or None (C-level: map(type), min, max)."""
+def _not_ints(values: Any) -> tuple[Any] | None:
+    """(the first value of `values` that is not an int64 integer,), or None (C-level: map(type), min, max)."""
     if set(map(type, values)) <= _INT_TYPES:
         if not values or (INT64_MIN <= min(values) and max(values) <= INT64_MAX):
             return None
-        return next(v for v in values if not INT64_MIN <= v <= INT64_MAX)
-    return next(v for v in values if type(v) not in _INT_TYPES)
+        return (next(v for v in values if not INT64_MIN <= v <= INT64_MAX),)
+    return (next(v for v in values if type(v) not in _INT_TYPES),)
 
 
 def _described(value: Any) -> str:
@@ -273,7 +273,7 @@ def field_type_violation(so: Any) -> str | None:
         return f"num_scheduled_tokens must map request id strings to ints, got {_show(nst)}"
     bad = _not_ints(nst.values())
     if bad is not None:
-        return f"num_scheduled_tokens has {_described(bad)}; token counts must be ints"
+        return f"num_scheduled_tokens has {_described(bad[0])}; token counts must be ints"
     if not _is_int64(so.total_num_scheduled_tokens):
         return f"total_num_scheduled_tokens={so.total_num_scheduled_tokens!r} must be an int"
     news = so.scheduled_new_reqs
@@ -288,7 +288,7 @@ def field_type_violation(so: Any) -> str | None:
             return f"request {new.req_id!r}: block_ids must be a list of ints, got {_show(new.block_ids)}"
         bad = _not_ints(new.block_ids)
         if bad is not None:
-            return f"request {new.req_id!r}: block id {_described(bad)}; block ids must be ints"
+            return f"request {new.req_id!r}: block id {_described(bad[0])}; block ids must be ints"
         if not _is_int64(new.num_computed_tokens):
             return f"request {new.req_id!r}: num_computed_tokens={new.num_computed_tokens!r} must be an int"
         if not isinstance(new.sampling_params, SamplingParams):
@@ -304,7 +304,7 @@ def field_type_violation(so: Any) -> str | None:
         return f"scheduled_cached_reqs.req_ids must be strings, got {_show(cached.req_ids)}"
     bad = _not_ints(cached.num_computed_tokens)
     if bad is not None:
-        return f"scheduled_cached_reqs.num_computed_tokens has {_described(bad)}; must be ints"
+        return f"scheduled_cached_reqs.num_computed_tokens has {_described(bad[0])}; must be ints"
     blocks_of = cached.new_block_ids
     if blocks_of.count(None) != len(blocks_of):  # steady decoding: all None but every block_size steps
         for rid, blocks in zip(cached.req_ids, blocks_of, strict=False):  # lengths: a rule of its own
@@ -314,7 +314,7 @@ def field_type_violation(so: Any) -> str | None:
                 return f"request {rid!r}: new_block_ids must be None or a list of ints, got {_show(blocks)}"
             bad = _not_ints(blocks)
             if bad is not None:
-                return f"request {rid!r}: new block id {_described(bad)}; block ids must be ints"
+                return f"request {rid!r}: new block id {_described(bad[0])}; block ids must be ints"
     spec = so.scheduled_spec_decode_tokens
     if not isinstance(spec, dict) or not _all_str(spec):
         return f"scheduled_spec_decode_tokens must map request id strings to lists of token ids, got {_show(spec)}"
@@ -323,7 +323,7 @@ def field_type_violation(so: Any) -> str | None:
             return f"request {rid!r}: draft tokens must be a list of token ids, got {_show(draft_ids)}"
         bad = _not_ints(draft_ids)
         if bad is not None:
-            return f"request {rid!r}: draft token id {_described(bad)}; token ids must be ints"
+            return f"request {rid!r}: draft token id {_described(bad[0])}; token ids must be ints"
     return None
 
 

@@ -172,7 +172,7 @@ def test_prefix_blocks_are_shared_and_freed_blocks_reused():
     """Prefix caching: a new request reads a's full, computed first blocks; blocks of a
     request finished in the same step go to a new one."""
     runner = _small_runner()
-    computed = _admit_live(runner)
+    _admit_live(runner)
     shared = LIVE["a"][1][:2]  # a's first two blocks: positions 0..7, computed
     so = SchedulerOutput(scheduled_new_reqs=[NewRequestData("n", LIVE["a"][0][:8] + [7, 7], GREEDY, shared + [9])],
                          num_scheduled_tokens={"n": 2}, total_num_scheduled_tokens=2)
