@@ -257,29 +257,68 @@ def _is_int64(value: Any) -> bool:
     return type(value) in _INT_TYPES and INT64_MIN <= value <= INT64_MAX
 
 
+def container_type_violation(so: Any) -> str | None:
+    """The error of the first SchedulerOutput field whose container is of the wrong type, or
+    None: O(1) checks (and the id sets' members), run on every step before any field is read.
+    The ids sets come first, then the fields in `field_type_violation`'s order."""
+    for name in ("finished_req_ids", "preempted_req_ids"):
+        ids = getattr(so, name)
+        if not isinstance(ids, (set, frozenset)) or not _all_str(ids):
+            return f"{name} must be a set of request id strings, got {_show(ids)}"
+    if not isinstance(so.num_scheduled_tokens, dict):
+        return f"num_scheduled_tokens must map request id strings to ints, got {_show(so.num_scheduled_tokens)}"
+    if not isinstance(so.scheduled_new_reqs, _SEQUENCES):
+        return f"scheduled_new_reqs must be a list of NewRequestData, got {_show(so.scheduled_new_reqs)}"
+    cached = so.scheduled_cached_reqs
+    if not isinstance(cached, CachedRequestData):
+        return f"scheduled_cached_reqs must be a CachedRequestData, got {_show(cached)}"
+    for name in ("req_ids", "new_block_ids", "num_computed_tokens"):
+        column = getattr(cached, name)
+        if not isinstance(column, _SEQUENCES):
+            return f"scheduled_cached_reqs.{name} must be a list, got {_show(column)}"
+    spec = so.scheduled_spec_decode_tokens
+    if not isinstance(spec, dict):
+        return f"scheduled_spec_decode_tokens must map request id strings to lists of token ids, got {_show(spec)}"
+    return None
+
+
+def steady_type_violation(so: Any, new_blocks: bool) -> str | None:
+    """`field_type_violation` for a step that repeats the steady-decode plan, given that its
+    containers passed `container_type_violation`. What the plan lookup proved is not checked
+    again: the request ids equal the plan's (strings), the token counts equal q and the
+    `num_computed_tokens` equal the runner's int64 counters by value, so within int64; their
+    types are checked here (1.0 == 1). New block ids are checked in full."""
+    cached = so.scheduled_cached_reqs
+    if not set(map(type, so.num_scheduled_tokens.values())) <= _INT_TYPES:
+        return field_type_violation(so)
+    if type(so.total_num_scheduled_tokens) not in _INT_TYPES:
+        return field_type_violation(so)
+    if not set(map(type, cached.num_computed_tokens)) <= _INT_TYPES:
+        return field_type_violation(so)
+    if new_blocks or cached.new_block_ids.count(None) != len(cached.new_block_ids):
+        return field_type_violation(so)
+    return None
+
+
 def field_type_violation(so: Any) -> str | None:
     """The error of the first SchedulerOutput field of the wrong type, or None.
 
     Counts, block ids and token counts must be integers within int64 (not floats, strings
     or bools), request ids strings, the id sets sets, the per-request columns lists. Every
-    step is checked, the steady-decode one included, before any field is read.
+    step is checked, the steady-decode one included (`steady_type_violation`).
     """
-    for name in ("finished_req_ids", "preempted_req_ids"):
-        ids = getattr(so, name)
-        if not isinstance(ids, (set, frozenset)) or not _all_str(ids):
-            return f"{name} must be a set of request id strings, got {_show(ids)}"
+    error = container_type_violation(so)
+    if error:
+        return error
     nst = so.num_scheduled_tokens
-    if not isinstance(nst, dict) or not _all_str(nst):
+    if not _all_str(nst):
         return f"num_scheduled_tokens must map request id strings to ints, got {_show(nst)}"
     bad = _not_ints(nst.values())
     if bad is not None:
         return f"num_scheduled_tokens has {_described(bad[0])}; token counts must be ints"
     if not _is_int64(so.total_num_scheduled_tokens):
         return f"total_num_scheduled_tokens={so.total_num_scheduled_tokens!r} must be an int"
-    news = so.scheduled_new_reqs
-    if not isinstance(news, _SEQUENCES):
-        return f"scheduled_new_reqs must be a list of NewRequestData, got {_show(news)}"
-    for new in news:
+    for new in so.scheduled_new_reqs:
         if not isinstance(new, NewRequestData):
             return f"scheduled_new_reqs must be a list of NewRequestData, got an item {_show(new)}"
         if type(new.req_id) is not str:
@@ -294,12 +333,6 @@ def field_type_violation(so: Any) -> str | None:
         if not isinstance(new.sampling_params, SamplingParams):
             return f"request {new.req_id!r}: sampling_params must be a SamplingParams, got {_show(new.sampling_params)}"
     cached = so.scheduled_cached_reqs
-    if not isinstance(cached, CachedRequestData):
-        return f"scheduled_cached_reqs must be a CachedRequestData, got {_show(cached)}"
-    for name in ("req_ids", "new_block_ids", "num_computed_tokens"):
-        column = getattr(cached, name)
-        if not isinstance(column, _SEQUENCES):
-            return f"scheduled_cached_reqs.{name} must be a list, got {_show(column)}"
     if not _all_str(cached.req_ids):
         return f"scheduled_cached_reqs.req_ids must be strings, got {_show(cached.req_ids)}"
     bad = _not_ints(cached.num_computed_tokens)
@@ -316,7 +349,7 @@ def field_type_violation(so: Any) -> str | None:
             if bad is not None:
                 return f"request {rid!r}: new block id {_described(bad[0])}; block ids must be ints"
     spec = so.scheduled_spec_decode_tokens
-    if not isinstance(spec, dict) or not _all_str(spec):
+    if not _all_str(spec):
         return f"scheduled_spec_decode_tokens must map request id strings to lists of token ids, got {_show(spec)}"
     for rid, draft_ids in spec.items():
         if not isinstance(draft_ids, _SEQUENCES):

@@ -34,11 +34,13 @@ from graphrunner.state.rules import (
     block_ids_message,
     block_ids_out_of_range,
     block_sharing_violation,
+    container_type_violation,
     field_type_violation,
     first_violation,
     first_written_block,
     prompt_violation,
     spec_tokens_violation,
+    steady_type_violation,
     token_limit,
     too_many_blocks,
     too_many_blocks_message,
@@ -83,12 +85,17 @@ def check_field_types(so: SchedulerOutput) -> None:
         raise ValueError(error)
 
 
-def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput,
-                              hint: DecodeHint | None = None, new_blocks: bool | None = None, *,
-                              types_checked: bool = False) -> None:
-    """Check `so` against the runner's limits and state; ValueError names the first violation.
+def check_field_containers(so: SchedulerOutput) -> None:
+    """ValueError naming the first field whose container is of the wrong type (O(1); the runner
+    runs it before it reads any field to look for a steady-decode plan)."""
+    error = container_type_violation(so)
+    if error:
+        raise ValueError(error)
 
-    `types_checked`: the caller has run `check_field_types(so)` on this very object.
+
+def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput,
+                              hint: DecodeHint | None = None, new_blocks: bool | None = None) -> None:
+    """Check `so` against the runner's limits and state; ValueError names the first violation.
 
     `hint` (optional) is the runner's steady-decode shortcut: the caller has checked
     that `so` admits and removes nothing, that `num_scheduled_tokens` and
@@ -97,8 +104,10 @@ def validate_scheduler_output(state: StateStore, limits: StepLimits, so: Schedul
     the hint was made. `new_blocks` (optional, with a hint): whether any
     `scheduled_cached_reqs.new_block_ids` entry is non-empty, if the caller knows.
     """
-    if not types_checked:
-        check_field_types(so)
+    # With a hint the caller has run check_field_containers (it read the fields to find the plan).
+    error = steady_type_violation(so, bool(new_blocks)) if hint is not None else field_type_violation(so)
+    if error:
+        raise ValueError(error)
     try:
         if hint is not None:
             _validate_steady_decode(state, limits, so, hint, new_blocks)
