@@ -516,7 +516,11 @@ class LLM:
 
     def _step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
         """One step: (the finished requests' outputs, the stream deltas); see `OutputProcessor`."""
-        finished = self._step_async() if self.async_scheduling else self._step_sync()
+        try:
+            finished = self._step_async() if self.async_scheduling else self._step_sync()
+        except BaseException:
+            self.scheduler.step_failed()  # the next plan carries this one's finished ids again
+            raise
         return self._outputs.process(finished)
 
     def _step_sync(self) -> list[SequenceOutput]:
