@@ -231,6 +231,7 @@ _INT_TYPES = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # The sequence fields: lists (tuples too); a numpy array's truth value is ambiguous.
 _SEQUENCES = (list, tuple)
+_ID_SETS = (set, frozenset)
 
 
 def _not_ints(values: Any) -> tuple[Any] | None:
@@ -261,9 +262,18 @@ def container_type_violation(so: Any) -> str | None:
     """The error of the first SchedulerOutput field whose container is of the wrong type, or
     None: O(1) checks (and the id sets' members), run on every step before any field is read.
     The ids sets come first, then the fields in `field_type_violation`'s order."""
+    # Every step runs this: one expression for the common case (0.4 µs, the loop below 0.85).
+    cached, fin, pre = so.scheduled_cached_reqs, so.finished_req_ids, so.preempted_req_ids
+    if (isinstance(fin, _ID_SETS) and isinstance(pre, _ID_SETS) and isinstance(so.num_scheduled_tokens, dict)
+            and isinstance(so.scheduled_new_reqs, _SEQUENCES) and isinstance(cached, CachedRequestData)
+            and isinstance(cached.req_ids, _SEQUENCES) and isinstance(cached.new_block_ids, _SEQUENCES)
+            and isinstance(cached.num_computed_tokens, _SEQUENCES)
+            and isinstance(so.scheduled_spec_decode_tokens, dict)
+            and (not fin or _all_str(fin)) and (not pre or _all_str(pre))):
+        return None
     for name in ("finished_req_ids", "preempted_req_ids"):
         ids = getattr(so, name)
-        if not isinstance(ids, (set, frozenset)) or not _all_str(ids):
+        if not isinstance(ids, _ID_SETS) or not _all_str(ids):
             return f"{name} must be a set of request id strings, got {_show(ids)}"
     if not isinstance(so.num_scheduled_tokens, dict):
         return f"num_scheduled_tokens must map request id strings to ints, got {_show(so.num_scheduled_tokens)}"
@@ -282,20 +292,21 @@ def container_type_violation(so: Any) -> str | None:
     return None
 
 
-def steady_type_violation(so: Any, new_blocks: bool) -> str | None:
+def steady_type_violation(so: Any, new_blocks: bool, int_row: list[type]) -> str | None:
     """`field_type_violation` for a step that repeats the steady-decode plan, given that its
     containers passed `container_type_violation`. What the plan lookup proved is not checked
     again: the request ids equal the plan's (strings), the token counts equal q and the
     `num_computed_tokens` equal the runner's int64 counters by value, so within int64; their
-    types are checked here (1.0 == 1). New block ids are checked in full."""
+    types are checked here (1.0 == 1 and True == 1). New block ids are checked in full.
+
+    int_row: [int] * R (R: the plan's rows). Each count column's types, as a list, is compared
+    with it (C-level, identity first): 0.9 µs a column at 64 rows, where a set of the types
+    cost 1.3. Any other type (numpy integers too, which are accepted) takes the full check."""
     cached = so.scheduled_cached_reqs
-    if not set(map(type, so.num_scheduled_tokens.values())) <= _INT_TYPES:
-        return field_type_violation(so)
-    if type(so.total_num_scheduled_tokens) not in _INT_TYPES:
-        return field_type_violation(so)
-    if not set(map(type, cached.num_computed_tokens)) <= _INT_TYPES:
-        return field_type_violation(so)
-    if new_blocks or cached.new_block_ids.count(None) != len(cached.new_block_ids):
+    if (type(so.total_num_scheduled_tokens) is not int
+            or list(map(type, so.num_scheduled_tokens.values())) != int_row
+            or list(map(type, cached.num_computed_tokens)) != int_row
+            or new_blocks or cached.new_block_ids.count(None) != len(cached.new_block_ids)):
         return field_type_violation(so)
     return None
 

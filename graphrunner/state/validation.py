@@ -18,7 +18,7 @@ the runner runs them before it reads any field to look for a steady-decode plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,6 +72,11 @@ class DecodeHint:
     room_ref: tuple[int, int] | None = None
     # Whether q tokens per row pass the shape rules once every row decodes (set on first use).
     decode_shape_ok: bool | None = None
+    # [int] * R: what the types of a count column of Python ints look like (`rules.steady_type_violation`).
+    int_row: list[type] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.int_row = [int] * len(self.rows)
 
     def set_limit(self, limit: np.ndarray) -> None:
         self.limit = limit
@@ -105,7 +110,7 @@ def validate_scheduler_output(state: StateStore, limits: StepLimits, so: Schedul
     `scheduled_cached_reqs.new_block_ids` entry is non-empty, if the caller knows.
     """
     # With a hint the caller has run check_field_containers (it read the fields to find the plan).
-    error = steady_type_violation(so, bool(new_blocks)) if hint is not None else field_type_violation(so)
+    error = steady_type_violation(so, bool(new_blocks), hint.int_row) if hint is not None else field_type_violation(so)
     if error:
         raise ValueError(error)
     try:
