@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from graphrunner.engine.options import per_prompt_params
-from graphrunner.protocol import SEED_MAX, SEED_MIN, SamplingParams
+from graphrunner.protocol import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
 
 # The bias that bans a bad word's token: no logit comes near it, and it stays finite in float32.
-BANNED_BIAS = -1e30
+BANNED_BIAS = -LOGIT_BIAS_MAX
 
 
 class TextPrompt(TypedDict):

@@ -145,21 +145,8 @@ def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) 
     try:
         params.validate()
         state.sampling.validate(params, limits.vocab_size, state.eos_token_ids, prompt_len=len(new.prompt_token_ids))
-        _check_min_tokens_leave_a_token(params, state.eos_token_ids)
     except ValueError as e:
         raise ValueError(f"request {new.req_id!r}: {e}") from None
-
-
-def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> None:
-    """While min_tokens holds, the stop ids (and EOS, unless ignore_eos) are masked: an
-    allowed_token_ids list of only those would leave no token to sample."""
-    if not params.min_tokens or params.allowed_token_ids is None:
-        return
-    masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    if masked.issuperset(params.allowed_token_ids):
-        raise ValueError(
-            f"allowed_token_ids={list(params.allowed_token_ids)} are all stop or EOS tokens, which "
-            f"min_tokens={params.min_tokens} masks: no token could be sampled")
 
 
 def _sharing_error(state: StateStore, limits: StepLimits, claims: list[BlockClaim],

@@ -36,7 +36,9 @@ ints and floats are; tuples wherever lists are; `sample_tokens()` without a pend
 returns an empty output. Field types are checked on every step, a repeated decode batch (the
 steady-decode plan) included. A KV block a request writes is its own: only full blocks of a
 new request's computed prefix (`num_computed_tokens`, prefix caching) may be held by other
-live requests.
+live requests. A temperature below 1e-5 (`GREEDY_TEMPERATURE`, vLLM's rule; denormals
+included) is greedy. A step that raises hands its finished request ids back to the
+scheduler: the next step carries them again.
 """
 
 
