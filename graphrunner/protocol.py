@@ -113,10 +113,11 @@ def check_token_ids(what: str, token_ids: object) -> None:
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and semantics).
 
-    temperature below GREEDY_TEMPERATURE (1e-5, 0 included) means greedy. top_k 0 (or -1, as in vLLM), top_p == 1 and min_p == 0
-    disable those filters. repetition_penalty == 1 and frequency/presence_penalty == 0
-    disable the penalties; repetition counts prompt and output tokens, frequency/presence count
-    output tokens only. logit_bias maps token id -> additive bias; allowed_token_ids
+    temperature below GREEDY_TEMPERATURE (1e-5, 0 included) means greedy. top_k 0 (or -1, as in
+    vLLM), top_p == 1 and min_p == 0 disable those filters. repetition_penalty == 1 and
+    frequency/presence_penalty == 0 disable the penalties; repetition counts prompt and output
+    tokens, frequency/presence count output tokens only. logit_bias maps token id -> additive
+    bias (|bias| <= LOGIT_BIAS_MAX, 1e30); allowed_token_ids
     restricts sampling to those ids. Until `min_tokens` tokens were generated, the
     stop ids and EOS (unless ignore_eos) cannot be drawn. `logprobs=k` returns the
     sampled token's logprob and rank plus the top-k (k=0: the sampled token only);

@@ -222,7 +222,8 @@ class SamplingStates:
         if params.min_tokens > 0:
             masked = self._min_tokens_ids(params, eos_ids)
             if len(masked) > self.max_stop_ids:
-                raise ValueError(f"min_tokens masks {len(masked)} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")
+                raise ValueError(
+                    f"min_tokens masks {len(masked)} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")
             # Every allowed id masked would leave a row of -inf, whose draw is no allowed token.
             if params.allowed_token_ids is not None and set(masked).issuperset(params.allowed_token_ids):
                 raise ValueError(
@@ -285,7 +286,9 @@ class SamplingStates:
         self.min_tokens_np[row] = min_tokens > 0
         self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         scalars = dict(
-            temperature=params.temperature if random else 0.0, top_k=top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
+            # A greedy row holds 0: the sampler's greedy test (temperature == 0) covers T < 1e-5 too.
+            temperature=params.temperature if random else 0.0, top_k=top_k, top_p=params.top_p, min_p=params.min_p,
+            seed=seed,
             repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, prompt_len=prompt_len or 0, min_tokens=min_tokens,
             use_allowed=use_allowed, use_grammar=use_grammar,

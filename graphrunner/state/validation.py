@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphrunner.limits import StepLimits
-from graphrunner.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from graphrunner.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from graphrunner.state.rules import (
     SCHEDULED_RULES,
     SHAPE_RULES,
