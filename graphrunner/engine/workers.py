@@ -6,7 +6,10 @@ asks for a world of more than one rank, `LLM(...)` returns a `WorkerLLM` instead
 ranks itself as spawned processes (torch.multiprocessing, the `spawn` start method, so CUDA is
 initialised afresh in each), gives each the torchrun variables, and drives them: every call is
 sent to every rank, every rank runs it, and rank 0's result comes back. An error in any rank is
-raised in the caller with that rank's traceback; the ranks are then shut down. `shutdown()`,
+raised in the caller with that rank's traceback. A rank that exits, or stays silent longer than
+the collective timeout (plus a margin) after another rank replied (stopped, or hung outside a
+collective), ends the workers: the caller gets a WorkerError naming it, and every later call
+raises with that cause. A call may take as long as it needs while no rank has replied. `shutdown()`,
 the context manager and interpreter exit stop every worker (joined, then killed after a grace
 period), so no process is left behind.
 """
@@ -15,12 +18,16 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import traceback
 import weakref
 from typing import Any
 
 GRACE_SECONDS = 10.0
 STARTUP_TIMEOUT_S = 600.0  # model load + capture on every rank
+# Past the collective timeout, the time a rank may take to notice it and send its error back.
+REPLY_MARGIN_S = 10.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # LLM's default
 
 
 class WorkerError(RuntimeError):
@@ -67,6 +74,9 @@ class WorkerLLM:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world_size = world_size
+        # The ranks' peers raise within the collective timeout of a stalled rank's silence.
+        self.reply_timeout_s = float(kwargs.get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S)) + REPLY_MARGIN_S
+        self._failure: WorkerError | None = None  # what ended the workers, raised again by every later call
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -81,32 +91,67 @@ class WorkerLLM:
         self._gather("start", STARTUP_TIMEOUT_S)
 
     def _gather(self, what: str, timeout: float | None = None) -> Any:
-        """Every rank's reply to one call; rank 0's result. Raises WorkerError on any rank's error."""
-        result, errors = None, []
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            if timeout is not None and not conn.poll(timeout):
-                errors.append(f"rank {self._procs.index(proc)}: no reply to {what} in {timeout:.0f} s")
-                continue
-            try:
-                status, rank, payload = conn.recv()
-            except EOFError:
-                errors.append(f"rank {self._procs.index(proc)} exited (code {proc.exitcode}) during {what}")
-                continue
-            if status == "error":
-                errors.append(f"rank {rank} raised during {what}:\n{payload}")
-            elif rank == 0:
-                result = payload
+        """Every rank's reply to one call; rank 0's result. Raises WorkerError on any rank's error.
+
+        `timeout`: the most seconds before the first reply (None: no limit). Once a rank replied,
+        the others get `reply_timeout_s`; a rank that exits or stays silent ends the workers."""
+        from multiprocessing.connection import wait
+
+        result, errors, lost = None, [], []
+        pending = dict(enumerate(self._conns))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            ready = set(wait([*pending.values(), *(self._procs[r].sentinel for r in pending)],
+                             None if left is None else max(left, 0.0)))
+            if not ready:  # past the deadline: the ranks still silent are stalled, and are stopped now
+                limit = timeout if len(pending) == len(self._conns) else self.reply_timeout_s
+                lost += [f"rank {r}: no reply to {what} within {limit:.0f} s (stalled)" for r in sorted(pending)]
+                for r in pending:
+                    self._procs[r].kill()  # a stalled rank would only take the shutdown's grace period
+                break
+            for r, conn in list(pending.items()):
+                proc = self._procs[r]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                try:
+                    status, rank, payload = conn.recv()
+                except (EOFError, OSError):
+                    proc.join(1.0)
+                    lost.append(f"rank {r} exited (code {proc.exitcode}) during {what}")
+                    del pending[r]
+                    continue
+                del pending[r]
+                if status == "error":
+                    errors.append(f"rank {rank} raised during {what}:\n{payload}")
+                elif rank == 0:
+                    result = payload
+            if pending:  # some rank replied (or exited) in this pass: the others have reply_timeout_s
+                reply_deadline = time.monotonic() + self.reply_timeout_s
+                deadline = reply_deadline if deadline is None else min(deadline, reply_deadline)
+        if lost or (errors and what == "start"):
+            # A rank is gone or stalled (or the start failed): the others cannot go on without it.
+            self._failure = WorkerError("\n".join(lost + errors))
+            self.shutdown()
+            raise self._failure
         if errors:
-            if what == "start":
-                self.shutdown()
             raise WorkerError("\n".join(errors))
         return result
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._failure is not None:
+            raise WorkerError(f"{method}(): the worker ranks are gone; they ended on:\n{self._failure}")
         if not self._finalizer.alive:
             raise RuntimeError(f"{method}() after shutdown(): the worker ranks are gone")
-        for conn in self._conns:
-            conn.send((method, args, kwargs))
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((method, args, kwargs))
+            except OSError:  # BrokenPipeError: the rank exited since the last call
+                self._procs[rank].join(1.0)
+                self._failure = WorkerError(f"rank {rank} exited (code {self._procs[rank].exitcode}) before "
+                                            f"{method}()")
+                self.shutdown()
+                raise self._failure from None
         return self._gather(f"{method}()")
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

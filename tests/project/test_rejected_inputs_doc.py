@@ -38,7 +38,11 @@ steady-decode plan) included. A KV block a request writes is its own: only full 
 new request's computed prefix (`num_computed_tokens`, prefix caching) may be held by other
 live requests. A temperature below 1e-5 (`GREEDY_TEMPERATURE`, vLLM's rule; denormals
 included) is greedy. A step that raises hands its finished request ids back to the
-scheduler: the next step carries them again.
+scheduler: the next step carries them again. `LLM.generate`'s `prompts` is a prompt or an
+ordered iterable of prompts (a generator too), each prompt's token ids an ordered sequence
+(list, tuple, range, numpy array): None, sets, bytes and bytearrays are `TypeError`s naming
+the type, as is an `abort_request` id that is not a str; calls after `shutdown()` raise
+`RuntimeError`.
 """
 
 
