@@ -43,7 +43,7 @@ from graphrunner.spec_decode.step import make_speculative_step
 from graphrunner.state.requests import RequestState
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
-from graphrunner.state.validation import validate_scheduler_output
+from graphrunner.state.validation import check_field_containers, validate_scheduler_output
 from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import LogprobBuffers, StageBuffers, StepBuffers
 from graphrunner.step.graphs import StepGraphs
@@ -254,6 +254,7 @@ class ModelRunner:
         with _inference_mode():
             # 1. Validate the scheduler's plan; nothing changes before it passes. Steady decoding
             #    reuses the last decode step's plan, which only shortens the stages below.
+            check_field_containers(so)  # before any field is read, whichever path the step takes
             plan = planner.reusable_plan(so, bool(prompt_lp.active))
             blocks = so.scheduled_cached_reqs.new_block_ids
             # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
