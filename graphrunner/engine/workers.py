@@ -182,6 +182,8 @@ class WorkerLLM:
             # A rank is gone or stalled (or the start failed): the others cannot go on without it.
             self._failure = WorkerError("\n".join(lost + errors))
             self.shutdown()
+            if request_error is not None and not lost:  # a bad argument: raised as itself, as LLM raises it
+                raise request_error from self._failure
             raise self._failure
         if errors:
             failure = WorkerError("\n".join(errors))
