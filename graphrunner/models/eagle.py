@@ -400,18 +400,20 @@ __all__ = [
 
 def build_head(config: EagleHeadConfig, model: str, target: Any, target_config: ModelConfig, target_load: Any,
                seed: int, num_aux: int, attn_backend: Any, dtype: torch.dtype, device) -> EagleHead:
-    """Build a head beside `target` and fill it: dummy weights (built-in heads, or a dummy target)
-    from `seed`, else the head folder `model`. It shares the target's embedding, unless its folder
+    """Build a head beside `target` and fill it: dummy weights from `seed` (built-in heads), else
+    the head folder `model`. It shares the target's embedding, unless its folder
     has one or this pipeline stage holds none (then a copy of the target's is made here)."""
     from graphrunner.models import loader
 
-    dummy = is_builtin_head(model) or target_load.load_format == "dummy"
+    dummy = is_builtin_head(model)  # a head folder always loads its weights (a dummy target included)
     names = set() if dummy else head_checkpoint_names(Path(model))
     target_embedding = target.model.embed_tokens
     own = "embed_tokens.weight" in names or target_embedding is None
     head = EagleHead(config, attn_backend, dtype=dtype, device=device, own_embedding=own, num_aux=num_aux)
     if dummy:
-        loader.init_dummy_weights(head, seed=seed)
+        # The embedding is the target's (a copy of it on a stage without one): it draws nothing, so the
+        # head's weights are the same on every pipeline stage.
+        loader.init_dummy_weights(head, seed=seed, exclude=("embed_tokens.",))
         if head.eagle3:
             head.set_draft_map(dummy_draft_map(config, seed))
     else:

@@ -523,14 +523,18 @@ def _check_finite(model: torch.nn.Module, files: list[Path]) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02, exclude: tuple[str, ...] = ()) -> None:
     """Fill every parameter in place with reproducible random values on its own device.
 
     Matrices and biases ~ N(0, std); norm weights ~ 1 + N(0, std), so activations stay
-    finite through deep stacks while outputs still vary with the input.
+    finite through deep stacks while outputs still vary with the input. Parameters whose
+    names start with one of `exclude` are left alone and draw nothing (the others get the
+    values they get without them).
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if name.startswith(exclude):
+            continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
