@@ -25,7 +25,6 @@ dummies for each built-in target: `builtin:eagle-NAME`, `builtin:eagle3-NAME`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +152,8 @@ def head_config_from_dict(raw: dict[str, Any], method: str, *, name: str = "head
         rms_norm_eps=loader._positive_float(raw, "rms_norm_eps", 1e-6), rope_theta=rope_theta,
         rope_scaling=rope_scaling, max_position_embeddings=max_pos, attention_bias=bias, name=name,
     )
-    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    nested = raw.get("eagle_config")
+    eagle_config: dict[str, Any] = nested if isinstance(nested, dict) else {}
     ids = raw.get("eagle_aux_hidden_state_layer_ids", eagle_config.get("eagle_aux_hidden_state_layer_ids"))
     if ids is not None and (not isinstance(ids, list) or not ids or not all(loader._is_int(i) for i in ids)):
         raise loader._bad_field("eagle_aux_hidden_state_layer_ids", ids, "a non-empty list of layer ids")
@@ -284,7 +284,12 @@ class EagleHead(nn.Module):
         if not self.eagle3:
             return self._shared[1].compute_logits(normed).argmax(dim=-1).to(torch.int32)
         draft = self.lm_head.logits(normed).argmax(dim=-1)  # [R] draft ids
-        return self.draft_to_target[draft].to(torch.int32)
+        return self._draft_map()[draft].to(torch.int32)
+
+    def _draft_map(self) -> torch.Tensor:
+        mapping = self.draft_to_target
+        assert isinstance(mapping, torch.Tensor)
+        return mapping
 
     # ---- weights ------------------------------------------------------------------
     def weight_targets(self) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -334,7 +339,7 @@ class EagleHead(nn.Module):
         if vd and not (0 <= int(target.min()) and int(target.max()) < v):
             raise ValueError(f"d2t maps draft ids to target ids in [{int(target.min())}, {int(target.max())}], "
                              f"outside the target vocabulary [0, {v})")
-        self.draft_to_target.copy_(target)
+        self._draft_map().copy_(target)
 
 
 def dummy_draft_map(config: EagleHeadConfig, seed: int) -> torch.Tensor:

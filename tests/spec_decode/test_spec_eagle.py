@@ -336,8 +336,9 @@ def test_aux_hidden_states_are_the_inputs_of_the_chosen_layers():
 
     caches = KVCacheShape(4, 8, 2, 32, torch.float32).allocate(1, torch.device("cpu"))
     meta = AttentionMetadata(query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
-                             seq_lens=torch.tensor([5], dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32),
-                             slot_mapping=torch.arange(5), num_reqs=1, num_tokens=5, max_query_len=5, max_seq_len=5)
+                             seq_lens=torch.tensor([5], dtype=torch.int32),
+                             block_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(5), num_reqs=1,
+                             num_tokens=5, max_query_len=5, max_seq_len=5)
     hidden, *aux = model(ids, torch.arange(5), caches, meta)
     with torch.no_grad():
         ref = hf(ids.long()[None], output_hidden_states=True).hidden_states

@@ -172,7 +172,8 @@ def head_method(head: str) -> str:
 
     method = infer_speculative_method(head)
     if method not in HEAD_METHODS:
-        raise ValueError(f"head {head!r} is not an EAGLE head (builtin:eagle-NAME, builtin:eagle3-NAME or a head folder)")
+        raise ValueError(f"head {head!r} is not an EAGLE head (builtin:eagle-NAME, builtin:eagle3-NAME or a "
+                         "head folder)")
     return method
 
 
@@ -215,7 +216,8 @@ class Run:
             return f"draft {Path(self.draft.removeprefix('builtin:')).name} synth {self.acceptance:g}, k={self.k}"
         if self.method in HEAD_METHODS:
             assert self.draft is not None
-            return f"{self.method} {Path(self.draft.removeprefix('builtin:')).name} synth {self.acceptance:g}, k={self.k}"
+            head = Path(self.draft.removeprefix("builtin:")).name
+            return f"{self.method} {head} synth {self.acceptance:g}, k={self.k}"
         return f"n-gram strict, k={self.k}"
 
     def speculative(self) -> dict[str, Any] | None:
@@ -469,5 +471,5 @@ def add_ratios(rows: list[SpecRow]) -> None:
 
 
 __all__ = ["DEFAULT_DRAFT_MODELS", "NOTES", "DraftChoice", "Run", "SpecBenchResult", "SpecBenchSpec", "SpecRow",
-           "Target", "add_ratios", "choose_draft_model", "choose_heads", "max_model_len", "model_vocab_size", "prompts_of",
-           "run_spec_bench", "runs_of", "spec_markdown", "targets"]
+           "Target", "add_ratios", "choose_draft_model", "choose_heads", "max_model_len", "model_vocab_size",
+           "prompts_of", "run_spec_bench", "runs_of", "spec_markdown", "targets"]
