@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import torch
 
-from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from graphrunner.config import DRAFTER_METHODS, ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from graphrunner.engine.batch_trace import append_record
 from graphrunner.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from graphrunner.engine.chat import ChatMessages, render_chat
@@ -233,8 +233,8 @@ class LLM:
             disjoint_in_flight=not self.config.parallel.pp_token_placeholders, enable_prefix_caching=prefix_caching,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
-            # A draft model writes KV for its k drafts past each decode: blocks for them too.
-            num_lookahead_tokens=spec.num_speculative_tokens if spec.method == "draft_model" else 0,
+            # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
+            num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
         )
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
