@@ -95,7 +95,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config", default=None, metavar="JSON",
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
-             '"model": "builtin:NAME", "num_speculative_tokens": 2}\'; unset = off',
+             '"model": "builtin:NAME", "num_speculative_tokens": 2}\' or \'{"method": "eagle3", "model": '
+             '"builtin:eagle3-NAME" (or a head folder), "num_speculative_tokens": 3}\'; unset = off',
     )
 
 

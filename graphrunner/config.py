@@ -383,7 +383,8 @@ class CompilationConfig:
             raise ValueError(f"compile_backend={self.compile_backend!r}; allowed: {allowed}")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+DRAFTER_METHODS = ("draft_model", "eagle", "eagle3")  # methods that run a model and write its KV past a decode
 MAX_SPECULATIVE_TOKENS = 16  # q = 1 + k multiplies every decode graph's token count
 REJECTION_SAMPLE_METHODS = ("strict", "synthetic")
 
@@ -395,7 +396,9 @@ class SpeculativeConfig:
     `num_speculative_tokens` = k drafts per verifying step (0: off; the uniform decode
     query length is q = 1 + k). `method` "ngram" looks the drafts up in the request's own
     history (suffixes of `prompt_lookup_min`..`prompt_lookup_max` tokens); "draft_model"
-    runs `model` (a builtin name or a Hugging Face folder with the target's vocabulary).
+    runs `model` (a builtin name or a Hugging Face folder with the target's vocabulary);
+    "eagle" and "eagle3" run the speculator head `model` (a head folder as published, or
+    `builtin:eagle-NAME` / `builtin:eagle3-NAME`) over the target's own hidden states.
     `rejection_sample_method` "synthetic" accepts each draft with probability
     `synthetic_acceptance_rate` regardless of the models: a benchmarking aid, never for
     real output.
@@ -425,6 +428,9 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs a draft `model` (builtin name or HF folder)")
+        if self.method in ("eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs the head's `model` (a head folder, or "
+                             f"'builtin:{self.method}-NAME' for a built-in target NAME)")
         if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
             raise ValueError(
                 f"rejection_sample_method={self.rejection_sample_method!r}; allowed: {REJECTION_SAMPLE_METHODS}"

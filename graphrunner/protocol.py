@@ -27,6 +27,15 @@ MAX_N = 1024
 INT32_MAX = (1 << 31) - 1
 # Float settings reach the device as float32: larger magnitudes would turn into inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Temperatures below this are greedy (vLLM's sampling epsilon). Dividing by a tinier one
+# overflows float32 (a logit of 10 at T = 1e-40 is 1e41 > 3.4e38) and samples garbage,
+# while any temperature this low picks the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Largest |logit_bias| value: it outweighs any logit (a ban or a must), and stays finite through
+# the lowest sampled temperature (1e30 / 1e-5 = 1e35 < 3.4e38). Larger biases overflow to inf
+# there, and inf - inf in the softmax samples garbage (or a ban of every allowed token escapes
+# allowed_token_ids).
+LOGIT_BIAS_MAX = 1e30
 
 
 def _show(value: object) -> str:
@@ -104,10 +113,11 @@ def check_token_ids(what: str, token_ids: object) -> None:
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and semantics).
 
-    temperature 0 means greedy. top_k 0 (or -1, as in vLLM), top_p == 1 and min_p == 0
-    disable those filters. repetition_penalty == 1 and frequency/presence_penalty == 0
-    disable the penalties; repetition counts prompt and output tokens, frequency/presence count
-    output tokens only. logit_bias maps token id -> additive bias; allowed_token_ids
+    temperature below GREEDY_TEMPERATURE (1e-5, 0 included) means greedy. top_k 0 (or -1, as in
+    vLLM), top_p == 1 and min_p == 0 disable those filters. repetition_penalty == 1 and
+    frequency/presence_penalty == 0 disable the penalties; repetition counts prompt and output
+    tokens, frequency/presence count output tokens only. logit_bias maps token id -> additive
+    bias (|bias| <= LOGIT_BIAS_MAX, 1e30); allowed_token_ids
     restricts sampling to those ids. Until `min_tokens` tokens were generated, the
     stop ids and EOS (unless ignore_eos) cannot be drawn. `logprobs=k` returns the
     sampled token's logprob and rank plus the top-k (k=0: the sampled token only);
@@ -240,7 +250,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:
@@ -269,6 +279,11 @@ class NewRequestData:
         check_token_ids(f"request {self.req_id!r} prompt_token_ids", self.prompt_token_ids)
         if self.output_token_ids:
             check_token_ids(f"request {self.req_id!r} output_token_ids", self.output_token_ids)
+        # Tuples and arrays as lists: `all_token_ids` concatenates the two.
+        if type(self.prompt_token_ids) is not list:
+            self.prompt_token_ids = list(self.prompt_token_ids)
+        if type(self.output_token_ids) is not list:
+            self.output_token_ids = list(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -464,7 +479,7 @@ class FrozenLogitBias(dict):
     """An immutable, hashable `{token_id: bias}` mapping (SamplingParams.logit_bias).
 
     Keys are ints (str keys, as JSON clients send them, are converted); biases must be
-    finite. Mutating methods raise TypeError, so SamplingParams stays hashable.
+    within [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (1e30). Mutating methods raise TypeError, so SamplingParams stays hashable.
     """
 
     def __init__(self, items: Mapping[int, float] | None = None):
@@ -480,7 +495,8 @@ class FrozenLogitBias(dict):
             token_id = _bias_key(token)
             if token_id < 0:
                 raise ValueError(f"logit_bias token id {token_id} must be >= 0")
-            clean[token_id] = _float_field(f"logit_bias[{token_id}]", bias, "a finite float", lambda v: True)
+            clean[token_id] = _float_field(f"logit_bias[{token_id}]", bias, f"a finite float in [-{LOGIT_BIAS_MAX:g}, "
+                                           f"{LOGIT_BIAS_MAX:g}]", lambda v: abs(v) <= LOGIT_BIAS_MAX)
         super().__init__(clean)
 
     def __hash__(self) -> int:  # type: ignore[override]

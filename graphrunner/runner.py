@@ -45,7 +45,7 @@ from graphrunner.spec_decode.step import make_speculative_step
 from graphrunner.state.requests import RequestState
 from graphrunner.state.sampling import SamplingStates
 from graphrunner.state.store import StateStore
-from graphrunner.state.validation import validate_scheduler_output
+from graphrunner.state.validation import check_field_containers, validate_scheduler_output
 from graphrunner.step.body import StepBody
 from graphrunner.step.buffers import LogprobBuffers, StageBuffers, StepBuffers
 from graphrunner.step.graphs import StepGraphs
@@ -123,7 +123,8 @@ class ModelRunner:
         self.state = StateStore(L.max_num_reqs, L.max_model_len, L.vocab_size, self.eos_token_ids, config.seed,
                                 self.device, num_speculative_tokens=config.speculative.num_speculative_tokens)
         sampler = Sampler(self.state.sampling)
-        spec = make_speculative_step(config.speculative, self.state.requests, sampler, L, groups, self.device)
+        spec = make_speculative_step(config.speculative, self.state.requests, sampler, L, groups, self.device,
+                                     target_config=config.model)
         groups.check_context_parallel(has_draft_model=spec is not None and spec.drafter is not None)
         self.buffers = StepBuffers(
             inputs=InputBuffers(L.max_num_reqs, L.max_num_tokens, L.max_num_blocks_per_req, self.device),
@@ -171,8 +172,8 @@ class ModelRunner:
         # Microbatches run side by side on two streams: each MoE layer call then takes its own buffers.
         if not self.config.parallel.enable_dbo:
             model.allocate_workspace(self.limits.max_num_tokens)
-        if self.body.spec is not None:  # a draft model, if the drafter has one
-            self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device)
+        if self.body.spec is not None:  # a draft model or EAGLE head, if the drafter has one
+            self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device, model)
         self.prompt_logprobs.compute_logits = model.compute_logits
         if self.pp is not None:
             self.buffers.stage = self.pp.allocate_buffers(self.limits.max_num_tokens, self.model_config.hidden_size,
@@ -301,6 +302,7 @@ class ModelRunner:
         with _inference_mode():
             # 1. Validate the scheduler's plan; nothing changes before it passes. Steady decoding
             #    reuses the last decode step's plan, which only shortens the stages below.
+            check_field_containers(so)  # before any field is read, whichever path the step takes
             plan = planner.reusable_plan(so, bool(prompt_lp.active))
             blocks = so.scheduled_cached_reqs.new_block_ids
             # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.

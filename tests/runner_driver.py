@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
@@ -57,14 +59,15 @@ class Driver:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.reqs: dict[str, _Req] = {}
-        self._next_block = 0
         self._new: list[str] = []
 
     def add(self, req_id: str, prompt: list[int], params: SamplingParams | None = None, max_len: int | None = None):
         bs = self.runner.limits.block_size
         n_blocks = -(-(max_len or self.runner.max_model_len) // bs)
-        blocks = list(range(self._next_block, self._next_block + n_blocks))
-        self._next_block += n_blocks
+        # Blocks no live request holds (a request's blocks are its own), nor one this driver admits next.
+        pending = {b for rid in self._new for b in self.reqs[rid].blocks}
+        free = [b for b in np.flatnonzero(self.runner.state.tables.holders == 0).tolist() if b not in pending]
+        blocks = free[:n_blocks]
         self.reqs[req_id] = _Req(list(prompt), params or SamplingParams(temperature=0.0), blocks)
         self._new.append(req_id)
 

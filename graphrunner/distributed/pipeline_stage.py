@@ -111,6 +111,12 @@ class PipelineStage:
         with self.groups.exchange(f"PP receive of the step's hidden states from rank {src}"):
             dist.recv(stage.hidden_in[:num_tokens_padded], src=src, group=group)
             dist.recv(stage.residual_in[:num_tokens_padded], src=src, group=group)
+            aux = self._aux_hidden()
+            if aux is not None:  # EAGLE-3: the feature layers of the stages before, for the last one's drafter
+                dist.recv(aux[:num_tokens_padded], src=src, group=group)
+
+    def _aux_hidden(self) -> torch.Tensor | None:
+        return self.spec.buffers.aux_hidden if self.spec is not None else None
 
     def send(self, batch: InputBatch, produces: np.ndarray | None, post_update: Callable[[InputBatch], None],
              positions: np.ndarray | None = None) -> None:
@@ -130,6 +136,9 @@ class PipelineStage:
                 # so the host goes on to the next batch while the hidden states travel.
                 self._sends = [dist.isend(stage.hidden_out[:Tp], dst=dst, group=group),
                                dist.isend(stage.residual_out[:Tp], dst=dst, group=group)]
+                aux = self._aux_hidden()
+                if aux is not None:
+                    self._sends.append(dist.isend(aux[:Tp], dst=dst, group=group))
         if produces is not None:
             assert self.handler is not None
             with self.groups.exchange("PP broadcast of the sampled tokens from the last stage"):

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from graphrunner.config import ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from graphrunner.config import DRAFTER_METHODS, ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from graphrunner.engine.batch_trace import append_record
 from graphrunner.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from graphrunner.engine.chat import ChatMessages, render_chat
@@ -202,6 +202,9 @@ class LLM:
         self._keep_in_flight = parallel.pipeline_parallel_size - 1 + parallel.pp_token_placeholders if pipelined else 1
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()  # launched, not applied yet; oldest first
         self._next_req_id = 0
+        # The deltas of each open `generate_stream` iterator, by request id: whichever call runs a
+        # step (another stream, a generate, step()), a stream's deltas wait here for their reader.
+        self._stream_boxes: dict[str, deque[RequestOutput]] = {}
         self.record_batches: str | os.PathLike | None = record_batches
 
     def _init_distributed(self, parallel: ParallelConfig, device: torch.device | str | None, dtype: str) -> None:
@@ -244,8 +247,8 @@ class LLM:
             disjoint_in_flight=not self.config.parallel.pp_token_placeholders, enable_prefix_caching=prefix_caching,
             # Each decode verifies k draft slots: the runner's uniform decode query is 1 + k.
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
-            # A draft model writes KV for its k drafts past each decode: blocks for them too.
-            num_lookahead_tokens=spec.num_speculative_tokens if spec.method == "draft_model" else 0,
+            # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
+            num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
         )
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -357,6 +360,9 @@ class LLM:
         drives the steps itself (`step_outputs`); ValueError, with nothing queued, for a bad one.
         Under DP the request runs on the replica of the ranks it is added on: a driver sends it to
         one replica's ranks (`WorkerLLM` does), unlike `generate`, which shares its prompts out."""
+        self._require_open()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
         planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
         self._queue_requests(planned, stream, share_out=False)
 
@@ -366,13 +372,14 @@ class LLM:
         (under lockstep DP: when no replica has one; every rank must call it, as every rank steps).
         A failed step aborts every live request before its error propagates, so the next call
         starts clean."""
+        self._require_open()
         try:
             busy = self.scheduler.has_unfinished_requests()
             if self.groups.dp_lockstep:
                 busy = self._any_unfinished()  # a replica with nothing to do joins the others' step
             if busy:
                 return self._step_outputs()
-            return self._outputs.process(self._resolve_in_flight())
+            return self._process(self._resolve_in_flight())
         except BaseException:
             self._abort_after_failure()
             raise
@@ -392,21 +399,30 @@ class LLM:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or self._outputs.has_pending
 
     def _stream(self, planned: PlannedRequests) -> Iterator[RequestOutput]:
+        """Yield this call's deltas, running steps while it has none. The steps also serve the other
+        live requests (another stream's deltas go to its box; a generate's outputs wait in the
+        scheduler's requests), and other calls' steps fill this one's box: interleaved streams and
+        generates each get every token and finish_reason of their own requests."""
         req_ids = self._queue_requests(planned, stream=True)
         live = set(req_ids)
+        box: deque[RequestOutput] = deque()
+        self._stream_boxes.update(dict.fromkeys(req_ids, box))
         try:
-            while True:
-                deltas = self._outputs.process([])[1] if self._outputs.has_pending else []
-                if not deltas:
+            # Lockstep DP: every replica steps until no replica has work (the check is collective).
+            while live or self.groups.dp_size > 1:
+                if not box and self._outputs.has_pending:
+                    self._process([])  # aborted since the last step
+                if not box:
                     if not self._any_unfinished():
                         break
-                    deltas = self._step_outputs()[1]
-                for out in deltas:
-                    if out.request_id in live:
-                        if out.finished:
-                            live.discard(out.request_id)
-                        yield out
-            self._resolve_in_flight()
+                    self._step_outputs()
+                while box:
+                    out = box.popleft()
+                    if out.finished:
+                        live.discard(out.request_id)
+                    yield out
+            if not live and not self.scheduler.has_unfinished_requests():
+                self._resolve_in_flight()  # a step launched after the last request's end: discarded tokens
         except GeneratorExit:  # the caller left the loop: nothing of this call stays live
             for request_id in live:
                 for child_id in self._outputs.child_ids(request_id):
@@ -416,13 +432,25 @@ class LLM:
         except BaseException:
             self._abort_after_failure()
             raise
+        finally:
+            for request_id in req_ids:
+                if self._stream_boxes.get(request_id) is box:
+                    del self._stream_boxes[request_id]
+        if live:  # never end a stream silently: its requests were ended elsewhere without a word
+            raise RuntimeError(f"requests {sorted(live)} of this stream ended without their last output (a step "
+                               "of another call failed, and the engine aborted every live request)")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End live requests (vLLM's name; every completion of each); unknown or finished ids are
         ignored. The runner frees their rows with the next step; an aborted request's output
         ("abort", with the tokens it had) comes from the next `step()` (or the stream), its tokens
-        still in flight are dropped."""
-        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+        still in flight are dropped. TypeError for an id that is not a str."""
+        ids = [request_id] if isinstance(request_id, str) else None
+        if ids is None and isinstance(request_id, Iterable) and not isinstance(request_id, (bytes, bytearray)):
+            ids = list(request_id)
+        if ids is None or not all(isinstance(one, str) for one in ids):
+            raise TypeError(f"request_id must be a request id (a str) or an iterable of them, got {request_id!r}")
+        for one in ids:
             for child_id in self._outputs.child_ids(one):
                 out = self.scheduler.abort_request(child_id)
                 if out is not None:
@@ -441,6 +469,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> PlannedRequests:
         """A call's requests, every one checked (on every rank, so DP ranks fail alike) before any is queued."""
+        self._require_open()
         planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request)
         self._next_req_id += len(planned.all_ids)
         return planned
@@ -500,8 +529,15 @@ class LLM:
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         return gather_replicas(results, self.groups)
 
+    def _require_open(self) -> None:
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this LLM was shut down (its graphs, KV cache and process groups are released): "
+                               "create a new LLM to generate again")
+
     def shutdown(self) -> None:
-        """Release graphs, pool and cache, then the process groups (in that order). Idempotent."""
+        """Release graphs, pool and cache, then the process groups (in that order). Idempotent; the
+        LLM refuses every later call that would run a step (RuntimeError)."""
+        self._shut_down = True
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.shutdown()
@@ -524,6 +560,7 @@ class LLM:
         step (a dummy one) under lockstep DP: call it only while `_any_unfinished()` says
         some replica has work, as `generate` does.
         """
+        self._require_open()
         return self._step_outputs()[0]
 
     def chat(
@@ -556,8 +593,26 @@ class LLM:
 
     def _step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
         """One step: (the finished requests' outputs, the stream deltas); see `OutputProcessor`."""
-        finished = self._step_async() if self.async_scheduling else self._step_sync()
-        return self._outputs.process(finished)
+        try:
+            finished = self._step_async() if self.async_scheduling else self._step_sync()
+        except BaseException:
+            self.scheduler.step_failed()  # the next plan carries this one's finished ids again
+            raise
+        return self._process(finished)
+
+    def _process(self, finished: list[SequenceOutput]) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """The outputs of a step (`OutputProcessor.process`); the deltas of open streams go to their boxes."""
+        finals, deltas = self._outputs.process(finished)
+        if self._stream_boxes:
+            rest = []
+            for out in deltas:
+                box = self._stream_boxes.get(out.request_id)
+                if box is None:
+                    rest.append(out)
+                else:
+                    box.append(out)
+            deltas = rest
+        return finals, deltas
 
     def _step_sync(self) -> list[SequenceOutput]:
         """Schedule, execute and sample one step, and apply its output."""

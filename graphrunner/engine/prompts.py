@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import numpy as np
+
 from graphrunner.engine.bad_words import bad_words_token_ids
 from graphrunner.engine.options import per_prompt_params
-from graphrunner.protocol import SEED_MAX, SEED_MIN, SamplingParams
+from graphrunner.protocol import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
 
 # The bias that bans a bad word's token: no logit comes near it, and it stays finite in float32.
-BANNED_BIAS = -1e30
+BANNED_BIAS = -LOGIT_BIAS_MAX
 
 
 class TextPrompt(TypedDict):
@@ -109,8 +111,7 @@ def split_prompts(prompts: Any, tokenizer: Any | None) -> tuple[list[str | None]
     (one prompt), or a list of texts, token-id lists and prompt dicts (see `tokenize_prompts`)."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
-    if isinstance(prompts, bytes) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
-        raise TypeError("prompts must be a list of token-id lists (or of texts), one per prompt")
+    prompts = prompt_list(prompts)
     texts: list[str | None] = []
     unwrapped: list[Any] = []
     for i, prompt in enumerate(prompts):
@@ -122,6 +123,28 @@ def split_prompts(prompts: Any, tokenizer: Any | None) -> tuple[list[str | None]
             unwrapped.append(prompt)
         texts.append(text)
     return texts, tokenize_prompts(unwrapped, tokenizer)
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """A call's prompts as a list: a list or tuple of prompts, or any other ordered iterable (a
+    generator is read once, here). TypeError for None, an unordered set, bytes, or a flat list of
+    token ids (one prompt's ids must come as a list of them)."""
+    if isinstance(prompts, (set, frozenset, bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a prompt or a list of prompts (token-id lists, texts or prompt dicts), "
+                        f"got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        raise TypeError("prompts must be a list of token-id lists (or of texts), one per prompt")
+    return prompts
+
+
+def _token_ids(i: int, prompt: Any) -> Any:
+    """Prompt `i`'s token ids: a list, tuple, range or numpy array (an ordered sequence). Sets
+    have no order, and bytes / bytearray are raw bytes, not token ids: TypeError."""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise TypeError(f"prompt {i}: token ids must be a list (or tuple, or numpy array) of ints, "
+                        f"got {type(prompt).__name__}")
+    return prompt
 
 
 def _dict_prompt(i: int, prompt: Mapping) -> str | None:
@@ -149,12 +172,11 @@ def tokenize_prompts(prompts: Any, tokenizer: Any | None) -> list[Sequence[int]]
     """
     if isinstance(prompts, str):
         prompts = [prompts]
-    if isinstance(prompts, bytes) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
-        raise TypeError("prompts must be a list of token-id lists (or of texts), one per prompt")
+    prompts = prompt_list(prompts)
     out: list[Sequence[int]] = []
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
-            out.append(prompt)
+            out.append(_token_ids(i, prompt))
         elif tokenizer is None:
             raise ValueError(f"prompt {i} is text ({prompt[:32]!r}), which needs a tokenizer, and this model has "
                              "none (builtin models never do): a prompt must be a list of token ids")

@@ -12,7 +12,11 @@ Each step, `schedule()` plans the batch in two passes:
 
 `update_from_output()` folds the runner's sampled tokens back in and finishes requests.
 The runner learns about finished and preempted requests through the *next* step's
-`finished_req_ids` and the current step's `preempted_req_ids`.
+`finished_req_ids` and the current step's `preempted_req_ids`. The hand-off is
+transactional: a plan's finished ids count as delivered once the next plan is made, and
+`step_failed()` (its step raised, maybe before the runner read them) puts them back for the
+next plan to carry again; the runner ignores finished ids it no longer holds. A lost id
+would leave its row, and its KV blocks, held in the runner for good.
 
 Async scheduling (`async_scheduling=True`): the engine schedules and launches step
 N + 1 before step N's tokens are known, so the host keeps only upper bounds.
@@ -174,6 +178,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the tail is preempted first
         # Finished since the last schedule(); the runner drops them on the next step.
         self._finished_req_ids: set[str] = set()
+        # The finished ids the latest plan carries, until the next plan (or `step_failed`).
+        self._handed_finished: set[str] = set()
         self.num_preemptions = 0  # running total, for stats and tests
         self.pipeline = PipelineRule(pipeline_depth, disjoint_in_flight) if pipeline_depth > 1 else None
         self.async_scheduling = async_scheduling or self.pipeline is not None
@@ -292,6 +298,7 @@ class Scheduler:
         `finished_req_ids`, waiting ones too (a failed step may have admitted one the scheduler
         counts as waiting); the runner ignores ids it does not hold. Plans in flight (async)
         are dropped. Returns the outputs ("abort")."""
+        self.step_failed()
         outputs = []
         for req in list(self.requests.values()):
             self._unlink(req)
@@ -301,6 +308,13 @@ class Scheduler:
             outputs.append(req.to_output())
         self._in_flight.clear()
         return outputs
+
+    def step_failed(self) -> None:
+        """The step of the latest plan raised: the runner may not have taken the plan's finished
+        ids (its validation failed, or it was interrupted before reading them), so the next
+        plan carries them again. Idempotent."""
+        self._finished_req_ids |= self._handed_finished
+        self._handed_finished = set()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -331,7 +345,9 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
 
+        # The previous plan's step ran (else `step_failed` gave its ids back): its ids are delivered.
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        self._handed_finished = finished
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,

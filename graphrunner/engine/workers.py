@@ -8,8 +8,12 @@ initialised afresh in each), gives each the torchrun variables, and drives them:
 sent to every rank, every rank runs it, and rank 0's result comes back. An error in any rank is
 raised in the caller with that rank's traceback (a bad request's ValueError or TypeError as
 itself, caused by a `WorkerError` with the traceback, as `LLM` raises it); a rank that fails to
-start shuts the others down. `shutdown()`, the context manager and interpreter exit stop every
-worker (joined, then killed after a grace period), so no process is left behind.
+start shuts the others down. A rank that exits, or stays silent longer than the collective timeout
+(plus a margin) after another rank replied (stopped, or hung outside a collective), ends the
+workers: the caller gets a WorkerError naming it, and every later call raises with that cause. A
+call may take as long as it needs while no rank has replied. `shutdown()`, the context manager and
+interpreter exit stop every worker (joined, then killed after a grace period), so no process is
+left behind.
 
 It also drives the engine loop a server runs (`add_request`, `abort_request`, `step_outputs`,
 `has_unfinished_requests`, `scheduler_stats`): under data parallelism each request goes to the
@@ -23,6 +27,7 @@ import atexit
 import os
 import pickle
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Sequence
@@ -30,6 +35,9 @@ from typing import Any
 
 GRACE_SECONDS = 10.0
 STARTUP_TIMEOUT_S = 600.0  # model load + capture on every rank
+# Past the collective timeout, the time a rank may take to notice it and send its error back.
+REPLY_MARGIN_S = 10.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # LLM's default
 
 
 class WorkerError(RuntimeError):
@@ -101,6 +109,9 @@ class WorkerLLM:
         self.data_parallel_size = int(kwargs.get("data_parallel_size", 1))
         replica = world_size // self.data_parallel_size
         self._replicas = [list(range(r * replica, (r + 1) * replica)) for r in range(self.data_parallel_size)]
+        # The ranks' peers raise within the collective timeout of a stalled rank's silence.
+        self.reply_timeout_s = float(kwargs.get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S)) + REPLY_MARGIN_S
+        self._failure: WorkerError | None = None  # what ended the workers, raised again by every later call
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -120,42 +131,83 @@ class WorkerLLM:
             self._call_ranks([0], "__getattribute__", name)[0] for name in ("tokenizer", "config", "max_model_len"))
 
     def _gather(self, what: str, ranks: Sequence[int], timeout: float | None = None) -> list[Any]:
-        """The replies of `ranks` to one call: each replica leader's result (None from the others).
-        Raises a rank's request error as itself, anything else as WorkerError."""
-        results: list[Any] = []
+        """The replies of `ranks` to one call, in rank order: each replica leader's result (None
+        from the others).
+
+        `timeout`: the most seconds before the first reply (None: no limit). Once a rank replied,
+        the others get `reply_timeout_s`; a rank that exits or stays silent ends the workers
+        (WorkerError, raised again by every later call). A rank's request error is raised as
+        itself, caused by a WorkerError with the tracebacks; any other error as WorkerError."""
+        from multiprocessing.connection import wait
+
+        results: dict[int, Any] = {}
         errors: list[str] = []
+        lost: list[str] = []
         request_error: BaseException | None = None
-        for rank in ranks:
-            conn, proc = self._conns[rank], self._procs[rank]
-            if timeout is not None and not conn.poll(timeout):
-                errors.append(f"rank {rank}: no reply to {what} in {timeout:.0f} s")
-                continue
-            try:
-                status, _, payload = conn.recv()
-            except EOFError:
-                errors.append(f"rank {rank} exited (code {proc.exitcode}) during {what}")
-                continue
-            if status == "error":
-                text, own = payload
-                errors.append(f"rank {rank} raised during {what}:\n{text}")
-                request_error = request_error or own
-            results.append(payload if status == "ok" else None)
+        pending = {r: self._conns[r] for r in ranks}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            ready = set(wait([*pending.values(), *(self._procs[r].sentinel for r in pending)],
+                             None if left is None else max(left, 0.0)))
+            if not ready:  # past the deadline: the ranks still silent are stalled, and are stopped now
+                limit = timeout if len(pending) == len(ranks) and timeout is not None else self.reply_timeout_s
+                lost += [f"rank {r}: no reply to {what} within {limit:.0f} s (stalled)" for r in sorted(pending)]
+                for r in pending:
+                    self._procs[r].kill()  # a stalled rank would only take the shutdown's grace period
+                break
+            for r, conn in list(pending.items()):
+                proc = self._procs[r]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                try:
+                    status, _, payload = conn.recv()
+                except (EOFError, OSError):
+                    proc.join(1.0)
+                    lost.append(f"rank {r} exited (code {proc.exitcode}) during {what}")
+                    del pending[r]
+                    continue
+                del pending[r]
+                if status == "error":
+                    text, own = payload
+                    errors.append(f"rank {r} raised during {what}:\n{text}")
+                    request_error = request_error or own
+                    results[r] = None
+                else:
+                    results[r] = payload if status == "ok" else None
+            if pending:  # some rank replied (or exited) in this pass: the others have reply_timeout_s
+                reply_deadline = time.monotonic() + self.reply_timeout_s
+                deadline = reply_deadline if deadline is None else min(deadline, reply_deadline)
+        if lost or (errors and what == "start"):
+            # A rank is gone or stalled (or the start failed): the others cannot go on without it.
+            self._failure = WorkerError("\n".join(lost + errors))
+            self.shutdown()
+            if request_error is not None and not lost:  # a bad argument: raised as itself, as LLM raises it
+                raise request_error from self._failure
+            raise self._failure
         if errors:
-            if what == "start":
-                self.shutdown()
             failure = WorkerError("\n".join(errors))
             if request_error is not None:  # the root cause; the others' errors (a peer gone) follow from it
                 raise request_error from failure
             raise failure
-        return results
+        return [results[r] for r in ranks]
 
     def _call_ranks(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`method` on each of `ranks`; their replies (`_gather`)."""
         with self._lock:
+            if self._failure is not None:
+                raise WorkerError(f"{method}(): the worker ranks are gone; they ended on:\n{self._failure}")
             if not self._finalizer.alive:
                 raise RuntimeError(f"{method}() after shutdown(): the worker ranks are gone")
             for rank in ranks:
-                self._conns[rank].send((method, args, kwargs))
+                try:
+                    self._conns[rank].send((method, args, kwargs))
+                except OSError:  # BrokenPipeError: the rank exited since the last call
+                    self._procs[rank].join(1.0)
+                    self._failure = WorkerError(f"rank {rank} exited (code {self._procs[rank].exitcode}) before "
+                                                f"{method}()")
+                    self.shutdown()
+                    raise self._failure from None
             return self._gather(f"{method}()", ranks)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:

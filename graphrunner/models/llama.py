@@ -262,6 +262,8 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
+        # EAGLE-3: the layers whose input (the residual stream) `forward` also returns (set_aux_hidden_state_layers).
+        self.aux_hidden_state_layers: frozenset[int] = frozenset()
         self.norm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, kernel=kernel)
             if self.is_last_stage else None
@@ -270,6 +272,11 @@ class LlamaModel(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
+
+    @property
+    def local_aux_layers(self) -> tuple[int, ...]:
+        """The feature layers of this stage, in the order `forward` returns their inputs."""
+        return tuple(i for i in range(self.start_layer, self.end_layer) if i in self.aux_hidden_state_layers)
 
     @property
     def local_layers(self) -> list[DecoderLayer]:
@@ -284,8 +291,9 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden_in: torch.Tensor | None = None,  # [T, hidden]: from the previous stage (non-first stages)
         residual_in: torch.Tensor | None = None,  # [T, hidden]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Last stage: [T, hidden] after the final norm. Other stages: (hidden, residual)."""
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Last stage: [T, hidden] after the final norm. Other stages: (hidden, residual). With feature
+        layers set, each output is a tuple followed by their inputs ([T, hidden] each, `local_aux_layers`)."""
         local_layers = self.local_layers
         caches: Sequence[torch.Tensor | None]
         if self.attention_op_mode:
@@ -304,14 +312,21 @@ class LlamaModel(nn.Module):
             if hidden_in is None or residual_in is None:
                 raise ValueError("a non-first pipeline stage needs hidden_in and residual_in")
             hidden, residual = hidden_in, residual_in
-        for layer, kv_cache in zip(local_layers, caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        aux: list[torch.Tensor] = []
+        if not self.aux_hidden_state_layers:  # the plain loop: no per-layer test when no features are read
+            for layer, kv_cache in zip(local_layers, caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        else:
+            for i, (layer, kv_cache) in enumerate(zip(local_layers, caches, strict=True), start=self.start_layer):
+                if i in self.aux_hidden_state_layers:  # the residual stream entering layer i
+                    aux.append(hidden if residual is None else hidden + residual)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         assert residual is not None, "every stage runs at least one layer"
         if not self.is_last_stage:
-            return hidden, residual
+            return (hidden, residual, *aux)
         assert self.norm is not None, "the last stage holds the final norm"
         hidden, _ = self.norm.add_norm(hidden, residual)
-        return hidden
+        return (hidden, *aux) if self.aux_hidden_state_layers else hidden
 
 
 @runtime_checkable
@@ -379,7 +394,7 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
         residual_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden], or (hidden, residual) off the last stage
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, hidden], or (hidden, residual) off the last stage
         if hidden_in is None:
             return self.model(input_ids, positions, kv_caches, attn_metadata)
         return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_in, residual_in)
@@ -388,6 +403,16 @@ class LlamaForCausalLM(nn.Module):
     def num_local_layers(self) -> int:
         """Decoder layers (and so KV caches) of this pipeline stage."""
         return self.model.num_local_layers
+
+    def set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
+        """EAGLE-3 features: `forward` also returns the residual stream entering each of these
+        layers (those of this stage, in layer order: `model.local_aux_layers`). Empty: off."""
+        ids = frozenset(int(i) for i in layers)
+        bad = sorted(i for i in ids if not 0 <= i < self.config.num_hidden_layers)
+        if bad:
+            raise ValueError(f"aux hidden state layers {bad} outside the model's {self.config.num_hidden_layers} "
+                             "layers")
+        self.model.aux_hidden_state_layers = ids
 
     def use_attention_op(self, enabled: bool) -> None:
         """Route attention through the custom op `graphrunner::unified_attention` (op mode).

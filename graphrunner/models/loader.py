@@ -35,6 +35,7 @@ logger = logging.getLogger("graphrunner.models")
 __all__ = [
     "CheckpointError",
     "checkpoint_dtype",
+    "full_parameter",
     "init_dummy_weights",
     "init_dummy_weights_sharded",
     "is_builtin",
@@ -522,14 +523,18 @@ def _check_finite(model: torch.nn.Module, files: list[Path]) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights(model: torch.nn.Module, *, seed: int, std: float = 0.02, exclude: tuple[str, ...] = ()) -> None:
     """Fill every parameter in place with reproducible random values on its own device.
 
     Matrices and biases ~ N(0, std); norm weights ~ 1 + N(0, std), so activations stay
-    finite through deep stacks while outputs still vary with the input.
+    finite through deep stacks while outputs still vary with the input. Parameters whose
+    names start with one of `exclude` are left alone and draw nothing (the others get the
+    values they get without them).
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if name.startswith(exclude):
+            continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
@@ -564,6 +569,35 @@ def init_dummy_weights_sharded(model: LlamaForCausalLM, *, seed: int, std: float
             if name.endswith("norm.weight"):
                 tensor.add_(1.0)
         model.load_full_parameter(name, tensor)
+
+
+@torch.no_grad()
+def full_parameter(model_config: ModelConfig, load_config: LoadConfig, name: str, dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    """The full (unsharded) value of the single-process model's parameter `name`, as `load_model`
+    fills it: drawn like the dummy weights (the parameters before it are drawn and dropped: the
+    embedding comes first) or read from the checkpoint folder. For a stage that needs a weight
+    another pipeline stage owns (an EAGLE head's copy of the target embedding)."""
+    from graphrunner.attention.torch_ref import TorchReferenceBackend
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    device = torch.device(device)
+    if load_config.load_format == "dummy" or is_builtin(load_config.model):
+        full = LlamaForCausalLM(model_config, TorchReferenceBackend(), dtype=dtype, device="meta")
+        gen = torch.Generator(device=device).manual_seed(load_config.seed)
+        for param_name, meta in full.named_parameters():
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if tensor.dtype.is_floating_point:
+                tensor.normal_(0.0, 0.02, generator=gen)
+                if param_name.endswith("norm.weight"):
+                    tensor.add_(1.0)
+            if param_name == name:
+                return tensor
+        raise ValueError(f"{model_config.name!r} has no parameter {name!r}")
+    for tensor_name, tensor in iter_checkpoint_weights(load_config.model):
+        if tensor_name == name:
+            return tensor.to(device=device, dtype=dtype)
+    raise CheckpointError(f"checkpoint folder {load_config.model!r} has no tensor {name!r}")
 
 
 def load_model(

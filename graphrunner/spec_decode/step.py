@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphrunner.config import LoadConfig, SpeculativeConfig
+from graphrunner.config import LoadConfig, ModelConfig, SpeculativeConfig
 from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.kv_shape import KVCacheShape
 from graphrunner.limits import StepLimits
@@ -31,6 +31,7 @@ from graphrunner.models.loader import load_model, load_model_config
 from graphrunner.sample.logprobs import compute_logprobs
 from graphrunner.sample.sampler import Sampler
 from graphrunner.spec_decode.draft_model import DraftModelDrafter
+from graphrunner.spec_decode.eagle import EagleDrafter
 from graphrunner.spec_decode.ngram import propose_ngram
 from graphrunner.spec_decode.rejection import rejection_sample
 from graphrunner.spec_decode.verify import prepare_verify
@@ -52,6 +53,9 @@ class SpecBuffers:
     proposed: torch.Tensor  # [max_reqs, k] int32: the drafter's proposals for the next step
     num_proposed: torch.Tensor  # [max_reqs] int32
     pp_wire: torch.Tensor  # [max_reqs, 2k + 4] int32: what the last PP stage broadcasts (pp_payload)
+    # EAGLE-3: the target's feature layers' inputs [max_tokens, n * hidden], one slot per layer id of the
+    # head (fc order), written by the target's forward (under PP each stage its own, then sent on).
+    aux_hidden: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_num_reqs: int, k: int, device: torch.device) -> SpecBuffers:
@@ -96,7 +100,7 @@ class SpeculativeStep:
     """Verification and drafting of a step with `num_speculative_tokens` = k > 0."""
 
     def __init__(self, config: SpeculativeConfig, requests: RequestState, sampler: Sampler,
-                 limits: StepLimits, device: torch.device) -> None:
+                 limits: StepLimits, device: torch.device, target_config: ModelConfig | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.requests = requests
@@ -108,8 +112,19 @@ class SpeculativeStep:
         # False: `propose` does nothing (graphrunner inspect captures a step without the drafter
         # to attribute its nodes); a host-side switch, read when a step runs or is captured.
         self.drafting = True
-        self.drafter: DraftModelDrafter | None = None
-        if config.method == "draft_model":
+        self.limits = limits
+        self.target_config = target_config
+        self._aux_local: tuple[int, ...] = ()  # EAGLE-3: the feature layers this stage's target returns
+        self.drafter: DraftModelDrafter | EagleDrafter | None = None
+        if config.method in ("eagle", "eagle3"):
+            from graphrunner.models.eagle import load_head_config
+
+            assert config.model is not None and target_config is not None  # SpeculativeConfig; the runner
+            head = load_head_config(config.model, config.method)
+            head.check_target(target_config)  # ValueError naming both values
+            self.drafter = EagleDrafter(head, head.aux_layers_for(target_config), self.k, limits.max_num_reqs,
+                                        limits.max_num_tokens, requests, limits.block_size, device)
+        elif config.method == "draft_model":
             assert config.model is not None  # SpeculativeConfig checks it
             draft_config = load_model_config(config.model)
             config.check_draft_vocab(limits.vocab_size, draft_config.vocab_size)
@@ -118,16 +133,58 @@ class SpeculativeStep:
 
     # ---- the draft model's set-up (no-ops for the n-gram drafter) ----------------------------
     def load_draft_model(self, target_load: LoadConfig, attn_backend: Any, dtype: torch.dtype,
-                         device: torch.device) -> None:
-        """Build and fill the draft model (dummy weights when the target's are dummy)."""
+                         device: torch.device, target: Any = None) -> None:
+        """Build and fill the draft model or head (dummy weights when the target's are dummy);
+        an EAGLE head also takes the target (its embedding, LM head and feature layers)."""
         if self.drafter is None:
             return
         assert self.config.model is not None
         seed = self.config.draft_seed if self.config.draft_seed is not None else target_load.seed
+        if isinstance(self.drafter, EagleDrafter):
+            self._load_head(self.drafter, target_load, target, seed, attn_backend, dtype, device)
+            return
         load = LoadConfig(model=self.config.model, load_format=target_load.load_format, seed=seed)
         self.drafter.model = load_model(self.drafter.model_config, load, attn_backend=attn_backend, dtype=dtype,
                                         device=device)
         self.drafter.attn_backend = attn_backend
+
+    def _load_head(self, drafter: EagleDrafter, target_load: LoadConfig, target: Any, seed: int, attn_backend: Any,
+                   dtype: torch.dtype, device: torch.device) -> None:
+        from graphrunner.models.eagle import build_head
+
+        assert target is not None, "an EAGLE head needs the target model"
+        assert self.config.model is not None and self.target_config is not None
+        drafter.model = build_head(drafter.head_config, self.config.model, target, self.target_config, target_load,
+                                   seed, len(drafter.aux_layers), attn_backend, dtype, device)
+        drafter.attn_backend = attn_backend
+        if drafter.aux_layers:  # EAGLE-3: the target writes its feature layers' inputs every step
+            target.set_aux_hidden_state_layers(drafter.aux_layers)
+            n, h = len(drafter.aux_layers), self.target_config.hidden_size
+            self.buffers.aux_hidden = torch.zeros(self.limits.max_num_tokens, n * h, dtype=dtype, device=device)
+            drafter.aux_hidden = self.buffers.aux_hidden
+            self._aux_local = target.model.local_aux_layers
+
+    def take_features(self, out: Any, num_tokens_padded: int, is_last_stage: bool) -> Any:
+        """After the target's forward: what an EAGLE head drafts from. EAGLE keeps (a reference to)
+        the final hidden states; EAGLE-3 copies the feature layers' inputs out of the forward's output
+        into their slots of `aux_hidden` (a layer id the head reads twice fills two) and returns the
+        output without them. Identity for the other drafters."""
+        drafter = self.drafter
+        if not isinstance(drafter, EagleDrafter):
+            return out
+        aux_buf = self.buffers.aux_hidden
+        if aux_buf is not None:
+            assert self.target_config is not None
+            n_main = 1 if is_last_stage else 2
+            h = self.target_config.hidden_size
+            for layer_id, value in zip(self._aux_local, out[n_main:], strict=True):
+                for slot, wanted in enumerate(drafter.aux_layers):
+                    if wanted == layer_id:
+                        aux_buf[:num_tokens_padded, slot * h : (slot + 1) * h].copy_(value)
+            out = out[0] if is_last_stage else out[:2]
+        if is_last_stage:
+            drafter.target_hidden = out
+        return out
 
     def setup_compiled(self, enabled: bool, compile_backend: str, device: torch.device) -> None:
         """With the target's: the draft model compiled under graph modes, plain in eager mode."""
@@ -185,6 +242,7 @@ class SpeculativeStep:
         slots = slot.repeat(R)  # [R * S]: slot j reads the grammar mask after drafts 0..j-1
         target = self.sampler.target_logits(logits, batch.idx_mapping.repeat_interleave(S), positions, features,
                                             slots)
+
         rows = batch.idx_mapping.long()  # [R]
         states = self.sampler.states
         draft_ids = self.requests.draft_token_ids
@@ -210,7 +268,11 @@ class SpeculativeStep:
         r, b, R = self.requests, self.buffers, batch.num_reqs_padded
         assert r.draft_token_ids is not None and r.num_draft is not None
         rows = batch.idx_mapping.long()
-        if self.drafter is not None:
+        if isinstance(self.drafter, EagleDrafter):
+            assert self.tables is not None, "initialize_kv_cache() before running a step"
+            self.drafter.propose(batch, self.tables, b.logits_indices[:R], b.num_accepted[:R], b.proposed[:R],
+                                 b.num_proposed[:R])
+        elif self.drafter is not None:
             assert self.tables is not None, "initialize_kv_cache() before running a step"
             self.drafter.propose(batch, self.tables, b.proposed[:R], b.num_proposed[:R])
         else:
@@ -262,12 +324,14 @@ class SpeculativeStep:
 
 
 def make_speculative_step(config: SpeculativeConfig, requests: RequestState, sampler: Sampler, limits: StepLimits,
-                          groups: ParallelGroups, device: torch.device) -> SpeculativeStep | None:
-    """The runner's speculative step, or None with num_speculative_tokens = 0."""
+                          groups: ParallelGroups, device: torch.device,
+                          target_config: ModelConfig | None = None) -> SpeculativeStep | None:
+    """The runner's speculative step, or None with num_speculative_tokens = 0. `target_config`: the
+    target's (an EAGLE head must fit it)."""
     if config.num_speculative_tokens == 0:
         return None
     # Under PP the last stage verifies and drafts; the others get its outcome (pp_payload).
-    return SpeculativeStep(config, requests, sampler, limits, device)
+    return SpeculativeStep(config, requests, sampler, limits, device, target_config)
 
 
 __all__ = ["SpecBuffers", "SpeculativeStep", "VerifyRecord", "make_speculative_step"]

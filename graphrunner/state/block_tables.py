@@ -57,6 +57,9 @@ class BlockTables:
         # The same counts on the device (staged with the table): a device-side writer of KV
         # beyond the scheduled tokens (the draft model's lookahead) stays inside the row's blocks.
         self.num_blocks_dev = torch.zeros(num_rows, dtype=torch.int32, device=self.device)  # [rows]
+        # holders[b]: how many rows hold KV block b. Validation reads it for the blocks new in a
+        # step (a block a request writes is its own; only computed prefix blocks are shared).
+        self.holders = np.zeros(num_kv_blocks, dtype=np.int32)  # [num_kv_blocks]
 
     # ------------------------------------------------------------------ host-side staging
 
@@ -82,8 +85,11 @@ class BlockTables:
             raise ValueError(
                 f"row {row} would hold {end} blocks, more than max_num_blocks_per_req={self.max_num_blocks_per_req}"
             )
+        if overwrite:
+            self._release(row)
         self.table_np[row, start:end] = ids
         self.num_blocks[row] = end
+        np.add.at(self.holders, ids, 1)
         if end > start:
             self.staging.stage_row(self.table, row, ids, start)
         if end > start or overwrite:
@@ -92,8 +98,17 @@ class BlockTables:
     def clear_row(self, row: int) -> None:
         """The row holds no blocks (its table entries are left stale: no step reads past the count)."""
         self._check_row(row)
+        self._release(row)
         self.num_blocks[row] = 0
         self.staging.stage(self.num_blocks_dev, row, 0)
+
+    def _release(self, row: int) -> None:
+        np.subtract.at(self.holders, self.table_np[row, : self.num_blocks[row]], 1)
+
+    def holder_rows(self, block_id: int) -> list[int]:
+        """The rows holding `block_id` (a scan of the table: for error messages)."""
+        held = np.arange(self.max_num_blocks_per_req) < self.num_blocks[:, None]  # [rows, max_blocks]
+        return np.nonzero(((self.table_np == block_id) & held).any(axis=1))[0].tolist()
 
     def row_block_ids(self, row: int) -> np.ndarray:
         """The blocks `row` holds, staged writes included (a read-only host view)."""

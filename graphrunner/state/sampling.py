@@ -222,9 +222,15 @@ class SamplingStates:
         if params.stop_token_ids:
             check_ids("stop_token_ids", params.stop_token_ids)
         if params.min_tokens > 0:
-            n = len(self._min_tokens_ids(params, eos_ids))
-            if n > self.max_stop_ids:
-                raise ValueError(f"min_tokens masks {n} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")
+            masked = self._min_tokens_ids(params, eos_ids)
+            if len(masked) > self.max_stop_ids:
+                raise ValueError(
+                    f"min_tokens masks {len(masked)} stop/EOS ids, more than max_stop_ids={self.max_stop_ids}")
+            # Every allowed id masked would leave a row of -inf, whose draw is no allowed token.
+            if params.allowed_token_ids is not None and set(masked).issuperset(params.allowed_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids={list(params.allowed_token_ids)} are all stop or EOS ids, which "
+                    f"min_tokens={params.min_tokens} masks: no allowed token could be sampled")
         if (params.min_tokens > 0 or params.uses_penalties) and prompt_len is None:
             raise ValueError("min_tokens and penalties need the request's original prompt_len")
         if params.uses_penalties and self.all_token_ids is None:
@@ -282,7 +288,9 @@ class SamplingStates:
         self.min_tokens_np[row] = min_tokens > 0
         self.logprobs_np[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         scalars = dict(
-            temperature=params.temperature, top_k=top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
+            # A greedy row holds 0: the sampler's greedy test (temperature == 0) covers T < 1e-5 too.
+            temperature=params.temperature if random else 0.0, top_k=top_k, top_p=params.top_p, min_p=params.min_p,
+            seed=seed,
             repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, prompt_len=prompt_len or 0, min_tokens=min_tokens,
             use_allowed=use_allowed, use_grammar=use_grammar,

@@ -12,29 +12,35 @@ Three checks evaluate the same rule definitions:
   between such steps, in a handful of C-level calls.
 On any violation the fast checks hand over to the reference, which finds the first
 offending value and raises with its message. Tests check that all three accept exactly
-the same inputs.
+the same inputs. Field types (`check_field_types`) are checked on every step, first:
+the runner runs them before it reads any field to look for a steady-decode plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from graphrunner.limits import StepLimits
-from graphrunner.protocol import NewRequestData, SchedulerOutput
+from graphrunner.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from graphrunner.state.rules import (
     SCHEDULED_RULES,
     SHAPE_RULES,
+    BlockClaim,
     Rows,
     any_violated,
     batch_violation,
     block_ids_message,
     block_ids_out_of_range,
+    block_sharing_violation,
+    container_type_violation,
     field_type_violation,
     first_violation,
+    first_written_block,
     prompt_violation,
     spec_tokens_violation,
+    steady_type_violation,
     token_limit,
     too_many_blocks,
     too_many_blocks_message,
@@ -66,10 +72,30 @@ class DecodeHint:
     room_ref: tuple[int, int] | None = None
     # Whether q tokens per row pass the shape rules once every row decodes (set on first use).
     decode_shape_ok: bool | None = None
+    # [int] * R: what the types of a count column of Python ints look like (`rules.steady_type_violation`).
+    int_row: list[type] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.int_row = [int] * len(self.rows)
 
     def set_limit(self, limit: np.ndarray) -> None:
         self.limit = limit
         self.room_ref = None
+
+
+def check_field_types(so: SchedulerOutput) -> None:
+    """ValueError naming the first SchedulerOutput field of the wrong type (`rules.field_type_violation`)."""
+    error = field_type_violation(so)
+    if error:
+        raise ValueError(error)
+
+
+def check_field_containers(so: SchedulerOutput) -> None:
+    """ValueError naming the first field whose container is of the wrong type (O(1); the runner
+    runs it before it reads any field to look for a steady-decode plan)."""
+    error = container_type_violation(so)
+    if error:
+        raise ValueError(error)
 
 
 def validate_scheduler_output(state: StateStore, limits: StepLimits, so: SchedulerOutput,
@@ -83,6 +109,10 @@ def validate_scheduler_output(state: StateStore, limits: StepLimits, so: Schedul
     the hint was made. `new_blocks` (optional, with a hint): whether any
     `scheduled_cached_reqs.new_block_ids` entry is non-empty, if the caller knows.
     """
+    # With a hint the caller has run check_field_containers (it read the fields to find the plan).
+    error = steady_type_violation(so, bool(new_blocks), hint.int_row) if hint is not None else field_type_violation(so)
+    if error:
+        raise ValueError(error)
     try:
         if hint is not None:
             _validate_steady_decode(state, limits, so, hint, new_blocks)
@@ -108,20 +138,36 @@ def _check_blocks(req_id: str, block_ids: list[int], held: int, state: StateStor
 
 
 def _check_sampling(state: StateStore, limits: StepLimits, new: NewRequestData) -> None:
-    """Vocabulary- and runner-dependent checks of a new request's SamplingParams."""
+    """A new request's SamplingParams: the construction checks again (the object may have
+    been changed since, through object.__setattr__), then the vocabulary- and
+    runner-dependent ones."""
+    params = new.sampling_params
     try:
-        state.sampling.validate(new.sampling_params, limits.vocab_size, state.eos_token_ids,
-                                prompt_len=len(new.prompt_token_ids))
+        params.validate()
+        state.sampling.validate(params, limits.vocab_size, state.eos_token_ids, prompt_len=len(new.prompt_token_ids))
     except ValueError as e:
         raise ValueError(f"request {new.req_id!r}: {e}") from None
+
+
+def _sharing_error(state: StateStore, limits: StepLimits, claims: list[BlockClaim],
+                   removed_rows: list[int]) -> str | None:
+    """The KV-block ownership rule (`rules.block_sharing_violation`) for this step's new blocks."""
+    if not claims:
+        return None
+    tables, names = state.tables, state.requests.index_to_req_id
+    freed = (np.concatenate([tables.table_np[r, : tables.num_blocks[r]] for r in removed_rows])
+             if removed_rows else None)
+
+    def holder_ids(block: int) -> list[str]:
+        return [str(names[r]) for r in tables.holder_rows(block) if r not in removed_rows and names[r] is not None]
+
+    return block_sharing_violation(claims, tables.holders, freed, holder_ids)
 
 
 def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
     """Request-by-request check of every rule; raises ValueError at the first violation."""
     requests, held_blocks = state.requests, state.tables.num_blocks
-    error = field_type_violation(so)
-    if error:
-        raise ValueError(error)
+    check_field_types(so)
     total = sum(so.num_scheduled_tokens.values())
     error = batch_violation(total, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), limits)
     if error:
@@ -129,6 +175,7 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
 
     removed = so.finished_req_ids | so.preempted_req_ids
     live = {rid for rid in requests.req_id_to_index if rid not in removed}
+    claims: list[BlockClaim] = []  # the blocks each request adds this step
     # req_id -> (num_computed, known tokens, blocks held) after this step's admissions.
     after: dict[str, tuple[int, int, int]] = {}
     for rid in live:
@@ -146,6 +193,7 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
         held = _check_blocks(rid, new.block_ids, 0, state, limits)
         _check_sampling(state, limits, new)
         after[rid] = (new.num_computed_tokens, len(tokens), held)
+        claims.append(BlockClaim(rid, list(new.block_ids), first_written_block(new.num_computed_tokens, 0, limits)))
     if len(after) > limits.max_num_reqs:
         raise ValueError(f"{len(after)} live requests exceed max_num_seqs={limits.max_num_reqs}")
 
@@ -159,6 +207,12 @@ def validate_reference(state: StateStore, limits: StepLimits, so: SchedulerOutpu
         if nc != computed:
             raise ValueError(f"request {rid!r}: scheduler says num_computed_tokens={nc}, runner has {computed}")
         after[rid] = (computed, known, _check_blocks(rid, new_blocks or [], held, state, limits))
+        if new_blocks:
+            claims.append(BlockClaim(rid, list(new_blocks), first_written_block(computed, held, limits)))
+    removed_rows = [requests.req_id_to_index[rid] for rid in removed if rid in requests.req_id_to_index]
+    error = _sharing_error(state, limits, claims, removed_rows)
+    if error:
+        raise ValueError(error)
 
     for rid, n in so.num_scheduled_tokens.items():
         if rid not in after:
@@ -238,9 +292,11 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         new_blocks = any(cached.new_block_ids)
     limit = hint.limit
     if new_blocks:
-        held = _held_after_new_blocks(state.tables.num_blocks, rows, cached.new_block_ids,
-                                      state.tables.num_kv_blocks, limits)
+        held_before = state.tables.num_blocks
+        held = _held_after_new_blocks(held_before, rows, cached.new_block_ids, state.tables.num_kv_blocks, limits)
         limit = token_limit(held[rows], limits)
+        if _sharing_error(state, limits, _cached_claims(cached, rows, computed, held_before, limits), []):
+            raise _Invalid
     # The max_model_len and blocks_held rules, as room left under `rules.token_limit`.
     # With speculation rows advance by their accepted counts, not by q each: no shortcut.
     if new_blocks or not hint.all_decode or q > 1:
@@ -267,9 +323,16 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
             raise _Invalid
 
 
+def _cached_claims(cached: CachedRequestData, rows: np.ndarray, computed: np.ndarray, held: np.ndarray,
+                   limits: StepLimits) -> list[BlockClaim]:
+    """The blocks running requests add this step. computed: [R] their num_computed_tokens (in
+    `cached` order); rows: [R] their state rows; held: blocks per state row before the step."""
+    return [BlockClaim(rid, list(blocks), first_written_block(int(computed[i]), int(held[rows[i]]), limits))
+            for i, (rid, blocks) in enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True)) if blocks]
+
+
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
-    if field_type_violation(so):  # before numpy reads the counts (it would coerce or raise its own error)
-        raise _Invalid
+    """The general step's check (types: checked before, by `check_field_types`)."""
     requests, tables, nst = state.requests, state.tables, so.num_scheduled_tokens
     n = np.fromiter(nst.values(), dtype=np.int64, count=len(nst))  # [S] tokens per scheduled request
     if batch_violation(int(n.sum()), so.total_num_scheduled_tokens, len(n), limits):
@@ -278,6 +341,7 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
     index = requests.req_id_to_index
     computed, known, held = requests.num_computed_np, requests.prefill_len_np, tables.num_blocks
     new_rows: dict[str, int] = {}
+    claims: list[BlockClaim] = []
     news = so.scheduled_new_reqs
     if news:
         base = requests.num_rows
@@ -297,6 +361,8 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
             except ValueError:
                 raise _Invalid from None
             new_rows[rid] = base + j
+            if blocks:
+                claims.append(BlockClaim(rid, list(blocks), first_written_block(new.num_computed_tokens, 0, limits)))
             new_computed.append(new.num_computed_tokens)
             new_known.append(len(tokens))
             new_held.append(len(blocks))
@@ -319,7 +385,12 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if not np.array_equal(nc, computed[crows]):
             raise _Invalid
         if any(cached.new_block_ids):
+            claims += _cached_claims(cached, crows, nc, held, limits)
             held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
+    if claims:
+        removed_rows = [index[rid] for rid in removed if rid in index]
+        if _sharing_error(state, limits, claims, removed_rows):
+            raise _Invalid
 
     rows = _rows_of(nst, index, removed, new_rows) if len(n) else np.zeros(0, dtype=np.int64)
     if len(n) and any_violated(SCHEDULED_RULES, Rows(n, computed[rows], known[rows], held[rows]), limits):

@@ -136,6 +136,8 @@ class StepBody:
         ub = self.microbatch
         out = ub.forward(self, batch) if ub is not None and ub.armed else self.forward(batch, piecewise)
         Tp = batch.num_tokens_padded
+        if self.spec is not None:  # EAGLE: the target's features for the head (EAGLE-3: into their buffer)
+            out = self.spec.take_features(out, Tp, self.is_last_stage)
         if not self.is_last_stage:  # PP: (hidden, residual) go on to the next stage
             stage = self.buffers.stage
             assert stage.hidden_out is not None and stage.residual_out is not None

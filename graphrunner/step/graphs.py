@@ -415,8 +415,9 @@ class StepGraphs:
         batch = body.dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
         body.prepare_inputs(batch)
         with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
-            body.compiled.run_compiled(*body.model_args(batch))
+            out = body.compiled.run_compiled(*body.model_args(batch))
         if body.spec is not None and body.is_last_stage:
+            body.spec.take_features(out, batch.num_tokens_padded, True)  # what an EAGLE head drafts from
             body.spec.propose(batch)  # compiles a draft model, outside any graph capture
         body.reset_scratch_row()
         return time.perf_counter() - start

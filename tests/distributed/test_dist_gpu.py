@@ -23,6 +23,8 @@ PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(6)] + [[7] * 40, [3, 4]
 MAX_TOKENS = [12, 5, 16, 3, 12, 8, 10, 6]
 TINY = "builtin:tiny-llama"
 NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
+EAGLE3 = {"method": "eagle3", "model": "builtin:eagle3-tiny-llama", "num_speculative_tokens": 3}
+EAGLE = {"method": "eagle", "model": "builtin:eagle-tiny-llama", "num_speculative_tokens": 2}
 SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "prefill_context_parallel_size")
 
 
@@ -95,6 +97,11 @@ TWO_GPU_LAYOUTS = {
     # to the other stage over NCCL; under TP every rank verifies alike.
     "pp2-ngram3": dict(pipeline_parallel_size=2, speculative_config=NGRAM3),
     "tp2-ngram3": dict(tensor_parallel_size=2, speculative_config=NGRAM3),
+    # EAGLE heads in FULL graphs: under PP stage 0's EAGLE-3 feature layers travel to the last stage
+    # with the hidden states over NCCL; under TP the head runs whole on each rank over all-reduced features.
+    "pp2-eagle3": dict(pipeline_parallel_size=2, speculative_config=EAGLE3),
+    "tp2-eagle3": dict(tensor_parallel_size=2, speculative_config=EAGLE3),
+    "tp2-eagle": dict(tensor_parallel_size=2, speculative_config=EAGLE),
     # TP2 x DCP2: both GPUs hold every KV head and half of each sequence; the query all-gather, the
     # sharded attention and the LSE merge run in FULL decode graphs (NCCL captured) and between pieces.
     "tp2dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),

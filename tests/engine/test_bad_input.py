@@ -91,6 +91,7 @@ BAD_PARAMS = [
     (dict(logit_bias={1: "big"}), r"logit_bias\[1\]='big'"),
     (dict(logit_bias={1: float("-inf")}), r"logit_bias\[1\]=-inf"),
     (dict(logit_bias=[1, 2]), r"logit_bias=\[1, 2\]"),
+    (dict(logit_bias={1: 3.4e38}), r"logit_bias\[1\]=3.4e\+38 must be a finite float in \[-1e\+30, 1e\+30\]"),
 ]
 
 
@@ -143,6 +144,7 @@ VOCAB_PARAMS = [
     (dict(allowed_token_ids=[1, 5000]), "allowed_token_ids contains token id 5000"),
     (dict(logit_bias={9999: 1.0}), "logit_bias contains token id 9999"),
     (dict(logprobs=10**6), "logprobs=1000000 exceeds max_logprobs"),
+    (dict(min_tokens=2, allowed_token_ids=[5, 7], stop_token_ids=[7, 5]), "no allowed token could be sampled"),
 ]
 
 

@@ -65,3 +65,48 @@ def test_a_rank_that_fails_to_start_surfaces_its_traceback_and_leaves_nothing() 
 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")]
     assert "WORLD_SIZE" not in os.environ
+
+
+def _tp2(**overrides):
+    from graphrunner.engine.llm import LLM
+
+    return LLM("builtin:tiny-llama", tensor_parallel_size=2, **{**ARGS, **overrides})
+
+
+def test_a_stalled_rank_ends_the_call_within_the_collective_timeout_and_later_calls_name_it() -> None:
+    """Rank 1 stopped (SIGSTOP): rank 0's collective times out, and the parent stops waiting for
+    rank 1 a margin later instead of hanging; every later call raises with that cause."""
+    import signal
+    import time
+
+    llm = _tp2(collective_timeout_s=2.0)
+    procs = llm.processes
+    llm.reply_timeout_s = 4.0  # the margin past the collective timeout, shortened for the test
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 1: no reply to generate\(\) within 4 s \(stalled\)"):
+            llm.generate(PROMPTS[:1], _params())
+        assert time.monotonic() - start < 2.0 + 4.0 + 5.0
+        with pytest.raises(WorkerError, match=r"(?s)generate\(\): the worker ranks are gone; they ended on:.*rank 1"):
+            llm.generate(PROMPTS[:1], _params())
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_a_rank_killed_between_calls_is_named_by_the_next_call() -> None:
+    import signal
+
+    llm = _tp2()
+    procs = llm.processes
+    try:
+        assert len(llm.generate(PROMPTS[:1], _params())) == 1
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(10)
+        for _ in range(2):  # the first call finds it gone; later ones repeat the cause (no BrokenPipeError)
+            with pytest.raises(WorkerError, match=r"rank 1 exited \(code -9\)"):
+                llm.generate(PROMPTS[:1], _params())
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)

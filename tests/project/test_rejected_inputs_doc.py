@@ -32,9 +32,17 @@ built-in `tiny-llama` (vocabulary 2048) with the tests' limits (max_model_len 64
 engine cases, 128 for the runner cases, max_num_batched_tokens 64).
 
 Coercions (accepted, documented): numpy integers and floats are accepted wherever Python
-ints and floats are; a repeated decode batch (the steady-decode plan) compares its token
-counts and `num_computed_tokens` by value, so an integral float equal to the expected
-count passes there; `sample_tokens()` without a pending step returns an empty output.
+ints and floats are; tuples wherever lists are; `sample_tokens()` without a pending step
+returns an empty output. Field types are checked on every step, a repeated decode batch (the
+steady-decode plan) included. A KV block a request writes is its own: only full blocks of a
+new request's computed prefix (`num_computed_tokens`, prefix caching) may be held by other
+live requests. A temperature below 1e-5 (`GREEDY_TEMPERATURE`, vLLM's rule; denormals
+included) is greedy. A step that raises hands its finished request ids back to the
+scheduler: the next step carries them again. `LLM.generate`'s `prompts` is a prompt or an
+ordered iterable of prompts (a generator too), each prompt's token ids an ordered sequence
+(list, tuple, range, numpy array): None, sets, bytes and bytearrays are `TypeError`s naming
+the type, as is an `abort_request` id that is not a str; calls after `shutdown()` raise
+`RuntimeError`.
 """
 
 
@@ -73,6 +81,22 @@ def _engine_rows() -> list[str]:
     return rows
 
 
+def _nan_temperature() -> SamplingParams:
+    params = SamplingParams(temperature=0.0)
+    object.__setattr__(params, "temperature", float("nan"))  # changed behind the frozen dataclass
+    return params
+
+
+# Cases of tests/test_step_invariants.py, against the same live request (blocks 40..55).
+STEP_CASES = {
+    "block of another live request": dict(new=[steps._new("bad", [1, 2], blocks=[41])], sched={"bad": 2}),
+    "block twice in one request": dict(new=[steps._new("bad", [1, 2], blocks=[3, 3])], sched={"bad": 2}),
+    "block id past int64": dict(new=[steps._new("bad", [1, 2], blocks=[2**63])], sched={"bad": 2}),
+    "SamplingParams changed after construction": dict(
+        new=[NewRequestData("bad", [1, 2], _nan_temperature(), [3])], sched={"bad": 2}),
+}
+
+
 def _runner_rows() -> list[str]:
     runner = make_runner()
     live = [NewRequestData("live", [3, 1, 4, 1], SamplingParams(temperature=0.0), list(range(40, 56)))]
@@ -85,6 +109,10 @@ def _runner_rows() -> list[str]:
         else:
             error = _error(lambda kwargs=kwargs: steps._step(runner, **kwargs))
         rows.append(f"| {case} | {_cell(error)} |")
+    for case, kwargs in sorted(STEP_CASES.items()):
+        rows.append(f"| {case} | {_cell(_error(lambda kwargs=kwargs: steps._step(runner, **kwargs)))} |")
+    hostile = SchedulerOutput(num_scheduled_tokens={"live": 1}, total_num_scheduled_tokens=1, finished_req_ids=None)
+    rows.append(f"| finished ids None | {_cell(_error(lambda: runner.execute_model(hostile)))} |")
     return rows
 
 

@@ -54,10 +54,12 @@ def requests(draw, vocab):
         frequency_penalty=draw(st.sampled_from([0.0, 0.5, -0.4, 1.5])),
         presence_penalty=draw(st.sampled_from([0.0, 0.8, -1.0])),
         logit_bias=draw(st.dictionaries(token, st.floats(-5, 5, width=32), max_size=4)),
-        allowed_token_ids=draw(st.none() | st.lists(token, min_size=1, max_size=vocab, unique=True)),
-        min_tokens=draw(st.integers(0, 10)),
-        stop_token_ids=draw(st.lists(token, max_size=3)),
-        ignore_eos=draw(st.booleans()),
+        allowed_token_ids=(allowed := draw(st.none() | st.lists(token, min_size=1, max_size=vocab, unique=True))),
+        stop_token_ids=(stop := draw(st.lists(token, max_size=3))),
+        ignore_eos=(ignore_eos := draw(st.booleans())),
+        # min_tokens masking every allowed id is refused at admission: no token could be sampled.
+        min_tokens=draw(st.integers(0, 10)) if allowed is None or not set(allowed) <= set(stop) | (
+            set() if ignore_eos else set(EOS)) else 0,
     )
     return params, history, prompt_len
 

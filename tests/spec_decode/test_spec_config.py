@@ -18,7 +18,9 @@ def test_vllm_shaped_configs_parse():
 
 
 @pytest.mark.parametrize("config, needle", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"method='eagle'; allowed: \('ngram', 'draft_model'\)"),
+    ({"method": "medusa", "num_speculative_tokens": 2},
+     r"method='medusa'; allowed: \('ngram', 'draft_model', 'eagle', 'eagle3'\)"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method 'eagle' needs the head's `model`"),
     ({"method": "ngram", "num_speculative_tokens": -1}, r"num_speculative_tokens=-1 must be an int in \[0, "),
     ({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "must be an int in"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, r"num_speculative_tokens=2.5"),

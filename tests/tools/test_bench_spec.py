@@ -26,6 +26,8 @@ from graphrunner_tools.bench.spec_bench import (
 
 MODEL = "builtin:tiny-llama"
 DRAFT_RUN = "draft tiny-llama synth 0.8, k=2"
+HEAD = "builtin:eagle3-tiny-llama"  # --heads auto: the target's built-in EAGLE-3 head
+HEAD_RUN = "eagle3 eagle3-tiny-llama synth 0.8, k=2"
 # Small settings: the command builds four runners (plain, synthetic, draft, strict) on 2 CI cores.
 CPU_ARGS = ["--models", MODEL, "--batch-sizes", "1,2", "--num-spec", "2", "--steps", "4", "--device", "cpu",
             "--prompt-len", "64", "--warmup", "2", "--drafter-repeats", "5"]
@@ -50,10 +52,11 @@ def test_every_runner_and_batch_is_measured(default_run):
     data, _ = default_run
     assert data["kind"] == "spec" and data["env"]["device"] == "cpu"
     assert [(r["run"], r["error"]) for r in data["runners"]] == [
-        ("plain", None), ("synthetic 0.8, k=2", None), (DRAFT_RUN, None), ("n-gram strict, k=4", None)]
+        ("plain", None), ("synthetic 0.8, k=2", None), (DRAFT_RUN, None), (HEAD_RUN, None),
+        ("n-gram strict, k=4", None)]
     assert sorted((r["method"], r["batch_size"]) for r in data["rows"]) == [
-        ("draft", 1), ("draft", 2), ("plain", 1), ("plain", 2), ("strict", 1), ("strict", 2), ("synthetic", 1),
-        ("synthetic", 2)]
+        ("draft", 1), ("draft", 2), ("eagle3", 1), ("eagle3", 2), ("plain", 1), ("plain", 2), ("strict", 1),
+        ("strict", 2), ("synthetic", 1), ("synthetic", 2)]
     for r in data["rows"]:
         q = 1 + r["k"]
         # Decode steps replay the uniform-decode FULL graph of exactly the batch (no padding).
@@ -66,7 +69,7 @@ def test_every_runner_and_batch_is_measured(default_run):
         assert r["step_vs_plain"] > 0 and r["tokens_per_s_vs_plain"] > 0
         assert (r["drafter"] is None) == (r["k"] == 0)
         assert (r["proposed_per_step"] is None) == (r["k"] == 0)
-        assert r["draft_model"] == (MODEL if r["method"] == "draft" else None)
+        assert r["draft_model"] == {"draft": MODEL, "eagle3": HEAD}.get(r["method"])
 
 
 def test_plain_decode_emits_one_token_per_step(default_run):
@@ -76,7 +79,7 @@ def test_plain_decode_emits_one_token_per_step(default_run):
         assert r["drafts_per_step"] is None and r["acceptance_rate"] is None
 
 
-@pytest.mark.parametrize("method", ["synthetic", "draft"])
+@pytest.mark.parametrize("method", ["synthetic", "draft", "eagle3"])
 def test_synthetic_acceptance_emits_more_than_one_token_per_step(default_run, method):
     plain = _rows(default_run[0], "plain")
     rows = _rows(default_run[0], method)
@@ -94,11 +97,12 @@ def test_synthetic_acceptance_emits_more_than_one_token_per_step(default_run, me
         assert r["tokens_per_s_vs_plain"] == pytest.approx(r["tokens_per_s"] / plain[bs]["tokens_per_s"])
 
 
-def test_draft_model_proposes_k_drafts_every_step(default_run):
-    """Each request holds KV blocks past its new token (the lookahead), so the draft model
-    proposes all k drafts at every step; its rows say which model drafted."""
-    for r in _rows(default_run[0], "draft").values():
-        assert r["run"] == DRAFT_RUN and r["draft_model"] == MODEL
+@pytest.mark.parametrize("method,run,model", [("draft", DRAFT_RUN, MODEL), ("eagle3", HEAD_RUN, HEAD)])
+def test_draft_model_and_head_propose_k_drafts_every_step(default_run, method, run, model):
+    """Each request holds KV blocks past its new token (the lookahead), so the draft model or
+    EAGLE head proposes all k drafts at every step; its rows say which model drafted."""
+    for r in _rows(default_run[0], method).values():
+        assert r["run"] == run and r["draft_model"] == model
         assert r["proposed_per_step"] == 2
 
 
@@ -118,13 +122,13 @@ def test_report_names_targets_and_the_draft_model(default_run):
     assert "builtin:llama-3.2-1b" in data["targets"][2]["name"] and "not measured" in data["targets"][2]["note"]
     assert data["notes"] and all(isinstance(n, str) for n in data["notes"])
     assert f"## {MODEL}" in markdown and "| bs | run | graph | step ms | GPU step ms |" in markdown
-    assert markdown.count("\n| 1 | ") == 4 and markdown.count("\n| 2 | ") == 4
+    assert markdown.count("\n| 1 | ") == 5 and markdown.count("\n| 2 | ") == 5  # five runners
     assert f"Draft model: {MODEL} (the default)" in markdown and "not measured in this run" in markdown
 
 
 def test_zero_acceptance_emits_exactly_one_token_per_step(tmp_path):
     data, _ = _run(tmp_path, "--acceptance", "0", "--ngram-k", "0")
-    for method in ("synthetic", "draft"):
+    for method in ("synthetic", "draft", "eagle3"):
         rows = _rows(data, method)
         assert sorted(rows) == [1, 2]
         for r in rows.values():

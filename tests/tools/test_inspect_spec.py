@@ -19,6 +19,7 @@ from tests.tools.test_inspect_cli import MODEL, fails, reference_table, run_json
 K = 3
 NGRAM = f'{{"method": "ngram", "num_speculative_tokens": {K}}}'
 DRAFT = '{"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2}'
+EAGLE3 = '{"method": "eagle3", "model": "builtin:eagle3-tiny-llama", "num_speculative_tokens": 2}'
 SIZES = [1, 4, 8, 16]
 TABLE = ["--device", "cpu", "--attention-support", "ALWAYS", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
          "--capture-sizes", ",".join(map(str, SIZES))]
@@ -179,6 +180,12 @@ def test_capture_reports_verifying_graphs_and_the_drafter_on_cpu():
     assert "drafter: nodes unavailable in FULL(t=4,r=1,q=4)[greedy]" in text and "emulated" in text
 
 
+def test_capture_attributes_an_eagle_heads_nodes_to_the_drafter_on_cpu():
+    text = run_text("capture", *CAPTURE, "--mode", "FULL_DECODE_ONLY", "--speculative-config", EAGLE3)
+    assert "eagle3 builtin:eagle3-tiny-llama, k=2" in text and "uniform decode q = 1 + 2 = 3" in text
+    assert "drafter: nodes unavailable in FULL(" in text and "emulated" in text
+
+
 @pytest.fixture(scope="module")
 def captured_spec_runner():
     """A FULL_AND_PIECEWISE ngram runner, captured, then measured by `speculative_capture`."""
@@ -260,7 +267,7 @@ def test_node_attribution_is_the_difference_of_two_captures():
 
 # ---- GPU ----------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("config, kernel", [(NGRAM, "_ngram_kernel"), (DRAFT, None)])
+@pytest.mark.parametrize("config, kernel", [(NGRAM, "_ngram_kernel"), (DRAFT, None), (EAGLE3, None)])
 def test_gpu_capture_attributes_nodes_to_the_drafter(config, kernel):
     argv = ["--model", MODEL, "--device", "cuda", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
             "--max-model-len", "64", "--mode", "FULL_AND_PIECEWISE", "--capture-sizes", "4,8"]

@@ -210,7 +210,7 @@ def _register_soak(sub: argparse._SubParsersAction) -> None:
 
 def _register_spec(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "spec", "speculative decoding (FULL graphs): verifying vs plain decode step, tokens per "
-                       "step, tokens/s with and without speculation (n-gram and draft-model drafters), the "
+                       "step, tokens/s with and without speculation (n-gram, draft-model and EAGLE drafters), the "
                        "drafter's time, real n-gram acceptance")
     p.add_argument("--models", default="builtin:llama-3.1-8b,builtin:qwen2.5-0.5b",
                    help="comma-separated models (dummy weights); one runner at a time")
@@ -226,6 +226,10 @@ def _register_spec(sub: argparse._SubParsersAction) -> None:
                    help="draft model of the draft-model runs (synthetic acceptance, each k and rate): auto = "
                         "builtin:llama-3.2-1b for builtin:llama-3.1-8b, builtin:tiny-llama for itself, none for "
                         "other models; none = no draft runs; a model = for every target sharing its vocabulary")
+    p.add_argument("--heads", default="auto",
+                   help="EAGLE heads of the head runs (synthetic acceptance, each k and rate): auto = "
+                        "builtin:eagle3-NAME for a builtin target; none = no head runs; else comma-separated heads "
+                        "(builtin:eagle-NAME, builtin:eagle3-NAME or head folders), each for every target it fits")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps before the timed ones")
     p.add_argument("--gpu-steps", type=int, default=20, help="decode steps timed with CUDA events (CUDA only)")
@@ -254,7 +258,7 @@ def _run_spec(args: argparse.Namespace) -> int:
             models=tuple(m.strip() for m in args.models.split(",") if m.strip()), device=args.device,
             dtype=args.dtype, batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
             num_spec=parse_int_list(args.num_spec, "--num-spec"), acceptance=_float_list(args.acceptance),
-            ngram_k=args.ngram_k, draft_model=args.draft_model, steps=args.steps, warmup=args.warmup,
+            ngram_k=args.ngram_k, draft_model=args.draft_model, heads=args.heads, steps=args.steps, warmup=args.warmup,
             gpu_steps=args.gpu_steps, drafter_repeats=args.drafter_repeats, prompt_len=args.prompt_len, mode=args.mode,
             block_size=args.block_size, compile_backend=args.compile_backend, seed=args.seed,
         )

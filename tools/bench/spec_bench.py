@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -90,6 +90,7 @@ class SpecBenchSpec:
     acceptance: tuple[float, ...] = (0.8,)
     ngram_k: int = 4  # k of the strict n-gram run; 0 skips it
     draft_model: str = "auto"  # "auto": DEFAULT_DRAFT_MODELS; "none": no draft runs; else a model for every target
+    heads: str = "auto"  # EAGLE heads: "auto": builtin:eagle3-NAME of a builtin target; "none"; else comma-separated
     steps: int = 64
     warmup: int = 8
     gpu_steps: int = 20
@@ -162,14 +163,47 @@ def choose_draft_model(target: str, option: str) -> DraftChoice:
     return DraftChoice(draft, f"{draft} ({'the default' if option == 'auto' else '--draft-model'})")
 
 
+HEAD_METHODS = ("eagle", "eagle3")
+
+
+def head_method(head: str) -> str:
+    """The speculative method of a head: its builtin name, or its folder's architecture."""
+    from graphrunner.engine.options import infer_speculative_method
+
+    method = infer_speculative_method(head)
+    if method not in HEAD_METHODS:
+        raise ValueError(f"head {head!r} is not an EAGLE head (builtin:eagle-NAME, builtin:eagle3-NAME or a "
+                         "head folder)")
+    return method
+
+
+def choose_heads(target: str, option: str) -> tuple[list[str], str]:
+    """`option` applied to `target`: the EAGLE heads of its head runs, and a note."""
+    from graphrunner.models.eagle import load_head_config
+    from graphrunner.models.loader import load_model_config
+
+    if option == "none":
+        return [], "none (--heads none)"
+    wanted = ([f"builtin:eagle3-{target.removeprefix('builtin:')}"] if target.startswith("builtin:") else []) \
+        if option == "auto" else [h.strip() for h in option.split(",") if h.strip()]
+    heads, skipped = [], []
+    for head in wanted:
+        try:
+            load_head_config(head, head_method(head)).check_target(load_model_config(target))
+            heads.append(head)
+        except (OSError, ValueError) as e:
+            skipped.append(f"{head} skipped: {e}")
+    return heads, "; ".join(heads + skipped) or "none"
+
+
 @dataclass(frozen=True)
 class Run:
     """One runner configuration: plain, synthetic n-gram, synthetic draft model, or strict n-gram."""
 
-    method: str  # "plain" | "synthetic" | "draft" | "strict"
+    method: str  # "plain" | "synthetic" | "draft" | "eagle" | "eagle3" | "strict"
     k: int = 0
-    acceptance: float | None = None  # synthetic and draft
-    draft: str | None = None  # draft only: the draft model
+    acceptance: float | None = None  # synthetic, draft and head runs
+    draft: str | None = None  # draft: the draft model; eagle, eagle3: the head
 
     @property
     def label(self) -> str:
@@ -180,6 +214,10 @@ class Run:
         if self.method == "draft":
             assert self.draft is not None
             return f"draft {Path(self.draft.removeprefix('builtin:')).name} synth {self.acceptance:g}, k={self.k}"
+        if self.method in HEAD_METHODS:
+            assert self.draft is not None
+            head = Path(self.draft.removeprefix("builtin:")).name
+            return f"{self.method} {head} synth {self.acceptance:g}, k={self.k}"
         return f"n-gram strict, k={self.k}"
 
     def speculative(self) -> dict[str, Any] | None:
@@ -188,6 +226,8 @@ class Run:
         synthetic = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": self.acceptance}
         if self.method == "draft":
             return {"method": "draft_model", "model": self.draft, "num_speculative_tokens": self.k, **synthetic}
+        if self.method in HEAD_METHODS:
+            return {"method": self.method, "model": self.draft, "num_speculative_tokens": self.k, **synthetic}
         config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": self.k, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 4}
         return {**config, **synthetic} if self.method == "synthetic" else config
@@ -196,18 +236,19 @@ class Run:
         """Synthetic acceptance: slot i is reached with probability a^i, so 1 + a + ... + a^k tokens."""
         if self.method == "plain":
             return 1.0
-        if self.method in ("synthetic", "draft"):
+        if self.method in ("synthetic", "draft", *HEAD_METHODS):
             assert self.acceptance is not None
             return float(sum(self.acceptance ** i for i in range(self.k + 1)))
         return None
 
 
-def runs_of(spec: SpecBenchSpec, draft: str | None = None) -> list[Run]:
-    """A model's runners, in order; `draft`: its draft model (None: no draft runs)."""
+def runs_of(spec: SpecBenchSpec, draft: str | None = None, heads: Sequence[str] = ()) -> list[Run]:
+    """A model's runners, in order; `draft`: its draft model (None: no draft runs); `heads`: its EAGLE heads."""
     runs = [Run("plain")]
     runs += [Run("synthetic", k, a) for k in spec.num_spec for a in spec.acceptance]
     if draft is not None:
         runs += [Run("draft", k, a, draft) for k in spec.num_spec for a in spec.acceptance]
+    runs += [Run(head_method(h), k, a, h) for h in heads for k in spec.num_spec for a in spec.acceptance]
     if spec.ngram_k:
         runs.append(Run("strict", spec.ngram_k))
     return runs
@@ -299,7 +340,9 @@ def run_spec_bench(spec: SpecBenchSpec, log: Log = print,
     timer = DeviceTimer(device) if device.type == "cuda" else None
     for model in spec.models:
         log(f"{model}: draft model {result.drafts[model].note}")
-        for run in runs_of(spec, result.drafts[model].model):
+        heads, note = choose_heads(model, spec.heads)
+        log(f"{model}: EAGLE heads {note}")
+        for run in runs_of(spec, result.drafts[model].model, heads):
             _run_one(spec, model, run, device, timer, result, log)
             add_ratios(result.rows)
             result.targets = targets(result.rows)
@@ -428,5 +471,5 @@ def add_ratios(rows: list[SpecRow]) -> None:
 
 
 __all__ = ["DEFAULT_DRAFT_MODELS", "NOTES", "DraftChoice", "Run", "SpecBenchResult", "SpecBenchSpec", "SpecRow",
-           "Target", "add_ratios", "choose_draft_model", "max_model_len", "model_vocab_size", "prompts_of",
-           "run_spec_bench", "runs_of", "spec_markdown", "targets"]
+           "Target", "add_ratios", "choose_draft_model", "choose_heads", "max_model_len", "model_vocab_size",
+           "prompts_of", "run_spec_bench", "runs_of", "spec_markdown", "targets"]

@@ -50,7 +50,8 @@ class Speculation:
     def label(self) -> str:
         if self.method is None:
             return f"k={self.k}"
-        drafter = f"draft_model {self.draft_model}" if self.method == "draft_model" else self.method
+        has_model = self.method in ("draft_model", "eagle", "eagle3")  # a draft model or an EAGLE head
+        drafter = f"{self.method} {self.draft_model}" if has_model else self.method
         return f"{drafter}, k={self.k}"
 
     def to_dict(self) -> dict[str, Any]:
