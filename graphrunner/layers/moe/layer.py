@@ -149,9 +149,13 @@ class FusedMoE(nn.Module):
         self.expert_parallel = tp.expert_parallel and tp.ep_size > 1
         self.dp = tp.dp  # DP + EP: the tokens of every DP replica meet in each layer (DPComm)
         self.num_physical_experts = num_experts
-        self.log2phy: torch.Tensor | None = None  # EPLB: [E, R + 1] physical slots of each logical expert
-        self.replica_count: torch.Tensor | None = None  # EPLB: [E] replicas of each logical expert
-        self.expert_load: torch.Tensor | None = None  # EPLB: [P] tokens routed to each physical slot
+        # EPLB (None without it): [E, R + 1] the physical slots of each logical expert, [E] its
+        # replica count, [P] tokens routed to each physical slot.
+        self.log2phy: torch.Tensor | None
+        self.replica_count: torch.Tensor | None
+        self.expert_load: torch.Tensor | None
+        for name in ("log2phy", "replica_count", "expert_load"):
+            self.register_buffer(name, None, persistent=False)
         if self.expert_parallel:
             ep_size, redundant = tp.ep_size, tp.num_redundant_experts
             physical = num_experts + redundant
