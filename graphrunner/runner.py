@@ -118,6 +118,7 @@ class ModelRunner:
         self.dp: LockstepDP | None = None
         self.ep: Any = None  # DP + EP: the MoE layers' DPComm (load_model)
         self.eplb: Any = None  # EPLB controller (distributed.eplb), with enable_eplb
+        self._side_comms: Any = None  # DBO under DP + EP on CUDA: microbatch 1's communicators
         self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
@@ -149,6 +150,10 @@ class ModelRunner:
         )
         self.body.model = model
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
+        if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
+            from graphrunner.distributed.comm import second_communicators
+
+            self._side_comms = second_communicators(g, tp)
         if par.enable_eplb:
             from graphrunner.distributed.eplb import make_eplb
 
@@ -211,7 +216,8 @@ class ModelRunner:
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name)
         if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
-            self.dp = LockstepDP(self.groups, graphs, self.pp, self.device, ep=self.ep)
+            self.dp = LockstepDP(self.groups, graphs, self.pp, self.device, ep=self.ep,
+                                 side_comms=self._side_comms)
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L,
                                    self.dp.dispatch if self.dp is not None else graphs.dispatch,
                                    reuse_plans=self.dp is None, pcp=self.body.pcp)

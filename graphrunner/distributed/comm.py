@@ -19,6 +19,10 @@ group's name).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -121,6 +125,44 @@ class DPComm:
 
     def __repr__(self) -> str:
         return f"DPComm(size={self.size}, rank={self.rank}, group={self.group_name!r})"
+
+
+def second_communicators(groups, tp: TPComm) -> Callable[[], AbstractContextManager[None]]:
+    """DBO under DP + EP on CUDA: a second TP and DP communicator for the microbatch on the side stream.
+
+    NCCL collectives of one communicator must not run concurrently from two streams; the two
+    microbatches' collectives do, so the side stream's get their own communicators over the same
+    ranks. Returns a context manager that points the layers' `TPComm` / `DPComm` at them while the
+    second microbatch is issued (it runs the eager modules, which read the names per call). Every
+    rank of the world creates every group, in the same order, as `init_distributed` does."""
+    from graphrunner.distributed.groups import group_ranks
+
+    cfg = groups.config
+    layout = group_ranks(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size,
+                         cfg.prefill_context_parallel_size, cfg.decode_context_parallel_size)
+    backend = "nccl" if groups.device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    names = {"tp": tp.group_name, "dp": tp.dp.group_name if tp.dp is not None else ""}
+    for kind in ("tp", "dp"):
+        for ranks in layout[kind]:
+            group = dist.new_group(ranks, backend=backend, timeout=timeout) if len(ranks) > 1 else None
+            if groups.rank in ranks and group is not None:
+                names[kind] = group.group_name
+
+    @contextmanager
+    def use() -> Iterator[None]:
+        saved = tp.group_name, tp.dp.group_name if tp.dp is not None else ""
+        tp.group_name = names["tp"] if tp.size > 1 else tp.group_name
+        if tp.dp is not None:
+            tp.dp.group_name = names["dp"]
+        try:
+            yield
+        finally:
+            tp.group_name = saved[0]
+            if tp.dp is not None:
+                tp.dp.group_name = saved[1]
+
+    return use
 
 
 class TPComm:

@@ -39,12 +39,13 @@ class LockstepDP:
     """
 
     def __init__(self, groups: ParallelGroups, graphs: Any, pp: PipelineStage | None, device: torch.device,
-                 ep: Any = None) -> None:
+                 ep: Any = None, side_comms: Any = None) -> None:
         self.groups = groups
         self.graphs = graphs
         self.pp = pp
         self.device = device
         self.ep = ep  # DP + EP: the MoE layers' DPComm (None: replicas share no collective in the model)
+        self.side_comms = side_comms  # DBO under DP + EP on CUDA: microbatch 1's communicators
         self._coordinator = DPCoordinator(groups.dp.cpu_group, graphs.table, pad_eager=ep is not None)
         self.last_dp_decision: DPDecision | None = None
         self.num_dummy_steps = 0  # idle-replica dummy steps run so far
@@ -97,7 +98,8 @@ class LockstepDP:
         if not config.enable_dbo:
             return False
         if self._ubatch is None:
-            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device, self.ep)
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device, self.ep,
+                                                                self.side_comms)
         return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
                                 config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
 

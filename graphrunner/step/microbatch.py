@@ -42,11 +42,15 @@ rank's own. The whole step is padded to the agreed token count T_pad (the coordi
 `pad_eager`), and each microbatch's MoE layers pad their tokens to T_pad (`DPComm.pad_tokens`):
 both halves are shorter than T_pad, so that size fits every rank's cut. Such microbatches run
 the model's eager modules (the padding target is a host value a compiled piece would bake in).
+On CUDA microbatch 1's collectives (the DP all-gather / reduce-scatter and the TP all-reduce)
+go over a second set of communicators, so that they overlap microbatch 0's attention and expert
+GEMMs without two streams sharing one NCCL communicator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -119,9 +123,12 @@ class Microbatcher:
     `StepBody.forward_and_sample` calls `forward` instead of its whole-batch forward while armed.
     """
 
-    def __init__(self, max_num_reqs: int, device: torch.device, ep: Any = None) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, ep: Any = None, side_comms: Any = None) -> None:
         self.device = device
         self.ep = ep  # DP + EP: the MoE layers' DPComm, whose pad_tokens each microbatch sets
+        # DP + EP on CUDA: a context manager giving the side stream's microbatch its own communicators
+        # (comm.second_communicators): one NCCL communicator must not run on two streams at once.
+        self.side_comms = side_comms
         self.qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)  # microbatch 1's query_start_loc
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # microbatch 1 runs here
@@ -172,7 +179,7 @@ class Microbatcher:
         self.forked.record(main)  # the prepared inputs (and microbatch 1's query_start_loc) are ready
         out0 = self._forward(body, first)
         self.stream.wait_event(self.forked)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), (self.side_comms() if self.side_comms is not None else nullcontext()):
             out1 = self._forward(body, second)
             self.joined.record(self.stream)
         main.wait_event(self.joined)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.distributed.eplb import balanced_placement, load_balance
+from graphrunner.distributed.eplb import balanced_placement
 from tests.dist_utils import run_world
 
 PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(4)] + [[7] * 20, [3, 4]]
