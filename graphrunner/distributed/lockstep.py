@@ -49,6 +49,7 @@ class LockstepDP:
         self._coordinator = DPCoordinator(groups.dp.cpu_group, graphs.table, pad_eager=ep is not None)
         self.last_dp_decision: DPDecision | None = None
         self.num_dummy_steps = 0  # idle-replica dummy steps run so far
+        self.num_steps = 0  # steps this replica ran in lockstep (its own or a dummy)
         self._ubatch: Microbatcher | None = None  # DBO (built with the first step that wants it)
 
     @property
@@ -88,6 +89,7 @@ class LockstepDP:
             decision = self._coordinator.coordinate(report)
         self.last_dp_decision = decision
         plan = decision.for_rank(self.groups.dp_rank)
+        self.num_steps += not plan.skip
         if self._ubatch is not None:
             self._ubatch.arm(plan.ubatch_split if plan.microbatch and not plan.dummy else None)
         return plan

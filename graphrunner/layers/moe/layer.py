@@ -160,9 +160,10 @@ class FusedMoE(nn.Module):
             ep_size, redundant = tp.ep_size, tp.num_redundant_experts
             physical = num_experts + redundant
             if redundant < 0 or physical % ep_size:
+                slots = f" + num_redundant_experts={redundant} = {physical}" if redundant else ""
                 raise ValueError(
-                    f"expert parallelism over {ep_size} ranks needs num_experts + num_redundant_experts = "
-                    f"{num_experts} + {redundant} = {physical} to be a multiple of {ep_size}"
+                    f"expert parallelism over {ep_size} ranks needs num_experts={num_experts}{slots} to be a "
+                    f"multiple of {ep_size}"
                 )
             self.num_physical_experts = physical
             self.num_local_experts, self.intermediate_local = physical // ep_size, inter
