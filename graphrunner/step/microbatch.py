@@ -170,7 +170,7 @@ class Microbatcher:
         return torch.cat(out)  # [T_pad, H]
 
     def _forward(self, body: Any, half: InputBatch) -> Any:
-        return body.forward(half, modules=self.ep is not None)
+        return body.forward(half, modules=True) if self.ep is not None else body.forward(half)
 
     def _two_streams(self, body: Any, first: InputBatch, second: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Microbatch 0 on the current stream, 1 on the side stream; the current stream waits for both."""

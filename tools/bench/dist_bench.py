@@ -453,8 +453,8 @@ def _markdown(results: list[dict]) -> str:
                          f"| {idle} |")
     experts = [r for r in results if "lockstep_steps" in r or "eplb" in r]
     if experts:
-        lines += ["", "| config | lockstep steps | DBO microbatched | per-rank expert load max/mean: window before each "
-                  "rebalance -> as placed; last window |", "|---|---|---|---|"]
+        lines += ["", "| config | lockstep steps | DBO microbatched | per-rank expert load max/mean: window "
+                  "before each rebalance -> as placed; last window |", "|---|---|---|---|"]
     for r in experts:
         steps, ub = r.get("lockstep_steps", 0), r.get("dbo_microbatched_steps", 0)
         e = r.get("eplb")
