@@ -283,18 +283,38 @@ class ParallelConfig:
     pp_token_placeholders: bool = True
     # Mixture-of-experts layers split their experts over the TP ranks (each rank holds E / TP whole
     # experts) instead of splitting every expert's width (vLLM's name). Dense layers are unaffected.
+    # With data_parallel_size > 1 the experts spread over every DP x TP rank and every layer's tokens
+    # meet across the replicas, so the replicas step in lockstep (data_parallel_lockstep is implied).
     enable_expert_parallel: bool = False
+    # Expert load balancing (vLLM's names; graphrunner/distributed/eplb.py): each MoE layer holds
+    # num_experts + num_redundant_experts physical expert slots; the load routed to each is counted
+    # inside the step, and every eplb_step_interval steps the experts are re-placed (the hottest
+    # replicated, ranks balanced) by the load of the last eplb_window_size steps.
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders", "enable_expert_parallel"):
+        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders", "enable_expert_parallel",
+                     "enable_eplb"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                      "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+                     "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "eplb_window_size",
+                     "eplb_step_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"num_redundant_experts={r!r} must be an int >= 0")
+        if (self.enable_eplb or r) and not self.enable_expert_parallel:
+            raise ValueError(f"enable_eplb={self.enable_eplb}, num_redundant_experts={r} need "
+                             "enable_expert_parallel=True: EPLB places whole experts on ranks")
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            object.__setattr__(self, "data_parallel_lockstep", True)  # the replicas' tokens meet in each MoE layer
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be positive")
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size

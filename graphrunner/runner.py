@@ -138,6 +138,9 @@ class ModelRunner:
         self.pp = PipelineStage(groups, max_num_reqs=L.max_num_reqs, num_rows=self.state.requests.num_rows,
                                 device=self.device, spec=spec) if groups.pp_size > 1 else None
         self.dp: LockstepDP | None = None
+        self.ep: Any = None  # DP + EP: the MoE layers' DPComm (load_model)
+        self.eplb: Any = None  # EPLB controller (distributed.eplb), with enable_eplb
+        self._side_comms: Any = None  # DBO under DP + EP on CUDA: microbatch 1's communicators
         self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
         self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
@@ -162,13 +165,23 @@ class ModelRunner:
         from graphrunner.models.loader import load_model
 
         start = time.perf_counter()
-        g = self.groups
-        tp = TPComm.from_groups(g, expert_parallel=self.config.parallel.enable_expert_parallel)
+        g, par = self.groups, self.config.parallel
+        tp = TPComm.from_groups(g, expert_parallel=par.enable_expert_parallel,
+                                num_redundant_experts=par.num_redundant_experts, record_expert_load=par.enable_eplb)
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
             tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
         )
         self.body.model = model
+        self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
+        if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
+            from graphrunner.distributed.comm import second_communicators
+
+            self._side_comms = second_communicators(g, tp)
+        if par.enable_eplb:
+            from graphrunner.distributed.eplb import make_eplb
+
+            self.eplb = make_eplb(model, tp, g, par.eplb_window_size, par.eplb_step_interval)
         # Microbatches run side by side on two streams: each MoE layer call then takes its own buffers.
         if not self.config.parallel.enable_dbo:
             model.allocate_workspace(self.limits.max_num_tokens)
@@ -233,6 +246,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks={num_blocks} must be positive")
         shape, L = self.kv_cache_shape, self.limits
         self.buffers.kv_caches = shape.allocate(num_blocks, self.device)
+        if self.eplb is not None:  # profiling's dummy steps routed tokens too
+            self.eplb.step_load.zero_()
         self.buffers.block_tables = self.state.init_block_tables(L.max_num_blocks_per_req, L.block_size, num_blocks)
         if self.body.spec is not None:  # a draft model's KV lives in the same blocks
             self.buffers.draft_kv_caches = self.body.spec.attach_kv_cache(self.buffers.block_tables, num_blocks)
@@ -247,7 +262,8 @@ class ModelRunner:
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name,
                                           lazy_variants=lazy)
         if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
-            self.dp = LockstepDP(self.groups, graphs, self.pp, self.device)
+            self.dp = LockstepDP(self.groups, graphs, self.pp, self.device, ep=self.ep,
+                                 side_comms=self._side_comms)
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L,
                                    self.dp.dispatch if self.dp is not None else graphs.dispatch,
                                    reuse_plans=self.dp is None, pcp=self.body.pcp)
@@ -263,6 +279,8 @@ class ModelRunner:
         with self.compile_cache_scope():
             self.capture_report = report = graphs.capture(inspect_nodes=inspect_nodes, progress=progress)
         self.startup_times.compile, self.startup_times.capture = report.compile_seconds, report.total_seconds
+        if self.eplb is not None:  # capture's dummy steps routed tokens too: count served steps only
+            self.eplb.step_load.zero_()
         return report
 
     def shutdown(self) -> None:
@@ -323,8 +341,8 @@ class ModelRunner:
 
             # 3. Nothing scheduled: an idle lockstep-DP replica still joins its peers' collectives.
             if so.total_num_scheduled_tokens == 0:
-                if self.dp is not None:
-                    self.dp.idle_step()
+                if self.dp is not None and self.dp.idle_step() and self.eplb is not None:
+                    self.eplb.step()
                 return
 
             # 4. Plan the batch: order decode-first, dispatch (agreed under lockstep DP), upload.
@@ -366,6 +384,9 @@ class ModelRunner:
                     current.full_graph = graph
         except RuntimeError as e:  # under TP/PP/DP: a CollectiveError naming this rank
             self.groups.raise_step_failure(e)
+        if self.eplb is not None:  # outside the graphs: the step's expert load; every interval a rebalance
+            with self.groups.exchange("EPLB rebalance (expert weights between the EP ranks)"):
+                self.eplb.step()
         produces, all_produce, verify = planner.advance(batch, plan)
         if self.pp is not None:  # send on; exchange the sampled tokens
             positions = requests.num_computed_np[batch.idx_mapping_np] if self.pp.defers_tokens else None

@@ -20,7 +20,10 @@ function `coordinate(reports, table)`:
    mode, the table's candidate of exactly the agreed mode is taken, else NONE.
 6. Idle ranks run a dummy step of the agreed descriptor (`RankPlan.dummy`). Under NONE a
    busy rank runs its own batch unpadded (docs/architecture.md §4) and the descriptor is
-   NONE(max tokens, max reqs): the agreed size an idle rank's dummy step uses.
+   NONE(max tokens, max reqs): the agreed size an idle rank's dummy step uses. With
+   `pad_eager` (expert parallelism across the replicas: every MoE layer all-gathers its
+   tokens over the DP group, which needs equal sizes) a busy rank under NONE pads its
+   tokens to the agreed max too, with its own request count, as PIECEWISE does.
 7. Microbatching (two microbatches, split at `split = padded // 2` where padded is the
    agreed token count): all-or-nothing -- every rank must want it -- and abandoned when
    any rank's second microbatch would be empty, i.e. unless
@@ -193,6 +196,7 @@ class DPDecision:
     real_tokens: tuple[int, ...]
     real_reqs: tuple[int, ...]
     run_tokens: tuple[int, ...]
+    pad_eager: bool = False  # busy ranks under NONE pad their tokens to the agreed max (DP + EP)
 
     @property
     def skip(self) -> bool:
@@ -213,7 +217,8 @@ class DPDecision:
         if d is None:
             return None
         if d.is_eager and self.real_tokens[rank] > 0:
-            return BatchExecutionDescriptor(CUDAGraphMode.NONE, self.real_tokens[rank], self.real_reqs[rank])
+            tokens = d.num_tokens if self.pad_eager else self.real_tokens[rank]
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, tokens, self.real_reqs[rank])
         return d
 
     def for_rank(self, rank: int) -> RankPlan:
@@ -252,7 +257,7 @@ def _capped(table: DispatchTable, desc: BatchExecutionDescriptor, mode: CUDAGrap
     return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
 
 
-def coordinate(reports: Sequence[DPReport], table: DispatchTable) -> DPDecision:
+def coordinate(reports: Sequence[DPReport], table: DispatchTable, pad_eager: bool = False) -> DPDecision:
     """The DP decision from every rank's report (pure; the same on every rank). See the module doc."""
     if not reports:
         raise ValueError("coordinate() needs one report per DP rank, got none")
@@ -260,7 +265,7 @@ def coordinate(reports: Sequence[DPReport], table: DispatchTable) -> DPDecision:
     real_reqs = tuple(r.num_reqs for r in reports)
     busy = [r for r in reports if not r.idle]
     if not busy:
-        return DPDecision(None, 0, 0, None, False, None, real_tokens, real_reqs, (0,) * len(reports))
+        return DPDecision(None, 0, 0, None, False, None, real_tokens, real_reqs, (0,) * len(reports), pad_eager)
 
     num_tokens = max(real_tokens)
     num_reqs = max(real_reqs)
@@ -271,7 +276,7 @@ def coordinate(reports: Sequence[DPReport], table: DispatchTable) -> DPDecision:
     desc = _capped(table, table.dispatch(num_reqs, num_tokens, q), mode, num_reqs, num_tokens, q)
     if desc.is_eager:
         desc = BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
-        run_tokens = tuple(t if t > 0 else num_tokens for t in real_tokens)
+        run_tokens = tuple(t if t > 0 and not pad_eager else num_tokens for t in real_tokens)
     else:
         run_tokens = (desc.num_tokens,) * len(reports)
 
@@ -280,7 +285,8 @@ def coordinate(reports: Sequence[DPReport], table: DispatchTable) -> DPDecision:
     # All-or-nothing, and every rank's second microbatch [split, real) must hold a real token.
     microbatch = all(r.wants_microbatch for r in reports) and split >= 1 and min(real_tokens) > split
     return DPDecision(
-        desc, num_tokens, num_reqs, q, microbatch, split if microbatch else None, real_tokens, real_reqs, run_tokens
+        desc, num_tokens, num_reqs, q, microbatch, split if microbatch else None, real_tokens, real_reqs, run_tokens,
+        pad_eager,
     )
 
 
@@ -295,12 +301,14 @@ class DPCoordinator:
     table: this rank's DispatchTable (the same configuration on every DP rank).
     timeout_s: how long to wait for the all-reduce before a RuntimeError naming the
         collective (None: the group's own timeout).
+    pad_eager: busy ranks under NONE pad to the agreed token count (rule 6; DP + EP).
     """
 
     def __init__(self, cpu_group: dist.ProcessGroup | None, table: DispatchTable, *,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, pad_eager: bool = False) -> None:
         self.group = cpu_group
         self.table = table
+        self.pad_eager = pad_eager
         self.timeout_s = timeout_s
         if cpu_group is None:
             self.dp_size, self.dp_rank = 1, 0
@@ -339,7 +347,7 @@ class DPCoordinator:
 
     def coordinate(self, report: DPReport) -> DPDecision:
         """One all-reduce, then the shared decision (use `.for_rank(self.dp_rank)` for this rank's plan)."""
-        decision = coordinate(self.gather_reports(report), self.table)
+        decision = coordinate(self.gather_reports(report), self.table, self.pad_eager)
         self.last_decision = decision
         return decision
 

@@ -10,6 +10,10 @@ matches). With `enable_dbo` too, each report says whether the rank would split i
 when the decision says microbatch, the step runs eagerly and its forward as two
 microbatches on two streams (`graphrunner.step.microbatch`), counted in
 `num_microbatched_steps`.
+
+With expert parallelism across the replicas (`ep`, the MoE layers' `DPComm`) every MoE layer
+gathers its tokens over the DP group, so every rank must run exactly the agreed token count
+in every mode: eager steps pad to it too (the coordinator's `pad_eager`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ class LockstepDP:
     pp: the rank's pipeline stage (a dummy step exchanges like a real one), None without PP.
     """
 
-    def __init__(self, groups: ParallelGroups, graphs: Any, pp: PipelineStage | None, device: torch.device) -> None:
+    def __init__(self, groups: ParallelGroups, graphs: Any, pp: PipelineStage | None, device: torch.device,
+                 ep: Any = None, side_comms: Any = None) -> None:
         self.groups = groups
         self.graphs = graphs
         self.pp = pp
         self.device = device
-        self._coordinator = DPCoordinator(groups.dp.cpu_group, graphs.table)
+        self.ep = ep  # DP + EP: the MoE layers' DPComm (None: replicas share no collective in the model)
+        self.side_comms = side_comms  # DBO under DP + EP on CUDA: microbatch 1's communicators
+        self._coordinator = DPCoordinator(groups.dp.cpu_group, graphs.table, pad_eager=ep is not None)
         self.last_dp_decision: DPDecision | None = None
         self.num_dummy_steps = 0  # idle-replica dummy steps run so far
+        self.num_steps = 0  # steps this replica ran in lockstep (its own or a dummy)
         self._ubatch: Microbatcher | None = None  # DBO (built with the first step that wants it)
 
     @property
@@ -55,17 +63,20 @@ class LockstepDP:
         plan = self._coordinate(num_reqs, num_tokens, uniform, force_eager)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
         if plan.microbatch:  # two microbatches run eagerly at this rank's real size (step/microbatch.py)
-            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+            tokens = plan.descriptor.num_tokens if self.ep is not None else num_tokens  # DP + EP: the agreed one
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, tokens, num_reqs)
         return plan.descriptor
 
-    def idle_step(self) -> None:
+    def idle_step(self) -> bool:
         """A replica with nothing scheduled: join the coordination and run a dummy step of the
-        agreed size, so that every collective inside the step (TP, PP) matches."""
+        agreed size, so that every collective inside the step (TP, PP, EP) matches. False when
+        every replica was idle and nobody ran anything."""
         plan = self._coordinate(0, 0, None)
         if plan.descriptor is None:  # every replica is idle: nobody runs anything
-            return
+            return False
         self.num_dummy_steps += 1
         self._dummy_step(plan.descriptor)
+        return True
 
     def _coordinate(self, num_reqs: int, num_tokens: int, uniform: int | None, force_eager: bool = False) -> RankPlan:
         """One DP all-reduce; returns this rank's `RankPlan` (and arms or disarms DBO's split)."""
@@ -78,6 +89,7 @@ class LockstepDP:
             decision = self._coordinator.coordinate(report)
         self.last_dp_decision = decision
         plan = decision.for_rank(self.groups.dp_rank)
+        self.num_steps += not plan.skip
         if self._ubatch is not None:
             self._ubatch.arm(plan.ubatch_split if plan.microbatch and not plan.dummy else None)
         return plan
@@ -88,7 +100,8 @@ class LockstepDP:
         if not config.enable_dbo:
             return False
         if self._ubatch is None:
-            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device)
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device, self.ep,
+                                                                self.side_comms)
         return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
                                 config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
 

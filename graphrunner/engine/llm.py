@@ -99,7 +99,8 @@ class LLM:
             shares nothing across them); True: they step together, agreeing on each step's
             descriptor (one CPU all-reduce) with dummy steps on idle replicas.
         enable_expert_parallel: a mixture-of-experts model's layers split their experts over the TP
-            ranks (E / TP whole experts each) instead of every expert's width (vLLM's name).
+            ranks (E / TP whole experts each) instead of every expert's width (vLLM's name); with
+            data_parallel_size > 1 over all DP x TP ranks, the replicas then stepping in lockstep.
         collective_timeout_s: a dead or stalled peer makes collectives raise after this long.
         speculative_config: speculative decoding in vLLM's shape, e.g. {"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -113,7 +114,8 @@ class LLM:
         revision, tokenizer_revision: hub revisions (vLLM's names); graphrunner loads local folders,
             which have none, so only None is accepted.
         trust_remote_code: refused when True: graphrunner runs no code from a model folder.
-        **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's of `ParallelConfig` (enable_dbo, ...).
+        **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
+            (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,9 @@ from graphrunner.config import CompilationConfig, ParallelConfig, SpeculativeCon
 from graphrunner.protocol import SamplingParams
 
 _COMPILATION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompilationConfig)) - {"enforce_eager"}
-PARALLEL_EXTRA_FIELDS = (*DBO_FIELDS, "pp_token_placeholders")  # ParallelConfig fields LLM takes as extra keywords
+EPLB_FIELDS = ("enable_eplb", "num_redundant_experts", "eplb_window_size", "eplb_step_interval")
+# ParallelConfig fields LLM takes as extra keywords
+PARALLEL_EXTRA_FIELDS = (*DBO_FIELDS, *EPLB_FIELDS, "pp_token_placeholders")
 
 
 def check_compilation_kwargs(kwargs: Mapping[str, Any]) -> None:

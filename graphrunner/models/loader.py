@@ -629,7 +629,7 @@ def load_model(
     start = time.perf_counter()
     model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
                              pp_size=pp_size, kernel=kernel)
-    sharded = model.tp.size > 1 or pp_size > 1
+    sharded = model.tp.ep_size > 1 or pp_size > 1  # ep_size: TP, times DP under DP + EP
     if load_config.load_format == "dummy" or is_builtin(load_config.model):
         if sharded:
             init_dummy_weights_sharded(model, seed=load_config.seed)

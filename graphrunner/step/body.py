@@ -114,10 +114,13 @@ class StepBody:
         refresh_counts(states.counts, states.counts_stale, states.all_token_ids, rows, states.prompt_len,
                        s.prefill_len[rows.long()], clear=True, use_triton_kernel=use_triton(states.counts))
 
-    def forward(self, batch: InputBatch, piecewise: bool = False) -> Any:
-        """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage)."""
+    def forward(self, batch: InputBatch, piecewise: bool = False, modules: bool = False) -> Any:
+        """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage).
+        `modules`: the model's eager modules even when a compiled form exists."""
         assert self.model is not None, "load_model() before running a step"
-        if piecewise:
+        if modules:
+            forward = self.model
+        elif piecewise:
             forward = self.compiled
         elif self.compiled is not None:
             forward = self.compiled.run_compiled  # FULL graph bodies: fused kernels, no piece graphs

@@ -35,11 +35,22 @@ Graphs: a microbatched step runs eagerly (NONE; with the compiled model's fused 
 graph modes are on, no piece graphs and no FULL graph: a FULL graph of the two-stream step is
 not captured). Under TP each half's all-reduces are issued in host order, half 0 then half 1,
 the same on every rank. PP and PCP are refused with DBO (`ParallelConfig`).
+
+Under expert parallelism across the replicas (DP + EP) every MoE layer all-gathers its tokens
+over the DP group, which needs the same count on every replica, while the cut point is each
+rank's own. The whole step is padded to the agreed token count T_pad (the coordinator's
+`pad_eager`), and each microbatch's MoE layers pad their tokens to T_pad (`DPComm.pad_tokens`):
+both halves are shorter than T_pad, so that size fits every rank's cut. Such microbatches run
+the model's eager modules (the padding target is a host value a compiled piece would bake in).
+On CUDA microbatch 1's collectives (the DP all-gather / reduce-scatter and the TP all-reduce)
+go over a second set of communicators, so that they overlap microbatch 0's attention and expert
+GEMMs without two streams sharing one NCCL communicator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -112,8 +123,12 @@ class Microbatcher:
     `StepBody.forward_and_sample` calls `forward` instead of its whole-batch forward while armed.
     """
 
-    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, ep: Any = None, side_comms: Any = None) -> None:
         self.device = device
+        self.ep = ep  # DP + EP: the MoE layers' DPComm, whose pad_tokens each microbatch sets
+        # DP + EP on CUDA: a context manager giving the side stream's microbatch its own communicators
+        # (comm.second_communicators): one NCCL communicator must not run on two streams at once.
+        self.side_comms = side_comms
         self.qsl = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)  # microbatch 1's query_start_loc
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # microbatch 1 runs here
@@ -140,23 +155,32 @@ class Microbatcher:
         if cut is None or batch.pcp is not None or not body.is_last_stage or body.buffers.stage.hidden_in is not None:
             return body.forward(batch)
         first, second = split_batch(batch, *cut, self.qsl)
-        if self.stream is None:  # CPU: one after the other
-            out = (body.forward(first), body.forward(second))
-        else:
-            out = self._two_streams(body, first, second)
+        if self.ep is not None:
+            self.ep.pad_tokens = batch.num_tokens_padded
+        try:
+            if self.stream is None:  # CPU: one after the other
+                out = (self._forward(body, first), self._forward(body, second))
+            else:
+                out = self._two_streams(body, first, second)
+        finally:
+            if self.ep is not None:
+                self.ep.pad_tokens = None
         self.num_steps += 1
         self.last_cut = cut
         return torch.cat(out)  # [T_pad, H]
+
+    def _forward(self, body: Any, half: InputBatch) -> Any:
+        return body.forward(half, modules=True) if self.ep is not None else body.forward(half)
 
     def _two_streams(self, body: Any, first: InputBatch, second: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Microbatch 0 on the current stream, 1 on the side stream; the current stream waits for both."""
         assert self.stream is not None and self.forked is not None and self.joined is not None
         main = torch.cuda.current_stream(self.device)
         self.forked.record(main)  # the prepared inputs (and microbatch 1's query_start_loc) are ready
-        out0 = body.forward(first)
+        out0 = self._forward(body, first)
         self.stream.wait_event(self.forked)
-        with torch.cuda.stream(self.stream):
-            out1 = body.forward(second)
+        with torch.cuda.stream(self.stream), (self.side_comms() if self.side_comms is not None else nullcontext()):
+            out1 = self._forward(body, second)
             self.joined.record(self.stream)
         main.wait_event(self.joined)
         out1.record_stream(main)  # allocated on the side stream, read on the current one

@@ -125,6 +125,27 @@ def test_decision_invariants(world, rnd):
 
 
 @settings(deadline=None)
+@given(worlds())
+def test_expert_parallel_agreement_runs_one_size_on_every_rank(world):
+    """DP + EP (`pad_eager`): every MoE layer all-gathers over the DP group, so every rank, busy or
+    idle, runs exactly the agreed token count in every mode, eager included; the rest of the
+    decision (descriptor, microbatch vote and split) is the plain one."""
+    table, reports = world
+    plain, d = coordinate(reports, table), coordinate(reports, table, pad_eager=True)
+    assert (d.descriptor, d.num_tokens, d.num_reqs, d.microbatch, d.ubatch_split) == (
+        plain.descriptor, plain.num_tokens, plain.num_reqs, plain.microbatch, plain.ubatch_split)
+    if d.skip:
+        return
+    sizes = {d.for_rank(rank).descriptor.num_tokens for rank in range(len(reports))}
+    assert sizes == {d.descriptor.num_tokens} and set(d.run_tokens) == sizes
+    for rank, r in enumerate(reports):  # a busy rank keeps its own request count (tokens padded only)
+        plan = d.for_rank(rank)
+        assert plan.descriptor.num_tokens >= r.num_tokens
+        if d.descriptor.is_eager and not r.idle:
+            assert plan.descriptor.num_reqs == r.num_reqs and not plan.dummy
+
+
+@settings(deadline=None)
 @given(tables(), st.data())
 def test_single_rank_decision_is_the_local_dispatch(table, data):
     n, t, q, _, _ = data.draw(rank_batch(table).filter(lambda b: b[1] > 0))

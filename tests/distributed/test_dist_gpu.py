@@ -110,7 +110,17 @@ TWO_GPU_LAYOUTS = {
     # the fused MoE kernels and the layer's NCCL all-reduce inside FULL graphs and PIECEWISE pieces.
     "moe-tp2": dict(model="builtin:tiny-moe", tensor_parallel_size=2),
     "moe-tp2-ep": dict(model="builtin:tiny-moe", tensor_parallel_size=2, enable_expert_parallel=True),
+    # Data-parallel attention with expert parallelism: 4 experts per GPU, every MoE layer's NCCL
+    # all-gather / reduce-scatter over the DP group captured in FULL graphs; lockstep with dummy steps.
+    "moe-dp2-ep": dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True),
+    "moe-dp2-ep-dbo": dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True,
+                           enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4),
 }
+
+# EPLB: (8 + 2) slots over two GPUs, rebalanced every 4 steps while the requests run (weights over NCCL
+# point to point, tables rewritten in place): the tokens stay one GPU's and nothing is recaptured.
+EPLB_LAYOUT = dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                   num_redundant_experts=2, eplb_step_interval=4)
 
 FOUR_GPU_LAYOUTS = {  # combined parallelism
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),  # the pipelined engine (2 in flight)
@@ -128,6 +138,14 @@ FOUR_GPU_LAYOUTS = {  # combined parallelism
 @pytest.mark.parametrize("name", list(TWO_GPU_LAYOUTS))
 def test_two_gpu_layouts_match_one_gpu(references, tmp_path, name: str) -> None:
     _check(references, tmp_path, TWO_GPU_LAYOUTS[name])
+
+
+@pytest.mark.gpu
+def test_eplb_rebalances_without_recapture_and_matches_one_gpu(references, tmp_path) -> None:
+    info = _check(references, tmp_path, EPLB_LAYOUT)
+    assert info["rearrangements"] > 0, info
+    assert info["captures_after_load"] == 0, f"a rebalance recaptured graphs: {info}"
+    assert info["dummy_steps"] > 0, info
 
 
 @pytest.mark.gpu
@@ -166,6 +184,7 @@ def _worker(layout: dict, out_path: str) -> None:
                 num_kv_blocks=128, enforce_eager=False, cudagraph_mode="FULL_AND_PIECEWISE",
                 collective_timeout_s=120.0, seed=5)
     llm = LLM(model, **{**args, **layout})
+    generation = llm.runner.graphs.generation  # bumped by every capture and release
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
     pcp = llm.runner.body.pcp
@@ -182,6 +201,9 @@ def _worker(layout: dict, out_path: str) -> None:
         "split_steps": pcp.num_split_steps if pcp is not None else 0,
         "keep_in_flight": llm._keep_in_flight,
         "dummy_steps": sum(dummy_steps),
+        "rearrangements": len(llm.runner.eplb.rearrangements) if llm.runner.eplb is not None else 0,
+        "captures_after_load": llm.runner.graphs.generation - generation,
+        "microbatched": llm.runner.dp.num_microbatched_steps if llm.runner.dp is not None else 0,
     }
     rank = llm.groups.rank
     llm.shutdown()  # graphs and pool, then the process groups: must not hang

@@ -10,7 +10,9 @@ A configuration is named by its sizes and a mode: `tp2`, `pp4`, `tp2pp2`, `dp4`,
 optionally followed by `sync` (PP resolving every step at once: not pipelined, the before of
 pipelining), `disjoint` (pipelined PP with `pp_token_placeholders=False`: P disjoint batches in
 flight, each resolved at the host before its requests run again), `lock` (lockstep DP) or
-`lockdbo` (lockstep DP with dual batch overlap).
+`lockdbo` (lockstep DP with dual batch overlap). `ep` after the sizes makes a MoE model's experts
+expert parallel (over DP x TP under DP, lockstep implied: `dp2ep`, `dp2eplockdbo`, `tp2ep`), `eplb`
+adds expert load balancing (--num-redundant-experts, --eplb-step-interval).
 
 * decode (configs without DP): decode step wall time (engine step: schedule, execute, sample,
   D2H) of `bs` requests for each of --batch-sizes, median over the steps in which every request
@@ -30,6 +32,10 @@ flight, each resolved at the host before its requests run again), `lock` (lockst
   steps) over real tokens. dp2lock and dp2lockdbo also measure throughput over --batch-sizes
   requests with the microbatched step count (DBO: steps every replica agrees to split run their
   forward as two microbatches on two streams, eagerly; thresholds --dbo-*-token-threshold).
+* expert parallelism (ep / eplb configs): the lockstep steps run and those split into two
+  microbatches (the DBO fraction: `dbo_microbatched_steps` / `lockstep_steps`); with eplb the
+  per-rank expert load max/mean of each window before a rebalance (the first: the initial
+  placement, i.e. without EPLB) and as the placement chosen spreads it, and over the last window.
 * --throughput (the older form): --batch-sizes are request counts of the throughput pass and
   no decode pass runs.
 
@@ -51,7 +57,7 @@ from pathlib import Path
 from graphrunner_tools.bench.worlds import add_world_args, all_ok, run_as_worker, run_worlds, write_result
 
 PROMPT_LEN = 32  # the default --prompt-len
-_NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(sync|disjoint|lockdbo|lock)?$")
+_NAME = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?(?:tp(\d+))?(eplb|ep)?(sync|disjoint|lockdbo|lock)?$")
 
 
 def _dummy_steps(llm) -> int:
@@ -78,6 +84,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     mode: str = ""  # "", "sync" (PP not pipelined), "disjoint" (PP without placeholders), "lock", "lockdbo"
+    experts: str = ""  # "", "ep" (expert parallel over DP x TP; lockstep implied under DP), "eplb" (and EPLB)
 
     @property
     def world_size(self) -> int:
@@ -85,19 +92,20 @@ class Layout:
 
     @property
     def lockstep(self) -> bool:
-        return self.mode.startswith("lock")
+        return self.mode.startswith("lock") or (bool(self.experts) and self.dp > 1)
 
 
 def parse_layout(name: str) -> Layout:
     """`tp4`, `tp2pp2`, `pp4sync`, `dp2tp2`, `dp2lockdbo`, ... (ValueError naming the forms)."""
     m = _NAME.match(name)
     if not name or m is None or not any(m.group(i) for i in (1, 2, 3, 4)):
-        raise ValueError(f"config {name!r}: expected sizes tpN, ppN, dpN (in that order, or dpNtpN) "
-                         "and an optional mode sync, disjoint, lock or lockdbo, e.g. tp2pp2, pp4sync, dp2lock")
-    tp, pp, dp, tp_after, mode = m.groups()
+        raise ValueError(f"config {name!r}: expected sizes tpN, ppN, dpN (in that order, or dpNtpN), optionally "
+                         "ep or eplb, and an optional mode sync, disjoint, lock or lockdbo, e.g. tp2pp2, pp4sync, "
+                         "dp2lock, dp2ep, dp2eplockdbo, tp2eplb")
+    tp, pp, dp, tp_after, experts, mode = m.groups()
     if tp and tp_after:
         raise ValueError(f"config {name!r}: tp given twice")
-    layout = Layout(name, int(tp or tp_after or 1), int(pp or 1), int(dp or 1), mode or "")
+    layout = Layout(name, int(tp or tp_after or 1), int(pp or 1), int(dp or 1), mode or "", experts or "")
     if layout.mode in ("sync", "disjoint") and layout.pp == 1:
         raise ValueError(f"config {name!r}: '{layout.mode}' (a PP mode) needs pp > 1")
     if layout.lockstep and layout.dp == 1:
@@ -131,6 +139,10 @@ def _llm(args, layout: Layout, model: str):
         pp_token_placeholders=layout.mode not in ("sync", "disjoint"),
         **(dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_token_threshold,
                 dbo_prefill_token_threshold=args.dbo_prefill_token_threshold) if dbo else {}),
+        enable_expert_parallel=bool(layout.experts),
+        **(dict(enable_eplb=True, num_redundant_experts=args.num_redundant_experts,
+                eplb_step_interval=args.eplb_step_interval, eplb_window_size=args.eplb_step_interval)
+           if layout.experts == "eplb" else {}),
     )
 
 
@@ -377,6 +389,11 @@ def worker(args) -> None:
         result["bubble"] = _bubble_pass(llm, args, batch_sizes)
     if layout.dp > 1 and not args.throughput_requests:
         result["dp_waste"] = _dp_waste(llm, args, lockstep=layout.lockstep)
+    if llm.runner.eplb is not None:  # per-rank expert load max/mean: the first window (the initial
+        result["eplb"] = llm.runner.eplb.report()  # placement: without EPLB) against the later ones
+    if llm.runner.dp is not None:
+        result["dbo_microbatched_steps"] = _microbatched(llm)
+        result["lockstep_steps"] = llm.runner.dp.num_steps
     write_result(llm, result, args.result)
 
 
@@ -399,6 +416,8 @@ def main(argv=None) -> int:
                    help="the older form: --batch-sizes are throughput request counts; no decode pass")
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32, help="dp2lockdbo: decode steps split from")
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512, help="dp2lockdbo: other steps split from")
+    p.add_argument("--num-redundant-experts", type=int, default=2, help="eplb configs: redundant expert slots")
+    p.add_argument("--eplb-step-interval", type=int, default=64, help="eplb configs: steps between rebalances")
     add_world_args(p)
     args = p.parse_args(argv)
     args.output_len = args.output_len or args.decode_steps
@@ -409,7 +428,8 @@ def main(argv=None) -> int:
     worker_args = [*sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                          ("model", "dp_model", "batch_sizes", "decode_steps", "throughput_requests", "prompt_len",
                           "output_len", "max_num_batched_tokens", "num_kv_blocks", "compile_backend", "device",
-                          "timeout", "dbo_decode_token_threshold", "dbo_prefill_token_threshold")), []),
+                          "timeout", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
+                          "num_redundant_experts", "eplb_step_interval")), []),
                    *(["--throughput"] if args.throughput else [])]
     out = Path(args.out)
     results = run_worlds("graphrunner_tools.bench.dist_bench", list(layouts),
@@ -431,6 +451,16 @@ def _markdown(results: list[dict]) -> str:
             lines.append(f"| {r['config']} | {t['requests']} x {t.get('prompt_len', PROMPT_LEN)} in / "
                          f"{t['output_len']} out | {t['output_tokens_per_s']:.0f} | {t['wall_s']:.3f}{ubatched} "
                          f"| {idle} |")
+    experts = [r for r in results if "lockstep_steps" in r or "eplb" in r]
+    if experts:
+        lines += ["", "| config | lockstep steps | DBO microbatched | per-rank expert load max/mean: window "
+                  "before each rebalance -> as placed; last window |", "|---|---|---|---|"]
+    for r in experts:
+        steps, ub = r.get("lockstep_steps", 0), r.get("dbo_microbatched_steps", 0)
+        e = r.get("eplb")
+        load = "-" if e is None else ", ".join(f"{b:.3f} -> {a:.3f}" for _, b, a, _ in e["rearrangements"]) + \
+            f"; {e['balance_now']:.3f}"
+        lines.append(f"| {r['config']} | {steps} | {ub} ({ub / steps if steps else 0:.0%}) | {load} |")
     lines += ["", "| config | bs | context | decode step median ms | p90 ms | generate ms per token |",
               "|---|---|---|---|---|---|"]
     for r in results:

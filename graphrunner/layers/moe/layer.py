@@ -17,6 +17,16 @@ Parallelism over the TP group of size P:
                               one collective per layer whatever the batch, with static sizes, so
                               it is captured in FULL graphs.
 
+Data parallel attention with expert parallelism (`TPComm.dp`, vLLM's `data_parallel_size` with
+`enable_expert_parallel`): the experts are partitioned over all D x T ranks, rank (d, t) holding
+physical slots [(d T + t) P / (D T), ...). Every DP replica runs the same padded token count each
+step (lockstep DP), so a layer all-gathers its input over the DP group ([T, H] -> [D T, H]),
+computes its experts' partial outputs for every replica's tokens, reduce-scatters them back
+([D T, H] -> [T, H]) and all-reduces over TP as above: three fixed-size collectives, captured.
+
+EPLB: P = E + R physical slots; a logical expert's replicas are bit-identical copies, and token n
+takes replica n mod count (`to_physical`), so the placement never changes a token.
+
 The expert computation is chosen once, by device: the Triton kernels of `kernels.py` on CUDA
 (routing, alignment, two grouped GEMMs and the top-k sum: five launches, reading only the experts
 that received tokens), the torch reference elsewhere. Eagerly and inside FULL graph capture the
@@ -62,13 +72,60 @@ def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize) -
     return torch.empty_like(x)
 
 
+def placement_tables(physical_to_logical: list[int], num_experts: int,
+                     num_redundant: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log2phy [E, R + 1] int32, the physical slots of each logical expert in slot order, -1 beyond
+    its replicas; replica_count [E] int32) of a placement given as each physical slot's logical expert."""
+    slots: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(physical_to_logical):
+        slots[e].append(p)
+    empty = [e for e, s in enumerate(slots) if not s]
+    if empty or len(physical_to_logical) != num_experts + num_redundant:
+        raise ValueError(f"a placement of {len(physical_to_logical)} slots must give each of {num_experts} experts "
+                         f"at least one of {num_experts + num_redundant} slots; experts without one: {empty}")
+    table = [s + [-1] * (num_redundant + 1 - len(s)) for s in slots]
+    return torch.tensor(table, dtype=torch.int32), torch.tensor([len(s) for s in slots], dtype=torch.int32)
+
+
+def to_physical(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                load: torch.Tensor) -> torch.Tensor:
+    """Logical expert ids [N, k] -> physical slots [N, k] int32, token n taking replica n mod the
+    expert's replica count (deterministic, static shapes, no host sync); adds each slot's tokens
+    to `load` [P]. Replicas are bit-identical copies, so the choice does not change the output."""
+    logical = ids.long()
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)  # [N, 1]
+    replica = rows % replica_count.long()[logical]  # [N, k]
+    physical = log2phy.long()[logical, replica]
+    load.index_add_(0, physical.flatten(), torch.ones_like(physical.flatten()))
+    return physical.to(torch.int32)
+
+
+@torch.library.custom_op("graphrunner::fused_moe_placed", mutates_args=("expert_load",))
+def fused_moe_placed_op(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        expert_map: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                        expert_load: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """`graphrunner::fused_moe` through an EPLB placement (`to_physical`), counting the load."""
+    weights, ids = kernels.route(router_logits, top_k, renormalize)
+    ids = to_physical(ids, log2phy, replica_count, expert_load)
+    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map)
+
+
+@fused_moe_placed_op.register_fake
+def _fused_moe_placed_fake(x, router_logits, w13, w2, expert_map, log2phy, replica_count, expert_load, top_k,
+                           renormalize) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class FusedMoE(nn.Module):
     """Router, routed experts and optional shared expert of one sparse layer.
 
     Parameters: `gate.weight` [E, H] (the router), `w13` [E_local, 2 I_local, H] (gate rows, then
     up rows), `w2` [E_local, H, I_local], and with a shared expert `shared_gate_up`, `shared_down`
     and `shared_expert_gate.weight` [1, H]. `expert_map` (a buffer, expert parallel only) maps a
-    global expert id to its local index, -1 when another rank holds it.
+    physical expert slot to its local index, -1 when another rank holds it. Without EPLB physical
+    slot e holds logical expert e; with it (`num_redundant_experts`, `record_expert_load` of the
+    TPComm) `log2phy`, `replica_count` and `expert_load` (buffers, rewritten in place by
+    `graphrunner.distributed.eplb`) route each token to one replica and count the load.
     """
 
     def __init__(
@@ -89,20 +146,42 @@ class FusedMoE(nn.Module):
         h, num_experts, inter = config.hidden_size, moe.num_experts, moe.moe_intermediate_size
         self.hidden_size, self.num_experts, self.intermediate_size = h, num_experts, inter
         self.top_k, self.renormalize = moe.num_experts_per_tok, moe.norm_topk_prob
-        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        self.expert_parallel = tp.expert_parallel and tp.ep_size > 1
+        self.dp = tp.dp  # DP + EP: the tokens of every DP replica meet in each layer (DPComm)
+        self.num_physical_experts = num_experts
+        # EPLB (None without it): [E, R + 1] the physical slots of each logical expert, [E] its
+        # replica count, [P] tokens routed to each physical slot.
+        self.log2phy: torch.Tensor | None
+        self.replica_count: torch.Tensor | None
+        self.expert_load: torch.Tensor | None
+        for name in ("log2phy", "replica_count", "expert_load"):
+            self.register_buffer(name, None, persistent=False)
         if self.expert_parallel:
-            if num_experts % tp.size:
+            ep_size, redundant = tp.ep_size, tp.num_redundant_experts
+            physical = num_experts + redundant
+            if redundant < 0 or physical % ep_size:
+                slots = f" + num_redundant_experts={redundant} = {physical}" if redundant else ""
                 raise ValueError(
-                    f"expert parallelism over {tp.size} ranks needs num_experts={num_experts} to be a multiple "
-                    f"of {tp.size}"
+                    f"expert parallelism over {ep_size} ranks needs num_experts={num_experts}{slots} to be a "
+                    f"multiple of {ep_size}"
                 )
-            self.num_local_experts, self.intermediate_local = num_experts // tp.size, inter
-            self.first_expert = tp.rank * self.num_local_experts
-            local = torch.full((num_experts,), -1, dtype=torch.int32)
+            self.num_physical_experts = physical
+            self.num_local_experts, self.intermediate_local = physical // ep_size, inter
+            self.first_expert = tp.ep_rank * self.num_local_experts  # first physical slot of this rank
+            # Physical slot p holds logical expert p, the redundant ones replicate experts 0, 1, ...
+            # until the EPLB controller (graphrunner.distributed.eplb) places them by load.
+            self.physical_to_logical = [p % num_experts for p in range(physical)]
+            local = torch.full((physical,), -1, dtype=torch.int32)
             local[self.first_expert : self.first_expert + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32
             )
-            self.register_buffer("expert_map", local.to(device), persistent=False)
+            self.register_buffer("expert_map", local.to(device), persistent=False)  # [P] physical -> local slot
+            if redundant or tp.record_expert_load:
+                log2phy, counts = placement_tables(self.physical_to_logical, num_experts, redundant)
+                self.register_buffer("log2phy", log2phy.to(device), persistent=False)
+                self.register_buffer("replica_count", counts.to(device), persistent=False)
+                self.register_buffer("expert_load", torch.zeros(physical, dtype=torch.int64, device=device),
+                                     persistent=False)
         else:
             if inter % tp.size:
                 raise ValueError(
@@ -110,6 +189,7 @@ class FusedMoE(nn.Module):
                     "or a TP size that divides it)"
                 )
             self.num_local_experts, self.intermediate_local, self.first_expert = num_experts, inter // tp.size, 0
+            self.physical_to_logical = list(range(num_experts))
             self.expert_map = None
         e_local, i_local = self.num_local_experts, self.intermediate_local
         self.gate = nn.Linear(h, num_experts, bias=False, dtype=dtype, device=device)
@@ -143,21 +223,45 @@ class FusedMoE(nn.Module):
                                     self.intermediate_local, self.w13.dtype, self.w13.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        logits = F.linear(x, self.gate.weight)  # [T, E] in x's dtype, as the HF routers compute it
-        if not self.use_kernels:
-            weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [T, k] fp32, int32
-            out = fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
+        num_tokens = x.shape[0]
+        # DP + EP: every replica's tokens (the same padded count on each), then this rank's experts
+        # over all of them, reduce-scattered back to this replica's tokens: [T, H] -> [D T, H] -> [T, H].
+        xs = x if self.dp is None else self.dp.gather_tokens(x)
+        logits = F.linear(xs, self.gate.weight)  # [N, E] in x's dtype, as the HF routers compute it
+        if self.log2phy is not None:
+            out = self._routed_placed(xs, logits)
+        elif not self.use_kernels:
+            weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [N, k] fp32, int32
+            out = fused_moe_reference(xs, self.w13, self.w2, weights, ids, self.expert_map)
         elif self.op_mode:
-            out = torch.ops.graphrunner.fused_moe(x, logits, self.w13, self.w2, self.expert_map, self.top_k,
+            out = torch.ops.graphrunner.fused_moe(xs, logits, self.w13, self.w2, self.expert_map, self.top_k,
                                                   self.renormalize)
         else:
             weights, ids = kernels.route(logits, self.top_k, self.renormalize)
-            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
+            out = kernels.fused_moe(xs, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
+        if self.dp is not None:
+            out = self.dp.scatter_tokens(out, num_tokens)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_expert_gate is not None, "built together"
             shared = self.shared_down.forward_swiglu(self.shared_gate_up(x))
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
         return self.tp.all_reduce(out)
+
+    def _routed_placed(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The routed experts through the EPLB placement: logical ids -> physical slots, load counted."""
+        assert self.log2phy is not None and self.replica_count is not None and self.expert_load is not None
+        if self.use_kernels and self.op_mode:
+            return torch.ops.graphrunner.fused_moe_placed(x, logits, self.w13, self.w2, self.expert_map,
+                                                          self.log2phy, self.replica_count, self.expert_load,
+                                                          self.top_k, self.renormalize)
+        if self.use_kernels:
+            weights, ids = kernels.route(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = route_reference(logits, self.top_k, self.renormalize)
+        ids = to_physical(ids, self.log2phy, self.replica_count, self.expert_load)
+        if self.use_kernels:
+            return kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
+        return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
 
     # ------------------------------------------------------------------ weights
 
@@ -178,20 +282,18 @@ class FusedMoE(nn.Module):
             self.load_full(param, tensor)
             return
         expert, part = shard_id
-        local = expert - self.first_expert
-        if not 0 <= local < self.num_local_experts:
-            return
         i_local, start = self.intermediate_local, self._inter_start
-        if part == DOWN:
-            self.w2[local].copy_(tensor.narrow(1, start, i_local))
-        else:
-            row = 0 if part == GATE else i_local
-            self.w13[local, row : row + i_local].copy_(tensor.narrow(0, start, i_local))
+        for local in self._local_slots_of(expert):  # EPLB: a logical expert may fill several slots
+            if part == DOWN:
+                self.w2[local].copy_(tensor.narrow(1, start, i_local))
+            else:
+                row = 0 if part == GATE else i_local
+                self.w13[local, row : row + i_local].copy_(tensor.narrow(0, start, i_local))
 
     @torch.no_grad()
     def load_full(self, param: str, tensor: torch.Tensor) -> None:
         """Load this rank's share of the fused (all experts) `w13` [E, 2I, H] or `w2` [E, H, I]."""
-        experts = tensor.narrow(0, self.first_expert, self.num_local_experts)
+        experts = tensor.index_select(0, torch.tensor(self.local_logical_experts, device=tensor.device))
         i_local, start, inter = self.intermediate_local, self._inter_start, self.intermediate_size
         if param == "w13":
             self.w13[:, :i_local].copy_(experts.narrow(1, start, i_local))
@@ -200,6 +302,26 @@ class FusedMoE(nn.Module):
             self.w2.copy_(experts.narrow(2, start, i_local))
         else:
             raise ValueError(f"FusedMoE has no fused parameter {param!r} (w13, w2)")
+
+    @property
+    def local_logical_experts(self) -> list[int]:
+        """The logical expert in each of this rank's expert slots (w13 / w2 rows)."""
+        first = self.first_expert
+        return self.physical_to_logical[first : first + self.num_local_experts]
+
+    def _local_slots_of(self, expert: int) -> list[int]:
+        if not self.expert_parallel:
+            return [expert]
+        return [i for i, e in enumerate(self.local_logical_experts) if e == expert]
+
+    @torch.no_grad()
+    def set_placement(self, physical_to_logical: list[int]) -> None:
+        """Rewrite the EPLB tables in place for a new placement (its weights are moved separately)."""
+        assert self.log2phy is not None and self.replica_count is not None, "EPLB tables (expert parallel)"
+        log2phy, counts = placement_tables(physical_to_logical, self.num_experts, self.log2phy.shape[1] - 1)
+        self.log2phy.copy_(log2phy)
+        self.replica_count.copy_(counts)
+        self.physical_to_logical = list(physical_to_logical)
 
     @property
     def _inter_start(self) -> int:

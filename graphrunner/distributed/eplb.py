@@ -1,0 +1,243 @@
+"""EPLB: expert load balancing for expert-parallel MoE layers (vLLM's `enable_eplb`).
+
+Each MoE layer holds P = E + R physical expert slots (`num_redundant_experts` R), spread evenly
+over the EP ranks (all D x T ranks under DP + EP, the TP ranks otherwise). Inside the step the
+layer routes every (token, logical expert) pair to one physical replica through its `log2phy`
+and `replica_count` buffers and adds one per routed token to its slot in `expert_load` (a
+static-shape scatter-add, captured with the graphs). Between steps, outside the graphs, the
+controller:
+
+    step()        moves the step's counts into a window of the last `eplb_window_size` steps;
+    every `eplb_step_interval` steps:
+      rearrange() the window's logical load per layer -> a placement (`balanced_placement`:
+                  replicate the hottest experts, then pack the replicas onto ranks heaviest
+                  first, keeping experts that stay on a rank in their slot) -> the weights of
+                  every slot whose expert changes, sent between ranks with point-to-point
+                  NCCL / gloo -> `log2phy` / `replica_count` rewritten in place.
+
+Buffers change in place only, so captured graphs keep replaying: nothing is recaptured. A
+replica is a bit-identical copy, so a placement changes no token. Every EP rank counts the same
+tokens (a layer routes every replica's tokens after its all-gather; TP ranks see the same
+tokens), and the counts are broadcast from EP rank 0 before placing, so every rank computes
+the same placement.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphrunner.layers.moe.layer import FusedMoE
+
+__all__ = ["EplbController", "balanced_placement", "load_balance", "rank_loads"]
+
+
+def balanced_placement(load: Sequence[int], num_physical: int, num_ranks: int,
+                       current: Sequence[int] | None = None) -> list[int]:
+    """The logical expert of each of `num_physical` slots (slots [r S, (r+1) S) on rank r) for
+    per-expert `load` [E] (pure, deterministic).
+
+    1. Replicate: each of the P - E redundant slots goes to the expert with the highest load per
+       replica (ties: the lower id).
+    2. Pack: replicas (each carrying load / replicas), heaviest first, go to the rank with the
+       least load among those with a free slot, preferring ranks without a replica of that expert.
+    3. Order: on each rank an expert that already sits in one of its slots (`current`) stays
+       there, so only slots whose expert changes move weights.
+    """
+    num_experts = len(load)
+    if num_physical < num_experts or num_physical % num_ranks:
+        raise ValueError(f"num_physical={num_physical} must be >= num_experts={num_experts} and a multiple of "
+                         f"num_ranks={num_ranks}")
+    per_rank = num_physical // num_ranks
+    replicas = [1] * num_experts
+    for _ in range(num_physical - num_experts):
+        e = max(range(num_experts), key=lambda e: (load[e] / replicas[e], -e))
+        replicas[e] += 1
+    items = sorted(((load[e] / replicas[e], e) for e in range(num_experts) for _ in range(replicas[e])),
+                   key=lambda item: (-item[0], item[1]))
+    rank_load = [0.0] * num_ranks
+    held: list[list[int]] = [[] for _ in range(num_ranks)]
+    for weight, e in items:
+        r = min((r for r in range(num_ranks) if len(held[r]) < per_rank),
+                key=lambda r: (e in held[r], rank_load[r], r))
+        held[r].append(e)
+        rank_load[r] += weight
+    placement = [-1] * num_physical
+    for r in range(num_ranks):
+        want = Counter(held[r])
+        slots = range(r * per_rank, (r + 1) * per_rank)
+        if current is not None:
+            for p in slots:
+                if want[current[p]] > 0:
+                    placement[p] = current[p]
+                    want[current[p]] -= 1
+        rest = sorted(want.elements())
+        for p in slots:
+            if placement[p] < 0:
+                placement[p] = rest.pop(0)
+    return placement
+
+
+def rank_loads(physical_load: Sequence[float], num_ranks: int) -> list[float]:
+    """Tokens per rank from tokens per physical slot (slots [r S, (r+1) S) on rank r)."""
+    per_rank = len(physical_load) // num_ranks
+    return [float(sum(physical_load[r * per_rank : (r + 1) * per_rank])) for r in range(num_ranks)]
+
+
+def load_balance(physical_load: Sequence[float], num_ranks: int) -> float:
+    """max / mean of the per-rank load (1.0 = balanced; 1.0 with no load)."""
+    loads = rank_loads(physical_load, num_ranks)
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Rearrangement:
+    """One rebalance: the step it ran after, the window's max/mean rank load (mean over layers)
+    under the old placement and as the new placement would spread the same load, slots moved."""
+
+    step: int
+    balance_before: float
+    balance_predicted: float
+    slots_moved: int
+
+
+class EplbController:
+    """The EPLB state of one rank's MoE layers (module docstring).
+
+    layers: the model's expert-parallel FusedMoE layers with EPLB tables, in layer order;
+    peers: the global rank of each EP rank, in EP order (the weights move between them);
+    dp_group / tp_group: the device groups the counts are broadcast over (None for a group of one).
+    """
+
+    def __init__(self, layers: list[FusedMoE], *, ep_size: int, ep_rank: int, peers: list[int],
+                 window_size: int, step_interval: int, dp_group: Any = None, tp_group: Any = None) -> None:
+        if not layers:
+            raise ValueError("enable_eplb=True needs a model with expert-parallel MoE layers")
+        first = layers[0]
+        assert first.expert_load is not None, "EPLB layers count their load (TPComm.record_expert_load)"
+        self.layers = layers
+        self.ep_size, self.ep_rank, self.peers = ep_size, ep_rank, peers
+        self.num_experts, self.num_physical = first.num_experts, first.num_physical_experts
+        self.window_size, self.step_interval = window_size, step_interval
+        self.dp_group, self.tp_group = dp_group, tp_group
+        device = first.expert_load.device
+        # One [L, P] buffer for the step's counts: each layer counts into its row (a view), so
+        # the per-step bookkeeping is two launches whatever the number of layers.
+        self.step_load = torch.zeros(len(layers), self.num_physical, dtype=torch.int64, device=device)
+        for i, layer in enumerate(layers):
+            layer.expert_load = self.step_load[i]
+        self.window = torch.zeros(window_size, len(layers), self.num_physical, dtype=torch.int64, device=device)
+        self.num_steps = 0  # steps counted since start
+        self._filled = 0  # steps in the window since the last rearrangement
+        self.rearrangements: list[Rearrangement] = []
+
+    # ---- between steps -----------------------------------------------------------------
+    def step(self) -> None:
+        """After every executed step (a dummy one too), outside the graphs."""
+        self.window[self._filled % self.window_size].copy_(self.step_load)
+        self.step_load.zero_()
+        self.num_steps += 1
+        self._filled += 1
+        if self.num_steps % self.step_interval == 0:
+            self.rearrange()
+
+    def physical_load(self) -> torch.Tensor:
+        """[L, P] tokens routed to each physical slot over the window since the last rearrangement (host)."""
+        return self.window.sum(0).cpu()
+
+    def balance(self) -> float:
+        """max / mean rank load over the window under the current placement, mean over layers."""
+        load = self.physical_load()
+        return sum(load_balance(row.tolist(), self.ep_size) for row in load) / len(self.layers)
+
+    @torch.no_grad()
+    def rearrange(self) -> Rearrangement:
+        """Re-place every layer's experts by the window's load; move weights; rewrite the tables."""
+        load = self.window.sum(0)  # [L, P] on the device
+        for group in (self.dp_group, self.tp_group):  # the same counts on every rank: one placement
+            if group is not None:
+                dist.broadcast(load, src=dist.get_global_rank(group, 0), group=group)
+        load = load.cpu()
+        before, predicted, moved = [], [], 0
+        for layer, row in zip(self.layers, load, strict=True):
+            old = layer.physical_to_logical
+            logical = [0] * self.num_experts
+            for p, e in enumerate(old):
+                logical[e] += int(row[p])
+            new = balanced_placement(logical, self.num_physical, self.ep_size, old)
+            before.append(load_balance(row.tolist(), self.ep_size))
+            replicas = Counter(new)
+            predicted.append(load_balance([logical[e] / replicas[e] for e in new], self.ep_size))
+            moved += sum(a != b for a, b in zip(old, new, strict=True))
+            self._move_weights(layer, old, new)
+            layer.set_placement(new)
+        self.window.zero_()
+        self._filled = 0
+        record = Rearrangement(self.num_steps, sum(before) / len(before), sum(predicted) / len(predicted), moved)
+        self.rearrangements.append(record)
+        return record
+
+    def _move_weights(self, layer: FusedMoE, old: list[int], new: list[int]) -> None:
+        """Fill every slot whose logical expert changes from a current holder: a local copy when
+        this rank holds it, else point-to-point from the lowest EP rank that does. Every rank
+        derives the same transfer list, so sends and receives pair up in the same order."""
+        per_rank = self.num_physical // self.ep_size
+        holders: dict[int, list[int]] = {}
+        for p, e in enumerate(old):
+            holders.setdefault(e, []).append(p)
+        me, first = self.ep_rank, self.ep_rank * per_rank
+        params = (layer.w13, layer.w2)
+        incoming: list[tuple[int, list[torch.Tensor]]] = []  # (local slot, its new weights)
+        ops: list[dist.P2POp] = []
+        for p, e in enumerate(new):
+            if old[p] == e:
+                continue
+            dst = p // per_rank
+            local_src = [q for q in holders[e] if q // per_rank == dst]
+            src_slot = local_src[0] if local_src else holders[e][0]
+            src = src_slot // per_rank
+            if dst == me:
+                if src == me:  # a copy from the old weights (a snapshot: the slot may be overwritten)
+                    incoming.append((p - first, [w[src_slot - first].clone() for w in params]))
+                else:
+                    bufs = [torch.empty_like(w[0]) for w in params]
+                    ops += [dist.P2POp(dist.irecv, b, self.peers[src]) for b in bufs]
+                    incoming.append((p - first, bufs))
+            elif src == me:
+                ops += [dist.P2POp(dist.isend, w[src_slot - first].contiguous(), self.peers[dst]) for w in params]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for slot, weights in incoming:
+            for w, value in zip(params, weights, strict=True):
+                w[slot].copy_(value)
+
+    def report(self) -> dict[str, Any]:
+        """What `inspect simulate` and `bench` print: rebalances and the per-rank load balance."""
+        return {
+            "steps": self.num_steps,
+            "rearrangements": [(r.step, round(r.balance_before, 3), round(r.balance_predicted, 3), r.slots_moved)
+                               for r in self.rearrangements],
+            "balance_now": round(self.balance(), 3),
+        }
+
+
+def make_eplb(model: Any, tp: Any, groups: Any, window_size: int, step_interval: int) -> EplbController:
+    """The controller of `model`'s expert-parallel MoE layers on this rank (`tp`: their TPComm)."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.expert_load is not None]
+    if not layers:
+        raise ValueError("enable_eplb=True needs a mixture-of-experts model with enable_expert_parallel=True "
+                         "over more than one rank")
+    # EP rank (d, t) -> global rank: the DP group gives (d, this t), TP ranks are consecutive.
+    base = groups.dp.ranks if tp.dp is not None else [groups.tp.ranks[groups.tp_rank]]
+    peers = [b - groups.tp_rank + t for b in base for t in range(groups.tp_size)]
+    return EplbController(layers, ep_size=tp.ep_size, ep_rank=tp.ep_rank, peers=peers, window_size=window_size,
+                          step_interval=step_interval,
+                          dp_group=groups.dp.device_group if tp.dp is not None else None,
+                          tp_group=groups.tp.device_group)
