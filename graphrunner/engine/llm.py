@@ -171,7 +171,7 @@ class LLM:
             probe = ParallelConfig(
                 pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                 prefill_context_parallel_size=prefill_context_parallel_size,
-                data_parallel_lockstep=data_parallel_lockstep)
+                data_parallel_lockstep=data_parallel_lockstep, enable_expert_parallel=enable_expert_parallel)
             async_scheduling, blocker = async_scheduling_default(probe, speculative)
             if blocker is not None:
                 logger.info("async scheduling off: the async loop does not run with %s", blocker)
