@@ -102,6 +102,9 @@ def test_tp2_server_answers_as_one_process(folder, expected):
             for i, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
                 if i == 1:
                     break  # leave mid-stream: the ranks abort the request and free its blocks
+        deadline = time.monotonic() + DEADLINE_S  # the server notices the disconnect on its next write
+        while engine.stats.finished.get("abort", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
         wait_idle(llm, engine)
         assert engine.stats.finished.get("abort", 0) == 1
         assert 'graphrunner:kv_cache_usage_perc{model_name="tiny"} 0.0' in httpx.get(base + "/metrics").text
