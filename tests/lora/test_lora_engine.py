@@ -16,6 +16,7 @@ import json
 import pytest
 
 from graphrunner import LLM, LoRARequest, SamplingParams
+from graphrunner.kernels import HAS_TRITON
 from tests.hf_fixtures import make_hf_checkpoint
 from tests.lora.lora_fixtures import make_adapter, peft_greedy
 
@@ -168,3 +169,18 @@ def test_lora_request_needs_enable_lora(world):
               enforce_eager=True)
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=_request(adapters, "a1"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_in_the_model_match_peft(world):
+    """The projections through the Triton kernels (interpreted on a CPU; the CUDA path's op) instead of
+    the torch reference: the same tokens as peft."""
+    ck, adapters, refs, _ = world
+    llm = _llm(ck, "NONE")
+    for weights in llm.runner.lora.weights.values():
+        weights.use_triton = True
+    mix = MIX[:3]
+    outs = llm.generate([PROMPTS[i] for i, _ in mix], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        lora_request=[_request(adapters, n) for _, n in mix], use_tqdm=False)
+    for (i, name), out in zip(mix, outs, strict=True):
+        assert out.outputs[0].token_ids == refs[name][i][:6], (i, name)

@@ -22,8 +22,8 @@ token count and static sizes only (no host sync, no data-dependent shape): one C
 T replays correctly for any mix of adapters.
 
 Layout: x [T, K]; A [L, S, R, K]; B [L, N, R] (slice i = rows [offset_i, offset_i + size_i));
-slices [S, 2] int32 (offset, size); sorted_tokens [T] int32 token rows grouped by slot; starts
-[L + 1] int32. `lora_reference` is the torch specification the kernels are tested against (and the
+slices [S, 2] int32 (offset, size); sorted_tokens [T] int32 token rows grouped by slot (any stride);
+starts [L + 1] int32. `lora_reference` is the torch specification the kernels are tested against (and the
 path on CPUs): it masks by the per-token slot instead of grouping rows.
 """
 
@@ -68,7 +68,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R,
+    def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, stride_sorted,
                        stride_xm, stride_as, stride_ai, stride_ar, stride_hi, stride_hm,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -80,7 +80,7 @@ if HAS_TRITON:
         if first < end:
             offs_m = first + tl.arange(0, BLOCK_M)
             mask_m = offs_m < end
-            rows = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            rows = tl.load(sorted_ptr + offs_m * stride_sorted, mask=mask_m, other=0).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             mask_r = offs_r < R
             a_base = a_ptr + slot.to(tl.int64) * stride_as + i * stride_ai
@@ -97,7 +97,7 @@ if HAS_TRITON:
                      mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
-    def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice,
+    def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice, stride_sorted,
                        stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -113,7 +113,7 @@ if HAS_TRITON:
         if (first < end) & (j * BLOCK_N < size):
             offs_m = first + tl.arange(0, BLOCK_M)
             mask_m = offs_m < end
-            rows = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            rows = tl.load(sorted_ptr + offs_m * stride_sorted, mask=mask_m, other=0).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             mask_r = offs_r < R
             offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,7 +149,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     L, S, R, _ = a.shape
     block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1)
     _shrink_kernel[(_cdiv(T, block_m), S, L)](
-        x, a, h, sorted_tokens, starts, K, R, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k)
 
 
@@ -161,7 +161,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice)
     tiles = _cdiv(max_slice, block_n)
     _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
-        h, b, out, sorted_tokens, starts, slices, R, tiles, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n)
 
 
