@@ -67,24 +67,27 @@ def default_capture_sizes(
 
 # LoRA graphs at about every 1.5x step of size (1, 2, 4, 8, 12, 16, 24, 32, 48, ...): a LoRA batch
 # pads at most a third more than a plain one, and the LoRA graphs number about 30% of the default
-# ladder's (15 of 51 up to 512), so that their capture, each graph with two more launches per
-# projection, adds under half of the plain table's capture time.
+# ladder's (15 of 51 up to 512). A LoRA graph has two more launches per projection than its plain
+# twin; at most 40% as many of them keeps their capture under half of the plain table's capture time.
 _LORA_LADDER_SMALL = (1, 2, 4, 8)
+_LORA_GRAPH_SHARE = 0.4
 
 
 def default_lora_capture_sizes(capture_sizes: Iterable[int]) -> tuple[int, ...]:
     """The token counts to capture with LoRA: for 1, 2, 4, 8 and then every 2^k and 3 * 2^(k-1), the
-    smallest capture size that holds it, and the largest capture size (so that every batch a plain
-    graph takes has a LoRA graph too)."""
+    smallest capture size that holds it, and always the largest capture size (so that every batch a
+    plain graph takes has a LoRA graph too); thinned from the top down to at most 40% of the sizes
+    (a short ladder, say [1, 2, 4, 8, 16], keeps [2, 16])."""
     sizes = sorted(set(capture_sizes))
     if not sizes:
         return ()
     ladder = list(_LORA_LADDER_SMALL)
     while ladder[-1] < sizes[-1]:
         ladder += [ladder[-1] * 3 // 2, ladder[-1] * 2]
-    picked = {next(s for s in sizes if s >= v) for v in ladder if v <= sizes[-1]}
-    picked.add(sizes[-1])
-    return tuple(sorted(picked))
+    picked = sorted({next(s for s in sizes if s >= v) for v in ladder if v <= sizes[-1]} | {sizes[-1]})
+    most = max(1, int(_LORA_GRAPH_SHARE * len(sizes)))
+    step = -(-len(picked) // most)
+    return tuple(picked[::-1][::step][::-1])
 
 
 def validate_capture_sizes(sizes: Iterable[int], max_num_batched_tokens: int) -> tuple[int, ...]:
