@@ -204,16 +204,22 @@ class DispatchTable:
             self.capture_sizes = validate_capture_sizes(capture_sizes, max_num_batched_tokens)
 
         self.enable_lora = bool(enable_lora)
+        q = self.uniform_decode_query_len
         if not self.enable_lora:
             self.lora_capture_sizes: tuple[int, ...] = ()
+            lora_decode_sizes: tuple[int, ...] = ()
         elif lora_capture_sizes is None:
             self.lora_capture_sizes = default_lora_capture_sizes(self.capture_sizes)
+            # The decode ladder over the sizes a uniform-decode graph can have (<= max_num_reqs requests).
+            lora_decode_sizes = default_lora_capture_sizes(
+                s for s in self.capture_sizes if -(-s // q) <= self.max_num_reqs)
         else:
             self.lora_capture_sizes = validate_capture_sizes(lora_capture_sizes, max_num_batched_tokens)
+            lora_decode_sizes = self.lora_capture_sizes
 
         self._decode_descs = self._build_decode_descs(self.capture_sizes, False)  # ascending num_tokens
         self._mixed_descs = self._build_mixed_descs(self.capture_sizes, False)  # ascending num_tokens
-        lora_decode = self._build_decode_descs(self.lora_capture_sizes, True)
+        lora_decode = self._build_decode_descs(lora_decode_sizes, True)
         lora_mixed = self._build_mixed_descs(self.lora_capture_sizes, True)
         self._descriptors = self._capture_order(self._decode_descs + self._mixed_descs + lora_decode + lora_mixed)
         top = max((d.num_tokens for d in self._descriptors), default=0)
