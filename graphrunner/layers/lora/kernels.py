@@ -70,7 +70,7 @@ if HAS_TRITON:
     @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, stride_sorted,
                        stride_xm, stride_as, stride_ai, stride_ar, stride_hi, stride_hm,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         i = tl.program_id(1)
         slot = tl.program_id(2)
@@ -92,14 +92,17 @@ if HAS_TRITON:
                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
                             mask=mask_r[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
-                acc += tl.dot(x, a)
+                if IEEE:  # fp32 models: full precision, as torch's fp32 matmul (no TF32)
+                    acc += tl.dot(x, a, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, a)
             tl.store(h_ptr + i * stride_hi + rows[:, None] * stride_hm + offs_r[None, :], acc,
                      mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
     def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice, stride_sorted,
                        stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         slot = tl.program_id(2)
@@ -122,7 +125,10 @@ if HAS_TRITON:
                         mask=mask_m[:, None] & mask_r[None, :], other=0.0)
             b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (offset + offs_n)[None, :] * stride_bn
                         + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-            delta = tl.dot(h.to(b.dtype), b)
+            if IEEE:
+                delta = tl.dot(h.to(b.dtype), b, input_precision="ieee")
+            else:
+                delta = tl.dot(h.to(b.dtype), b)
             out_ptrs = out_ptr + rows[:, None] * stride_om + (offset + offs_n)[None, :]
             mask = mask_m[:, None] & mask_n[None, :]
             y = tl.load(out_ptrs, mask=mask, other=0.0)
@@ -150,7 +156,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1)
     _shrink_kernel[(_cdiv(T, block_m), S, L)](
         x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k)
+        h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
@@ -162,7 +168,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     tiles = _cdiv(max_slice, block_n)
     _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
         h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n)
+        out.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
 
 
 def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
