@@ -82,6 +82,23 @@ def test_latency_writes_one_row_per_mode_and_batch(tmp_path):
         assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_latency_with_lora_adapters_times_base_and_lora(tmp_path):
+    """`--num-loras 2 --lora-rank 4`: each batch is timed on the base model, then with request i running
+    dummy adapter i mod 2 on the LoRA graphs of its size; the LoRA row carries its ratio to the base row."""
+    out = tmp_path / "lat.json"
+    assert main(_latency_argv(out, "--num-loras", "2", "--lora-rank", "4")) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["mode"], r["batch_size"], r["num_loras"]) for r in rows) == [
+        ("FULL", 1, 0), ("FULL", 1, 1), ("FULL", 2, 0), ("FULL", 2, 2),
+        ("NONE", 1, 0), ("NONE", 1, 1), ("NONE", 2, 0), ("NONE", 2, 2)]
+    for r in rows:
+        assert ("lora" in r["descriptor"]) == bool(r["num_loras"])
+        assert (r["lora_over_base"] is None) == (not r["num_loras"])
+        if r["num_loras"]:
+            assert r["lora_over_base"] > 0
+            assert r["descriptor"].startswith(f"{r['mode']}(t={r['batch_size']},")  # its own LoRA graph
+
+
 def test_latency_failed_mode_is_reported_and_others_still_measured(tmp_path, monkeypatch, capsys):
     from graphrunner.runner import ModelRunner
 

@@ -76,6 +76,9 @@ def _register_latency(sub: argparse._SubParsersAction) -> None:
     _copy_mib_arg(p)
     p.add_argument("--no-random-kv", action="store_true", help="leave the KV cache zero-filled (not recommended)")
     p.add_argument("--png", metavar="PATH", default=None, help="plot ms/step and %% of roofline (needs matplotlib)")
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="also time each batch with this many distinct dummy LoRA adapters (all seven projections)")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the dummy LoRA adapters")
 
 
 def _register_kernels(sub: argparse._SubParsersAction) -> None:
@@ -376,6 +379,8 @@ def _run_latency(args: argparse.Namespace) -> int:
             capture_sizes=capture_sizes,
             copy_bytes=_copy_bytes(args),
             random_kv=not args.no_random_kv,
+            num_loras=args.num_loras,
+            lora_rank=args.lora_rank,
         )
         result = run_latency(spec, log=_log)
     except ValueError as e:

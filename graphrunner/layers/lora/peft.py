@@ -25,7 +25,8 @@ import torch
 from graphrunner.config import ModelConfig
 from graphrunner.protocol import LoRARequest
 
-__all__ = ["CONFIG_FILE", "LORA_MODULES", "WEIGHTS_FILE", "LoraAdapter", "load_adapter", "module_shapes"]
+__all__ = ["CONFIG_FILE", "LORA_MODULES", "WEIGHTS_FILE", "LoraAdapter", "load_adapter", "module_shapes",
+           "write_dummy_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -183,3 +184,32 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_lora_rank: int) 
         adapter.modules[(layer, module)] = (a, b, scale)
         adapter.rank = max(adapter.rank, r)
     return adapter
+
+
+def write_dummy_adapter(path: str | os.PathLike, config: ModelConfig, rank: int, *,
+                        targets: tuple[str, ...] = LORA_MODULES, seed: int = 0,
+                        dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write a random PEFT adapter folder for `config`'s model (every dense decoder layer, `targets`, rank
+    `rank`, lora_alpha = 2 * rank): benchmarks and tests run the real loading path without a trained
+    adapter. A and B are scaled so that the adapter changes each projection's output by O(1e-2) of it."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shapes = module_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_hidden_layers):
+        for module in targets:
+            if module in MLP_MODULES and config.is_sparse_layer(layer):
+                continue
+            out, inp = shapes[module]
+            block = "mlp" if module in MLP_MODULES else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp**0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01 / rank**0.5).to(dtype)
+    save_file(tensors, os.fspath(folder / WEIGHTS_FILE))
+    (folder / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none",
+        "use_rslora": False, "use_dora": False, "modules_to_save": None}, indent=2))
+    return os.fspath(folder)
