@@ -81,6 +81,7 @@ class LoraManager:
         for (index, name), w in self.weights.items():
             self.layers.setdefault(index, {})[name] = w
         self.requests: dict[str, LoRARequest] = {}  # live requests that run with an adapter
+        self.adapter_of: dict[str, int] = {}  # the same requests' adapter ids
         self.live: dict[int, int] = {}  # adapter id -> live requests running with it
         self._known: dict[int, LoRARequest] = {}  # adapter id -> the request that named it last
         self.cpu: OrderedDict[int, LoraAdapter] = OrderedDict()  # int id -> adapter, least recent first
@@ -128,6 +129,7 @@ class LoraManager:
         for req_id in removed:
             lora = self.requests.pop(req_id, None)
             if lora is not None:
+                del self.adapter_of[req_id]
                 live[lora.lora_int_id] -= 1
                 if not live[lora.lora_int_id]:
                     del live[lora.lora_int_id]
@@ -135,6 +137,7 @@ class LoraManager:
             lora = getattr(new, "lora_request", None)
             if lora is not None:
                 self.requests[new.req_id] = lora
+                self.adapter_of[new.req_id] = lora.lora_int_id
                 live[lora.lora_int_id] = live.get(lora.lora_int_id, 0) + 1
                 self._known[lora.lora_int_id] = lora
 
@@ -168,17 +171,20 @@ class LoraManager:
         already holds this batch's metadata and no slot changed since)."""
         if self._uploaded == (batch_key, self._generation, self.buffers.version):
             return  # steady decoding: the same batch, its adapters still in their slots
-        requests = self.requests
-        ids = [requests[r].lora_int_id if r in requests else 0 for r in req_ids]
-        for adapter_id in dict.fromkeys(ids):
-            if adapter_id:
-                self._ensure_slot(adapter_id, ids)
-        slot_of = self.slot_of
-        req_slots = np.fromiter((slot_of[i] if i else -1 for i in ids), dtype=np.int32, count=len(ids))
+        # Int keys and C-level map calls: hashing the LoRARequest dataclasses instead cost ~70 us at 256 rows.
+        ids = list(map(self.adapter_of.get, req_ids))
+        needed = set(ids)
+        needed.discard(None)
+        slot: dict[int | None, int] = {None: -1}
+        for adapter_id in needed:
+            slot[adapter_id] = self._ensure_slot(adapter_id, needed)  # type: ignore[arg-type]
+        req_slots = np.fromiter(map(slot.__getitem__, ids), dtype=np.int32, count=len(ids))
         self.buffers.upload(req_slots, query_lens, num_tokens_padded)
         self._uploaded = (batch_key, self._generation, self.buffers.version)
 
-    def _ensure_slot(self, adapter_id: int, batch_ids: list[int]) -> int:
+    def _ensure_slot(self, adapter_id: int, batch_ids: set[int]) -> int:
+        """`adapter_id`'s slot, loading it over the least recently used slot no adapter of the batch
+        (`batch_ids`) holds."""
         slot = self.slot_of.get(adapter_id)
         if slot is not None:
             self._slot_lru.move_to_end(slot)
