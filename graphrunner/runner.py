@@ -438,7 +438,8 @@ def _check_lora_layout(config: RunnerConfig, groups: ParallelGroups) -> None:
     p = config.parallel
     refused = [(groups.pp_size > 1, f"pipeline_parallel_size={groups.pp_size}"),
                (groups.dp_lockstep, "data_parallel_lockstep=True"),
-               (p.prefill_context_parallel_size > 1, f"prefill_context_parallel_size={p.prefill_context_parallel_size}"),
+               (p.prefill_context_parallel_size > 1,
+                f"prefill_context_parallel_size={p.prefill_context_parallel_size}"),
                (bool(p.enable_dbo), "enable_dbo=True")]
     for bad, what in refused:
         if bad:

@@ -445,7 +445,8 @@ class LLM:
         host cache keeps it); ValueError naming the adapter and the file, before anything is queued."""
         if lora_request is None:
             return None
-        loras = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
+        loras: list[LoRARequest | None] = (
+            [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request))
         if len(loras) != num_prompts:
             raise ValueError(f"lora_request has {len(loras)} entries for {num_prompts} prompts")
         manager = self.runner.lora

@@ -34,7 +34,8 @@ def make_adapter(path: str | os.PathLike, arch: str = "llama", *, r: int = 8,
     return os.fspath(path)
 
 
-def peft_greedy(checkpoint: str, adapter: str | None, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+def peft_greedy(checkpoint: str, adapter: str | None, prompts: Sequence[Sequence[int]],
+                max_tokens: int) -> list[list[int]]:
     """Greedy tokens of each prompt from transformers (with `adapter` through peft's PeftModel)."""
     from peft import PeftModel
 

@@ -24,7 +24,9 @@ pytest.importorskip("peft")
 
 MODES = ["NONE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"]
 MAX_TOKENS = 16
-PROMPTS = [[1, 5, 9, 22, 31, 40, 7, 8, 9], [3, 4, 5], [7, 8, 100, 200, 300, 11], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+PROMPTS = [[1, 5, 9, 22, 31, 40, 7, 8, 9], [3, 4, 5], [7, 8, 100, 200, 300, 11],
+           [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+INT_IDS = {"a1": 1, "a2": 2, "a3": 3}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,8 @@ def world(tmp_path_factory):
     return ck, adapters, refs, root
 
 
-def _request(adapters, name, int_ids={"a1": 1, "a2": 2, "a3": 3}):
-    return None if name is None else LoRARequest(name, int_ids[name], adapters[name])
+def _request(adapters, name):
+    return None if name is None else LoRARequest(name, INT_IDS[name], adapters[name])
 
 
 def _llm(ck, mode, **kw):
@@ -120,7 +122,8 @@ def test_more_adapters_than_max_loras_queue(world):
 
     def spy(so):
         ids = {r.lora_request.lora_int_id for r in so.scheduled_new_reqs if r.lora_request is not None}
-        ids |= {llm.runner.lora.requests[r].lora_int_id for r in so.num_scheduled_tokens if r in llm.runner.lora.requests}
+        live = llm.runner.lora.adapter_of
+        ids |= {live[r] for r in so.num_scheduled_tokens if r in live}
         seen.append(len(ids))
         return execute(so)
 

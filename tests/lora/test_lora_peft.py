@@ -20,7 +20,7 @@ from graphrunner.models.loader import load_model_config
 from graphrunner.protocol import LoRARequest
 from tests.hf_fixtures import make_hf_checkpoint
 
-H, I, Q, KV, LAYERS = 64, 128, 64, 32, 2  # tests/hf_fixtures.py's llama
+H, INTER, Q, KV = 64, 128, 64, 32  # tests/hf_fixtures.py's llama
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def _write(folder, tensors=None, **options):
 
 def test_reads_ranks_targets_and_scaling(config, tmp_path):
     p = "base_model.model.model.layers."
-    tensors = {p + "1.mlp.down_proj.lora_A.weight": torch.randn(8, I), p + "1.mlp.down_proj.lora_B.weight": torch.randn(H, 8),
+    tensors = {p + "1.mlp.down_proj.lora_A.weight": torch.randn(8, INTER),
+               p + "1.mlp.down_proj.lora_B.weight": torch.randn(H, 8),
                p + "0.self_attn.k_proj.lora_A.weight": torch.randn(2, H),
                p + "0.self_attn.k_proj.lora_B.weight": torch.randn(KV, 2)}
     adapter = load_adapter(_write(tmp_path / "a", tensors, r=8, lora_alpha=16, rank_pattern={"k_proj": 2}), config, 8)
@@ -63,7 +64,8 @@ def test_reads_ranks_targets_and_scaling(config, tmp_path):
     ({}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.randn(4, 640)}, "embedding or LM-head"),
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.randn(Q)}, "DoRA"),
     ({}, {"base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight": torch.randn(4, H),
-          "base_model.model.model.layers.5.self_attn.q_proj.lora_B.weight": torch.randn(Q, 4)}, "layer 5 is not present"),
+          "base_model.model.model.layers.5.self_attn.q_proj.lora_B.weight": torch.randn(Q, 4)},
+     "layer 5 is not present"),
     ({}, {"base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.randn(4, H)}, "not a LoRA A/B"),
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, H)}, "has no lora_B"),
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, H + 1),

@@ -33,7 +33,8 @@ def world(tmp_path_factory):
                                                   "down_proj"), seed=4)
     a2 = make_adapter(root / "a2", r=2, targets=("v_proj", "down_proj"), seed=5)
     loras = [(a1, 1), (a2, 2), None, None]
-    refs = [peft_greedy(ck, None if lo is None else lo[0], [p], MAX_TOKENS)[0] for p, lo in zip(PROMPTS, loras)]
+    refs = [peft_greedy(ck, None if lo is None else lo[0], [p], MAX_TOKENS)[0]
+            for p, lo in zip(PROMPTS, loras, strict=True)]
     return ck, loras, refs
 
 

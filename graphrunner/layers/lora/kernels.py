@@ -155,8 +155,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     L, S, R, _ = a.shape
     block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1)
     _shrink_kernel[(_cdiv(T, block_m), S, L)](
-        x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+        x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32)
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
@@ -167,7 +168,8 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice)
     tiles = _cdiv(max_slice, block_n)
     _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
-        h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
+        b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
 
 

@@ -25,9 +25,8 @@ import torch
 
 from graphrunner.config import LoRAConfig, ModelConfig
 from graphrunner.layers.lora.peft import LoraAdapter, load_adapter
-from graphrunner.protocol import LoRARequest
 from graphrunner.layers.lora.weights import LoraBuffers, LoraSlice, LoraWeights
-from graphrunner.protocol import SchedulerOutput
+from graphrunner.protocol import LoRARequest, SchedulerOutput
 
 logger = logging.getLogger("graphrunner.lora")
 
@@ -160,7 +159,9 @@ class LoraManager:
             return cached
         adapter = load_adapter(lora, self.model_config, self.config.max_lora_rank)
         self.cpu[lora.lora_int_id] = adapter
-        while len(self.cpu) > self.config.max_cpu_loras:
+        capacity = self.config.max_cpu_loras
+        assert capacity is not None, "LoRAConfig resolves it"
+        while len(self.cpu) > capacity:
             self.cpu.popitem(last=False)
         logger.info("LoRA: read %s (rank %d, %s)", lora, adapter.rank, sorted(adapter.targets()))
         return adapter
