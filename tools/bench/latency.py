@@ -357,7 +357,7 @@ def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, band
     )
 
 
-def _admit(runner, spec: LatencySpec, bs: int, loras: list[LoRARequest]) -> list[str]:
+def _admit(runner, spec: LatencySpec, bs: int, loras: list[LoRARequest] | None = None) -> list[str]:
     """Admit `bs` requests with `context` tokens each, whose first step is already a decode; request i
     runs adapter i mod len(loras) (none without `loras`)."""
     req_ids = [f"bench-{bs}-{i}{'-lora' if loras else ''}" for i in range(bs)]
