@@ -187,3 +187,36 @@ def test_triton_kernels_in_the_model_match_peft(world):
                         lora_request=[_request(adapters, n) for _, n in mix], use_tqdm=False)
     for (i, name), out in zip(mix, outs, strict=True):
         assert out.outputs[0].token_ids == refs[name][i][:6], (i, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"])
+def test_cuda_graphs_match_peft_gpu(world, mode):
+    """On CUDA (float32, inductor pieces, real graphs, the Triton kernels): peft's tokens."""
+    ck, adapters, refs, _ = world
+    llm = LLM(ck, dtype="float32", device="cuda", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+              block_size=16, num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8,
+              cudagraph_mode=mode, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32), debug_cudagraphs=True)
+    assert all(w.use_triton for w in llm.runner.lora.weights.values())
+    outs = llm.generate([PROMPTS[i] for i, _ in MIX], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                      ignore_eos=True),
+                        lora_request=[_request(adapters, name) for _, name in MIX], use_tqdm=False)
+    for (i, name), out in zip(MIX, outs, strict=True):
+        assert out.outputs[0].token_ids == refs[name][i], (mode, i, name)
+    llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_lora_capture_time_within_half_again_gpu():
+    """Llama-3.2-1B shapes (bf16, dummy weights), the default ladder up to 256 requests: capturing with LoRA
+    (8 slots, rank 16) takes at most 1.5x the plain table's capture time (compile time is reported apart)."""
+    seconds = {}
+    for lora in (False, True):
+        kw = dict(enable_lora=True, max_loras=8, max_lora_rank=16) if lora else {}
+        llm = LLM("builtin:llama-3.2-1b", device="cuda", max_num_seqs=256, max_model_len=512, num_kv_blocks=512,
+                  **kw)
+        report = llm.runner.capture_report
+        seconds[lora] = report.total_seconds
+        llm.shutdown()
+        del llm
+    assert seconds[True] <= 1.5 * seconds[False], seconds

@@ -188,10 +188,11 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_lora_rank: int) 
 
 def write_dummy_adapter(path: str | os.PathLike, config: ModelConfig, rank: int, *,
                         targets: tuple[str, ...] = LORA_MODULES, seed: int = 0,
-                        dtype: torch.dtype = torch.bfloat16) -> str:
+                        dtype: torch.dtype = torch.bfloat16, scale: float = 0.01) -> str:
     """Write a random PEFT adapter folder for `config`'s model (every dense decoder layer, `targets`, rank
     `rank`, lora_alpha = 2 * rank): benchmarks and tests run the real loading path without a trained
-    adapter. A and B are scaled so that the adapter changes each projection's output by O(1e-2) of it."""
+    adapter. A and B are scaled so that the adapter changes each projection's output by about `scale`
+    times a unit-variance input's norm."""
     from safetensors.torch import save_file
 
     folder = Path(path)
@@ -207,7 +208,7 @@ def write_dummy_adapter(path: str | os.PathLike, config: ModelConfig, rank: int,
             block = "mlp" if module in MLP_MODULES else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp**0.5).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01 / rank**0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * scale / rank**0.5).to(dtype)
     save_file(tensors, os.fspath(folder / WEIGHTS_FILE))
     (folder / CONFIG_FILE).write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none",

@@ -1,0 +1,80 @@
+"""The runner protocol with adapters: `NewRequestData.lora_request` (vLLM's field).
+
+A new request with a missing adapter folder, one of the wrong type, or a step with more distinct
+adapters than `max_loras` raise ValueError before any state changes: the runner keeps serving the
+other requests, whose tokens are those of a runner that never saw the bad step. Layouts LoRA does not
+serve are refused by name.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphrunner.config import CacheConfig, CompilationConfig, LoadConfig, LoRAConfig, RunnerConfig, SchedulerConfig
+from graphrunner.layers.lora.peft import write_dummy_adapter
+from graphrunner.models.loader import load_model_config
+from graphrunner.protocol import LoRARequest, NewRequestData, SamplingParams, SchedulerOutput
+from graphrunner.runner import ModelRunner, _check_lora_layout
+
+MODEL = "builtin:tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    config = load_model_config(MODEL)
+    return [LoRARequest(f"a{i}", i + 1, write_dummy_adapter(root / f"a{i}", config, 4, seed=i, dtype=torch.float32,
+                                                                scale=1.0))
+            for i in range(3)]
+
+
+def _runner(max_loras: int = 2) -> ModelRunner:
+    config = RunnerConfig(
+        model=load_model_config(MODEL), load=LoadConfig(model=MODEL, load_format="dummy"),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+        cache=CacheConfig(block_size=4, num_blocks=32), compilation=CompilationConfig(enforce_eager=True),
+        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=4), dtype="float32")
+    runner = ModelRunner(config, "cpu")
+    runner.load_model()
+    runner.initialize_kv_cache(32)
+    return runner
+
+
+def _new(req_id: str, block: int, lora: LoRARequest | None) -> NewRequestData:
+    return NewRequestData(req_id, [3, 1, 4, 1, 5], SamplingParams(temperature=0), [block, block + 1],
+                          lora_request=lora)
+
+
+def _admit(runner: ModelRunner, reqs: list[NewRequestData]) -> list[list[int]]:
+    so = SchedulerOutput(scheduled_new_reqs=reqs, num_scheduled_tokens={r.req_id: 5 for r in reqs},
+                         total_num_scheduled_tokens=5 * len(reqs))
+    runner.execute_model(so)
+    return runner.sample_tokens().sampled_token_ids
+
+
+def test_bad_requests_change_nothing(adapters, tmp_path):
+    runner, clean = _runner(), _runner()
+    want = _admit(clean, [_new("a", 0, adapters[0]), _new("b", 2, None)])
+    assert want != _admit(_runner(), [_new("a", 0, None), _new("b", 2, None)])  # the adapter matters
+    missing = LoRARequest("gone", 9, str(tmp_path / "gone"))
+    with pytest.raises(ValueError, match=r"request 'x'.*does not exist"):
+        _admit(runner, [_new("a", 0, adapters[0]), _new("x", 4, missing)])
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+        _admit(runner, [_new("y", 4, "a0")])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"3 distinct LoRA adapters.*above max_loras=2"):
+        _admit(runner, [_new(f"r{i}", 2 * i, lora) for i, lora in enumerate(adapters)])
+    assert runner.state.requests.num_live == 0 and runner.lora.num_live == 0
+    assert _admit(runner, [_new("a", 0, adapters[0]), _new("b", 2, None)]) == want
+
+
+@pytest.mark.parametrize(("groups", "what"), [
+    (SimpleNamespace(pp_size=2, dp_lockstep=False), "pipeline_parallel_size=2"),
+    (SimpleNamespace(pp_size=1, dp_lockstep=True), "data_parallel_lockstep=True"),
+])
+def test_unserved_layouts_are_refused(groups, what):
+    config = RunnerConfig(model=load_model_config(MODEL), lora=LoRAConfig())
+    with pytest.raises(ValueError, match=f"enable_lora=True with {what}"):
+        _check_lora_layout(config, groups)
