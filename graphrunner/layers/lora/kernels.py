@@ -49,17 +49,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def lora_tiles(num_tokens: int, rank: int, in_features: int, max_slice: int) -> tuple[int, int, int, int]:
+def lora_tiles(num_tokens: int, rank: int, in_features: int, max_slice: int,
+               element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N) for T tokens, padded rank R, input width K, widest slice.
 
     BLOCK_M 16 up to 64 tokens (decode: a slot rarely has more rows than that), else 64: each A and B
     tile is read once per row block, so larger blocks read the adapter fewer times at prefill.
     BLOCK_R is the rank rounded up to a power of two (the whole rank in one tile; R <= 256),
-    BLOCK_K 128 (long contiguous reads of x and A rows) and BLOCK_N 64, both cut to the shapes."""
+    BLOCK_K 128 (long contiguous reads of x and A rows) and BLOCK_N 64, both cut to the shapes; fp32
+    operands take half of each (at 64 rows the full tiles spill registers on sm_90 in ptxas)."""
+    wide = 1 if element_size <= 2 else 2
     block_m = 16 if num_tokens <= 64 else 64
     block_r = max(_MIN_DOT, _next_pow2(rank))
-    block_k = max(_MIN_DOT, min(128, _next_pow2(in_features)))
-    block_n = max(_MIN_DOT, min(64, _next_pow2(max_slice)))
+    block_k = max(_MIN_DOT, min(128 // wide, _next_pow2(in_features)))
+    block_n = max(_MIN_DOT, min(64 // wide, _next_pow2(max_slice)))
     return block_m, block_r, block_k, block_n
 
 
@@ -153,7 +156,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     rows of h are left as they were."""
     T, K = x.shape
     L, S, R, _ = a.shape
-    block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1)
+    block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1, x.element_size())
     _shrink_kernel[(_cdiv(T, block_m), S, L)](
         x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1),
         a.stride(2), h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
@@ -165,7 +168,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     """out[t, slice i] += h[i, t] B[s, slice i]^T for every token row t of slot s's range."""
     S, T, R = h.shape
     L = b.shape[0]
-    block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice)
+    block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice, b.element_size())
     tiles = _cdiv(max_slice, block_n)
     _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
         h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
