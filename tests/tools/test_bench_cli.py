@@ -201,6 +201,19 @@ def test_throughput_counts_every_output_token(tmp_path, capsys):
     assert "output tokens/s" in capsys.readouterr().out
 
 
+def test_throughput_with_more_adapters_than_max_loras(tmp_path):
+    """`--num-loras 3 --max-loras 2`: every prompt runs its dummy adapter, the third waits for a slot;
+    every output token is counted."""
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", MODEL, "--device", "cpu", "--num-prompts", "4", "--input-len", "6",
+            "--output-len", "3", "--mode", "NONE", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+            "--num-loras", "3", "--max-loras", "2", "--lora-rank", "4", "--json", str(out), *COPY]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["output_tokens"] == data["expected_output_tokens"] == 4 * 3
+    assert data["spec"]["num_loras"] == 3 and data["spec"]["max_loras"] == 2
+
+
 @settings(deadline=None)
 @given(n=st.integers(1, 50), mean=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1))
 def test_sample_lengths(n, mean, seed):

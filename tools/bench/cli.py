@@ -142,6 +142,10 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
                    help={"num_kv_blocks": "unset = sized from a profile run"})
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     _copy_mib_arg(p)
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="prompt i runs dummy LoRA adapter i mod N (all seven projections); 0: the base model")
+    p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in flight (the rest queue)")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the dummy LoRA adapters")
     p.add_argument(
         "--peer",
         action="store_true",
@@ -430,6 +434,9 @@ def _run_throughput(args: argparse.Namespace) -> int:
             copy_bytes=_copy_bytes(args),
             peer=args.peer,
             peer_variants=tuple(v.strip() for v in args.peer_variants.split(",") if v.strip()),
+            num_loras=args.num_loras,
+            max_loras=args.max_loras,
+            lora_rank=args.lora_rank,
         )
         result = run_throughput(spec, log=_log)
     except ValueError as e:
