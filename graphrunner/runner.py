@@ -273,6 +273,8 @@ class ModelRunner:
             lora = self.lora
             if lora is not None:  # new requests' adapters readable, <= max_loras of them in the step
                 lora.check(so)
+            elif so.scheduled_new_reqs:
+                _refuse_adapters(so)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)
@@ -431,6 +433,14 @@ class ModelRunner:
             self._require_graphs()
             raise RuntimeError("call initialize_kv_cache(num_blocks) first")
         return self.planner
+
+
+def _refuse_adapters(so: SchedulerOutput) -> None:
+    """A runner without LoRA: a new request naming an adapter is an error, not the base model."""
+    for new in so.scheduled_new_reqs:
+        if new.lora_request is not None:
+            raise ValueError(f"request {new.req_id!r}: lora_request={new.lora_request} needs a runner with LoRA on "
+                             "(RunnerConfig.lora, LLM(enable_lora=True))")
 
 
 def _check_lora_layout(config: RunnerConfig, groups: ParallelGroups) -> None:

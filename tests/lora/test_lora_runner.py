@@ -70,6 +70,19 @@ def test_bad_requests_change_nothing(adapters, tmp_path):
     assert _admit(runner, [_new("a", 0, adapters[0]), _new("b", 2, None)]) == want
 
 
+def test_a_runner_without_lora_refuses_adapters(adapters):
+    config = RunnerConfig(
+        model=load_model_config(MODEL), load=LoadConfig(model=MODEL, load_format="dummy"),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32),
+        cache=CacheConfig(block_size=4, num_blocks=8), compilation=CompilationConfig(enforce_eager=True))
+    runner = ModelRunner(config, "cpu")
+    runner.load_model()
+    runner.initialize_kv_cache(8)
+    with pytest.raises(ValueError, match="needs a runner with LoRA on"):
+        _admit(runner, [_new("a", 0, adapters[0])])
+    assert runner.state.requests.num_live == 0
+
+
 @pytest.mark.parametrize(("groups", "what"), [
     (SimpleNamespace(pp_size=2, dp_lockstep=False), "pipeline_parallel_size=2"),
     (SimpleNamespace(pp_size=1, dp_lockstep=True), "data_parallel_lockstep=True"),
