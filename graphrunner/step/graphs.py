@@ -394,6 +394,8 @@ class StepGraphs:
         lens = np.ones(min(limits.max_num_reqs, limits.max_num_tokens), dtype=np.int32)
         batch = body.dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
         body.prepare_inputs(batch)
+        if body.lora is not None:  # the plain compile never sees the adapters (a LoRA step may have run last)
+            body.lora.active = False
         with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
             body.compiled.run_compiled(*body.model_args(batch))
             if body.compiled_lora is not None and body.lora is not None:
