@@ -31,11 +31,13 @@ def adapters(tmp_path_factory):
             for i in range(3)]
 
 
-def _runner(max_loras: int = 2) -> ModelRunner:
+def _runner(max_loras: int = 2, mode: str | None = None) -> ModelRunner:
+    compilation = CompilationConfig(enforce_eager=True) if mode is None else CompilationConfig(
+        cudagraph_mode=mode, cudagraph_capture_sizes=(2, 4, 8, 16), compile_backend="eager")
     config = RunnerConfig(
         model=load_model_config(MODEL), load=LoadConfig(model=MODEL, load_format="dummy"),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
-        cache=CacheConfig(block_size=4, num_blocks=32), compilation=CompilationConfig(enforce_eager=True),
+        cache=CacheConfig(block_size=4, num_blocks=32), compilation=compilation,
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=4), dtype="float32")
     runner = ModelRunner(config, "cpu")
     runner.load_model()
@@ -68,6 +70,21 @@ def test_bad_requests_change_nothing(adapters, tmp_path):
         _admit(runner, [_new(f"r{i}", 2 * i, lora) for i, lora in enumerate(adapters)])
     assert runner.state.requests.num_live == 0 and runner.lora.num_live == 0
     assert _admit(runner, [_new("a", 0, adapters[0]), _new("b", 2, None)]) == want
+
+
+def test_capture_after_a_lora_step_compiles_each_variant_once(adapters):
+    """A LoRA step before capture leaves the adapters' flag set; the plain compile still traces without
+    adapters, and each compile stays at one graph through capture and both kinds of steps."""
+    eager = _admit(_runner(), [_new("a", 0, adapters[0]), _new("b", 2, None)])
+    runner = _runner(mode="PIECEWISE")
+    assert _admit(runner, [_new("a", 0, adapters[0])]) == eager[:1]
+    runner.execute_model(SchedulerOutput(finished_req_ids={"a"}))
+    runner.sample_tokens()
+    runner.capture_model(progress=False)
+    assert _admit(runner, [_new("a2", 0, adapters[0]), _new("b2", 2, None)]) == eager
+    assert _admit(runner, [_new("c", 4, None)]) == eager[1:]
+    body = runner.body
+    assert body.compiled.num_graphs_compiled == 1 and body.compiled_lora.num_graphs_compiled == 1
 
 
 def test_a_runner_without_lora_refuses_adapters(adapters):
