@@ -8,6 +8,11 @@ the padded shape it runs at:
     PIECEWISE  pads tokens only: num_reqs is None because attention runs eagerly
                between the graphed pieces with the real request count.
     NONE       eager and unpadded: the real sizes (num_reqs may be left None).
+
+`has_lora` says whether the step applies LoRA adapters: a graph captured with them runs their
+kernels, one captured without them has none. A batch with adapters fits only a LoRA graph, a batch
+without fits only a plain one, so the plain path never pays for LoRA and a LoRA batch never replays
+a graph that would drop its adapters.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class BatchExecutionDescriptor:
     num_tokens: int
     num_reqs: int | None = None
     uniform_token_count: int | None = None
+    has_lora: bool = False
     # The mode tests, as plain attributes: a step reads them several times, and an attribute
     # costs no Python call the way a property does (derived, so not part of the key).
     is_full: bool = field(init=False, repr=False, compare=False)
@@ -55,6 +61,8 @@ class BatchExecutionDescriptor:
             raise ValueError(
                 f"num_reqs={self.num_reqs} on a PIECEWISE descriptor: PIECEWISE pads tokens only, must be None"
             )
+        if not isinstance(self.has_lora, bool):
+            raise ValueError(f"has_lora={self.has_lora!r} must be a bool")
         q = self.uniform_token_count
         if q is not None:
             if not _is_int(q) or q < 1:
@@ -85,20 +93,27 @@ class BatchExecutionDescriptor:
             raise ValueError(f"real_reqs={real_reqs} must be in [0, num_reqs={self.num_reqs}]")
         return self.num_reqs - real_reqs
 
-    def fits(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None) -> bool:
+    def fits(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None,
+             has_lora: bool = False) -> bool:
         """Can a batch of these real sizes run under this descriptor (after padding)?
 
         `uniform_token_count` is q when every request of the batch has exactly q tokens,
-        else None. Uniform-decode graphs only take uniform batches with the same q.
+        else None. Uniform-decode graphs only take uniform batches with the same q. `has_lora`:
+        the batch has adapter rows; it must equal the descriptor's (module docstring).
         """
         return (
-            (self.uniform_token_count is None or self.uniform_token_count == uniform_token_count)
+            self.has_lora == has_lora
+            and (self.uniform_token_count is None or self.uniform_token_count == uniform_token_count)
             and (self.num_reqs is None or self.num_reqs >= num_reqs)
             and self.num_tokens >= num_tokens
         )
 
-    def misfit(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None) -> str | None:
+    def misfit(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None,
+               has_lora: bool = False) -> str | None:
         """Why a batch does not fit (None when it fits): the human side of `fits`."""
+        if self.has_lora != has_lora:
+            return ("graph captured without LoRA, the batch has adapters" if has_lora
+                    else "LoRA graph, the batch has no adapters")
         q = self.uniform_token_count
         if q is not None and q != uniform_token_count:
             got = "a mixed batch" if uniform_token_count is None else f"a uniform batch with q={uniform_token_count}"
@@ -115,4 +130,6 @@ class BatchExecutionDescriptor:
             parts.append(f"r={self.num_reqs}")
         if self.uniform_token_count is not None:
             parts.append(f"q={self.uniform_token_count}")
+        if self.has_lora:
+            parts.append("lora")
         return f"{self.cg_mode.name}({','.join(parts)})"

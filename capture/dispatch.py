@@ -15,6 +15,11 @@ CPU. Built once from the resolved mode, the capture sizes and the batch limits:
 
 `dispatch()` walks that precomputed list (at most two entries) and returns the first
 descriptor the batch fits, else NONE with the real sizes: O(1), no scan over sizes.
+
+LoRA (`enable_lora`): the same descriptors again with `has_lora=True`, at the LoRA capture sizes
+(`default_lora_capture_sizes`: a sparser ladder, so that capturing them adds at most half of the
+plain table's capture time), each with candidates of its own. A batch without adapters dispatches
+exactly as without LoRA; a batch with adapters gets a LoRA graph or runs eager.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from capture.modes import CUDAGraphMode, Resolution
 
 logger = logging.getLogger("graphrunner.capture")
 
-__all__ = ["CandidateVerdict", "DispatchTable", "Explanation", "default_capture_sizes", "validate_capture_sizes"]
+__all__ = ["CandidateVerdict", "DispatchTable", "Explanation", "default_capture_sizes", "default_lora_capture_sizes",
+           "validate_capture_sizes"]
 
 # Default ladder (docs/architecture.md §5): dense where small decode batches live, coarser above.
 _SMALL_SIZES = (1, 2, 4)
@@ -57,6 +63,31 @@ def default_capture_sizes(
     top = min(2 * max_num_reqs * q, _DEFAULT_MAX_CAPTURE_SIZE, max_num_batched_tokens)
     ladder = [*_SMALL_SIZES, *range(8, 256, _STEP_BELOW_256), *range(256, top + 1, _STEP_FROM_256)]
     return tuple(s for s in ladder if s <= top)
+
+
+# LoRA graphs at about every 1.5x step of size (1, 2, 4, 8, 12, 16, 24, 32, 48, ...): a LoRA batch
+# pads at most a third more than a plain one, and the LoRA graphs number about 30% of the default
+# ladder's (15 of 51 up to 512). A LoRA graph has two more launches per projection than its plain
+# twin; at most 40% as many of them keeps their capture under half of the plain table's capture time.
+_LORA_LADDER_SMALL = (1, 2, 4, 8)
+_LORA_GRAPH_SHARE = 0.4
+
+
+def default_lora_capture_sizes(capture_sizes: Iterable[int]) -> tuple[int, ...]:
+    """The token counts to capture with LoRA: for 1, 2, 4, 8 and then every 2^k and 3 * 2^(k-1), the
+    smallest capture size that holds it, and always the largest capture size (so that every batch a
+    plain graph takes has a LoRA graph too); thinned from the top down to at most 40% of the sizes
+    (a short ladder, say [1, 2, 4, 8, 16], keeps [2, 16])."""
+    sizes = sorted(set(capture_sizes))
+    if not sizes:
+        return ()
+    ladder = list(_LORA_LADDER_SMALL)
+    while ladder[-1] < sizes[-1]:
+        ladder += [ladder[-1] * 3 // 2, ladder[-1] * 2]
+    picked = sorted({next(s for s in sizes if s >= v) for v in ladder if v <= sizes[-1]} | {sizes[-1]})
+    most = max(1, int(_LORA_GRAPH_SHARE * len(sizes)))
+    step = -(-len(picked) // most)
+    return tuple(picked[::-1][::step][::-1])
 
 
 def validate_capture_sizes(sizes: Iterable[int], max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -106,6 +137,7 @@ class Explanation:
     verdicts: tuple[CandidateVerdict, ...]
     chosen: BatchExecutionDescriptor
     note: str  # why the step runs eager, when it does
+    has_lora: bool = False  # the batch has adapter rows
 
     @property
     def padding_tokens(self) -> int:
@@ -122,7 +154,7 @@ class Explanation:
 
     def __str__(self) -> str:
         q = self.uniform_token_count
-        kind = "mixed" if q is None else f"uniform q={q}"
+        kind = ("mixed" if q is None else f"uniform q={q}") + (", with LoRA adapters" if self.has_lora else "")
         lines = [f"batch: num_reqs={self.num_reqs} num_tokens={self.num_tokens} ({kind})"]
         width = max((len(str(v.descriptor)) for v in self.verdicts), default=0)
         for v in self.verdicts:
@@ -155,6 +187,8 @@ class DispatchTable:
         max_num_reqs: int,
         max_num_batched_tokens: int,
         uniform_decode_query_len: int = 1,
+        enable_lora: bool = False,
+        lora_capture_sizes: Iterable[int] | None = None,
     ) -> None:
         if isinstance(mode, Resolution):
             self.resolution = mode
@@ -169,50 +203,72 @@ class DispatchTable:
         else:
             self.capture_sizes = validate_capture_sizes(capture_sizes, max_num_batched_tokens)
 
-        self._decode_descs = self._build_decode_descs()  # ascending num_tokens
-        self._mixed_descs = self._build_mixed_descs()  # ascending num_tokens
-        self._descriptors = self._capture_order(self._decode_descs + self._mixed_descs)
-        self._candidates = self._build_candidates()  # index: num_tokens
+        self.enable_lora = bool(enable_lora)
+        q = self.uniform_decode_query_len
+        if not self.enable_lora:
+            self.lora_capture_sizes: tuple[int, ...] = ()
+            lora_decode_sizes: tuple[int, ...] = ()
+        elif lora_capture_sizes is None:
+            self.lora_capture_sizes = default_lora_capture_sizes(self.capture_sizes)
+            # The decode ladder over the sizes a uniform-decode graph can have (<= max_num_reqs requests).
+            lora_decode_sizes = default_lora_capture_sizes(
+                s for s in self.capture_sizes if -(-s // q) <= self.max_num_reqs)
+        else:
+            self.lora_capture_sizes = validate_capture_sizes(lora_capture_sizes, max_num_batched_tokens)
+            lora_decode_sizes = self.lora_capture_sizes
+
+        self._decode_descs = self._build_decode_descs(self.capture_sizes, False)  # ascending num_tokens
+        self._mixed_descs = self._build_mixed_descs(self.capture_sizes, False)  # ascending num_tokens
+        lora_decode = self._build_decode_descs(lora_decode_sizes, True)
+        lora_mixed = self._build_mixed_descs(self.lora_capture_sizes, True)
+        self._descriptors = self._capture_order(self._decode_descs + self._mixed_descs + lora_decode + lora_mixed)
+        top = max((d.num_tokens for d in self._descriptors), default=0)
+        self._candidates = self._build_candidates(self._decode_descs, self._mixed_descs, top)  # index: num_tokens
+        self._lora_candidates = self._build_candidates(lora_decode, lora_mixed, top) if self.enable_lora else ()
 
     # -- construction -------------------------------------------------------------------------
 
-    def _build_decode_descs(self) -> tuple[BatchExecutionDescriptor, ...]:
+    def _build_decode_descs(self, sizes: tuple[int, ...], has_lora: bool) -> tuple[BatchExecutionDescriptor, ...]:
         mode, q = self.mode, self.uniform_decode_query_len
         # Single-routine FULL needs no separate decode graphs: its mixed FULL graphs take
         # uniform batches too.
         if not (mode.separate_routine and mode.decode_mode is CUDAGraphMode.FULL):
             return ()
         out: dict[int, BatchExecutionDescriptor] = {}
-        for size in self.capture_sizes:
+        for size in sizes:
             tokens = -(-size // q) * q  # a uniform batch always holds a multiple of q tokens
             reqs = tokens // q
             if reqs > self.max_num_reqs or tokens > self.max_num_batched_tokens:
                 continue
-            out.setdefault(tokens, BatchExecutionDescriptor(CUDAGraphMode.FULL, tokens, reqs, q))
+            out.setdefault(tokens, BatchExecutionDescriptor(CUDAGraphMode.FULL, tokens, reqs, q, has_lora))
         return tuple(out[t] for t in sorted(out))
 
-    def _build_mixed_descs(self) -> tuple[BatchExecutionDescriptor, ...]:
+    def _build_mixed_descs(self, sizes: tuple[int, ...], has_lora: bool) -> tuple[BatchExecutionDescriptor, ...]:
         mixed = self.mode.mixed_mode
         if mixed is CUDAGraphMode.PIECEWISE:
-            return tuple(BatchExecutionDescriptor(mixed, s) for s in self.capture_sizes)
+            return tuple(BatchExecutionDescriptor(mixed, s, has_lora=has_lora) for s in sizes)
         if mixed is CUDAGraphMode.FULL:
             # Every request has >= 1 token, so a t-token batch has <= min(t, max_num_reqs) requests.
-            return tuple(BatchExecutionDescriptor(mixed, s, min(s, self.max_num_reqs)) for s in self.capture_sizes)
+            return tuple(BatchExecutionDescriptor(mixed, s, min(s, self.max_num_reqs), has_lora=has_lora)
+                         for s in sizes)
         return ()
 
     @staticmethod
     def _capture_order(descs: Iterable[BatchExecutionDescriptor]) -> tuple[BatchExecutionDescriptor, ...]:
         # PIECEWISE first, then FULL, each largest first: the largest graphs size the shared
         # pool and PIECEWISE activations are the larger, so later graphs reuse that memory.
-        def key(d: BatchExecutionDescriptor) -> tuple[int, int, int]:
-            return (0 if d.is_piecewise else 1, -d.num_tokens, -(d.num_reqs or 0))
+        # A LoRA graph right after its plain twin of the same size.
+        def key(d: BatchExecutionDescriptor) -> tuple[int, int, int, bool]:
+            return (0 if d.is_piecewise else 1, -d.num_tokens, -(d.num_reqs or 0), d.has_lora)
 
         return tuple(sorted(descs, key=key))
 
-    def _build_candidates(self) -> tuple[tuple[BatchExecutionDescriptor, ...], ...]:
-        top = max((d.num_tokens for d in self._descriptors), default=0)
-        decode = _ceilings(self._decode_descs, top)
-        mixed = _ceilings(self._mixed_descs, top)
+    @staticmethod
+    def _build_candidates(decode_descs: tuple[BatchExecutionDescriptor, ...],
+                          mixed_descs: tuple[BatchExecutionDescriptor, ...],
+                          top: int) -> tuple[tuple[BatchExecutionDescriptor, ...], ...]:
+        decode = _ceilings(decode_descs, top)
+        mixed = _ceilings(mixed_descs, top)
         return tuple(tuple(d for d in (decode[t], mixed[t]) if d is not None) for t in range(top + 1))
 
     # -- queries ------------------------------------------------------------------------------
@@ -227,41 +283,46 @@ class DispatchTable:
         """Largest token count any graph takes (0 when nothing is captured)."""
         return len(self._candidates) - 1
 
-    def candidates(self, num_tokens: int) -> tuple[BatchExecutionDescriptor, ...]:
+    def candidates(self, num_tokens: int, has_lora: bool = False) -> tuple[BatchExecutionDescriptor, ...]:
         """Ordered candidates for a batch of `num_tokens` tokens: uniform-decode FULL first,
-        then the mixed mode's descriptor; empty when no graph is large enough."""
+        then the mixed mode's descriptor; empty when no graph is large enough. `has_lora`: the
+        LoRA graphs' candidates (none without `enable_lora`)."""
         if not 1 <= num_tokens <= self.max_num_batched_tokens:
             raise ValueError(self._tokens_range_error(num_tokens))
-        return self._candidates[num_tokens] if num_tokens < len(self._candidates) else ()
+        table = self._lora_candidates if has_lora else self._candidates
+        return table[num_tokens] if num_tokens < len(table) else ()
 
     def dispatch(
-        self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None
+        self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None, has_lora: bool = False
     ) -> BatchExecutionDescriptor:
         """Descriptor for a batch: the first compatible candidate (least padding of its kind),
         else NONE with the real sizes.
 
         uniform_token_count=q only when every request has exactly q tokens (a pure decode
         batch); then num_tokens must equal num_reqs * q. A prompt chunk that happens to be
-        q long is not a decode: pass None for any batch with a prefill.
+        q long is not a decode: pass None for any batch with a prefill. `has_lora`: some row of
+        the batch has an adapter (only LoRA graphs, or NONE, serve it).
         """
         self._check_batch(num_reqs, num_tokens, uniform_token_count)
-        if num_tokens < len(self._candidates):
-            for desc in self._candidates[num_tokens]:
-                if desc.fits(num_reqs, num_tokens, uniform_token_count):
+        table = self._lora_candidates if has_lora else self._candidates
+        if num_tokens < len(table):
+            for desc in table[num_tokens]:
+                if desc.fits(num_reqs, num_tokens, uniform_token_count, has_lora):
                     return desc
-        return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+        return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs, has_lora=has_lora)
 
-    def explain(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None) -> Explanation:
+    def explain(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None = None,
+                has_lora: bool = False) -> Explanation:
         """What `dispatch` considers for this batch, why each candidate is taken or not, and
         the padding waste of the result."""
         self._check_batch(num_reqs, num_tokens, uniform_token_count)
         verdicts: list[CandidateVerdict] = []
         chosen: BatchExecutionDescriptor | None = None
-        for desc in self.candidates(num_tokens):
+        for desc in self.candidates(num_tokens, has_lora):
             if chosen is not None:
                 verdicts.append(CandidateVerdict(desc, False, f"{chosen} was accepted first", reached=False))
                 continue
-            why = desc.misfit(num_reqs, num_tokens, uniform_token_count)
+            why = desc.misfit(num_reqs, num_tokens, uniform_token_count, has_lora)
             if why is None:
                 chosen = desc
                 pads = f"+{desc.padded_tokens(num_tokens)} tokens"
@@ -272,17 +333,23 @@ class DispatchTable:
                 verdicts.append(CandidateVerdict(desc, False, why))
         note = ""
         if chosen is None:
-            chosen = BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
-            note = self._eager_reason(num_tokens, uniform_token_count, bool(verdicts))
-        return Explanation(num_reqs, num_tokens, uniform_token_count, tuple(verdicts), chosen, note)
+            chosen = BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs, has_lora=has_lora)
+            note = self._eager_reason(num_tokens, uniform_token_count, bool(verdicts), has_lora)
+        return Explanation(num_reqs, num_tokens, uniform_token_count, tuple(verdicts), chosen, note, has_lora)
 
-    def _eager_reason(self, num_tokens: int, uniform_token_count: int | None, had_candidates: bool) -> str:
+    def _eager_reason(self, num_tokens: int, uniform_token_count: int | None, had_candidates: bool,
+                      has_lora: bool = False) -> str:
         if not self._descriptors:
             return f"mode {self.mode.name} captures no graphs"
+        if has_lora and not self.enable_lora:
+            return "the table has no LoRA graphs (enable_lora is off)"
         if uniform_token_count is None and self.mode.mixed_mode is CUDAGraphMode.NONE:
             return f"mode {self.mode.name} runs mixed batches eager"
         if had_candidates:
             return "every candidate was rejected"
+        if has_lora:
+            top = max((d.num_tokens for d in self._descriptors if d.has_lora), default=0)
+            return f"num_tokens={num_tokens} exceeds the largest LoRA graph ({top} tokens)"
         return f"num_tokens={num_tokens} exceeds the largest graph ({self.max_graph_tokens} tokens)"
 
     def _tokens_range_error(self, num_tokens: int) -> str:
@@ -307,11 +374,13 @@ class DispatchTable:
         sizes = self.capture_sizes
         span = f"{sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)" if len(sizes) > 3 else str(list(sizes))
         n_full = sum(d.is_full for d in self._descriptors)
+        n_lora = sum(d.has_lora for d in self._descriptors)
+        lora = f", {n_lora} with LoRA at {len(self.lora_capture_sizes)} sizes" if self.enable_lora else ""
         return (
             f"DispatchTable(mode={self.mode.name}, q={self.uniform_decode_query_len}, "
             f"max_num_reqs={self.max_num_reqs}, max_num_batched_tokens={self.max_num_batched_tokens}, "
             f"capture_sizes={span}, graphs={len(self._descriptors)} "
-            f"[{len(self._descriptors) - n_full} PIECEWISE, {n_full} FULL])"
+            f"[{len(self._descriptors) - n_full} PIECEWISE, {n_full} FULL{lora}])"
         )
 
 

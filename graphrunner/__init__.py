@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from graphrunner.protocol import (
     CachedRequestData,
     Logprob,
+    LoRARequest,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -52,6 +53,7 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
     "Logprob",
+    "LoRARequest",
     "SchedulerOutput",
     "NewRequestData",
     "CachedRequestData",

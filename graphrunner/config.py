@@ -567,6 +567,37 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): `max_loras` adapters in one step (device slots per
+    projection), each of rank <= `max_lora_rank` (every slot is padded to it), and up to
+    `max_cpu_loras` adapters kept in host memory (None: max_loras). `lora_capture_sizes`: the token
+    counts captured with adapters (None: `capture.dispatch.default_lora_capture_sizes`)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_capture_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} exceeds the largest supported rank {MAX_LORA_RANK}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        cpu = self.max_cpu_loras
+        if not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras={cpu!r} must be an int >= max_loras={self.max_loras}")
+        if self.lora_capture_sizes is not None:
+            object.__setattr__(self, "lora_capture_sizes", tuple(self.lora_capture_sizes))
+
+
+MAX_LORA_RANK = 256  # vLLM's largest; a slot's rank tile is the rank rounded up to a power of two
+
+
+@dataclass(frozen=True)
 class LoadConfig:
     """Where weights come from: a Hugging Face folder, or `dummy` random weights from `seed`."""
 
@@ -587,6 +618,7 @@ class RunnerConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    lora: LoRAConfig | None = None  # multi-LoRA serving; None: off (no LoRA buffers, graphs or work)
     dtype: str = "auto"
     seed: int = 0
 

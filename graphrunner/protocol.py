@@ -257,6 +257,42 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT adapter folder, named and numbered by the caller.
+
+    `lora_int_id` (>= 1) identifies the adapter: requests with equal ids share one loaded copy
+    (the folder is read once, while it stays cached), as in vLLM. `lora_path` is a folder holding
+    `adapter_config.json` and `adapter_model.safetensors`.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id={self.lora_int_id!r} must be an int >= 1")
+        if not self.lora_path:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path is empty; give the adapter's folder")
+        object.__setattr__(self, "lora_path", str(self.lora_path))
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    def __str__(self) -> str:
+        return f"adapter {self.lora_name!r} (id {self.lora_int_id}, {self.lora_path})"
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has not seen, or one resumed after preemption.
@@ -272,6 +308,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (vLLM's field); None: the base model
 
     def __post_init__(self) -> None:
         # Built once per admission (not per step): O(tokens) at C speed for int lists.

@@ -37,6 +37,8 @@ from graphrunner.distributed.lockstep import LockstepDP
 from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.pipeline_stage import PipelineStage
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
+from graphrunner.layers.lora.manager import LoraManager
+from graphrunner.layers.lora.weights import LoraBuffers
 from graphrunner.limits import StepLimits
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
@@ -131,7 +133,11 @@ class ModelRunner:
             requests=self.state.requests, sampling=self.state.sampling,
             logprobs=LogprobBuffers.allocate(L.max_num_reqs * L.uniform_decode_query_len, self.device),
             spec=spec.buffers if spec is not None else None,
+            lora=LoraBuffers(config.lora.max_loras, L.max_num_tokens, self.device) if config.lora else None,
         )
+        self.lora: LoraManager | None = None  # with the model (LoRA on)
+        if config.lora is not None:
+            _check_lora_layout(config, groups)
         self.prompt_logprobs = PromptLogprobs()
         # Pipeline parallelism: hidden states between stages and the sampled-token broadcast,
         # outside the graphs (None for one stage). Lockstep DP joins with the graphs (below).
@@ -182,6 +188,10 @@ class ModelRunner:
             from graphrunner.distributed.eplb import make_eplb
 
             self.eplb = make_eplb(model, tp, g, par.eplb_window_size, par.eplb_step_interval)
+        if self.config.lora is not None:  # every projection's adapter slots, before any graph
+            assert self.buffers.lora is not None, "allocated with the runner"
+            self.lora = LoraManager(self.config.lora, model, self.buffers.lora, self.model_config, self.dtype,
+                                    self.device)
         # Microbatches run side by side on two streams: each MoE layer call then takes its own buffers.
         if not self.config.parallel.enable_dbo:
             model.allocate_workspace(self.limits.max_num_tokens)
@@ -257,16 +267,16 @@ class ModelRunner:
         # and no drafts sit in per-step buffers (step/graphs.py).
         g = self.groups
         lazy = (self.config.compilation.lazy_sampler_variants and self.body.spec is None and g.pp_size == 1
-                and not g.dp_lockstep and self.body.pcp is None)
+                and not g.dp_lockstep and self.body.pcp is None and self.config.lora is None)
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name,
-                                          lazy_variants=lazy)
+                                          lazy_variants=lazy, lora=self.config.lora)
         if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
             self.dp = LockstepDP(self.groups, graphs, self.pp, self.device, ep=self.ep,
                                  side_comms=self._side_comms)
         self.planner = StepPlanner(self.state, self.buffers.inputs, graphs, L,
                                    self.dp.dispatch if self.dp is not None else graphs.dispatch,
-                                   reuse_plans=self.dp is None, pcp=self.body.pcp)
+                                   reuse_plans=self.dp is None, pcp=self.body.pcp, lora=self.lora)
 
     @torch.inference_mode()
     def capture_model(self, *, inspect_nodes: bool = False, progress: bool = True) -> CaptureReport:
@@ -326,9 +336,16 @@ class ModelRunner:
             # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
             new_blocks = blocks.count(None) != len(blocks) and any(blocks)
             validate_scheduler_output(state, self.limits, so, plan.hint if plan is not None else None, new_blocks)
+            lora = self.lora
+            if lora is not None:  # new requests' adapters readable, <= max_loras of them in the step
+                lora.check(so)
+            elif so.scheduled_new_reqs:
+                _refuse_adapters(so)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)
+            if lora is not None and (removed is not None or so.scheduled_new_reqs):
+                lora.update(so, removed.req_ids if removed is not None else ())
             if plan is not None and new_blocks:
                 planner.refresh_limits(plan)  # the plan's per-row token limits grew
             if removed is not None:  # prompt-logprob tracking and PP row generations follow the rows
@@ -487,6 +504,28 @@ class ModelRunner:
             self._require_graphs()
             raise RuntimeError("call initialize_kv_cache(num_blocks) first")
         return self.planner
+
+
+def _refuse_adapters(so: SchedulerOutput) -> None:
+    """A runner without LoRA: a new request naming an adapter is an error, not the base model."""
+    for new in so.scheduled_new_reqs:
+        if new.lora_request is not None:
+            raise ValueError(f"request {new.req_id!r}: lora_request={new.lora_request} needs a runner with LoRA on "
+                             "(RunnerConfig.lora, LLM(enable_lora=True))")
+
+
+def _check_lora_layout(config: RunnerConfig, groups: ParallelGroups) -> None:
+    """LoRA serves one process or tensor parallelism; ValueError naming what it does not serve."""
+    p = config.parallel
+    refused = [(groups.pp_size > 1, f"pipeline_parallel_size={groups.pp_size}"),
+               (groups.dp_lockstep, "data_parallel_lockstep=True"),
+               (p.prefill_context_parallel_size > 1,
+                f"prefill_context_parallel_size={p.prefill_context_parallel_size}"),
+               (bool(p.enable_dbo), "enable_dbo=True")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"enable_lora=True with {what} is not supported (LoRA serves one process or "
+                             "tensor parallelism)")
 
 
 __all__ = ["ModelRunner", "StartupTimes"]

@@ -35,7 +35,14 @@ from typing import Any, cast
 
 import torch
 
-from graphrunner.config import DRAFTER_METHODS, ParallelConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from graphrunner.config import (
+    DRAFTER_METHODS,
+    LoRAConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    resolve_device,
+    resolve_dtype,
+)
 from graphrunner.engine.batch_trace import append_record
 from graphrunner.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from graphrunner.engine.chat import ChatMessages, render_chat
@@ -56,7 +63,7 @@ from graphrunner.engine.runner_config import build_runner_config, fit_max_model_
 from graphrunner.engine.scheduler import Scheduler, SchedulerStats
 from graphrunner.engine.structured import can_compile_grammars, make_structured_outputs
 from graphrunner.engine.workers import WorkerLLM, wants_workers
-from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from graphrunner.protocol import LoRARequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger("graphrunner.engine")
 
@@ -114,6 +121,10 @@ class LLM:
         revision, tokenizer_revision: hub revisions (vLLM's names); graphrunner loads local folders,
             which have none, so only None is accepted.
         trust_remote_code: refused when True: graphrunner runs no code from a model folder.
+        enable_lora, max_loras, max_lora_rank, max_cpu_loras: multi-LoRA serving (vLLM's names):
+            requests may name a PEFT adapter (`generate(..., lora_request=LoRARequest(...))`); at most
+            `max_loras` distinct adapters run at once (more queue), each of rank <= `max_lora_rank`,
+            and `max_cpu_loras` (default max_loras) stay read in host memory. See docs/lora.md.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -159,6 +170,10 @@ class LLM:
         revision: str | None = None,
         tokenizer_revision: str | None = None,
         trust_remote_code: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
@@ -181,6 +196,7 @@ class LLM:
             decode_context_parallel_size=decode_context_parallel_size, enable_expert_parallel=enable_expert_parallel,
             extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
         max_num_seqs, max_num_batched_tokens = default_limits(self.device, max_num_seqs, max_num_batched_tokens)
@@ -188,7 +204,8 @@ class LLM:
             model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative)
+            load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
+            lora=lora)
         self._init_runner()
         # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
         # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
@@ -251,6 +268,7 @@ class LLM:
             num_speculative_tokens=self.runner.uniform_decode_query_len - 1,
             # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
             num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
+            max_loras=self.config.lora.max_loras if self.config.lora is not None else 0,
         )
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -300,6 +318,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order.
 
@@ -307,9 +326,11 @@ class LLM:
         dict (`{"prompt": text}` / `{"prompt_token_ids": ids}`). `sampling_params` is one setting
         for all prompts, one per prompt, or None for the defaults; `n` > 1 gives each prompt n
         completions (`outputs[i]`). A bad prompt raises ValueError before any step runs and
-        leaves no trace. `use_tqdm` shows a progress bar (stderr) over the prompts.
+        leaves no trace. `use_tqdm` shows a progress bar (stderr) over the prompts. `lora_request`:
+        the adapter of every prompt, or one per prompt (None: the base model); a missing or
+        malformed adapter folder raises ValueError naming it before any step runs.
         """
-        all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False)
+        all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False, lora_request=lora_request)
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(req_ids)) if use_tqdm else None
         try:
@@ -357,7 +378,7 @@ class LLM:
         return self._stream(planned)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
-                    stream: bool = True) -> None:
+                    stream: bool = True, lora_request: LoRARequest | None = None) -> None:
         """Queue one prompt under `request_id` (vLLM's LLMEngine.add_request), for a caller that
         drives the steps itself (`step_outputs`); ValueError, with nothing queued, for a bad one.
         Under DP the request runs on the replica of the ranks it is added on: a driver sends it to
@@ -366,7 +387,8 @@ class LLM:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
-        self._queue_requests(planned, stream, share_out=False)
+        loras = self._check_loras(lora_request, 1)
+        self._queue_requests(planned, stream, share_out=False, loras=loras)
 
     def step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
         """One engine step: (the requests that finished in it, the stream deltas of streamed requests).
@@ -461,10 +483,33 @@ class LLM:
     def _add_requests(
         self, prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None, stream: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> tuple[list[str], list[str]]:
         """Check and queue a call's prompts: (every request id, those of this DP replica)."""
         planned = self._plan_requests(prompts, sampling_params)
-        return planned.all_ids, self._queue_requests(planned, stream)
+        loras = self._check_loras(lora_request, len(planned.all_ids))
+        return planned.all_ids, self._queue_requests(planned, stream, loras=loras)
+
+    def _check_loras(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                     num_prompts: int) -> list[LoRARequest | None] | None:
+        """One adapter (or None) per prompt, each folder read and checked against the model (the runner's
+        host cache keeps it); ValueError naming the adapter and the file, before anything is queued."""
+        if lora_request is None:
+            return None
+        loras: list[LoRARequest | None] = (
+            [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request))
+        if len(loras) != num_prompts:
+            raise ValueError(f"lora_request has {len(loras)} entries for {num_prompts} prompts")
+        manager = self.runner.lora
+        for lora in loras:
+            if lora is None:
+                continue
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}")
+            if manager is None:
+                raise ValueError(f"lora_request={lora} needs LLM(enable_lora=True)")
+            manager.adapter(lora)
+        return loras
 
     def _plan_requests(
         self, prompts: PromptType | Sequence[PromptType],
@@ -476,7 +521,8 @@ class LLM:
         self._next_req_id += len(planned.all_ids)
         return planned
 
-    def _queue_requests(self, planned: PlannedRequests, stream: bool, share_out: bool = True) -> list[str]:
+    def _queue_requests(self, planned: PlannedRequests, stream: bool, share_out: bool = True,
+                        loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue this DP replica's share of checked requests (`share_out=False`: all of them); returns their ids."""
         req_ids: list[str] = []
         added: list[str] = []
@@ -487,7 +533,8 @@ class LLM:
                 for j, (child_id, child_params) in enumerate(children):
                     # Siblings wait for the first child's prompt blocks (prefix cache) instead of computing them.
                     req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
-                                                     wait_for=children[0][0] if j else None)
+                                                     wait_for=children[0][0] if j else None,
+                                                     lora_request=loras[i] if loras is not None else None)
                     added.append(req.req_id)
                     self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),

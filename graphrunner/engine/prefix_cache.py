@@ -11,6 +11,9 @@ The scheduler asks `lookup(token_ids)` when it admits a request: the longest cha
 full blocks from its first token. It takes them with `touch` (their counts go up; free ones
 leave the queue), tells the runner `num_computed_tokens` = their tokens (the runner prefills
 only the rest), and after each step `register`s the blocks the request has filled since.
+
+A `salt` (a LoRA adapter's id; 0: the base model) keys the first block, so requests with different
+adapters, whose KV differs for the same tokens, never share blocks (vLLM keys by the adapter too).
 """
 
 from __future__ import annotations
@@ -79,9 +82,9 @@ class PrefixCachingAllocator(BlockAllocator):
         return self._refs[block_id] > 0
 
     # ---- the content cache ------------------------------------------------------------------
-    def _keys(self, token_ids: Sequence[int], num_blocks: int) -> list[Key]:
+    def _keys(self, token_ids: Sequence[int], num_blocks: int, salt: int = 0) -> list[Key]:
         """The keys of the first blocks of `token_ids`, as far as every parent is keyed (its id known)."""
-        keys, parent = [], -1
+        keys, parent = [], -1 - salt
         bs = self.block_size
         for i in range(num_blocks):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
@@ -91,12 +94,12 @@ class PrefixCachingAllocator(BlockAllocator):
             parent = self._key_ids[key]
         return keys
 
-    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """The cached blocks holding the longest prefix of `token_ids` (at most `max_blocks`)."""
+    def lookup(self, token_ids: Sequence[int], max_blocks: int, salt: int = 0) -> list[int]:
+        """The cached blocks holding the longest prefix of `token_ids` (at most `max_blocks`) under `salt`."""
         self.num_queries += 1
         self.num_query_tokens += len(token_ids)
         blocks = []
-        for key in self._keys(token_ids, min(max_blocks, len(token_ids) // self.block_size)):
+        for key in self._keys(token_ids, min(max_blocks, len(token_ids) // self.block_size), salt):
             block = self._block_of.get(key)
             if block is None:
                 break
@@ -111,10 +114,10 @@ class PrefixCachingAllocator(BlockAllocator):
             self._refs[block] += 1
         self.num_hit_tokens += len(blocks) * self.block_size
 
-    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full: int) -> None:
-        """Key a request's first `num_full` blocks by their content (blocks already keyed, or whose
-        content another block already caches, are left as they are)."""
-        parent, bs = -1, self.block_size
+    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full: int, salt: int = 0) -> None:
+        """Key a request's first `num_full` blocks by their content under `salt` (blocks already keyed, or
+        whose content another block already caches, are left as they are)."""
+        parent, bs = -1 - salt, self.block_size
         for i, block in enumerate(block_ids[:num_full]):
             key = self._key_of.get(block)
             if key is None:

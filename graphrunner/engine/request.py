@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from graphrunner.protocol import ModelRunnerOutput, SamplingParams
+from graphrunner.protocol import LoRARequest, ModelRunnerOutput, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +72,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def cache_salt(self) -> int:
+        """What keys its prefix-cache blocks apart from other adapters' (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None and self.logprobs is None:

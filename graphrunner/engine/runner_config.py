@@ -11,6 +11,7 @@ from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
     LoadConfig,
+    LoRAConfig,
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -24,7 +25,7 @@ def build_runner_config(
     model: str, parallel: ParallelConfig, device: torch.device, *, dtype: str, max_num_seqs: int,
     max_num_batched_tokens: int, max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
     gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
-    speculative: SpeculativeConfig,
+    speculative: SpeculativeConfig, lora: LoRAConfig | None = None,
 ) -> RunnerConfig:
     """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
     from graphrunner.models.loader import is_builtin, load_model_config
@@ -51,6 +52,7 @@ def build_runner_config(
         parallel=parallel,
         compilation=CompilationConfig(enforce_eager=enforce_eager, **compilation_kwargs),
         speculative=speculative,
+        lora=lora,
         dtype=dtype,
         seed=seed,
     )

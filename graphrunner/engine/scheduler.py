@@ -59,6 +59,7 @@ from graphrunner.engine.request import Request, RequestStatus, SequenceOutput
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,
+    LoRARequest,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -129,6 +130,9 @@ class Scheduler:
         num_speculative_tokens: k draft slots behind every decode (0: no speculation);
             the runner's `uniform_decode_query_len` - 1. num_lookahead_tokens: slots past a
             decode's tokens it also gets blocks for (k for a draft model's KV, else 0).
+        max_loras: with LoRA on, the most distinct adapters among the running requests (so in any
+            step): a waiting request whose adapter would exceed it stays queued while later ones
+            with running adapters (or none) are admitted, as vLLM's scheduler does. 0: LoRA off.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
@@ -192,6 +197,8 @@ class Scheduler:
         self._in_flight: deque[_Launched] = deque()
         # Siblings held back until their leader's prompt blocks are cached (add_request's wait_for).
         self._deferred: dict[str, list[Request]] = {}
+        self.max_loras = max_loras
+        self.running_loras: dict[int, int] = {}  # adapter id -> running requests with it
 
     # ---------------------------------------------------------------- requests
     @property
@@ -199,16 +206,20 @@ class Scheduler:
         return self.block_allocator.num_blocks
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    wait_for: str | None = None) -> Request:
+                    wait_for: str | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) when it can never run.
 
         `wait_for`: a live request with the same prompt (a sibling of parallel sampling, n > 1).
         With prefix caching this one is held back until that request's prompt blocks are
         cached, so that it takes them instead of computing the prompt again; then it goes to
         the front of the queue. Without prefix caching (or with nothing to share) it queues now.
+        `lora_request`: the adapter it runs with (refused when LoRA is off).
         """
         prompt = self.check_request(req_id, prompt_token_ids, sampling_params)
-        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
+        if lora_request is not None and not self.max_loras:
+            raise ValueError(f"request {req_id!r}: lora_request={lora_request} needs enable_lora=True")
+        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params,
+                      lora_request=lora_request)
         self.requests[req_id] = req
         if wait_for is not None and self._can_share(wait_for, req):
             req.wait_for = wait_for
@@ -238,6 +249,8 @@ class Scheduler:
             req.wait_for = None
         elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            if req.lora_request is not None:
+                self._lora_running(req.lora_request.lora_int_id, -1)
         else:
             self.waiting.remove(req)
 
@@ -385,11 +398,17 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, new_reqs: list[NewRequestData], num_scheduled: dict[str, int]) -> int:
-        """Pass 2: admit waiting requests in FCFS order; returns the budget left."""
+        """Pass 2: admit waiting requests in FCFS order; returns the budget left. A request whose
+        adapter would make the running adapters more than `max_loras` is passed over (it keeps its
+        place) for this step."""
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it is known (FCFS)
+            if req.lora_request is not None and not self._lora_fits(req.lora_request.lora_int_id):
+                skipped.append(self.waiting.popleft())
+                continue
             remaining = req.num_tokens  # waiting requests have nothing computed
             if not self.enable_chunked_prefill and remaining > budget:
                 break
@@ -403,6 +422,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = req.num_tokens
             self.running.append(req)
+            if req.lora_request is not None:
+                self._lora_running(req.lora_request.lora_int_id, 1)
             new_reqs.append(
                 NewRequestData(
                     req_id=req.req_id,
@@ -411,11 +432,24 @@ class Scheduler:
                     block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
+                    lora_request=req.lora_request,
                 )
             )
             num_scheduled[req.req_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _lora_fits(self, adapter_id: int) -> bool:
+        return adapter_id in self.running_loras or len(self.running_loras) < self.max_loras
+
+    def _lora_running(self, adapter_id: int, change: int) -> None:
+        """A request with adapter `adapter_id` starts (+1) or stops (-1) running."""
+        count = self.running_loras.get(adapter_id, 0) + change
+        if count:
+            self.running_loras[adapter_id] = count
+        else:
+            del self.running_loras[adapter_id]
 
     def _finishes_in_flight(self, req: Request) -> bool:
         """Async: nothing to schedule while the request's in-flight tokens end it by length, or
@@ -470,6 +504,8 @@ class Scheduler:
             return []  # most decode steps: the last block still has room
         while not self.block_allocator.can_allocate(needed):
             victim = self.running.pop()
+            if victim.lora_request is not None:
+                self._lora_running(victim.lora_request.lora_int_id, -1)
             self._preempt(victim)
             preempted.add(victim.req_id)
             if victim is req:
@@ -598,6 +634,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+                if req.lora_request is not None:
+                    self._lora_running(req.lora_request.lora_int_id, -1)
                 self._finished_req_ids.add(req.req_id)
             else:
                 self.waiting.remove(req)  # async: preempted while these tokens were in flight

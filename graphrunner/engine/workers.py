@@ -239,14 +239,16 @@ class WorkerLLM:
         return bool(self._call("reset_prefix_cache"))
 
     # ---------------------------------------------------------------- the engine loop (AsyncEngine)
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, *, stream: bool = True) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, *, stream: bool = True,
+                    lora_request: Any = None) -> None:
         """`LLM.add_request` on the ranks of the replica with the fewest live requests; ValueError
         (nothing queued anywhere) for a bad request."""
         load = [0] * self.data_parallel_size
         for replica in self._owner.values():
             load[replica] += 1
         replica = min(range(self.data_parallel_size), key=load.__getitem__)
-        self._call_ranks(self._replicas[replica], "add_request", request_id, prompt, params, stream=stream)
+        self._call_ranks(self._replicas[replica], "add_request", request_id, prompt, params, stream=stream,
+                         lora_request=lora_request)
         self._owner[request_id] = replica
 
     def abort_request(self, request_id: str) -> None:

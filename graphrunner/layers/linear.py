@@ -22,7 +22,11 @@ and `logits` for the LM head (fp32 out). The methods:
                  in at construction: one compiled graph serves every size. Eagerly the same
                  functions run without the op dispatch.
 
-Quantized weights and adapters attach here as further methods.
+Quantized weights attach here as further methods. LoRA adapters attach as `lora` (layers/lora/):
+while its `active` flag is set (a forward run or captured for a batch with adapters), a projection
+adds each token row's adapter to its output, the fused norm and SiLU·mul entries then run unfused
+(the adapter reads the normed input). Unset, and for a runner without LoRA (`lora` None), nothing
+of it runs.
 
 Each layer class is a plain projection at tp_size=1, but already knows how its weight is split
 across tensor-parallel ranks and how to load its share from a full Hugging Face tensor:
@@ -244,9 +248,14 @@ class _LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_local, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.method = linear_method(kernel or KernelConfig(), self.weight)
+        self.lora: Any = None  # layers.lora.weights.LoraWeights, attached by the runner with LoRA on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
-        return self.method.linear(x, self.weight, self.bias)
+        out = self.method.linear(x, self.weight, self.bias)
+        lora = self.lora
+        if lora is not None and lora.active:
+            lora.apply(x, out)
+        return out
 
     def _param(self, name: str) -> nn.Parameter:
         param = getattr(self, name, None)
@@ -288,6 +297,10 @@ class ColumnLinear(_LinearBase):
                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), x and residual [T, in_features]: a decoder
         half's entry (`norm` an RMSNorm); one launch at one row on CUDA (`GemvMethod`)."""
+        lora = self.lora
+        if lora is not None and lora.active:  # the adapter reads the normed rows
+            normed, residual = norm.add_norm(x, residual)
+            return self(normed), residual
         return self.method.add_norm_linear(norm, x, residual, self.weight, self.bias)
 
     def checkpoint_shape(self, param: str, shard_id=None) -> tuple[int, ...]:
@@ -427,14 +440,27 @@ class RowLinear(_LinearBase):
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * in_local] -> [T, out]
         """forward(silu(gate) * up) of gate_up's [gate | up] halves (`LinearMethod.swiglu_linear`: one
         GEMV launch for a single row on CUDA, else one SiLU·mul kernel and the GEMM)."""
+        lora = self.lora
+        if lora is not None and lora.active:  # the adapter reads the activation
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self._reduced(self.method.linear, F.silu(gate) * up)
         return self._reduced(self.method.swiglu_linear, gate_up)
 
     def _reduced(self, project: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """project(x, weight[, bias]) summed over the TP ranks; the bias is added once, after the sum."""
-        if self.tp_size == 1:
+        """project(x, weight[, bias]) summed over the TP ranks; the bias is added once, after the sum.
+        An active adapter adds its share to this rank's partial sum, before the reduction."""
+        lora = self.lora
+        if lora is not None and lora.active:
+            out = project(x, self.weight, self.bias if self.tp_size == 1 else None)
+            lora.apply(x, out)
+            if self.tp_size == 1:
+                return out
+        elif self.tp_size == 1:
             return project(x, self.weight, self.bias)
+        else:
+            out = project(x, self.weight)
         assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
-        out = self.all_reduce(project(x, self.weight))
+        out = self.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard_id=None) -> tuple[int, ...]:

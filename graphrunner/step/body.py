@@ -63,6 +63,10 @@ class StepBody:
         # Lockstep DP with enable_dbo (step.microbatch.Microbatcher): an armed step's forward runs
         # as two microbatches on two streams; None without DBO.
         self.microbatch: Any = None
+        # LoRA on: the slot metadata (whose `active` flag the projections read) and the compiled model
+        # of the LoRA graphs (a second compile: its traces run the adapters, the plain ones none).
+        self.lora = buffers.lora
+        self.compiled_lora: Any = None
 
     @property
     def block_tables(self) -> BlockTables:
@@ -118,12 +122,17 @@ class StepBody:
         """The model's layers for `batch`: hidden [T_pad, H] (or (hidden, residual) off the last stage).
         `modules`: the model's eager modules even when a compiled form exists."""
         assert self.model is not None, "load_model() before running a step"
+        compiled = self.compiled
+        if self.lora is not None:
+            self.lora.active = batch.has_lora
+            if batch.has_lora and compiled is not None:
+                compiled = self.compiled_lora
         if modules:
             forward = self.model
         elif piecewise:
-            forward = self.compiled
-        elif self.compiled is not None:
-            forward = self.compiled.run_compiled  # FULL graph bodies: fused kernels, no piece graphs
+            forward = compiled
+        elif compiled is not None:
+            forward = compiled.run_compiled  # FULL graph bodies: fused kernels, no piece graphs
         else:
             forward = self.model
         args = self.model_args(batch)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphrunner.layers.lora.weights import LoraBuffers
 from graphrunner.spec_decode.step import SpecBuffers
 from graphrunner.state.block_tables import BlockTables
 from graphrunner.state.features import SamplingFeatures
@@ -78,6 +79,7 @@ class StepBuffers:
     block_tables: BlockTables | None = None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     draft_kv_caches: list[torch.Tensor] = field(default_factory=list)  # the draft model's, same blocks
+    lora: LoraBuffers | None = None  # the per-step LoRA slot metadata (LoRA on)
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of every holder, by `holder.attribute` name (debug address checks).

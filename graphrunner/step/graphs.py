@@ -20,6 +20,11 @@ row's table, which are saved and restored around it; the output ring has already
 step wait for the previous step's D2H copy. Layouts where a capture would have to be
 collective across ranks or where drafts live in per-step buffers (PP, lockstep DP,
 speculation) capture every variant up front.
+
+With LoRA on (`lora`), the table also holds descriptors with `has_lora`: they are captured with
+the adapters' kernels (the body's LoRA compile, the projections' `active` flag set), the plain
+ones without; a LoRA graph is captured with slot metadata that gives no row an adapter (the
+kernels are recorded all the same; their work is decided at replay by the metadata).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from capture.modes import AttentionCGSupport, CUDAGraphMode, resolve_mode
 from capture.pool import GraphPool
 from capture.report import CaptureRecord, CaptureReport
 from graphrunner.attention.op import forward_context
-from graphrunner.config import CompilationConfig
+from graphrunner.config import CompilationConfig, LoRAConfig
 from graphrunner.state.features import SamplingFeatures
 from graphrunner.step.body import StepBody
 from graphrunner.step.inputs import InputBatch
@@ -93,7 +98,8 @@ class StepGraphs:
     """
 
     def __init__(self, comp: CompilationConfig, body: StepBody, device: torch.device, *,
-                 num_live: Callable[[], int], name: str = "model", lazy_variants: bool = False) -> None:
+                 num_live: Callable[[], int], name: str = "model", lazy_variants: bool = False,
+                 lora: LoRAConfig | None = None) -> None:
         self.body = body
         # Variants captured by capture(); the rest on first use (module docstring).
         self.eager_variants = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
@@ -115,6 +121,8 @@ class StepGraphs:
             max_num_reqs=limits.max_num_reqs,
             max_num_batched_tokens=limits.max_num_tokens,
             uniform_decode_query_len=limits.uniform_decode_query_len,
+            enable_lora=lora is not None,
+            lora_capture_sizes=lora.lora_capture_sizes if lora is not None else None,
         )
         self.debug = comp.debug_cudagraphs
         self.pool: GraphPool | None = None
@@ -129,12 +137,13 @@ class StepGraphs:
 
     # ---- per step -----------------------------------------------------------------
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_token_count: int | None,
-                 force_eager: bool = False) -> BatchExecutionDescriptor:
+                 force_eager: bool = False, has_lora: bool = False) -> BatchExecutionDescriptor:
         """The plan of a step: NONE with real sizes until capture has run, or when the step
-        must run eagerly (`force_eager`: it reads hidden states no graph keeps)."""
+        must run eagerly (`force_eager`: it reads hidden states no graph keeps). `has_lora`: the
+        batch has adapter rows (LoRA graphs only)."""
         if force_eager or not self.captured:
-            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
-        return self.table.dispatch(num_reqs, num_tokens, uniform_token_count)
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs, has_lora=has_lora)
+        return self.table.dispatch(num_reqs, num_tokens, uniform_token_count, has_lora)
 
     def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph | None:
         """The captured FULL graph that serves `desc` for a batch needing `features`; None for a
@@ -197,7 +206,7 @@ class StepGraphs:
         ]
         work += [(d, v) for d in descriptors if d.is_full for v in self.eager_variants]
         if self.split is not None:  # the split pairs last: (desc, None) stands for the pair
-            work += [(d, None) for d in descriptors if self.split.serves(d)]
+            work += [(d, None) for d in descriptors if not d.has_lora and self.split.serves(d)]
         free_before = self.pool.free_bytes()
         start = time.perf_counter()
         if self.device.type == "cuda":  # garbage's device memory back before the pool takes its own (CPU: none)
@@ -351,6 +360,8 @@ class StepGraphs:
         self.split_graphs.clear()
         if self.body.compiled is not None:
             self.body.compiled.release()
+        if self.body.compiled_lora is not None:
+            self.body.compiled_lora.release()
         if self.pool is not None:
             self.pool.release()
             self.pool = None
@@ -374,6 +385,7 @@ class StepGraphs:
         assert desc.num_reqs is not None, f"a FULL descriptor pads requests: {desc}"
         batch = self.body.dummy_batch(self.capture_query_lens(desc), features, desc.num_reqs, desc.num_tokens)
         body = self.body
+        self._lora_dummy(batch, desc)
 
         def step() -> None:
             body.run(batch)
@@ -405,6 +417,19 @@ class StepGraphs:
                 check_addresses=self.debug,
                 name=self.name,
             )
+            if body.lora is not None:  # the LoRA graphs' compile: traced with the adapters active
+                body.compiled_lora = PiecewiseCompiled(
+                    body.model, [torch.ops.graphrunner.unified_attention], token_args=body.token_args,
+                    compile_backend=self.compile_backend, device=self.device, check_addresses=self.debug,
+                    name=f"{self.name}+lora",
+                )
+
+    def _lora_dummy(self, batch: InputBatch, desc: BatchExecutionDescriptor) -> None:
+        """A dummy batch of a LoRA descriptor: flagged, with metadata that gives no row an adapter."""
+        lora = self.body.lora
+        if desc.has_lora and lora is not None:
+            batch.has_lora = True
+            lora.clear(batch.num_tokens_padded)
 
     def compile_pieces(self) -> float:
         """Trace and compile the pieces once (symbolic token count); returns seconds."""
@@ -414,8 +439,17 @@ class StepGraphs:
         lens = np.ones(min(limits.max_num_reqs, limits.max_num_tokens), dtype=np.int32)
         batch = body.dummy_batch(lens, SamplingFeatures(), len(lens), int(lens.sum()))
         body.prepare_inputs(batch)
+        if body.lora is not None:  # the plain compile never sees the adapters (a LoRA step may have run last)
+            body.lora.active = False
         with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
             out = body.compiled.run_compiled(*body.model_args(batch))
+            if body.compiled_lora is not None and body.lora is not None:
+                body.lora.clear(batch.num_tokens_padded)
+                body.lora.active = True
+                try:
+                    body.compiled_lora.run_compiled(*body.model_args(batch))
+                finally:
+                    body.lora.active = False
         if body.spec is not None and body.is_last_stage:
             body.spec.take_features(out, batch.num_tokens_padded, True)  # what an EAGLE head drafts from
             body.spec.propose(batch)  # compiles a draft model, outside any graph capture
@@ -429,10 +463,16 @@ class StepGraphs:
         query_lens = self.capture_query_lens(desc)
         batch = body.dummy_batch(query_lens, SamplingFeatures(), len(query_lens), desc.num_tokens)
         body.prepare_inputs(batch)
+        compiled = body.compiled
+        if desc.has_lora and body.lora is not None:
+            self._lora_dummy(batch, desc)
+            compiled = body.compiled_lora
+        if body.lora is not None:
+            body.lora.active = desc.has_lora
         reserved = pool.reserved_bytes()
         start = time.perf_counter()
         with forward_context(batch.attn_metadata, body.buffers.kv_caches, body.attn_backend):
-            body.compiled.capture(*body.model_args(batch), pool=pool.handle, stream=pool.stream)
+            compiled.capture(*body.model_args(batch), pool=pool.handle, stream=pool.stream)
         return CaptureRecord(label, time.perf_counter() - start, pool.reserved_bytes() - reserved)
 
 

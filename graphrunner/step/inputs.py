@@ -115,6 +115,10 @@ class InputBatch:
     attn_metadata: AttentionMetadata
     # Prefill context parallelism: this rank's side of a split step (pcp_step.PCPBatch), else None.
     pcp: Any = None
+    # LoRA: some row has an adapter (the step runs the LoRA graphs), and the number that names this
+    # batch's slot metadata upload (layers/lora/manager.py skips re-uploading it).
+    has_lora: bool = False
+    lora_key: int = 0
 
     @classmethod
     def from_buffers(

@@ -74,8 +74,10 @@ class StepPlanner:
     """Order, dispatch and upload of each step; the steady-decode plan cache."""
 
     def __init__(self, state: StateStore, inputs: InputBuffers, graphs: StepGraphs, limits: StepLimits,
-                 dispatch: Dispatch, reuse_plans: bool, pcp: Any = None) -> None:
+                 dispatch: Dispatch, reuse_plans: bool, pcp: Any = None, lora: Any = None) -> None:
         self.state = state
+        self.lora = lora  # layers.lora.manager.LoraManager with LoRA on, else None
+        self._lora_keys = 0  # numbers each LoRA batch's metadata upload
         self.pcp = pcp  # prefill context parallelism (distributed.pcp_step), None without it
         self.inputs = inputs
         self.graphs = graphs
@@ -127,6 +129,8 @@ class StepPlanner:
                 computed = self.state.requests.num_computed_np
                 q = self.limits.uniform_decode_query_len
                 batch.attn_metadata.max_seq_len = int(computed[plan.idx_mapping].max()) + q
+            if batch.has_lora:  # re-uploaded only if another batch's metadata or a slot load came since
+                self.lora.prepare(batch.lora_key, plan.req_ids, plan.query_lens, batch.num_tokens_padded)
             return batch, plan.desc
         req_ids, idx_mapping, query_lens = self._order(so)
         num_reqs, num_tokens = len(req_ids), int(query_lens.sum())
@@ -139,7 +143,12 @@ class StepPlanner:
         requests = self.state.requests
         # PCP: a step with a prefill runs T_local tokens per rank; dispatch by those.
         part = self.pcp.partition(query_lens, requests.num_computed_np[idx_mapping]) if self.pcp else None
-        desc = self.dispatch(num_reqs, num_tokens if part is None else part.num_local_tokens, uniform, eager)
+        lora = self.lora
+        has_lora = lora is not None and lora.has_adapters(req_ids)
+        if has_lora:  # only LoRA graphs serve it (LoRA refuses PCP)
+            desc = self.dispatch(num_reqs, num_tokens, uniform, eager, True)  # type: ignore[call-arg]
+        else:
+            desc = self.dispatch(num_reqs, num_tokens if part is None else part.num_local_tokens, uniform, eager)
         if part is not None and desc.is_full:  # split steps: PIECEWISE or eager (pcp_step docstring)
             desc = BatchExecutionDescriptor(CUDAGraphMode.NONE, part.num_local_tokens, num_reqs)
         # FULL pads tokens and requests; PIECEWISE tokens only; NONE nothing (docs/architecture.md §4).
@@ -152,6 +161,10 @@ class StepPlanner:
         )
         if part is not None:
             self.pcp.bind(batch, part, desc.num_tokens)
+        if has_lora:
+            self._lora_keys += 1
+            batch.has_lora, batch.lora_key = True, self._lora_keys
+            lora.prepare(batch.lora_key, req_ids, query_lens, batch.num_tokens_padded)
         self.plan = self._new_plan(req_ids, idx_mapping, query_lens, desc, batch) if uniform is not None else None
         return batch, desc
 

@@ -82,6 +82,23 @@ def test_latency_writes_one_row_per_mode_and_batch(tmp_path):
         assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_latency_with_lora_adapters_times_base_and_lora(tmp_path):
+    """`--num-loras 2 --lora-rank 4`: each batch is timed on the base model, then with request i running
+    dummy adapter i mod 2 on the LoRA graphs of its size; the LoRA row carries its ratio to the base row."""
+    out = tmp_path / "lat.json"
+    assert main(_latency_argv(out, "--num-loras", "2", "--lora-rank", "4")) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["mode"], r["batch_size"], r["num_loras"]) for r in rows) == [
+        ("FULL", 1, 0), ("FULL", 1, 1), ("FULL", 2, 0), ("FULL", 2, 2),
+        ("NONE", 1, 0), ("NONE", 1, 1), ("NONE", 2, 0), ("NONE", 2, 2)]
+    for r in rows:
+        assert ("lora" in r["descriptor"]) == bool(r["num_loras"])
+        assert (r["lora_over_base"] is None) == (not r["num_loras"])
+        if r["num_loras"]:
+            assert r["lora_over_base"] > 0
+            assert r["descriptor"].startswith(f"{r['mode']}(t={r['batch_size']},")  # its own LoRA graph
+
+
 def test_latency_failed_mode_is_reported_and_others_still_measured(tmp_path, monkeypatch, capsys):
     from graphrunner.runner import ModelRunner
 
@@ -217,6 +234,19 @@ def test_gpu_throughput_reports_gpu_busy_fraction(tmp_path):
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert 0.0 < data["gpu_busy_fraction"] <= 1.0
+
+
+def test_throughput_with_more_adapters_than_max_loras(tmp_path):
+    """`--num-loras 3 --max-loras 2`: every prompt runs its dummy adapter, the third waits for a slot;
+    every output token is counted."""
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", MODEL, "--device", "cpu", "--num-prompts", "4", "--input-len", "6",
+            "--output-len", "3", "--mode", "NONE", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+            "--num-loras", "3", "--max-loras", "2", "--lora-rank", "4", "--json", str(out), *COPY]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["output_tokens"] == data["expected_output_tokens"] == 4 * 3
+    assert data["spec"]["num_loras"] == 3 and data["spec"]["max_loras"] == 2
 
 
 @settings(deadline=None)

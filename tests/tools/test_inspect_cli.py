@@ -147,7 +147,7 @@ def test_explain_prints_the_descriptor_dispatch_returns(mode, q, lens):
 
     data = run_json("explain", *argv, "--query-lens", ",".join(map(str, lens)))
     assert data["descriptor"] == str(want)
-    assert data["batch"] == {"num_reqs": len(lens), "num_tokens": sum(lens), "uniform": uniform}
+    assert data["batch"] == {"num_reqs": len(lens), "num_tokens": sum(lens), "uniform": uniform, "has_lora": False}
     assert data["padding_tokens"] == want.num_tokens - sum(lens) >= 0
     assert data["padding_reqs"] == (want.num_reqs - len(lens) if want.is_full else 0) >= 0
     assert data["waste"] == pytest.approx(data["padding_tokens"] / want.num_tokens)
@@ -165,6 +165,24 @@ def test_explain_by_sizes():
     assert data["descriptor"] == str(table.dispatch(3, 6, 2)) == "FULL(t=8,r=4,q=2)"
     data = run_json("explain", *argv, "--num-tokens", "6", "--num-reqs", "2")
     assert data["descriptor"] == str(table.dispatch(2, 6, None)) == "PIECEWISE(t=8)"
+
+
+def test_table_and_explain_show_the_lora_dimension():
+    """--enable-lora: the LoRA graphs beside the plain ones and their own candidates; explain --lora: a
+    batch with adapters gets a LoRA graph (or NONE), one without gets what it gets without LoRA."""
+    argv = table_argv("FULL_AND_PIECEWISE", "ALWAYS", [1, 2, 4, 8, 16], 8, 32, 1)
+    table = DispatchTable(resolve_mode("FULL_AND_PIECEWISE", AttentionCGSupport.ALWAYS), [1, 2, 4, 8, 16],
+                          max_num_reqs=8, max_num_batched_tokens=32, enable_lora=True)
+    data = run_json("table", *argv, "--enable-lora")
+    assert data["lora"]["capture_sizes"] == list(table.lora_capture_sizes)
+    assert [d["key"] for d in data["descriptors"]] == [str(d) for d in table.descriptors]
+    assert data["lora"]["num_graphs"] == sum(d["has_lora"] for d in data["descriptors"]) > 0
+    assert "candidates of batches with LoRA adapters" in run_text("table", *argv, "--enable-lora")
+    data = run_json("explain", *argv, "--num-tokens", "3", "--uniform", "1", "--lora")
+    assert data["descriptor"] == str(table.dispatch(3, 3, 1, has_lora=True)) and data["chosen"]["has_lora"]
+    assert data["batch"]["has_lora"]
+    plain = run_json("explain", *argv, "--num-tokens", "3", "--uniform", "1", "--enable-lora")
+    assert plain["descriptor"] == str(table.dispatch(3, 3, 1)) == "FULL(t=4,r=4,q=1)"
 
 
 def test_explain_states_the_expert_slots_of_a_moe_model():

@@ -23,6 +23,7 @@ from graphrunner.config import (
     CompilationConfig,
     KernelConfig,
     LoadConfig,
+    LoRAConfig,
     RunnerConfig,
     SchedulerConfig,
 )
@@ -145,9 +146,10 @@ def build_runner_config(
     load_format: str = "auto",
     seed: int = 0,
     kernel: KernelConfig | None = None,
+    lora: LoRAConfig | None = None,
 ) -> RunnerConfig:
     """A RunnerConfig for one benchmarked mode. NONE means enforce_eager (nothing captured); `kernel`
-    (default `KernelConfig()`) picks the layers' and attention's kernels."""
+    (default `KernelConfig()`) picks the layers' and attention's kernels; `lora` turns multi-LoRA on."""
     from graphrunner.models.loader import is_builtin, load_model_config
 
     if load_format == "auto" and is_builtin(model):
@@ -169,6 +171,7 @@ def build_runner_config(
             compile_backend=compile_backend,
         ),
         kernel=kernel if kernel is not None else KernelConfig(),
+        lora=lora,
         dtype=dtype,
         seed=seed,
     )

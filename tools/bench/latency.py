@@ -14,12 +14,18 @@ it includes the runner's CPU overhead — the cost CUDA graphs remove. On CUDA, 
 events recorded just before `execute_model` and just after the sync give a device-side
 span too; it differs from the host figure by the host work done before the first launch
 (and shows whether the host clock itself is trustworthy).
+
+LoRA (`num_loras` adapters of rank `lora_rank` on all seven projections, random PEFT folders written
+to a temporary folder): each batch size is measured twice on the same runner, first with no adapter
+(the plain graphs), then with request i running adapter i mod num_loras (the LoRA graphs, captured at
+the same sizes); the LoRA row carries its time over the base row's.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,8 +34,8 @@ import numpy as np
 import torch
 
 from capture.modes import CUDAGraphMode
-from graphrunner.config import KernelConfig
-from graphrunner.protocol import NewRequestData, SamplingParams, SchedulerOutput
+from graphrunner.config import KernelConfig, LoRAConfig
+from graphrunner.protocol import LoRARequest, NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner_tools.bench.common import (
     Stats,
     build_runner_config,
@@ -84,6 +90,8 @@ class LatencySpec:
     copy_bytes: int | None = None  # None: 2 GiB on CUDA, 128 MiB on CPU
     random_kv: bool = True
     kernel: KernelConfig = field(default_factory=KernelConfig)  # the runner's kernel choices
+    num_loras: int = 0  # > 0: also measure each batch with this many distinct dummy adapters
+    lora_rank: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
@@ -100,6 +108,8 @@ class LatencySpec:
             raise ValueError(f"steps={self.steps} must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if self.num_loras < 0 or self.lora_rank < 1:
+            raise ValueError(f"num_loras={self.num_loras} must be >= 0 and lora_rank={self.lora_rank} >= 1")
         if isinstance(self.capture_sizes, str) and self.capture_sizes != "default":
             raise ValueError(f"capture_sizes={self.capture_sizes!r}; allowed: None, 'default', or a tuple of ints")
 
@@ -155,6 +165,8 @@ class LatencyRow:
     roofline_fraction: float  # roofline / measured median
     # Mixture of experts: distinct experts per sparse layer the roofline counts (EXPERT_FORMULA).
     active_experts: float | None = None
+    num_loras: int = 0  # distinct adapters in the batch (0: the base model)
+    lora_over_base: float | None = None  # this row's median over the same batch's base row's
 
 
 @dataclass
@@ -187,33 +199,63 @@ def run_latency(spec: LatencySpec, log: Log = print) -> LatencyResult:
     release_memory(device)  # hand the probe's buffers back before the first runner
     log(f"copy bandwidth: {bandwidth.bytes_per_s / 1e9:.1f} GB/s ({bandwidth.method})")
     result = LatencyResult(spec, env_info(device, spec.dtype), bandwidth)
-    for mode_name in spec.modes:
-        mode = CUDAGraphMode.parse(mode_name)
-        info = ModeInfo(mode.name)
-        result.modes.append(info)
-        runner = None
-        try:
-            runner = _build_runner(spec, mode, device, log)
-            _prepare_runner(runner, spec, mode, info, log)
-            for bs in spec.batch_sizes:
-                row = _measure_batch(runner, spec, mode, bs, bandwidth)
+    adapters = tempfile.TemporaryDirectory(prefix="graphrunner-lora-") if spec.num_loras else None
+    loras = _dummy_adapters(spec, adapters.name, log) if adapters is not None else []
+    try:
+        for mode_name in spec.modes:
+            _run_mode(spec, mode_name, device, bandwidth, loras, result, log)
+    finally:
+        if adapters is not None:
+            adapters.cleanup()
+    return result
+
+
+def _dummy_adapters(spec: LatencySpec, folder: str, log: Log) -> list[LoRARequest]:
+    """`num_loras` random PEFT adapters of rank `lora_rank` on every projection of the model."""
+    from graphrunner.layers.lora.peft import write_dummy_adapter
+    from graphrunner.models.loader import load_model_config
+
+    config = load_model_config(spec.model)
+    log(f"writing {spec.num_loras} dummy LoRA adapters of rank {spec.lora_rank} (all seven projections)")
+    return [LoRARequest(f"dummy{i}", i + 1, write_dummy_adapter(f"{folder}/a{i}", config, spec.lora_rank, seed=i))
+            for i in range(spec.num_loras)]
+
+
+def _run_mode(spec: LatencySpec, mode_name: str, device: torch.device, bandwidth: Bandwidth,
+              loras: list[LoRARequest], result: LatencyResult, log: Log) -> None:
+    """One mode's runner and every batch size (base, then with adapters when `loras`)."""
+    mode = CUDAGraphMode.parse(mode_name)
+    info = ModeInfo(mode.name)
+    result.modes.append(info)
+    runner = None
+    try:
+        runner = _build_runner(spec, mode, device, log)
+        _prepare_runner(runner, spec, mode, info, log)
+        for bs in spec.batch_sizes:
+            base = None
+            for batch_loras in ([[], loras] if loras else [[]]):
+                row = _measure_batch(runner, spec, mode, bs, bandwidth, batch_loras)
+                if base is not None:
+                    row.lora_over_base = row.median_ms / base.median_ms
+                base = base or row
                 result.rows.append(row)
                 log(
                     f"  {mode.name:<9} bs={bs:<4} {row.median_ms:8.3f} ms/step (p90 {row.p90_ms:.3f})  "
                     f"{row.tokens_per_s:10.1f} tok/s  {100 * row.roofline_fraction:5.1f}% of roofline  "
                     + ("" if row.active_experts is None else f"({row.active_experts:.1f} experts/layer)  ")
+                    + ("" if row.lora_over_base is None else
+                       f"{row.num_loras} adapters: {row.lora_over_base:.3f}x base  ")
                     + f"[{row.descriptor}]"
                 )
-        except Exception as e:  # one broken mode must not hide the others' numbers
-            info.error = f"{type(e).__name__}: {e}"
-            logger.exception("bench latency: mode %s failed", mode.name)
-            log(f"  {mode.name}: FAILED: {info.error}")
-        finally:
-            if runner is not None:
-                runner.shutdown()
-            del runner
-            release_memory(device)
-    return result
+    except Exception as e:  # one broken mode must not hide the others' numbers
+        info.error = f"{type(e).__name__}: {e}"
+        logger.exception("bench latency: mode %s failed", mode.name)
+        log(f"  {mode.name}: FAILED: {info.error}")
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        del runner
+        release_memory(device)
 
 
 def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, log: Log):
@@ -243,6 +285,10 @@ def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, 
         load_format=spec.load_format,
         seed=spec.seed,
         kernel=spec.kernel,
+        # LoRA graphs at the same sizes as the plain ones: each batch compares like with like.
+        lora=LoRAConfig(max_loras=spec.num_loras, max_lora_rank=spec.lora_rank,
+                        lora_capture_sizes=tuple(capture_sizes) if capture_sizes else None)
+        if spec.num_loras else None,
     )
     log(f"{mode.name}: building {spec.model} on {device} ({num_blocks} KV blocks x {spec.block_size} tokens)")
     return ModelRunner(config, device)
@@ -269,14 +315,16 @@ def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeIn
                 cache.normal_(generator=gen)
 
 
-def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth) -> LatencyRow:
-    req_ids = _admit(runner, spec, bs)
+def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth,
+                   loras: list[LoRARequest]) -> LatencyRow:
+    req_ids = _admit(runner, spec, bs, loras)
     wall, dev = _timed_decode_steps(runner, spec, req_ids)
     runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
     runner.sample_tokens()
 
     assert runner.graphs is not None
-    desc = runner.graphs.dispatch(bs, bs * runner.uniform_decode_query_len, runner.uniform_decode_query_len)
+    q = runner.uniform_decode_query_len
+    desc = runner.graphs.dispatch(bs, bs * q, q, has_lora=bool(loras))
     stats = Stats.of(wall)
     assert runner.model is not None
     elem = element_size(runner.dtype)
@@ -305,12 +353,14 @@ def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, band
         roofline_fraction=roof.fraction_of(stats.median),
         active_experts=None if (moe := runner.model_config.moe) is None else expected_active_experts(
             moe.num_experts, moe.num_experts_per_tok, bs),
+        num_loras=min(len(loras), bs),
     )
 
 
-def _admit(runner, spec: LatencySpec, bs: int) -> list[str]:
-    """Admit `bs` requests with `context` tokens each, whose first step is already a decode."""
-    req_ids = [f"bench-{bs}-{i}" for i in range(bs)]
+def _admit(runner, spec: LatencySpec, bs: int, loras: list[LoRARequest] | None = None) -> list[str]:
+    """Admit `bs` requests with `context` tokens each, whose first step is already a decode; request i
+    runs adapter i mod len(loras) (none without `loras`)."""
+    req_ids = [f"bench-{bs}-{i}{'-lora' if loras else ''}" for i in range(bs)]
     blocks_per_req = runner.limits.max_num_blocks_per_req
     rng = np.random.default_rng(spec.seed + bs)
     params = SamplingParams(max_tokens=spec.tokens_per_request, temperature=0.0, ignore_eos=True)
@@ -319,7 +369,9 @@ def _admit(runner, spec: LatencySpec, bs: int) -> list[str]:
         first = _FIRST_REQUEST_BLOCK + i * blocks_per_req
         prompt = rng.integers(0, runner.vocab_size, size=spec.context).tolist()
         blocks = list(range(first, first + blocks_per_req))
-        admit.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, blocks, spec.context - 1))
+        lora = loras[i % len(loras)] if loras else None
+        admit.scheduled_new_reqs.append(NewRequestData(rid, prompt, params, blocks, spec.context - 1,
+                                                       lora_request=lora))
         admit.num_scheduled_tokens[rid] = 1
     # Admission is itself a decode at `context`: untimed, like the warmup steps after it.
     _step(runner, admit, bs)

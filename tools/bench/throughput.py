@@ -22,6 +22,10 @@ GPU spent on steps, the rest is the host keeping it waiting. On a CPU it is not 
 
 Start-up: the runner's load / compile / capture seconds (`ModelRunner.startup_times`).
 
+LoRA (`num_loras` > 0): prompt i runs dummy adapter i mod num_loras (random rank-`lora_rank` PEFT
+adapters on all seven projections, written to a temporary folder), with at most `max_loras` distinct
+adapters in flight (the scheduler queues the rest); compare with a run without `--num-loras`.
+
 Peer (`peer=True`): after our run, Hugging Face transformers `generate` runs the same
 prompts with the same output length on a model holding our weights (tools/bench/peer.py),
 as one batch of all prompts; so the workload must be one batch for us too (`dist`
@@ -32,6 +36,7 @@ that the peer's copy of the weights fits where ours ran.
 from __future__ import annotations
 
 import functools
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from capture.modes import CUDAGraphMode
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import LoRARequest, SamplingParams
 from graphrunner_tools.bench.common import (
     default_compile_backend,
     element_size,
@@ -87,6 +92,9 @@ class ThroughputSpec:
     copy_bytes: int | None = None
     peer: bool = False  # also time Hugging Face transformers generate on the same weights
     peer_variants: tuple[str, ...] = PEER_VARIANTS
+    num_loras: int = 0  # > 0: prompt i runs dummy adapter i mod num_loras
+    max_loras: int = 8  # distinct adapters in flight (LLM's max_loras), at most num_loras
+    lora_rank: int = 16
 
     def __post_init__(self) -> None:
         CUDAGraphMode.parse(self.mode)
@@ -96,6 +104,11 @@ class ThroughputSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         object.__setattr__(self, "peer_variants", tuple(self.peer_variants))
+        if self.num_loras < 0 or self.max_loras < 1 or self.lora_rank < 1:
+            raise ValueError(f"num_loras={self.num_loras} must be >= 0, max_loras={self.max_loras} and "
+                             f"lora_rank={self.lora_rank} >= 1")
+        if self.peer and self.num_loras:
+            raise ValueError("peer comparison runs the base model: leave num_loras at 0")
         if self.peer:
             self._check_peer()
 
@@ -208,6 +221,10 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
         cudagraph_mode=None if eager else mode.name,
         compile_backend=spec.compile_backend or default_compile_backend(device),
         async_scheduling=spec.async_scheduling,
+        enable_lora=spec.num_loras > 0,
+        max_loras=max(1, min(spec.max_loras, spec.num_loras)),
+        max_lora_rank=spec.lora_rank,
+        max_cpu_loras=max(1, spec.num_loras),
     )
 
 
@@ -259,20 +276,21 @@ def _ideal_output_tokens_per_s(
 
 
 def _timed_generate(
-    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], device: torch.device
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], device: torch.device,
+    loras: list[LoRARequest | None] | None = None,
 ) -> tuple[list[RequestOutput], float, int, float | None]:
     """Generate once briefly (warmup), then timed: (outputs, seconds, preemptions of the timed run,
     GPU-busy fraction or None on a CPU)."""
     warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
     # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
-    llm.generate(prompts, warm)
+    llm.generate(prompts, warm, lora_request=loras)
     preempt_before = llm.scheduler.num_preemptions
     synchronize(device)
     events = StepEvents(llm.runner) if device.type == "cuda" else None
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, lora_request=loras)
         synchronize(device)
         elapsed = time.perf_counter() - start
     finally:
@@ -292,11 +310,21 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
     mode = CUDAGraphMode.parse(spec.mode)
     max_model_len = int((input_lens + output_lens).max())
     llm = _build_llm(spec, device, mode, -(-max_model_len // spec.block_size) * spec.block_size)
+    adapters = tempfile.TemporaryDirectory(prefix="graphrunner-lora-") if spec.num_loras else None
     try:
         vocab = llm.vocab_size
         prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
-        outputs, elapsed, preemptions, busy = _timed_generate(llm, prompts, params, device)
+        loras: list[LoRARequest | None] | None = None
+        if adapters is not None:
+            from graphrunner.layers.lora.peft import write_dummy_adapter
+
+            config = llm.runner.model_config
+            written = [LoRARequest(f"dummy{i}", i + 1, write_dummy_adapter(f"{adapters.name}/a{i}", config,
+                                                                           spec.lora_rank, seed=i))
+                       for i in range(spec.num_loras)]
+            loras = [written[i % spec.num_loras] for i in range(spec.num_prompts)]
+        outputs, elapsed, preemptions, busy = _timed_generate(llm, prompts, params, device, loras)
         output_tokens = sum(len(o.token_ids) for o in outputs)
         concurrency = min(spec.num_prompts, spec.max_num_seqs)
         runner = llm.runner
@@ -322,6 +350,8 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         llm.runner.shutdown()
         del llm
         release_memory(device)
+        if adapters is not None:
+            adapters.cleanup()
     if spec.peer:
         try:
             result.peer = compare_with_peer(

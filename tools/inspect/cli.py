@@ -74,6 +74,8 @@ def _table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-support", default=None, choices=("NEVER", "UNIFORM_DECODE", "ALWAYS"),
                    type=str.upper,
                    help="what attention allows in FULL graphs; unset = what the backend on --device declares")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="the table of a runner with LoRA on: graphs captured with adapters beside the plain ones")
 
 
 def _register_table(sub: argparse._SubParsersAction) -> None:
@@ -88,6 +90,7 @@ def _register_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-reqs", type=int, default=None, help="requests in the batch")
     p.add_argument("--num-tokens", type=int, default=None, help="tokens in the batch (with --uniform or --num-reqs)")
     p.add_argument("--uniform", type=int, default=None, metavar="Q", help="every request has exactly Q tokens")
+    p.add_argument("--lora", action="store_true", help="the batch has LoRA adapter rows (implies --enable-lora)")
     p.add_argument("--prefill-context-parallel-size", "-pcp", dest="pcp_size", type=int, default=1, metavar="P",
                    help="with P > 1 also show how prefill context parallelism splits the batch per rank "
                         "(tokens, padding, work, chunks)")
@@ -237,6 +240,7 @@ def _built_table(args: argparse.Namespace):
             attention_support=args.attention_support,
             speculative_method=spec.method,
             draft_model=spec.draft_model,
+            enable_lora=args.enable_lora or getattr(args, "lora", False),
         )
     )
 
@@ -281,7 +285,7 @@ def _run_explain(args: argparse.Namespace) -> int:
         raise ValueError(
             "describe the batch with --query-lens L1,L2,... or --num-tokens T (--uniform Q | --num-reqs R)"
         )
-    exp = explain_batch(built.table, shape)
+    exp = explain_batch(built.table, shape, args.lora)
     q = built.table.uniform_decode_query_len
     pcp = PCPSplit.build(pcp_query_lens(shape, lens), q, args.pcp_size) if args.pcp_size > 1 else None
     if args.json:

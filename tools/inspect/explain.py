@@ -58,9 +58,10 @@ class BatchShape:
         return cls(num_tokens // uniform, num_tokens, uniform)
 
 
-def explain_batch(table: DispatchTable, shape: BatchShape) -> Explanation:
-    """`DispatchTable.explain` for the shape; ValueError when it breaks the table's limits."""
-    return table.explain(shape.num_reqs, shape.num_tokens, shape.uniform)
+def explain_batch(table: DispatchTable, shape: BatchShape, has_lora: bool = False) -> Explanation:
+    """`DispatchTable.explain` for the shape (a batch with LoRA adapters when `has_lora`); ValueError
+    when it breaks the table's limits."""
+    return table.explain(shape.num_reqs, shape.num_tokens, shape.uniform, has_lora)
 
 
 def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation,
@@ -69,7 +70,8 @@ def explanation_dict(built: BuiltTable, shape: BatchShape, exp: Explanation,
     out = {
         "kind": "inspect-explain",
         "mode": built.table.mode.name,
-        "batch": {"num_reqs": shape.num_reqs, "num_tokens": shape.num_tokens, "uniform": shape.uniform},
+        "batch": {"num_reqs": shape.num_reqs, "num_tokens": shape.num_tokens, "uniform": shape.uniform,
+                  "has_lora": exp.has_lora},
         "descriptor": str(exp.chosen),
         "chosen": descriptor_dict(exp.chosen),
         "verdicts": [

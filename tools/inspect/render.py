@@ -40,6 +40,7 @@ def descriptor_dict(desc: BatchExecutionDescriptor) -> dict[str, Any]:
         "num_tokens": desc.num_tokens,
         "num_reqs": desc.num_reqs,
         "uniform_token_count": desc.uniform_token_count,
+        "has_lora": desc.has_lora,
     }
 
 

@@ -50,6 +50,7 @@ class TableSpec:
     attention_support: str | None = None
     speculative_method: str | None = None  # labels the output, like model
     draft_model: str | None = None
+    enable_lora: bool = False  # LoRA graphs (has_lora) beside the plain ones
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -115,18 +116,20 @@ def build_table(spec: TableSpec) -> BuiltTable:
         max_num_reqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         uniform_decode_query_len=spec.uniform_decode_query_len,
+        enable_lora=spec.enable_lora,
     )
     return BuiltTable(spec, table, device, support, why)
 
 
-def candidate_ranges(table: DispatchTable) -> list[tuple[int, int, tuple[str, ...]]]:
-    """(first t, last t, candidate keys) for runs of token counts with the same candidates.
+def candidate_ranges(table: DispatchTable, has_lora: bool = False) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(first t, last t, candidate keys) for runs of token counts with the same candidates (of
+    batches with adapters when `has_lora`).
 
     Covers 1..max_num_batched_tokens; a run with no candidates runs eagerly.
     """
     runs: list[tuple[int, int, tuple[str, ...]]] = []
     for t in range(1, table.max_num_batched_tokens + 1):
-        keys = tuple(str(d) for d in table.candidates(t))
+        keys = tuple(str(d) for d in table.candidates(t, has_lora))
         if runs and runs[-1][2] == keys:
             runs[-1] = (runs[-1][0], t, keys)
         else:
@@ -162,6 +165,14 @@ def table_dict(built: BuiltTable) -> dict[str, Any]:
             {"num_tokens_min": lo, "num_tokens_max": hi, "candidates": list(keys)}
             for lo, hi, keys in candidate_ranges(table)
         ],
+        "lora": None if not table.enable_lora else {
+            "capture_sizes": list(table.lora_capture_sizes),
+            "num_graphs": sum(d.has_lora for d in table.descriptors),
+            "candidates": [
+                {"num_tokens_min": lo, "num_tokens_max": hi, "candidates": list(keys)}
+                for lo, hi, keys in candidate_ranges(table, has_lora=True)
+            ],
+        },
     }
 
 
@@ -182,6 +193,8 @@ def header_lines(built: BuiltTable) -> list[str]:
         f"limits:         max_num_seqs={table.max_num_reqs} max_num_batched_tokens={table.max_num_batched_tokens} "
         f"q={table.uniform_decode_query_len}",
         f"capture sizes:  {sizes} ({len(sizes)} sizes)",
+        *([f"LoRA:           graphs with adapters at {list(table.lora_capture_sizes)} (batches without adapters "
+           "run the plain graphs)"] if table.enable_lora else []),
         *table_lines(spec.speculation, table),
     ]
 
@@ -205,4 +218,11 @@ def table_text(built: BuiltTable) -> str:
         span = str(lo) if lo == hi else f"{lo}-{hi}"
         rows.append((span, ", ".join(keys) if keys else "(none: NONE, eager)"))
     lines.append(text_table(("num_tokens", "candidates"), rows, numeric=(True, False)))
+    if table.enable_lora:
+        lines += ["", "candidates of batches with LoRA adapters (only graphs captured with them):"]
+        rows = []
+        for lo, hi, keys in candidate_ranges(table, has_lora=True):
+            span = str(lo) if lo == hi else f"{lo}-{hi}"
+            rows.append((span, ", ".join(keys) if keys else "(none: NONE, eager)"))
+        lines.append(text_table(("num_tokens", "candidates"), rows, numeric=(True, False)))
     return "\n".join(lines)

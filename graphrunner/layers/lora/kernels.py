@@ -1,0 +1,205 @@
+"""The LoRA kernels: shrink (h = x A^T) and expand (out += h B^T) over token rows grouped by slot.
+
+A projection with adapters adds, to each token row t whose request has an adapter in slot s,
+
+    out[t, slice i] += (x[t] A[s, i]^T) B[s, slice i]^T          (the scaling is folded into B)
+
+where a merged projection (q|k|v, gate|up) has one A per slice and its B rows are the slices of the
+output. Two launches serve every slice of a projection at once, so a merged projection pays the
+same two launches as a plain one:
+
+- shrink: grid (row blocks, slices, slots). Program (m, i, s) reads the m-th BLOCK_M block of slot
+  s's rows (`sorted_tokens[starts[s]:starts[s + 1]]`), multiplies them with A[s, i] (rank padded to
+  BLOCK_R) and writes h[i, rows] in fp32.
+- expand: grid (row blocks, slices x N tiles, slots). Program (m, (i, j), s) multiplies h[i, rows]
+  (cast to B's dtype, as vLLM does) with the j-th BLOCK_N tile of B[s]'s slice i and adds it into
+  out[rows, offset_i + tile] in fp32, rounding once.
+
+Rows without an adapter are in no slot's range, so no program reads them: their output is the base
+projection's, bit for bit. Programs past a slot's row count exit before any load. Every token is in
+at most one range, so the read-modify-write of `out` has no races. The grids depend on the padded
+token count and static sizes only (no host sync, no data-dependent shape): one CUDA-graph capture at
+T replays correctly for any mix of adapters.
+
+Layout: x [T, K]; A [L, S, R, K]; B [L, N, R] (slice i = rows [offset_i, offset_i + size_i));
+slices [S, 2] int32 (offset, size); sorted_tokens [T] int32 token rows grouped by slot (any stride);
+starts [L + 1] int32. `lora_reference` is the torch specification the kernels are tested against (and the
+path on CPUs): it masks by the per-token slot instead of grouping rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphrunner.kernels import HAS_TRITON
+
+__all__ = ["LORA_DTYPES", "lora_expand", "lora_reference", "lora_shrink", "lora_shrink_expand", "lora_tiles"]
+
+LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def lora_tiles(num_tokens: int, rank: int, in_features: int, max_slice: int,
+               element_size: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N) for T tokens, padded rank R, input width K, widest slice.
+
+    BLOCK_M 16 up to 64 tokens (decode: a slot rarely has more rows than that), else 64: each A and B
+    tile is read once per row block, so larger blocks read the adapter fewer times at prefill.
+    BLOCK_R is the rank rounded up to a power of two (the whole rank in one tile; R <= 256),
+    BLOCK_K 128 (long contiguous reads of x and A rows) and BLOCK_N 64, both cut to the shapes; fp32
+    operands take half of each (at 64 rows the full tiles spill registers on sm_90 in ptxas)."""
+    wide = 1 if element_size <= 2 else 2
+    block_m = 16 if num_tokens <= 64 else 64
+    block_r = max(_MIN_DOT, _next_pow2(rank))
+    block_k = max(_MIN_DOT, min(128 // wide, _next_pow2(in_features)))
+    block_n = max(_MIN_DOT, min(64 // wide, _next_pow2(max_slice)))
+    return block_m, block_r, block_k, block_n
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, stride_sorted,
+                       stride_xm, stride_as, stride_ai, stride_ar, stride_hi, stride_hm,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        i = tl.program_id(1)
+        slot = tl.program_id(2)
+        start = tl.load(starts_ptr + slot)
+        end = tl.load(starts_ptr + slot + 1)
+        first = start + pid_m * BLOCK_M
+        if first < end:
+            offs_m = first + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < end
+            rows = tl.load(sorted_ptr + offs_m * stride_sorted, mask=mask_m, other=0).to(tl.int64)
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            a_base = a_ptr + slot.to(tl.int64) * stride_as + i * stride_ai
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                            mask=mask_r[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+                if IEEE:  # fp32 models: full precision, as torch's fp32 matmul (no TF32)
+                    acc += tl.dot(x, a, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, a)
+            tl.store(h_ptr + i * stride_hi + rows[:, None] * stride_hm + offs_r[None, :], acc,
+                     mask=mask_m[:, None] & mask_r[None, :])
+
+    @triton.jit
+    def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice, stride_sorted,
+                       stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        slot = tl.program_id(2)
+        i = pid_n // tiles_per_slice
+        j = pid_n % tiles_per_slice
+        start = tl.load(starts_ptr + slot)
+        end = tl.load(starts_ptr + slot + 1)
+        first = start + pid_m * BLOCK_M
+        offset = tl.load(slices_ptr + 2 * i)
+        size = tl.load(slices_ptr + 2 * i + 1)
+        if (first < end) & (j * BLOCK_N < size):
+            offs_m = first + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < end
+            rows = tl.load(sorted_ptr + offs_m * stride_sorted, mask=mask_m, other=0).to(tl.int64)
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < size
+            h = tl.load(h_ptr + i * stride_hi + rows[:, None] * stride_hm + offs_r[None, :],
+                        mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+            b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (offset + offs_n)[None, :] * stride_bn
+                        + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+            if IEEE:
+                delta = tl.dot(h.to(b.dtype), b, input_precision="ieee")
+            else:
+                delta = tl.dot(h.to(b.dtype), b)
+            out_ptrs = out_ptr + rows[:, None] * stride_om + (offset + offs_n)[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            y = tl.load(out_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _check(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if x.dim() != 2 or out.dim() != 2 or a.dim() != 4 or b.dim() != 3:
+        raise ValueError(f"expected x [T, K], out [T, N], A [L, S, R, K], B [L, N, R]; got {tuple(x.shape)}, "
+                         f"{tuple(out.shape)}, {tuple(a.shape)}, {tuple(b.shape)}")
+    if x.shape[1] != a.shape[3] or out.shape[1] != b.shape[1] or a.shape[2] != b.shape[2]:
+        raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, out {tuple(out.shape)}, A {tuple(a.shape)}, "
+                         f"B {tuple(b.shape)}")
+    for name, t in (("x", x), ("out", out), ("A", a), ("B", b)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, starts: torch.Tensor,
+                h: torch.Tensor) -> None:
+    """h[i, t] = x[t] A[s, i]^T for every token row t of slot s's range (fp32 h [S, T, R]); other
+    rows of h are left as they were."""
+    T, K = x.shape
+    L, S, R, _ = a.shape
+    block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1, x.element_size())
+    _shrink_kernel[(_cdiv(T, block_m), S, L)](
+        x, a, h, sorted_tokens, starts, K, R, sorted_tokens.stride(0), x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), h.stride(0), h.stride(1), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32)
+
+
+def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
+                starts: torch.Tensor, slices: torch.Tensor, max_slice: int) -> None:
+    """out[t, slice i] += h[i, t] B[s, slice i]^T for every token row t of slot s's range."""
+    S, T, R = h.shape
+    L = b.shape[0]
+    block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice, b.element_size())
+    tiles = _cdiv(max_slice, block_n)
+    _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
+        h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
+        b.stride(0), b.stride(1),
+        out.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
+
+
+def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       sorted_tokens: torch.Tensor, starts: torch.Tensor, slices: torch.Tensor,
+                       max_slice: int) -> None:
+    """out += LoRA(x), in place: the shrink and the expand (module docstring), two launches."""
+    _check(x, out, a, b)
+    S, R = a.shape[1], a.shape[2]
+    h = torch.empty(S, x.shape[0], R, dtype=torch.float32, device=x.device)
+    lora_shrink(x, a, sorted_tokens, starts, h)
+    lora_expand(h, b, out, sorted_tokens, starts, slices, max_slice)
+
+
+def lora_reference(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   token_slot: torch.Tensor, slices: Sequence[tuple[int, int]]) -> None:
+    """The specification, in torch: out[t] += LoRA of slot token_slot[t] (-1: nothing), in place.
+
+    Per slot, every row is multiplied and the rows of other slots are masked out: graph-safe (no
+    data-dependent shapes), at L times the arithmetic, which only a CPU pays. Rounds as the kernels
+    do: h in fp32, cast to B's dtype, the delta added to `out` in fp32 and rounded once."""
+    _check(x, out, a, b)
+    L, S, R, K = a.shape
+    acc = out.float()
+    for s in range(L):
+        h = (x.float() @ a[s].reshape(S * R, K).float().t()).to(b.dtype).float()  # [T, S * R]
+        parts = [h[:, i * R:(i + 1) * R] @ b[s, off:off + size].float().t() for i, (off, size) in enumerate(slices)]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        acc = torch.where((token_slot == s).unsqueeze(1), acc + delta, acc)
+    out.copy_(acc.to(out.dtype))
