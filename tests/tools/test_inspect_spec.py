@@ -85,7 +85,7 @@ def test_explain_sends_decodes_to_the_q_descriptor(num_decodes):
     assert want.uniform_token_count == (None if want.is_eager else q)  # 5 decodes outgrow the largest graph
     data = run_json("explain", *TABLE, "--speculative-config", NGRAM, "--query-lens", lens)
     assert data["descriptor"] == str(want)
-    assert data["batch"] == {"num_reqs": num_decodes, "num_tokens": num_decodes * q, "uniform": q}
+    assert data["batch"] == {"num_reqs": num_decodes, "num_tokens": num_decodes * q, "uniform": q, "has_lora": False}
     spec = data["speculative"]
     assert spec["verifying_descriptor"] == (not want.is_eager) and spec["draft_slots_per_decode"] == K
     assert spec["draft_tokens_verified"] == num_decodes * K
