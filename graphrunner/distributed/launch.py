@@ -6,11 +6,19 @@ OMP_NUM_THREADS (default: cores / N, at least 1) unless already set. Output line
 streamed with a `[rank R]` prefix. When one child fails (non-zero exit or a signal)
 the others are terminated (SIGTERM, then SIGKILL after a grace period) and the
 launcher exits with that child's status; `--timeout` bounds the whole run.
+
+No rank outlives the launcher, and the launcher does not outlive its own parent: each rank
+asks the kernel for SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, so even a
+SIGKILLed launcher takes its ranks with it), and a launcher whose parent exits (a shell or
+`graphrunner generate` that was killed) stops every rank and exits with status 129. A rank
+that is stopped (SIGSTOP) or hangs leaves its peers' collectives to raise within the
+collective timeout; they exit, and the launcher then stops the silent rank too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -39,6 +47,24 @@ def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = Non
     )
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_GONE_STATUS = 129  # 128 + SIGHUP: what a shell reports for a job whose terminal went away
+
+
+def _die_with(parent_pid: int):
+    """A `preexec_fn`: SIGTERM this child when the launcher dies; exit at once if it already has
+    (the kernel only watches from the prctl call on). A no-op where prctl does not exist."""
+    def setup() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent_pid:
+            os._exit(PARENT_GONE_STATUS)
+    return setup
 
 
 def _pump(stream, rank: int, out, lock: threading.Lock, prefix: bool) -> None:
@@ -77,15 +103,22 @@ def launch(
         p = subprocess.Popen(
             list(command), env=rank_env(rank, nproc, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: we can stop it and its children
+            preexec_fn=_die_with(os.getpid()) if sys.platform.startswith("linux") else None,
         )
         procs.append(p)
         t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock, prefix), daemon=True)
         t.start()
         pumps.append(t)
     deadline = None if timeout is None else time.monotonic() + timeout
+    parent = os.getppid()
     status = 0
     try:
         while True:
+            if os.getppid() != parent:  # re-parented: whoever started the launcher is gone
+                with lock:
+                    print(f"[launch] the launcher's parent (pid {parent}) exited; stopping every rank", file=sys.stderr)
+                status = PARENT_GONE_STATUS
+                break
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
