@@ -38,6 +38,7 @@ from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.pipeline_stage import PipelineStage
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.limits import StepLimits
+from graphrunner.multimodal.embeds import check_request_kinds
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
@@ -93,6 +94,10 @@ class ModelRunner:
     single process.
     """
 
+    # A runner kind (graphrunner.pool.PoolingRunner) swaps the step body and the model it builds.
+    body_class: type[StepBody] = StepBody
+    is_pooling_model = False
+
     def __init__(self, config: RunnerConfig, device: torch.device | str, groups: ParallelGroups | None = None):
         self.config = config
         if groups is None:
@@ -143,7 +148,7 @@ class ModelRunner:
         self._side_comms: Any = None  # DBO under DP + EP on CUDA: microbatch 1's communicators
         self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
-        self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
+        self.body = self.body_class(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=groups.pp.is_last, spec=spec, pcp=pcp,
                              dcp=getattr(self.attn_backend, "layout", None))
         self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))  # P in flight: PP
@@ -170,7 +175,7 @@ class ModelRunner:
                                 num_redundant_experts=par.num_redundant_experts, record_expert_load=par.enable_eplb)
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
-            tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
+            tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel, model_cls=self.model_factory(),
         )
         self.body.model = model
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
@@ -199,6 +204,10 @@ class ModelRunner:
             sum(p.numel() * p.element_size() for p in model.parameters()) / _GIB, self.dtype, self.device,
             self.startup_times.load,
         )
+
+    def model_factory(self) -> Any:
+        """The model constructor `load_model` uses; None: the architecture's generative model."""
+        return None
 
     @property
     def model(self) -> Any:
@@ -326,6 +335,9 @@ class ModelRunner:
             # count(None) compares identities in C: ~4x cheaper than any() when nothing is new.
             new_blocks = blocks.count(None) != len(blocks) and any(blocks)
             validate_scheduler_output(state, self.limits, so, plan.hint if plan is not None else None, new_blocks)
+            if so.scheduled_new_reqs:
+                check_request_kinds(so, pooling=self.is_pooling_model, prompt_embeds=self.model_config.enable_prompt_embeds,
+                                    multimodal=self.model_config.vision is not None)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)

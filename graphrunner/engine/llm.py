@@ -50,6 +50,7 @@ from graphrunner.engine.options import (
     resolve_speculative_config,
 )
 from graphrunner.engine.outputs import OutputProcessor
+from graphrunner.engine.pooling import PoolingAPI
 from graphrunner.engine.prompts import PlannedRequests, PromptType, plan_requests
 from graphrunner.engine.request import RequestOutput, SequenceOutput
 from graphrunner.engine.runner_config import build_runner_config, fit_max_model_len
@@ -61,8 +62,8 @@ from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOut
 logger = logging.getLogger("graphrunner.engine")
 
 
-class LLM:
-    """Offline batch generation over one `ModelRunner`.
+class LLM(PoolingAPI):
+    """Offline batch generation over one `ModelRunner` (or pooling over a `PoolingRunner`).
 
     Args:
         model: "builtin:NAME" (dummy weights) or a Hugging Face checkpoint folder.
@@ -114,6 +115,11 @@ class LLM:
         revision, tokenizer_revision: hub revisions (vLLM's names); graphrunner loads local folders,
             which have none, so only None is accepted.
         trust_remote_code: refused when True: graphrunner runs no code from a model folder.
+        runner: "generate" (default) or "pooling" (vLLM's name): a pooling runner serves `embed`,
+            `classify`, `score` and `encode` (docs/pooling.md) and no `generate`.
+        pooler_config: a pooling runner's `PoolerConfig`; None reads the checkpoint's (modules.json).
+        enable_prompt_embeds: accept `{"prompt_embeds": tensor}` prompts (vLLM's name): [len, hidden]
+            embeddings the first layer reads instead of token embeddings (docs/multimodal.md).
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -159,10 +165,21 @@ class LLM:
         revision: str | None = None,
         tokenizer_revision: str | None = None,
         trust_remote_code: bool = False,
+        runner: str = "generate",
+        pooler_config: Any = None,
+        enable_prompt_embeds: bool = False,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
         check_model_source(model, tokenizer, revision, tokenizer_revision, trust_remote_code)
+        self.runner_kind, self.enable_prompt_embeds = runner, enable_prompt_embeds
+        self.pooler_config = pooler_config
+        if runner == "pooling":
+            from graphrunner.engine.pooling import pooling_engine_options
+
+            self.pooler_config, async_scheduling, enable_prefix_caching, max_model_len, max_num_batched_tokens = \
+                pooling_engine_options(model, pooler_config, async_scheduling, enable_prefix_caching, max_model_len,
+                                       max_num_batched_tokens, device)
         # Before the model: a bad tokenizer fails fast.
         self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model,
                                                                               required=tokenizer is not None)
@@ -188,7 +205,8 @@ class LLM:
             model, parallel, self.device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative)
+            load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
+            enable_prompt_embeds=enable_prompt_embeds)
         self._init_runner()
         # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
         # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
@@ -221,9 +239,16 @@ class LLM:
 
     def _init_runner(self) -> None:
         """Build the `ModelRunner`, load the weights, allocate the KV cache, then capture graphs unless eager."""
+        from graphrunner.models.registry import check_runner_kind
         from graphrunner.runner import ModelRunner
 
-        self.runner = ModelRunner(self.config, self.device, self.groups)
+        check_runner_kind(self.config.model.architecture, self.runner_kind)
+        if self.runner_kind == "pooling":
+            from graphrunner.pool.runner import PoolingRunner
+
+            self.runner = PoolingRunner(self.config, self.device, self.groups, self.pooler_config)
+        else:
+            self.runner = ModelRunner(self.config, self.device, self.groups)
         self.runner.load_model()
         num_kv_blocks = self.config.cache.num_blocks
         num_blocks = num_kv_blocks if num_kv_blocks is not None else self.runner.determine_num_kv_blocks()
@@ -241,7 +266,8 @@ class LLM:
             max_model_len=self.runner.max_model_len,
             block_size=self.config.tokens_per_block,  # under DCP a block serves block_size x D positions
             num_blocks=self.runner.num_kv_blocks,
-            enable_chunked_prefill=True,
+            # Mean and CLS pooling read every prompt position in one step.
+            enable_chunked_prefill=not self.runner.is_pooling_model or self.runner.pooler_config.chunkable,
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
@@ -309,6 +335,7 @@ class LLM:
         completions (`outputs[i]`). A bad prompt raises ValueError before any step runs and
         leaves no trace. `use_tqdm` shows a progress bar (stderr) over the prompts.
         """
+        self._require_generative("generate")
         all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False)
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(req_ids)) if use_tqdm else None
@@ -530,6 +557,11 @@ class LLM:
 
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         return gather_replicas(results, self.groups)
+
+    def _require_generative(self, call: str) -> None:
+        if self.runner.is_pooling_model:
+            raise ValueError(f"{call}() needs a generative runner; this LLM was built with runner='pooling' "
+                             "(call embed() / classify() / score() / encode())")
 
     def _require_open(self) -> None:
         if getattr(self, "_shut_down", False):

@@ -50,12 +50,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
 from graphrunner.engine.pipeline_rule import PipelineRule
 from graphrunner.engine.prefix_cache import PrefixCachingAllocator
-from graphrunner.engine.request import Request, RequestStatus, SequenceOutput
+from graphrunner.engine.request import Request, RequestExtras, RequestStatus, SequenceOutput
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,
@@ -192,6 +193,9 @@ class Scheduler:
         self._in_flight: deque[_Launched] = deque()
         # Siblings held back until their leader's prompt blocks are cached (add_request's wait_for).
         self._deferred: dict[str, list[Request]] = {}
+        # Multimodal models: the encoder budget and the runner's encoder cache, as the engine tracks them
+        # (multimodal.scheduling.EncoderScheduler); None for a text-only model.
+        self.encoder: Any = None
 
     # ---------------------------------------------------------------- requests
     @property
@@ -199,8 +203,11 @@ class Scheduler:
         return self.block_allocator.num_blocks
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    wait_for: str | None = None) -> Request:
+                    wait_for: str | None = None, *, extras: RequestExtras | None = None) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) when it can never run.
+
+        `extras`: what the runner receives with the prompt besides its token ids (pooling params,
+        prompt embeddings, multimodal inputs; `RequestExtras`).
 
         `wait_for`: a live request with the same prompt (a sibling of parallel sampling, n > 1).
         With prefix caching this one is held back until that request's prompt blocks are
@@ -208,7 +215,10 @@ class Scheduler:
         the front of the queue. Without prefix caching (or with nothing to share) it queues now.
         """
         prompt = self.check_request(req_id, prompt_token_ids, sampling_params)
-        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params)
+        req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params,
+                      extras=extras or RequestExtras())
+        if self.encoder is not None:
+            self.encoder.check_request(req)
         self.requests[req_id] = req
         if wait_for is not None and self._can_share(wait_for, req):
             req.wait_for = wait_for
@@ -411,6 +421,9 @@ class Scheduler:
                     block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
+                    pooling_params=req.extras.pooling_params,
+                    prompt_embeds=req.extras.prompt_embeds,
+                    mm_features=list(req.extras.mm_features),
                 )
             )
             num_scheduled[req.req_id] = num_new

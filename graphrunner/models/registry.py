@@ -18,9 +18,19 @@ BUILTIN_PREFIX = "builtin:"
 # only in flags the config carries (qkv bias, q/k norm, tied embeddings, experts), so one
 # model class serves them all.
 MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+CAUSAL_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} | MOE_ARCHITECTURES
 )
+# Pooling-only checkpoints of the same decoders: the bare model (`Qwen3Model`: embedders such as
+# Qwen3-Embedding saved without a head) and the sequence classifiers (a `score` head on the last token).
+_DENSE_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+POOLING_ARCHITECTURES: frozenset[str] = frozenset(
+    {f"{f}Model" for f in _DENSE_FAMILIES} | {f"{f}ForSequenceClassification" for f in _DENSE_FAMILIES}
+)
+# Vision-language models: a vision tower and projector in front of a Llama-family decoder.
+MULTIMODAL_ARCHITECTURES: frozenset[str] = frozenset({"LlavaForConditionalGeneration"})
+SUPPORTED_ARCHITECTURES: frozenset[str] = CAUSAL_ARCHITECTURES | POOLING_ARCHITECTURES | MULTIMODAL_ARCHITECTURES
+RUNNER_KINDS = ("generate", "pooling")
 
 _LLAMA3_EOS = (128001, 128008, 128009)
 
@@ -203,3 +213,26 @@ def check_architecture(architecture: str) -> None:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def decoder_architecture(architecture: str) -> str:
+    """The causal-LM architecture whose decoder a pooling architecture shares (`Qwen3Model` and
+    `Qwen3ForSequenceClassification` -> `Qwen3ForCausalLM`); any other architecture itself."""
+    for suffix in ("ForSequenceClassification", "Model"):
+        if architecture in POOLING_ARCHITECTURES and architecture.endswith(suffix):
+            return architecture[: -len(suffix)] + "ForCausalLM"
+    return architecture
+
+
+def check_runner_kind(architecture: str, runner: str) -> None:
+    """ValueError unless a runner of kind `runner` ("generate" or "pooling") can serve `architecture`:
+    pooling-only checkpoints have no LM head to generate with; vision-language models do not pool."""
+    if runner not in RUNNER_KINDS:
+        raise ValueError(f"runner={runner!r}; allowed: {list(RUNNER_KINDS)}")
+    check_architecture(architecture)
+    if runner == "generate" and architecture in POOLING_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is a pooling model (no LM head to generate with): "
+                         "load it with runner='pooling' and call embed() / classify() / score()")
+    if runner == "pooling" and architecture in MULTIMODAL_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is a vision-language model; runner='pooling' serves "
+                         f"{sorted(CAUSAL_ARCHITECTURES | POOLING_ARCHITECTURES)}")

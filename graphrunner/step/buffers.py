@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,6 +79,8 @@ class StepBuffers:
     block_tables: BlockTables | None = None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     draft_kv_caches: list[torch.Tensor] = field(default_factory=list)  # the draft model's, same blocks
+    pool: Any = None  # a pooling runner's pooled rows (pool.runner.PoolBuffers)
+    embeds: Any = None  # prompt / multimodal embeddings the first stage reads (multimodal.embeds.EmbedBuffers)
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of every holder, by `holder.attribute` name (debug address checks).
