@@ -336,8 +336,9 @@ class ModelRunner:
             new_blocks = blocks.count(None) != len(blocks) and any(blocks)
             validate_scheduler_output(state, self.limits, so, plan.hint if plan is not None else None, new_blocks)
             if so.scheduled_new_reqs:
-                check_request_kinds(so, pooling=self.is_pooling_model, prompt_embeds=self.model_config.enable_prompt_embeds,
-                                    multimodal=self.model_config.vision is not None)
+                mc = self.model_config
+                check_request_kinds(so, pooling=self.is_pooling_model, prompt_embeds=mc.enable_prompt_embeds,
+                                    multimodal=mc.vision is not None)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)

@@ -168,8 +168,9 @@ class PoolingAPI:
         sched = self.scheduler
         so = sched.schedule()
         if so.total_num_scheduled_tokens == 0:
+            free = f"{sched.block_allocator.num_free}/{sched.num_blocks}"
             raise RuntimeError(f"scheduler planned no tokens with {sched.num_unfinished_requests} unfinished "
-                               f"pooling requests (free KV blocks: {sched.block_allocator.num_free}/{sched.num_blocks})")
+                               f"pooling requests (free KV blocks: {free})")
         self.runner.execute_model(so)
         out = self.runner.sample_tokens()
         for req_id, num_tokens in so.num_scheduled_tokens.items():
