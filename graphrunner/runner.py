@@ -38,7 +38,7 @@ from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.pipeline_stage import PipelineStage
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.limits import StepLimits
-from graphrunner.multimodal.embeds import check_request_kinds
+from graphrunner.multimodal.embeds import EmbedInputs, check_request_kinds, make_embed_inputs
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
@@ -162,6 +162,7 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
+        self.embeds: EmbedInputs | None = None  # prompt embeddings / multimodal inputs (load_model)
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -178,6 +179,9 @@ class ModelRunner:
             tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel, model_cls=self.model_factory(),
         )
         self.body.model = model
+        self.embeds = make_embed_inputs(self.model_config, self.limits.max_num_tokens, model, self.device, self.dtype,
+                                        pipeline_parallel=g.pp_size > 1)
+        self.buffers.embeds = self.embeds.buffers if self.embeds is not None else None
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
         if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
             from graphrunner.distributed.comm import second_communicators
@@ -339,6 +343,8 @@ class ModelRunner:
                 mc = self.model_config
                 check_request_kinds(so, pooling=self.is_pooling_model, prompt_embeds=mc.enable_prompt_embeds,
                                     multimodal=mc.vision is not None)
+            if self.embeds is not None:
+                self.embeds.validate(so, state.requests.req_id_to_index.__contains__)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)
@@ -351,6 +357,8 @@ class ModelRunner:
                     self.pp.rows_freed(removed.rows)
             for new in so.scheduled_new_reqs:
                 prompt_lp.add_request(new)
+            if self.embeds is not None:  # sources of new requests; scheduled encoder inputs encoded
+                self.embeds.update(so)
 
             # 3. Nothing scheduled: an idle lockstep-DP replica still joins its peers' collectives.
             if so.total_num_scheduled_tokens == 0:
@@ -360,6 +368,8 @@ class ModelRunner:
 
             # 4. Plan the batch: order decode-first, dispatch (agreed under lockstep DP), upload.
             batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
+            if self.embeds is not None:  # this batch's prompt / multimodal rows into inputs_embeds
+                self.embeds.stage(batch, state.requests.num_computed_np)
 
             # 5. Structured outputs: sampling waits for the grammar masks, which come with
             #    sample_tokens; a split step runs its forward graph now, meanwhile. A grammar

@@ -207,6 +207,11 @@ class LLM(PoolingAPI):
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
             enable_prompt_embeds=enable_prompt_embeds)
+        self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
+        if enable_prompt_embeds or self.config.model.vision is not None:
+            from graphrunner.multimodal.inputs import InputProcessor
+
+            self._inputs = InputProcessor(self.config.model, model)
         self._init_runner()
         # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
         # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
@@ -392,7 +397,8 @@ class LLM(PoolingAPI):
         self._require_open()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
-        planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
+        planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id],
+                                inputs=self._inputs)
         self._queue_requests(planned, stream, share_out=False)
 
     def step_outputs(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
@@ -499,7 +505,8 @@ class LLM(PoolingAPI):
     ) -> PlannedRequests:
         """A call's requests, every one checked (on every rank, so DP ranks fail alike) before any is queued."""
         self._require_open()
-        planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request)
+        planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request,
+                                inputs=self._inputs)
         self._next_req_id += len(planned.all_ids)
         return planned
 
@@ -514,7 +521,8 @@ class LLM(PoolingAPI):
                 for j, (child_id, child_params) in enumerate(children):
                     # Siblings wait for the first child's prompt blocks (prefix cache) instead of computing them.
                     req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
-                                                     wait_for=children[0][0] if j else None)
+                                                     wait_for=children[0][0] if j else None,
+                                                     extras=planned.extras[i] if planned.extras else None)
                     added.append(req.req_id)
                     self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),

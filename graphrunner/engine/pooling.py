@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from graphrunner.engine.admission import cache_filled_blocks
-from graphrunner.engine.prompts import split_prompts
-from graphrunner.engine.request import RequestExtras, RequestStatus
+from graphrunner.engine.prompts import split_prompts_with_extras
+from graphrunner.engine.request import RequestStatus
 from graphrunner.pool.params import PoolingParams
 from graphrunner.protocol import SamplingParams
 
@@ -90,6 +90,7 @@ class PoolingAPI:
     runner: Any
     scheduler: Any
     tokenizer: Any
+    _inputs: Any  # multimodal.inputs.InputProcessor, or None
     _next_req_id: int
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
@@ -136,7 +137,7 @@ class PoolingAPI:
         """Queue the prompts as pooling requests of `task`, run steps until each is pooled; returns
         (request id, prompt token ids, pooled tensor) in prompt order."""
         self._require_pooling(task)
-        _, token_prompts = split_prompts(prompts, self.tokenizer)
+        _, token_prompts, extras = split_prompts_with_extras(prompts, self.tokenizer, self._inputs)
         n = len(token_prompts)
         if isinstance(pooling_params, Sequence):
             if len(pooling_params) != n:
@@ -151,8 +152,9 @@ class PoolingAPI:
             self.runner.check_pooling_request(req_id, params)
             self.scheduler.check_request(req_id, prompt, POOLING_SAMPLING)
         self._next_req_id += n
-        for req_id, prompt, params in zip(ids, prompts_ids, params_list, strict=True):
-            self.scheduler.add_request(req_id, prompt, POOLING_SAMPLING, extras=RequestExtras(pooling_params=params))
+        for req_id, prompt, params, extra in zip(ids, prompts_ids, params_list, extras, strict=True):
+            self.scheduler.add_request(req_id, prompt, POOLING_SAMPLING,
+                                       extras=dataclasses.replace(extra, pooling_params=params))
         results: dict[str, torch.Tensor] = {}
         try:
             while self.scheduler.has_unfinished_requests():
