@@ -220,6 +220,12 @@ class LLM(PoolingAPI):
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
                              "stages exchange a speculative step's outcome within the step; use one of them")
         self.scheduler = self._make_scheduler(async_scheduling, pipelined, enable_prefix_caching)
+        vision = self.config.model.vision
+        if vision is not None:  # an encoder budget and cache of a step's tokens, at least one image each
+            from graphrunner.multimodal.scheduling import EncoderScheduler
+
+            room = max(self.config.scheduler.max_num_batched_tokens, vision.num_image_tokens)
+            self.scheduler.encoder = EncoderScheduler(budget=room, cache_size=room)
         fit_max_model_len(self.scheduler, self.config, explicit=max_model_len is not None)
         self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
         self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers

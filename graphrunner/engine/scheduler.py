@@ -366,6 +366,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+        if self.encoder is not None:
+            so.scheduled_encoder_inputs, so.free_encoder_mm_hashes = self.encoder.take()
         if self.async_scheduling and num_scheduled:
             self._advance_in_flight(so)
         return so
@@ -390,6 +392,8 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks or None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.req_id] = num_new
+            if self.encoder is not None:
+                self.encoder.commit(req, req.num_computed_tokens, num_new)
             budget -= num_new
             i += 1
         return budget
@@ -406,8 +410,15 @@ class Scheduler:
             admitted = admit_blocks(self, req, budget)  # (with prefix caching: its cached prefix first)
             if admitted is None:
                 break  # FCFS: do not let later, smaller requests jump the queue
+            num_new, block_ids = admitted
+            if num_new == 0:  # the encoder cannot serve its first image yet: undo, and keep FCFS
+                self.block_allocator.free(block_ids)
+                req.num_computed_tokens = 0
+                break
             self.waiting.popleft()
-            num_new, req.block_ids = admitted
+            req.block_ids = block_ids
+            if self.encoder is not None:
+                self.encoder.commit(req, req.num_computed_tokens, num_new)
             if not req.num_preemptions:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
@@ -470,7 +481,10 @@ class Scheduler:
         tokens, or a decode's last sampled token and its k draft slots (known or not)."""
         wanted = 1 + self.num_speculative_tokens if req.is_decoding else req.num_uncomputed_tokens
         room = self.max_model_len - req.num_computed_tokens
-        return max(0, min(wanted, budget, room))
+        num_new = max(0, min(wanted, budget, room))
+        if self.encoder is not None and num_new and req.extras.mm_features:  # stop before an image not encodable now
+            num_new = self.encoder.trim(req, req.num_computed_tokens, num_new)
+        return num_new
 
     def _try_grow(self, req: Request, num_new: int, preempted: set[str]) -> list[int] | None:
         """Blocks for `num_new` more tokens, preempting from the tail of `running` as needed:
@@ -502,6 +516,8 @@ class Scheduler:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_allocator.free(req.block_ids)
         self.cached_blocks.pop(req.req_id, None)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -622,6 +638,8 @@ class Scheduler:
         if req.req_id in self._deferred:
             self._release_deferred(req.req_id)
         req.status = status
+        if self.encoder is not None:
+            self.encoder.release(req)
         if req.block_ids:
             self.block_allocator.free(req.block_ids)
             self.cached_blocks.pop(req.req_id, None)

@@ -491,8 +491,9 @@ def _checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     """The tensor names the unsharded model reads (a TP/PP rank loads a part of them)."""
     from graphrunner.attention.torch_ref import TorchReferenceBackend
 
-    if hasattr(model, "checkpoint_names"):  # models other than the plain causal LM name their own
-        return model.checkpoint_names()
+    names = getattr(model, "checkpoint_names", None)
+    if callable(names):  # models other than the plain causal LM name their own
+        return set(names())
     from graphrunner.models.llama import LlamaForCausalLM
 
     full = LlamaForCausalLM(model.config, TorchReferenceBackend(), dtype=torch.float32, device="meta")

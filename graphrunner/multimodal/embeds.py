@@ -159,7 +159,7 @@ class EmbedInputs:
         for req_id, row, q in zip(batch.req_ids, batch.idx_mapping_np.tolist(), batch.query_lens_np.tolist(),
                                   strict=True):
             start = int(num_computed[row])
-            sources: list[tuple[int, torch.Tensor]] = []  # (first prompt position, rows)
+            sources: list[tuple[int, torch.Tensor | None]] = []  # (first prompt position, rows; None: not read)
             embeds = self._prompt_embeds.get(req_id)
             if embeds is not None:
                 sources.append((0, embeds))

@@ -79,9 +79,10 @@ class ImageProcessor:
             pixels = _center_crop(pixels, *self.crop_hw)
         values = pixels.astype(np.float32)
         if self.rescale_factor is not None:
-            values = values * np.float32(self.rescale_factor)
+            values *= np.float32(self.rescale_factor)
         if self.mean is not None and self.std is not None:
-            values = (values - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
+            values -= np.asarray(self.mean, dtype=np.float32)
+            values /= np.asarray(self.std, dtype=np.float32)
         return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
 
 

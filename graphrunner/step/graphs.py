@@ -96,7 +96,7 @@ class StepGraphs:
                  num_live: Callable[[], int], name: str = "model", lazy_variants: bool = False) -> None:
         self.body = body
         # Variants captured by capture(); the rest on first use (module docstring).
-        self.eager_variants = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
+        self.eager_variants: tuple[SamplingFeatures, ...] = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
         self.device = device
         self.num_live = num_live
         self.name = name
