@@ -125,3 +125,13 @@ def test_bad_multimodal_input_raises_and_leaves_others_alone(llava, expected):
     assert _tokens(llm.generate(good, GREEDY, use_tqdm=False)) == expected
     with pytest.raises(ValueError, match="vision-language model"):
         LLM(str(llava[0]), runner="pooling", device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+@pytest.mark.gpu
+def test_gpu_llava_matches_transformers_from_cuda_graphs(llava, expected):
+    """CUDA, fp32: decoder from real FULL / PIECEWISE graphs, the vision tower eager; same tokens."""
+    llm = LLM(str(llava[0]), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=128, block_size=16, num_kv_blocks=32)
+    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert llm.runner.embeds.encoder_cache.num_encoded == 2
+    llm.shutdown()

@@ -55,3 +55,14 @@ def test_bad_prompt_embeds_raise_and_leave_others_alone():
         plain.generate([{"prompt_embeds": torch.zeros(3, 128)}], GREEDY)
     with pytest.raises(ValueError, match="text-only"):
         plain.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": torch.zeros(3, 8, 8)}}], GREEDY)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_embeds_equal_the_token_id_path():
+    llm = LLM("builtin:tiny-llama", device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=96, num_kv_blocks=32, enable_prompt_embeds=True)
+    table = llm.runner.model.embed_input_ids
+    embeds = [{"prompt_embeds": table(torch.tensor(p, device="cuda")).cpu()} for p in PROMPTS]
+    assert _tokens(llm.generate(embeds, GREEDY, use_tqdm=False)) == _tokens(llm.generate(PROMPTS, GREEDY,
+                                                                                         use_tqdm=False))
+    llm.shutdown()

@@ -150,3 +150,24 @@ def test_runner_refuses_the_other_kind_of_request(embedder):
     pool.execute_model(plan("c", PoolingParams(task="embed")))
     out = pool.sample_tokens()
     assert out.req_ids == ["c"] and out.sampled_token_ids == [[]] and out.pooler_output[0].shape == (64,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
+def test_gpu_pooling_matches_transformers_from_cuda_graphs(embedder, classifier, mode):
+    """CUDA, fp32, real CUDA graphs (inductor pieces): the same parity as on the CPU."""
+    for (path, hf), task in ((embedder, "embed"), (classifier, "classify")):
+        llm = LLM(str(path), runner="pooling", device="cuda", dtype="float32", max_num_seqs=4,
+                  max_num_batched_tokens=32, max_model_len=64, block_size=16, num_kv_blocks=32, cudagraph_mode=mode)
+        outs = getattr(llm, task)(PROMPTS)
+        assert not llm.runner.last_descriptor.is_eager
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            with torch.no_grad():
+                if task == "embed":
+                    ref = F.normalize(_hf_last_hidden(hf, prompt)[-1], dim=-1)
+                    got = torch.tensor(out.outputs.embedding)
+                    assert float(F.cosine_similarity(got, ref, dim=0)) > 0.9999
+                else:
+                    ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+                    assert torch.allclose(torch.tensor(out.outputs.probs).log(), ref, atol=1e-3)
+        llm.shutdown()
