@@ -69,6 +69,50 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's CLIP-style vision tower and its projector into the decoder (LLaVA).
+
+    The tower embeds `image_size`² pixels as (image_size / patch_size)² patches plus a class token;
+    `vision_feature_layer` picks the hidden states the projector reads (negative: from the end),
+    `vision_feature_select_strategy` "default" drops the class token, "full" keeps it. Each image
+    fills `image_token_id` placeholders, one per feature row (`num_image_tokens`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    image_token_id: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+    projector_hidden_act: str = "gelu"
+    projector_bias: bool = True
+    vision_feature_layer: int = -2
+    vision_feature_select_strategy: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
+        if self.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r}; "
+                             "allowed: ['default', 'full']")
+        if not -self.num_hidden_layers - 1 <= self.vision_feature_layer <= self.num_hidden_layers:
+            raise ValueError(f"vision_feature_layer={self.vision_feature_layer} outside the tower's "
+                             f"{self.num_hidden_layers} layers")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens (and embedding rows) per image."""
+        return self.num_patches + (self.vision_feature_select_strategy == "full")
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
@@ -135,6 +179,11 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     name: str = "model"
     moe: MoEConfig | None = None
+    # Requests may carry prompt embeddings instead of token ids (vLLM's name): the first stage then
+    # reads a persistent inputs_embeds buffer (graphrunner.multimodal.embeds).
+    enable_prompt_embeds: bool = False
+    # A vision-language model's vision tower and projector (None: text only).
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -11,9 +11,12 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from graphrunner.multimodal.features import MultiModalFeatureSpec
+from graphrunner.pool.params import PoolingParams
 from graphrunner.structured_outputs import StructuredOutputsParams
 
 # A request's seed lives in an int64 row (SamplingStates.seed) and the counter-based
@@ -300,6 +303,11 @@ class NewRequestData:
     `output_token_ids` carries tokens generated before a preemption: the runner
     recomputes their KV together with the prompt (preemption by recompute) and
     continues sampling after them.
+
+    vLLM's optional fields: `pooling_params` marks a pooling request (a pooling runner's only
+    kind); `prompt_embeds` [len(prompt_token_ids), hidden] replaces the prompt's token embeddings
+    (its token ids are placeholders); `mm_features` are the prompt's multimodal inputs, whose
+    encoder outputs replace the embeddings of their placeholder positions.
     """
 
     req_id: str
@@ -309,6 +317,9 @@ class NewRequestData:
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with (vLLM's field); None: the base model
+    pooling_params: PoolingParams | None = None
+    prompt_embeds: Any = None  # torch.Tensor [prompt_len, hidden]
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Built once per admission (not per step): O(tokens) at C speed for int lists.
@@ -357,6 +368,10 @@ class SchedulerOutput:
     # scheduling never knows the ids). A decoding request scheduled q > 1 tokens without an
     # entry here has q - 1 placeholders. Real ids (>= 0) replace the runner's own drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Multimodal (vLLM's fields): per request, the indices (into its `mm_features`) of the inputs
+    # to encode this step; and the content hashes whose encoder outputs the runner may drop.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -376,7 +391,7 @@ class ModelRunnerOutput:
     """
 
     __slots__ = ("req_ids", "_index", "_index_source", "_sampled", "_tokens", "_produces", "logprobs",
-                 "prompt_logprobs_dict")
+                 "prompt_logprobs_dict", "pooler_output")
 
     def __init__(
         self,
@@ -385,6 +400,7 @@ class ModelRunnerOutput:
         sampled_token_ids: list[list[int]] | None = None,
         logprobs: list[list[dict[int, Logprob]]] | None = None,
         prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] | None = None,
+        pooler_output: list[Any] | None = None,
     ):
         self.req_ids: list[str] = req_ids if req_ids is not None else []
         self._index = req_id_to_index if req_id_to_index is not None else ({} if req_ids is None else None)
@@ -398,6 +414,9 @@ class ModelRunnerOutput:
         self.logprobs = logprobs
         # Requests whose prompt logprobs completed this step: req_id -> PromptLogprobs.
         self.prompt_logprobs_dict = prompt_logprobs_dict if prompt_logprobs_dict is not None else {}
+        # A pooling runner's step (vLLM's field): per entry its pooled tensor, None where the
+        # entry's prompt is not complete yet; empty for a generative runner.
+        self.pooler_output: list[Any] = pooler_output if pooler_output is not None else []
 
     @classmethod
     def from_token_array(

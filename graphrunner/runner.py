@@ -40,6 +40,7 @@ from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
 from graphrunner.layers.lora.manager import LoraManager
 from graphrunner.layers.lora.weights import LoraBuffers
 from graphrunner.limits import StepLimits
+from graphrunner.multimodal.embeds import EmbedInputs, check_request_kinds, make_embed_inputs
 from graphrunner.protocol import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from graphrunner.sample.logprobs import PromptLogprobs
 from graphrunner.sample.sampler import Sampler
@@ -95,6 +96,10 @@ class ModelRunner:
     single process.
     """
 
+    # A runner kind (graphrunner.pool.PoolingRunner) swaps the step body and the model it builds.
+    body_class: type[StepBody] = StepBody
+    is_pooling_model = False
+
     def __init__(self, config: RunnerConfig, device: torch.device | str, groups: ParallelGroups | None = None):
         self.config = config
         if groups is None:
@@ -149,7 +154,7 @@ class ModelRunner:
         self._side_comms: Any = None  # DBO under DP + EP on CUDA: microbatch 1's communicators
         self.attn_backend = wrap_for_dcp(get_attention_backend(self.device, kernel=config.kernel), groups)  # DCP-aware
         pcp = make_prefill_context_parallel(groups.pcp, L, self.buffers.inputs, self.device)  # None without PCP
-        self.body = StepBody(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
+        self.body = self.body_class(self.buffers, L, sampler, self.attn_backend, self.prompt_logprobs,
                              is_last_stage=groups.pp.is_last, spec=spec, pcp=pcp,
                              dcp=getattr(self.attn_backend, "layout", None))
         self.output_ring = OutputRing(self.device, max(DEFAULT_NUM_SLOTS, groups.pp_size + 1))  # P in flight: PP
@@ -163,6 +168,7 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
+        self.embeds: EmbedInputs | None = None  # prompt embeddings / multimodal inputs (load_model)
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -176,9 +182,12 @@ class ModelRunner:
                                 num_redundant_experts=par.num_redundant_experts, record_expert_load=par.enable_eplb)
         model = load_model(
             self.model_config, self.config.load, attn_backend=self.attn_backend, dtype=self.dtype, device=self.device,
-            tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel,
+            tp=tp, pp_rank=g.pp_rank, pp_size=g.pp_size, kernel=self.config.kernel, model_cls=self.model_factory(),
         )
         self.body.model = model
+        self.embeds = make_embed_inputs(self.model_config, self.limits.max_num_tokens, model, self.device, self.dtype,
+                                        pipeline_parallel=g.pp_size > 1)
+        self.buffers.embeds = self.embeds.buffers if self.embeds is not None else None
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
         if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
             from graphrunner.distributed.comm import second_communicators
@@ -209,6 +218,10 @@ class ModelRunner:
             sum(p.numel() * p.element_size() for p in model.parameters()) / _GIB, self.dtype, self.device,
             self.startup_times.load,
         )
+
+    def model_factory(self) -> Any:
+        """The model constructor `load_model` uses; None: the architecture's generative model."""
+        return None
 
     @property
     def model(self) -> Any:
@@ -341,6 +354,12 @@ class ModelRunner:
                 lora.check(so)
             elif so.scheduled_new_reqs:
                 _refuse_adapters(so)
+            if so.scheduled_new_reqs:
+                mc = self.model_config
+                check_request_kinds(so, pooling=self.is_pooling_model, prompt_embeds=mc.enable_prompt_embeds,
+                                    multimodal=mc.vision is not None)
+            if self.embeds is not None:
+                self.embeds.validate(so, state.requests.req_id_to_index.__contains__)
 
             # 2. Update request states: removals, admissions, new KV blocks (staged writes, one commit).
             removed = state.update(so, steady=plan is not None, new_blocks=new_blocks)
@@ -355,6 +374,8 @@ class ModelRunner:
                     self.pp.rows_freed(removed.rows)
             for new in so.scheduled_new_reqs:
                 prompt_lp.add_request(new)
+            if self.embeds is not None:  # sources of new requests; scheduled encoder inputs encoded
+                self.embeds.update(so)
 
             # 3. Nothing scheduled: an idle lockstep-DP replica still joins its peers' collectives.
             if so.total_num_scheduled_tokens == 0:
@@ -364,6 +385,8 @@ class ModelRunner:
 
             # 4. Plan the batch: order decode-first, dispatch (agreed under lockstep DP), upload.
             batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
+            if self.embeds is not None:  # this batch's prompt / multimodal rows into inputs_embeds
+                self.embeds.stage(batch, state.requests.num_computed_np)
 
             # 5. Structured outputs: sampling waits for the grammar masks, which come with
             #    sample_tokens; a split step runs its forward graph now, meanwhile. A grammar

@@ -51,7 +51,7 @@ def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list
     alloc, bs = sched.block_allocator, sched.block_size
     hit: list[int] = []
     if isinstance(alloc, PrefixCachingAllocator) and req.sampling_params.prompt_logprobs is None:
-        hit = alloc.lookup(req.all_token_ids, (req.num_tokens - 1) // bs, req.cache_salt)
+        hit = alloc.lookup(req.block_key_tokens, (req.num_tokens - 1) // bs, req.cache_salt)
     req.num_computed_tokens = len(hit) * bs
     req.num_prefill_tokens = req.num_tokens  # (re)admitted: every known token is prefill, hit or not
     num_new = sched.num_new_tokens(req, budget)
@@ -80,7 +80,7 @@ def cache_filled_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
         # The last known token's KV is computed by the step after it was sampled (maybe still in flight).
         full = min(req.num_computed_tokens, req.num_tokens - 1, len(req.block_ids) * bs) // bs
         if full > sched.cached_blocks.get(req_id, 0):
-            alloc.register(req.all_token_ids, req.block_ids, full, req.cache_salt)
+            alloc.register(req.block_key_tokens, req.block_ids, full, req.cache_salt)
             sched.cached_blocks[req_id] = full
 
 

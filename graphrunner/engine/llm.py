@@ -57,6 +57,7 @@ from graphrunner.engine.options import (
     resolve_speculative_config,
 )
 from graphrunner.engine.outputs import OutputProcessor
+from graphrunner.engine.pooling import PoolingAPI
 from graphrunner.engine.prompts import PlannedRequests, PromptType, plan_requests
 from graphrunner.engine.request import RequestOutput, SequenceOutput
 from graphrunner.engine.runner_config import build_runner_config, fit_max_model_len
@@ -68,8 +69,8 @@ from graphrunner.protocol import LoRARequest, ModelRunnerOutput, SamplingParams,
 logger = logging.getLogger("graphrunner.engine")
 
 
-class LLM:
-    """Offline batch generation over one `ModelRunner`.
+class LLM(PoolingAPI):
+    """Offline batch generation over one `ModelRunner` (or pooling over a `PoolingRunner`).
 
     Args:
         model: "builtin:NAME" (dummy weights) or a Hugging Face checkpoint folder.
@@ -125,6 +126,11 @@ class LLM:
             requests may name a PEFT adapter (`generate(..., lora_request=LoRARequest(...))`); at most
             `max_loras` distinct adapters run at once (more queue), each of rank <= `max_lora_rank`,
             and `max_cpu_loras` (default max_loras) stay read in host memory. See docs/lora.md.
+        runner: "generate" (default) or "pooling" (vLLM's name): a pooling runner serves `embed`,
+            `classify`, `score` and `encode` (docs/pooling.md) and no `generate`.
+        pooler_config: a pooling runner's `PoolerConfig`; None reads the checkpoint's (modules.json).
+        enable_prompt_embeds: accept `{"prompt_embeds": tensor}` prompts (vLLM's name): [len, hidden]
+            embeddings the first layer reads instead of token embeddings (docs/multimodal.md).
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -174,10 +180,21 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        runner: str = "generate",
+        pooler_config: Any = None,
+        enable_prompt_embeds: bool = False,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
         check_model_source(model, tokenizer, revision, tokenizer_revision, trust_remote_code)
+        self.runner_kind, self.enable_prompt_embeds = runner, enable_prompt_embeds
+        self.pooler_config = pooler_config
+        if runner == "pooling":
+            from graphrunner.engine.pooling import pooling_engine_options
+
+            self.pooler_config, async_scheduling, enable_prefix_caching, max_model_len, max_num_batched_tokens = \
+                pooling_engine_options(model, pooler_config, async_scheduling, enable_prefix_caching, max_model_len,
+                                       max_num_batched_tokens, device)
         # Before the model: a bad tokenizer fails fast.
         self.tokenizer = None if skip_tokenizer_init else load_text_tokenizer(tokenizer or model,
                                                                               required=tokenizer is not None)
@@ -205,7 +222,12 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora)
+            lora=lora, enable_prompt_embeds=enable_prompt_embeds)
+        self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
+        if enable_prompt_embeds or self.config.model.vision is not None:
+            from graphrunner.multimodal.inputs import InputProcessor
+
+            self._inputs = InputProcessor(self.config.model, model)
         self._init_runner()
         # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
         # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
@@ -214,6 +236,12 @@ class LLM:
             raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 and speculative decoding: the "
                              "stages exchange a speculative step's outcome within the step; use one of them")
         self.scheduler = self._make_scheduler(async_scheduling, pipelined, enable_prefix_caching)
+        vision = self.config.model.vision
+        if vision is not None:  # an encoder budget and cache of a step's tokens, at least one image each
+            from graphrunner.multimodal.scheduling import EncoderScheduler
+
+            room = max(self.config.scheduler.max_num_batched_tokens, vision.num_image_tokens)
+            self.scheduler.encoder = EncoderScheduler(budget=room, cache_size=room)
         fit_max_model_len(self.scheduler, self.config, explicit=max_model_len is not None)
         self._outputs = OutputProcessor(self.scheduler, self.tokenizer)
         self._structured = make_structured_outputs(self.tokenizer, self.runner.vocab_size)  # grammar matchers
@@ -238,9 +266,16 @@ class LLM:
 
     def _init_runner(self) -> None:
         """Build the `ModelRunner`, load the weights, allocate the KV cache, then capture graphs unless eager."""
+        from graphrunner.models.registry import check_runner_kind
         from graphrunner.runner import ModelRunner
 
-        self.runner = ModelRunner(self.config, self.device, self.groups)
+        check_runner_kind(self.config.model.architecture, self.runner_kind)
+        if self.runner_kind == "pooling":
+            from graphrunner.pool.runner import PoolingRunner
+
+            self.runner = PoolingRunner(self.config, self.device, self.groups, self.pooler_config)
+        else:
+            self.runner = ModelRunner(self.config, self.device, self.groups)
         self.runner.load_model()
         num_kv_blocks = self.config.cache.num_blocks
         num_blocks = num_kv_blocks if num_kv_blocks is not None else self.runner.determine_num_kv_blocks()
@@ -258,7 +293,8 @@ class LLM:
             max_model_len=self.runner.max_model_len,
             block_size=self.config.tokens_per_block,  # under DCP a block serves block_size x D positions
             num_blocks=self.runner.num_kv_blocks,
-            enable_chunked_prefill=True,
+            # Mean and CLS pooling read every prompt position in one step.
+            enable_chunked_prefill=not self.runner.is_pooling_model or self.runner.pooler_config.chunkable,
             vocab_size=self.runner.vocab_size,
             eos_token_ids=self.runner.eos_token_ids,
             async_scheduling=async_scheduling,
@@ -330,6 +366,7 @@ class LLM:
         the adapter of every prompt, or one per prompt (None: the base model); a missing or
         malformed adapter folder raises ValueError naming it before any step runs.
         """
+        self._require_generative("generate")
         all_ids, req_ids = self._add_requests(prompts, sampling_params, stream=False, lora_request=lora_request)
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(req_ids)) if use_tqdm else None
@@ -386,7 +423,8 @@ class LLM:
         self._require_open()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
-        planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id])
+        planned = plan_requests([prompt], params, self.tokenizer, 0, self._check_request, request_ids=[request_id],
+                                inputs=self._inputs)
         loras = self._check_loras(lora_request, 1)
         self._queue_requests(planned, stream, share_out=False, loras=loras)
 
@@ -517,7 +555,8 @@ class LLM:
     ) -> PlannedRequests:
         """A call's requests, every one checked (on every rank, so DP ranks fail alike) before any is queued."""
         self._require_open()
-        planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request)
+        planned = plan_requests(prompts, sampling_params, self.tokenizer, self._next_req_id, self._check_request,
+                                inputs=self._inputs)
         self._next_req_id += len(planned.all_ids)
         return planned
 
@@ -534,7 +573,8 @@ class LLM:
                     # Siblings wait for the first child's prompt blocks (prefix cache) instead of computing them.
                     req = self.scheduler.add_request(child_id, planned.prompts[i], child_params,
                                                      wait_for=children[0][0] if j else None,
-                                                     lora_request=loras[i] if loras is not None else None)
+                                                     lora_request=loras[i] if loras is not None else None,
+                                                     extras=planned.extras[i] if planned.extras else None)
                     added.append(req.req_id)
                     self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
@@ -577,6 +617,11 @@ class LLM:
 
     def _gather_results(self, results: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         return gather_replicas(results, self.groups)
+
+    def _require_generative(self, call: str) -> None:
+        if self.runner.is_pooling_model:
+            raise ValueError(f"{call}() needs a generative runner; this LLM was built with runner='pooling' "
+                             "(call embed() / classify() / score() / encode())")
 
     def _require_open(self) -> None:
         if getattr(self, "_shut_down", False):

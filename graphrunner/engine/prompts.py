@@ -7,14 +7,18 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
 from graphrunner.engine.bad_words import bad_words_token_ids
 from graphrunner.engine.options import per_prompt_params
+from graphrunner.engine.request import RequestExtras
 from graphrunner.protocol import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
+
+if TYPE_CHECKING:
+    from graphrunner.multimodal.inputs import InputProcessor
 
 # The bias that bans a bad word's token: no logit comes near it, and it stays finite in float32.
 BANNED_BIAS = -LOGIT_BIAS_MAX
@@ -32,9 +36,11 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-# A prompt: a text, token ids, or a prompt dict (LLM.chat's carry both keys).
+# A prompt: a text, token ids, or a prompt dict (LLM.chat's carry both keys; vLLM's `EmbedsPrompt`
+# {"prompt_embeds": tensor}; a text or token-id prompt with "multi_modal_data": {"image": ...}).
 PromptType = str | TextPrompt | TokensPrompt | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_INPUT_KEYS = ("prompt_embeds", "multi_modal_data")  # handled by the model's input processor
 
 
 @dataclass(frozen=True)
@@ -47,17 +53,19 @@ class PlannedRequests:
     texts: list[str | None]  # each prompt's text (None for token ids)
     # Per prompt, its scheduler requests: (id, params): one, or n (best_of) with derived seeds.
     children: list[list[tuple[str, SamplingParams]]]
+    # Per prompt, what its requests hand the runner besides token ids (prompt embeddings, images).
+    extras: list[RequestExtras] = field(default_factory=list)
 
 
 def plan_requests(
     prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None, tokenizer: Any | None,
     first_id: int, check: Callable[[str, Sequence[int], SamplingParams], None],
-    request_ids: list[str] | None = None,
+    request_ids: list[str] | None = None, inputs: InputProcessor | None = None,
 ) -> PlannedRequests:
     """Tokenize the prompts, pair them with their params and ids (`first_id`, `first_id + 1`, ...:
     global prompt numbers, identical whatever the DP layout; or `request_ids`) and `check` every
     scheduler request before any is queued, so that a bad one raises here and never becomes live."""
-    texts, token_prompts = split_prompts(prompts, tokenizer)
+    texts, token_prompts, extras = split_prompts_with_extras(prompts, tokenizer, inputs)
     params = per_prompt_params(sampling_params, len(token_prompts))
     all_ids = request_ids if request_ids is not None else [str(first_id + i) for i in range(len(token_prompts))]
     children = []
@@ -65,7 +73,7 @@ def plan_requests(
         children.append(child_requests(req_id, params[i], tokenizer))
         for child_id, child_params in children[-1]:
             check(child_id, token_prompts[i], child_params)
-    return PlannedRequests(all_ids, token_prompts, params, texts, children)
+    return PlannedRequests(all_ids, token_prompts, params, texts, children, extras)
 
 
 def child_requests(request_id: str, params: SamplingParams, tokenizer: Any | None) -> list[tuple[str, SamplingParams]]:
@@ -109,20 +117,44 @@ def _with_bad_words(params: SamplingParams, tokenizer: Any | None) -> dict[str, 
 def split_prompts(prompts: Any, tokenizer: Any | None) -> tuple[list[str | None], list[Sequence[int]]]:
     """(each prompt's text or None, its token ids) for `generate`'s prompts: a text or prompt dict
     (one prompt), or a list of texts, token-id lists and prompt dicts (see `tokenize_prompts`)."""
+    texts, token_prompts, _ = split_prompts_with_extras(prompts, tokenizer, None)
+    return texts, token_prompts
+
+
+def split_prompts_with_extras(prompts: Any, tokenizer: Any | None, inputs: InputProcessor | None,
+                              ) -> tuple[list[str | None], list[Sequence[int]], list[RequestExtras]]:
+    """`split_prompts`, and each prompt's `RequestExtras`: prompt dicts with "prompt_embeds" or
+    "multi_modal_data" go through `inputs` (the model's input processor), which gives their token
+    ids (placeholders expanded) and what the runner receives besides; ValueError without one."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
     prompts = prompt_list(prompts)
     texts: list[str | None] = []
     unwrapped: list[Any] = []
+    special: dict[int, Mapping] = {}
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):
             text = _dict_prompt(i, prompt)
-            unwrapped.append(prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text)
+            if any(key in prompt for key in _INPUT_KEYS):
+                if inputs is None:
+                    raise ValueError(f"prompt {i}: prompt_embeds needs LLM(..., enable_prompt_embeds=True)"
+                                     if "prompt_embeds" in prompt else
+                                     f"prompt {i}: multi_modal_data {sorted(prompt['multi_modal_data'])} given, but "
+                                     "the model is text-only")
+                special[i] = prompt
+                unwrapped.append(prompt.get("prompt_token_ids", text if text is not None else []))
+            else:
+                unwrapped.append(prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text)
         else:
             text = prompt if isinstance(prompt, str) else None
             unwrapped.append(prompt)
         texts.append(text)
-    return texts, tokenize_prompts(unwrapped, tokenizer)
+    token_prompts = tokenize_prompts(unwrapped, tokenizer)
+    extras = [RequestExtras()] * len(token_prompts)
+    for i, prompt in special.items():
+        assert inputs is not None
+        token_prompts[i], extras[i] = inputs(i, prompt, list(token_prompts[i]))
+    return texts, token_prompts, extras
 
 
 def prompt_list(prompts: Any) -> list[Any]:
@@ -150,11 +182,13 @@ def _token_ids(i: int, prompt: Any) -> Any:
 def _dict_prompt(i: int, prompt: Mapping) -> str | None:
     """Check prompt dict `i` (vLLM's TextPrompt / TokensPrompt); its text, or None for token ids.
     A dict with both keys runs its token ids and reports its text (as `LLM.chat` builds them)."""
-    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS) - set(_INPUT_KEYS))
     if unknown:
         raise ValueError(f"prompt {i}: keys {unknown} are not supported; a prompt dict has 'prompt' (a text) "
-                         "or 'prompt_token_ids' (token ids)")
-    if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                         "or 'prompt_token_ids' (token ids), maybe with 'multi_modal_data'; or 'prompt_embeds'")
+    if "prompt_embeds" in prompt and ("prompt_token_ids" in prompt or "multi_modal_data" in prompt):
+        raise ValueError(f"prompt {i}: 'prompt_embeds' replaces the prompt's token ids and images: give it alone")
+    if "prompt" not in prompt and "prompt_token_ids" not in prompt and "prompt_embeds" not in prompt:
         raise ValueError(f"prompt {i}: a prompt dict needs 'prompt' (a text) or 'prompt_token_ids', got no key")
     if "prompt" in prompt and not isinstance(prompt["prompt"], str):
         raise TypeError(f"prompt {i}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from graphrunner.multimodal.features import MultiModalFeatureSpec
+from graphrunner.pool.params import PoolingParams
 from graphrunner.protocol import LoRARequest, ModelRunnerOutput, SamplingParams
 
 
@@ -30,6 +33,34 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(frozen=True)
+class RequestExtras:
+    """What a request hands the runner besides its token ids (vLLM's `NewRequestData` fields):
+    `pooling_params` (a pooling request), `prompt_embeds` ([prompt_len, hidden], replacing the
+    placeholder ids' embeddings) and `mm_features` (multimodal inputs at their placeholders).
+    `embeds_hash`: the content hash of `prompt_embeds`, which keys its blocks in the prefix cache."""
+
+    pooling_params: PoolingParams | None = None
+    prompt_embeds: Any = None
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
+    embeds_hash: str | None = None
+
+    def block_key_tokens(self, token_ids: list[int]) -> list[Any]:
+        """`token_ids` as the prefix cache keys them: positions an embedding fills carry its content
+        hash instead of their placeholder id, so equal prompts with different images (or prompt
+        embeddings) never share a block."""
+        if self.embeds_hash is None and not self.mm_features:
+            return token_ids
+        keys: list[Any] = list(token_ids)
+        if self.embeds_hash is not None and self.prompt_embeds is not None:
+            n = len(self.prompt_embeds)
+            keys[:n] = [self.embeds_hash] * n
+        for f in self.mm_features:
+            pos = f.mm_position
+            keys[pos.offset : pos.end] = [f.identifier] * pos.length
+        return keys
 
 
 @dataclass
@@ -73,6 +104,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    extras: RequestExtras = field(default_factory=RequestExtras)
 
     @property
     def cache_salt(self) -> int:
@@ -125,6 +157,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def block_key_tokens(self) -> list[Any]:
+        """The tokens the prefix cache keys this request's blocks by (`RequestExtras.block_key_tokens`)."""
+        return self.extras.block_key_tokens(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

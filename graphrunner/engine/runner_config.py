@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -25,12 +26,14 @@ def build_runner_config(
     model: str, parallel: ParallelConfig, device: torch.device, *, dtype: str, max_num_seqs: int,
     max_num_batched_tokens: int, max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
     gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
-    speculative: SpeculativeConfig, lora: LoRAConfig | None = None,
+    speculative: SpeculativeConfig, lora: LoRAConfig | None = None, enable_prompt_embeds: bool = False,
 ) -> RunnerConfig:
     """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
     from graphrunner.models.loader import is_builtin, load_model_config
 
     model_config = load_model_config(model)
+    if enable_prompt_embeds:
+        model_config = dataclasses.replace(model_config, enable_prompt_embeds=True)
     if max_model_len is None:
         max_model_len = model_config.max_position_embeddings  # vLLM's default; fit_max_model_len may lower it
     if load_format == "auto" and is_builtin(model):

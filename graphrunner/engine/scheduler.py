@@ -50,12 +50,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
 from graphrunner.engine.pipeline_rule import PipelineRule
 from graphrunner.engine.prefix_cache import PrefixCachingAllocator
-from graphrunner.engine.request import Request, RequestStatus, SequenceOutput
+from graphrunner.engine.request import Request, RequestExtras, RequestStatus, SequenceOutput
 from graphrunner.engine.runner_output import check_num_sampled, check_partial_prefill, output_entry, token_logprobs
 from graphrunner.protocol import (
     CachedRequestData,
@@ -199,6 +200,9 @@ class Scheduler:
         self._deferred: dict[str, list[Request]] = {}
         self.max_loras = max_loras
         self.running_loras: dict[int, int] = {}  # adapter id -> running requests with it
+        # Multimodal models: the encoder budget and the runner's encoder cache, as the engine tracks them
+        # (multimodal.scheduling.EncoderScheduler); None for a text-only model.
+        self.encoder: Any = None
 
     # ---------------------------------------------------------------- requests
     @property
@@ -206,8 +210,12 @@ class Scheduler:
         return self.block_allocator.num_blocks
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    wait_for: str | None = None, lora_request: LoRARequest | None = None) -> Request:
+                    wait_for: str | None = None, lora_request: LoRARequest | None = None, *,
+                    extras: RequestExtras | None = None) -> Request:
         """Queue a request. Raises ValueError (and changes nothing) when it can never run.
+
+        `extras`: what the runner receives with the prompt besides its token ids (pooling params,
+        prompt embeddings, multimodal inputs; `RequestExtras`).
 
         `wait_for`: a live request with the same prompt (a sibling of parallel sampling, n > 1).
         With prefix caching this one is held back until that request's prompt blocks are
@@ -219,7 +227,9 @@ class Scheduler:
         if lora_request is not None and not self.max_loras:
             raise ValueError(f"request {req_id!r}: lora_request={lora_request} needs enable_lora=True")
         req = Request(req_id=req_id, prompt_token_ids=prompt, sampling_params=sampling_params,
-                      lora_request=lora_request)
+                      lora_request=lora_request, extras=extras or RequestExtras())
+        if self.encoder is not None:
+            self.encoder.check_request(req)
         self.requests[req_id] = req
         if wait_for is not None and self._can_share(wait_for, req):
             req.wait_for = wait_for
@@ -369,6 +379,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+        if self.encoder is not None:
+            so.scheduled_encoder_inputs, so.free_encoder_mm_hashes = self.encoder.take()
         if self.async_scheduling and num_scheduled:
             self._advance_in_flight(so)
         return so
@@ -393,6 +405,8 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks or None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.req_id] = num_new
+            if self.encoder is not None:
+                self.encoder.commit(req, req.num_computed_tokens, num_new)
             budget -= num_new
             i += 1
         return budget
@@ -415,8 +429,15 @@ class Scheduler:
             admitted = admit_blocks(self, req, budget)  # (with prefix caching: its cached prefix first)
             if admitted is None:
                 break  # FCFS: do not let later, smaller requests jump the queue
+            num_new, block_ids = admitted
+            if num_new == 0:  # the encoder cannot serve its first image yet: undo, and keep FCFS
+                self.block_allocator.free(block_ids)
+                req.num_computed_tokens = 0
+                break
             self.waiting.popleft()
-            num_new, req.block_ids = admitted
+            req.block_ids = block_ids
+            if self.encoder is not None:
+                self.encoder.commit(req, req.num_computed_tokens, num_new)
             if not req.num_preemptions:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
@@ -433,6 +454,9 @@ class Scheduler:
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
                     lora_request=req.lora_request,
+                    pooling_params=req.extras.pooling_params,
+                    prompt_embeds=req.extras.prompt_embeds,
+                    mm_features=list(req.extras.mm_features),
                 )
             )
             num_scheduled[req.req_id] = num_new
@@ -491,7 +515,10 @@ class Scheduler:
         tokens, or a decode's last sampled token and its k draft slots (known or not)."""
         wanted = 1 + self.num_speculative_tokens if req.is_decoding else req.num_uncomputed_tokens
         room = self.max_model_len - req.num_computed_tokens
-        return max(0, min(wanted, budget, room))
+        num_new = max(0, min(wanted, budget, room))
+        if self.encoder is not None and num_new and req.extras.mm_features:  # stop before an image not encodable now
+            num_new = self.encoder.trim(req, req.num_computed_tokens, num_new)
+        return num_new
 
     def _try_grow(self, req: Request, num_new: int, preempted: set[str]) -> list[int] | None:
         """Blocks for `num_new` more tokens, preempting from the tail of `running` as needed:
@@ -525,6 +552,8 @@ class Scheduler:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_allocator.free(req.block_ids)
         self.cached_blocks.pop(req.req_id, None)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -647,6 +676,8 @@ class Scheduler:
         if req.req_id in self._deferred:
             self._release_deferred(req.req_id)
         req.status = status
+        if self.encoder is not None:
+            self.encoder.release(req)
         if req.block_ids:
             self.block_allocator.free(req.block_ids)
             self.cached_blocks.pop(req.req_id, None)

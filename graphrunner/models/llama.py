@@ -291,6 +291,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden_in: torch.Tensor | None = None,  # [T, hidden]: from the previous stage (non-first stages)
         residual_in: torch.Tensor | None = None,  # [T, hidden]
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: the first stage reads these, not input_ids
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Last stage: [T, hidden] after the final norm. Other stages: (hidden, residual). With feature
         layers set, each output is a tuple followed by their inputs ([T, hidden] each, `local_aux_layers`)."""
@@ -305,7 +306,9 @@ class LlamaModel(nn.Module):
         else:
             caches = kv_caches
         residual: torch.Tensor | None
-        if self.is_first_stage:
+        if self.is_first_stage and inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.is_first_stage:
             assert self.embed_tokens is not None, "the first stage holds the embedding"
             hidden, residual = self.embed_tokens(input_ids), None
         else:
@@ -394,10 +397,18 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
         residual_in: torch.Tensor | None = None,  # non-first PP stages: [T, hidden]
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: read instead of input_ids' embeddings
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, hidden], or (hidden, residual) off the last stage
+        if inputs_embeds is not None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
         if hidden_in is None:
             return self.model(input_ids, positions, kv_caches, attn_metadata)
         return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_in, residual_in)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The token embeddings of `input_ids` (vLLM's name; first stage only)."""
+        assert self.model.embed_tokens is not None, "the first stage holds the embedding"
+        return self.model.embed_tokens(input_ids)
 
     @property
     def num_local_layers(self) -> int:

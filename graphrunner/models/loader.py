@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ import torch
 
 from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, MoEConfig, resolve_dtype
 from graphrunner.layers.rotary import normalize_rope_scaling
-from graphrunner.models.registry import check_architecture, get_builtin, is_builtin
+from graphrunner.models.registry import check_architecture, decoder_architecture, get_builtin, is_builtin
 
 if TYPE_CHECKING:
     from graphrunner.models.llama import LlamaForCausalLM
@@ -120,8 +120,14 @@ def load_model_config(model: str) -> ModelConfig:
 
 def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> ModelConfig:
     """Parse a HF config.json dict, accepting both pre- and post-transformers-5 keys."""
-    arch = _architecture(raw)
-    check_architecture(arch)
+    architecture = _architecture(raw)
+    check_architecture(architecture)
+    if architecture == "LlavaForConditionalGeneration":
+        from graphrunner.models.llava import llava_model_config
+
+        return llava_model_config(raw, name=name, text_config=model_config_from_dict)
+    # A pooling checkpoint (`Qwen3Model`, `Qwen3ForSequenceClassification`) has its decoder's fields.
+    arch = decoder_architecture(architecture)
     defaults = _ARCH_DEFAULTS[arch]
 
     act = raw.get("hidden_act", "silu")
@@ -154,7 +160,7 @@ def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> Model
         attention_bias=_attention_bias(raw, arch),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         eos_token_id=_eos(raw.get("eos_token_id")),
-        architecture=arch,
+        architecture=architecture,
         name=name,
         moe=_moe(raw, arch),
     )
@@ -484,6 +490,10 @@ _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 def _checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     """The tensor names the unsharded model reads (a TP/PP rank loads a part of them)."""
     from graphrunner.attention.torch_ref import TorchReferenceBackend
+
+    names = getattr(model, "checkpoint_names", None)
+    if callable(names):  # models other than the plain causal LM name their own
+        return set(names())
     from graphrunner.models.llama import LlamaForCausalLM
 
     full = LlamaForCausalLM(model.config, TorchReferenceBackend(), dtype=torch.float32, device="meta")
@@ -600,6 +610,21 @@ def full_parameter(model_config: ModelConfig, load_config: LoadConfig, name: str
     raise CheckpointError(f"checkpoint folder {load_config.model!r} has no tensor {name!r}")
 
 
+def generative_model_class(architecture: str) -> Callable[..., LlamaForCausalLM]:
+    """The model class a generative runner builds for `architecture` (ValueError naming a
+    pooling-only one: it has no LM head)."""
+    from graphrunner.models.registry import check_runner_kind
+
+    check_runner_kind(architecture, "generate")
+    if architecture == "LlavaForConditionalGeneration":
+        from graphrunner.models.llava import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration
+    from graphrunner.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
 def load_model(
     model_config: ModelConfig,
     load_config: LoadConfig,
@@ -611,6 +636,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     kernel: KernelConfig | None = None,
+    model_cls: Callable[..., LlamaForCausalLM] | None = None,
 ) -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
@@ -618,17 +644,19 @@ def load_model(
     `"auto"`: safetensors from the folder `load_config.model` (cast and moved as loaded).
     `tp` (a `TPComm`), `pp_rank`/`pp_size`: build and fill only this rank's shard; dummy
     weights are then the shards of the single-process model's dummy weights. `kernel` (default
-    `KernelConfig()`) picks the layers' kernels.
+    `KernelConfig()`) picks the layers' kernels. `model_cls`: a constructor with
+    `LlamaForCausalLM`'s arguments (a pooling runner's); None: the generative model of the
+    architecture (ValueError for a pooling-only one).
     """
-    from graphrunner.models.llama import LlamaForCausalLM
-
     if load_config.load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_config.load_format!r}; allowed: {list(LOAD_FORMATS)}")
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     start = time.perf_counter()
-    model = LlamaForCausalLM(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
-                             pp_size=pp_size, kernel=kernel)
+    if model_cls is None:
+        model_cls = generative_model_class(model_config.architecture)
+    model = model_cls(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
+                      pp_size=pp_size, kernel=kernel)
     sharded = model.tp.ep_size > 1 or pp_size > 1  # ep_size: TP, times DP under DP + EP
     if load_config.load_format == "dummy" or is_builtin(load_config.model):
         if sharded:

@@ -18,9 +18,19 @@ BUILTIN_PREFIX = "builtin:"
 # only in flags the config carries (qkv bias, q/k norm, tied embeddings, experts), so one
 # model class serves them all.
 MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+CAUSAL_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} | MOE_ARCHITECTURES
 )
+# Pooling-only checkpoints of the same decoders: the bare model (`Qwen3Model`: embedders such as
+# Qwen3-Embedding saved without a head) and the sequence classifiers (a `score` head on the last token).
+_DENSE_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+POOLING_ARCHITECTURES: frozenset[str] = frozenset(
+    {f"{f}Model" for f in _DENSE_FAMILIES} | {f"{f}ForSequenceClassification" for f in _DENSE_FAMILIES}
+)
+# Vision-language models: a vision tower and projector in front of a Llama-family decoder.
+MULTIMODAL_ARCHITECTURES: frozenset[str] = frozenset({"LlavaForConditionalGeneration"})
+SUPPORTED_ARCHITECTURES: frozenset[str] = CAUSAL_ARCHITECTURES | POOLING_ARCHITECTURES | MULTIMODAL_ARCHITECTURES
+RUNNER_KINDS = ("generate", "pooling")
 
 _LLAMA3_EOS = (128001, 128008, 128009)
 
@@ -72,6 +82,23 @@ BUILTIN_MODELS: Mapping[str, ModelConfig] = MappingProxyType(
             tie_word_embeddings=True,
             attention_bias=True,
             eos_token_id=(151643, 151645),
+        ),
+        "builtin:qwen3-0.6b": ModelConfig(  # the decoder of Qwen3-0.6B and Qwen3-Embedding-0.6B
+            name="builtin:qwen3-0.6b",
+            architecture="Qwen3ForCausalLM",
+            vocab_size=151669,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            eos_token_id=(151645, 151643),
         ),
         "builtin:llama-3.2-1b": ModelConfig(
             name="builtin:llama-3.2-1b",
@@ -203,3 +230,26 @@ def check_architecture(architecture: str) -> None:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def decoder_architecture(architecture: str) -> str:
+    """The causal-LM architecture whose decoder a pooling architecture shares (`Qwen3Model` and
+    `Qwen3ForSequenceClassification` -> `Qwen3ForCausalLM`); any other architecture itself."""
+    for suffix in ("ForSequenceClassification", "Model"):
+        if architecture in POOLING_ARCHITECTURES and architecture.endswith(suffix):
+            return architecture[: -len(suffix)] + "ForCausalLM"
+    return architecture
+
+
+def check_runner_kind(architecture: str, runner: str) -> None:
+    """ValueError unless a runner of kind `runner` ("generate" or "pooling") can serve `architecture`:
+    pooling-only checkpoints have no LM head to generate with; vision-language models do not pool."""
+    if runner not in RUNNER_KINDS:
+        raise ValueError(f"runner={runner!r}; allowed: {list(RUNNER_KINDS)}")
+    check_architecture(architecture)
+    if runner == "generate" and architecture in POOLING_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is a pooling model (no LM head to generate with): "
+                         "load it with runner='pooling' and call embed() / classify() / score()")
+    if runner == "pooling" and architecture in MULTIMODAL_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is a vision-language model; runner='pooling' serves "
+                         f"{sorted(CAUSAL_ARCHITECTURES | POOLING_ARCHITECTURES)}")

@@ -102,6 +102,8 @@ class StepBody:
             compute_logits_indices(batch.query_start_loc, batch.logits_indices)
         if batch.pcp is not None:  # a PCP split step: this rank's rows of the global batch
             self.pcp.localize(batch)
+        if self.buffers.embeds is not None:  # staged prompt / multimodal rows, token embeddings elsewhere
+            self.buffers.embeds.merge(self.model, batch.input_ids)
         self.refresh_counts(batch)
 
     def refresh_counts(self, batch: InputBatch) -> None:
@@ -196,11 +198,15 @@ class StepBody:
         stage = self.buffers.stage
         if stage.hidden_in is not None and stage.residual_in is not None:
             args += (stage.hidden_in[:Tp], stage.residual_in[:Tp])
+        elif self.buffers.embeds is not None:  # the merged embeddings instead of the token table's
+            args += (None, None, self.buffers.embeds.inputs_embeds[:Tp])
         return args
 
     @property
     def token_args(self) -> tuple[int, ...]:
         """Forward argument positions with a token dim 0 (for the piecewise compiler)."""
+        if self.buffers.embeds is not None:
+            return (0, 1, 6)
         return (0, 1) if self.buffers.stage.hidden_in is None else (0, 1, 4, 5)
 
     # ---- dummy batches: capture, profiling, idle DP replicas ------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,8 @@ class StepBuffers:
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     draft_kv_caches: list[torch.Tensor] = field(default_factory=list)  # the draft model's, same blocks
     lora: LoraBuffers | None = None  # the per-step LoRA slot metadata (LoRA on)
+    pool: Any = None  # a pooling runner's pooled rows (pool.runner.PoolBuffers)
+    embeds: Any = None  # prompt / multimodal embeddings the first stage reads (multimodal.embeds.EmbedBuffers)
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of every holder, by `holder.attribute` name (debug address checks).

@@ -102,7 +102,7 @@ class StepGraphs:
                  lora: LoRAConfig | None = None) -> None:
         self.body = body
         # Variants captured by capture(); the rest on first use (module docstring).
-        self.eager_variants = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
+        self.eager_variants: tuple[SamplingFeatures, ...] = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
         self.device = device
         self.num_live = num_live
         self.name = name

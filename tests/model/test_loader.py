@@ -26,7 +26,7 @@ from graphrunner.models import (
     load_model_config,
 )
 from graphrunner.models.loader import model_config_from_dict
-from graphrunner.models.registry import MOE_ARCHITECTURES
+from graphrunner.models.registry import CAUSAL_ARCHITECTURES, MOE_ARCHITECTURES
 from tests.hf_fixtures import ARCHS, make_hf_checkpoint, write_legacy_config
 
 
@@ -95,7 +95,7 @@ def test_fixture_configs_parse_as_expected(checkpoints):
 
 _base_fields = st.fixed_dictionaries(
     {
-        "arch": st.sampled_from(sorted(SUPPORTED_ARCHITECTURES)),
+        "arch": st.sampled_from(sorted(CAUSAL_ARCHITECTURES)),
         "kv_heads": st.sampled_from([1, 2, 4]),
         "group": st.sampled_from([1, 2, 3]),
         "head_dim": st.sampled_from([None, 16, 32]),

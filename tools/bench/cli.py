@@ -133,6 +133,8 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
         sub, "throughput", "offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal"
     )
     _common(p)
+    p.add_argument("--runner", default="generate", choices=("generate", "pooling"),
+                   help="pooling: LLM.embed prompts/s beside the generative prefill rate (prompts only)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean, with --dist uniform)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens (mean, with --dist uniform)")
@@ -424,6 +426,8 @@ def _run_capture(args: argparse.Namespace) -> int:
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
+    if args.runner == "pooling":
+        return _run_pooling_throughput(args)
     from graphrunner_tools.bench.report import throughput_markdown, throughput_text
     from graphrunner_tools.bench.throughput import ThroughputSpec, run_throughput
 
@@ -465,6 +469,24 @@ def _run_throughput(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def _run_pooling_throughput(args: argparse.Namespace) -> int:
+    from graphrunner_tools.bench.pooling_throughput import PoolingThroughputSpec, run_pooling_throughput
+
+    try:
+        limits = limit_kwargs(args)
+        spec = PoolingThroughputSpec(
+            model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, mode=args.mode,
+            dtype=args.dtype, device=args.device, max_num_seqs=limits["max_num_seqs"],
+            max_num_batched_tokens=limits["max_num_batched_tokens"], num_kv_blocks=limits.get("num_kv_blocks"),
+            compile_backend=getattr(args, "compile_backend", None))
+        result = run_pooling_throughput(spec)
+    except ValueError as e:
+        raise _fail("throughput", e) from None
+    text = result.text()
+    _emit(args, result.to_dict(), text, f"```\n{text}\n```\n")
     return 0
 
 
