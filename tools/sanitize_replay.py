@@ -40,7 +40,7 @@ def main(device: str = "cuda") -> int:
             replayed.add(key_of[id(graph)])
             original()
 
-        graph.replay = spy  # type: ignore[method-assign]
+        graph.replay = spy
     for name, params in VARIANTS.items():
         outs = llm.generate(prompts, params)
         print(name, [o.token_ids for o in outs])

@@ -125,7 +125,7 @@ def timed_generate(llm: LLM, label: str, prompts, params,
         executed[0] += so.total_num_scheduled_tokens
         return execute(so)
 
-    llm.runner.execute_model = counting  # type: ignore[method-assign]
+    llm.runner.execute_model = counting
     seconds, restore = _phase_timers(llm) if phases else ({}, [])
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
