@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -357,6 +358,9 @@ class SchedulerOutput:
     # scheduling never knows the ids). A decoding request scheduled q > 1 tokens without an
     # entry here has q - 1 placeholders. Real ids (>= 0) replace the runner's own drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector (vLLM's field): what the runner loads before the step and saves after it, built by the
+    # scheduler's side of the connector (graphrunner.kv_transfer); None when no connector is on.
+    kv_connector_metadata: Any = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -37,6 +37,7 @@ import torch
 
 from graphrunner.config import (
     DRAFTER_METHODS,
+    KVTransferConfig,
     LoRAConfig,
     ParallelConfig,
     SpeculativeConfig,
@@ -125,6 +126,11 @@ class LLM:
             requests may name a PEFT adapter (`generate(..., lora_request=LoRARequest(...))`); at most
             `max_loras` distinct adapters run at once (more queue), each of rank <= `max_lora_rank`,
             and `max_cpu_loras` (default max_loras) stay read in host memory. See docs/lora.md.
+        kv_transfer_config: a KV connector (vLLM's shape), e.g. {"kv_connector": "SharedStorageConnector",
+            "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config":
+            {"shared_storage_path": DIR}} or {"kv_connector": "CpuOffloadConnector", "kv_connector_extra_config":
+            {"cpu_bytes": N}} (`KVTransferConfig`; None: off). Loaded prompt tokens count in
+            `RequestOutput.num_cached_tokens`. See docs/kv_transfer.md.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -174,6 +180,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        kv_transfer_config: KVTransferConfig | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
@@ -197,6 +204,7 @@ class LLM:
             extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        kv_transfer = KVTransferConfig.coerce(kv_transfer_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
         max_num_seqs, max_num_batched_tokens = default_limits(self.device, max_num_seqs, max_num_batched_tokens)
@@ -205,7 +213,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora)
+            lora=lora, kv_transfer=kv_transfer)
         self._init_runner()
         # Pipelined PP (no speculation), through the async loop: P + 1 batches in flight, a request's token
         # applied on the device P steps later (engine/pipeline_rule.py); or P disjoint ones, resolved first.
@@ -269,7 +277,17 @@ class LLM:
             # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
             num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
             max_loras=self.config.lora.max_loras if self.config.lora is not None else 0,
+            kv_connector=self._make_kv_connector(),
         )
+
+    def _make_kv_connector(self) -> Any:
+        """The scheduler's side of the configured KV connector (None: off)."""
+        if self.config.kv_transfer is None:
+            return None
+        from graphrunner.kv_transfer import make_scheduler_connector, model_identity
+
+        return make_scheduler_connector(self.config.kv_transfer, self.runner.kv_cache_shape,
+                                        model_identity(self.config))
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Every check a request passes before it is queued; raises ValueError and changes nothing.

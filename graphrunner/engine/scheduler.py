@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
@@ -66,6 +67,9 @@ from graphrunner.protocol import (
     SchedulerOutput,
     check_token_ids,
 )
+
+if TYPE_CHECKING:
+    from graphrunner.kv_transfer.base import KVConnectorScheduler
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -133,6 +137,9 @@ class Scheduler:
         max_loras: with LoRA on, the most distinct adapters among the running requests (so in any
             step): a waiting request whose adapter would exceed it stays queued while later ones
             with running adapters (or none) are admitted, as vLLM's scheduler does. 0: LoRA off.
+        kv_connector: the scheduler's side of a KV connector (graphrunner.kv_transfer): a waiting
+            request's blocks past its local prefix-cache hit may come from it (they count as computed
+            and cached; the runner loads them before the step), and each plan carries its metadata.
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
@@ -199,6 +207,9 @@ class Scheduler:
         self._deferred: dict[str, list[Request]] = {}
         self.max_loras = max_loras
         self.running_loras: dict[int, int] = {}  # adapter id -> running requests with it
+        self.kv_connector = kv_connector
+        if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
+            self.block_allocator.on_evict = kv_connector.block_evicted
 
     # ---------------------------------------------------------------- requests
     @property
@@ -369,6 +380,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+        if self.kv_connector is not None:  # before async counts the plan as computed: chunks start here
+            so.kv_connector_metadata = self.kv_connector.build_connector_meta(so, self.requests)
         if self.async_scheduling and num_scheduled:
             self._advance_in_flight(so)
         return so
@@ -525,6 +538,8 @@ class Scheduler:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.block_allocator.free(req.block_ids)
         self.cached_blocks.pop(req.req_id, None)
+        if self.kv_connector is not None:
+            self.kv_connector.request_preempted(req)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -646,6 +661,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.req_id in self._deferred:
             self._release_deferred(req.req_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(req)
         req.status = status
         if req.block_ids:
             self.block_allocator.free(req.block_ids)
