@@ -277,16 +277,20 @@ class LLM:
             # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
             num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
             max_loras=self.config.lora.max_loras if self.config.lora is not None else 0,
-            kv_connector=self._make_kv_connector(),
+            kv_connector=self._make_kv_connector(prefix_caching),
         )
 
-    def _make_kv_connector(self) -> Any:
+    def _make_kv_connector(self, prefix_caching: bool) -> Any:
         """The scheduler's side of the configured KV connector (None: off)."""
-        if self.config.kv_transfer is None:
+        kv_transfer = self.config.kv_transfer
+        if kv_transfer is None:
             return None
+        if kv_transfer.kv_connector == "CpuOffloadConnector" and not prefix_caching:
+            raise ValueError("kv_connector='CpuOffloadConnector' offloads blocks the prefix cache evicts: it needs "
+                             "enable_prefix_caching=True")
         from graphrunner.kv_transfer import make_scheduler_connector, model_identity
 
-        return make_scheduler_connector(self.config.kv_transfer, self.runner.kv_cache_shape,
+        return make_scheduler_connector(kv_transfer, self.runner.kv_cache_shape,
                                         model_identity(self.config))
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:

@@ -6,14 +6,8 @@ runner calls it. Connectors: `SharedStorageConnector` (shared_storage.py), `CpuO
 (cpu_offload.py). See docs/kv_transfer.md.
 """
 
-from graphrunner.kv_transfer.base import (
-    KVConnectorScheduler,
-    KVConnectorWorker,
-    make_scheduler_connector,
-    make_worker_connector,
-    model_identity,
-    prefix_hashes,
-)
+from graphrunner.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, model_identity, prefix_hashes
+from graphrunner.kv_transfer.factory import make_scheduler_connector, make_worker_connector
 
 __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "make_scheduler_connector", "make_worker_connector",
            "model_identity", "prefix_hashes"]

@@ -166,28 +166,5 @@ class KVConnectorWorker:
         raise NotImplementedError
 
 
-def make_scheduler_connector(config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> KVConnectorScheduler:
-    """The scheduler's side of `config.kv_connector`."""
-    if config.kv_connector == "SharedStorageConnector":
-        from graphrunner.kv_transfer.shared_storage import SharedStorageScheduler
-
-        return SharedStorageScheduler(config, shape, model_id)
-    from graphrunner.kv_transfer.cpu_offload import CpuOffloadScheduler
-
-    return CpuOffloadScheduler(config, shape, model_id)
-
-
-def make_worker_connector(config: KVTransferConfig, shape: KVCacheShape, model_id: str,
-                          device: torch.device) -> KVConnectorWorker:
-    """The runner's side of `config.kv_connector`."""
-    if config.kv_connector == "SharedStorageConnector":
-        from graphrunner.kv_transfer.shared_storage import SharedStorageWorker
-
-        return SharedStorageWorker(config, shape, model_id, device)
-    from graphrunner.kv_transfer.cpu_offload import CpuOffloadWorker
-
-    return CpuOffloadWorker(config, shape, model_id, device)
-
-
-__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "gather_blocks", "make_scheduler_connector",
-           "make_worker_connector", "model_identity", "prefix_hashes", "scatter_blocks"]
+__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "gather_blocks", "model_identity", "prefix_hashes",
+           "scatter_blocks"]

@@ -75,6 +75,9 @@ def test_config_names_bad_values():
         KVTransferConfig.coerce({"kv_connector": "SharedStorageConnector", "role": "x"})
     with pytest.raises(ValueError, match="shared_storage_path"):
         _generate(kv_transfer_config={"kv_connector": "SharedStorageConnector"})
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        _generate(enable_prefix_caching=False, kv_transfer_config={
+            "kv_connector": "CpuOffloadConnector", "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
     with pytest.raises(ValueError, match="cpu_bytes"):
         _generate(kv_transfer_config={"kv_connector": "CpuOffloadConnector",
                                       "kv_connector_extra_config": {"cpu_bytes": 10}})
@@ -141,7 +144,7 @@ def test_producer_and_consumer_in_two_processes(tmp_path, reference):
 
 
 def _rewrite(path: Path, how: str) -> None:
-    from graphrunner.kv_transfer.shared_storage import MAGIC, _LEN
+    from graphrunner.kv_transfer.shared_storage import _LEN, MAGIC
 
     raw = path.read_bytes()
     (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
@@ -197,7 +200,7 @@ def test_truncated_or_foreign_geometry_is_refused(how):
     assert torch.equal(decode_block(raw, shape, "m", "h", [1, 2, 3, 4]), data)
     with pytest.raises(ValueError, match="another model|does not match"):
         decode_block(raw, shape, "other-model", "h", [1, 2, 3, 4])
-    from graphrunner.kv_transfer.shared_storage import MAGIC, _LEN
+    from graphrunner.kv_transfer.shared_storage import _LEN, MAGIC
 
     (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
     start = len(MAGIC) + _LEN.size
