@@ -144,7 +144,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.root = storage_path(config)
         self._matched: dict[str, torch.Tensor] = {}  # request id -> verified blocks, until admitted
         self._loads: list[_Load] = []
-        self._saved: dict[str, int] = {}  # request id -> prompt blocks planned for saving so far
+        self._saved: dict[str, int] = {}  # prefilling request id -> prompt blocks planned for saving so far
         self.num_rejected_blocks = 0  # store entries found but refused (logged)
 
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int:
@@ -191,16 +191,23 @@ class SharedStorageScheduler(KVConnectorScheduler):
         meta = SharedStorageMetadata(loads=self._loads)
         self._loads = []
         if self.config.is_producer:
-            bs = self.block_size
-            for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            # Only requests whose prompt is not saved yet are looked at: a decode step costs nothing here.
+            for new in scheduler_output.scheduled_new_reqs:
+                self._saved.setdefault(new.req_id, 0)
+            bs, scheduled = self.block_size, scheduler_output.num_scheduled_tokens
+            for req_id in [r for r in self._saved if r in scheduled]:
                 req = requests[req_id]
-                full = min(req.num_computed_tokens + num_new, req.num_prompt_tokens) // bs
-                done = self._saved.get(req_id, 0)
+                last = req.num_prompt_tokens // bs
+                full = min(req.num_computed_tokens + scheduled[req_id], req.num_prompt_tokens) // bs
+                done = self._saved[req_id]
                 if full > done:
                     hashes = self.hashes(req, full)
                     tokens = req.all_token_ids
                     meta.saves.append(_Save(req_id, list(req.block_ids[done:full]), hashes[done:full],
                                             [list(tokens[i * bs:(i + 1) * bs]) for i in range(done, full)]))
+                if full >= last:
+                    del self._saved[req_id]
+                else:
                     self._saved[req_id] = full
         return meta if meta.loads or meta.saves else None
 
@@ -210,8 +217,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._saved.pop(req.req_id, None)
 
     def request_preempted(self, req: Any) -> None:
-        """Its KV is dropped; what it had saved stays in the store."""
+        """Its KV is dropped; what it had saved stays in the store (re-admitted, it is looked at anew)."""
         self._matched.pop(req.req_id, None)
+        self._saved.pop(req.req_id, None)
 
 
 class SharedStorageWorker(KVConnectorWorker):

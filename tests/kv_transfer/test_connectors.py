@@ -83,8 +83,9 @@ def test_config_names_bad_values():
                                       "kv_connector_extra_config": {"cpu_bytes": 10}})
 
 
-def test_consumer_loads_the_producers_blocks(store, reference):
-    llm, outs = _generate(kv_transfer_config=_storage(store, "kv_consumer"))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_consumer_loads_the_producers_blocks(store, reference, async_scheduling):
+    llm, outs = _generate(kv_transfer_config=_storage(store, "kv_consumer"), async_scheduling=async_scheduling)
     _assert_same(_result(outs), reference)
     assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
     connector = llm.scheduler.kv_connector
