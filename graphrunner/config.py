@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -646,6 +648,57 @@ class LoRAConfig:
 MAX_LORA_RANK = 256  # vLLM's largest; a slot's rank tile is the rank rounded up to a power of two
 
 
+KV_CONNECTORS = ("SharedStorageConnector", "CpuOffloadConnector")  # graphrunner/kv_transfer/
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (vLLM's `kv_transfer_config`): KV computed by one instance saved and loaded by
+    another, or offloaded to host memory and brought back instead of being recomputed.
+
+    kv_connector: one of `KV_CONNECTORS`. kv_role: "kv_producer" saves, "kv_consumer" loads,
+    "kv_both" does both. kv_connector_extra_config: the connector's own options (SharedStorageConnector:
+    `shared_storage_path`; CpuOffloadConnector: `cpu_bytes`), see docs/kv_transfer.md."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector={self.kv_connector!r} is not one of {list(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role={self.kv_role!r} is not one of {list(KV_ROLES)}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"kv_connector_extra_config={extra!r} must be a dict")
+        object.__setattr__(self, "kv_connector_extra_config", MappingProxyType(dict(extra)))
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def coerce(cls, value: KVTransferConfig | Mapping[str, Any] | None) -> KVTransferConfig | None:
+        """`LLM(kv_transfer_config=...)`: a KVTransferConfig, a dict of its fields, or None (off)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"kv_transfer_config={value!r} must be a dict, a KVTransferConfig or None")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; allowed: {sorted(names)}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs 'kv_connector', one of " + str(list(KV_CONNECTORS)))
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """Where weights come from: a Hugging Face folder, or `dummy` random weights from `seed`."""
@@ -668,6 +721,7 @@ class RunnerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     lora: LoRAConfig | None = None  # multi-LoRA serving; None: off (no LoRA buffers, graphs or work)
+    kv_transfer: KVTransferConfig | None = None  # a KV connector; None: off (no calls around the step)
     dtype: str = "auto"
     seed: int = 0
 

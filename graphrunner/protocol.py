@@ -372,6 +372,9 @@ class SchedulerOutput:
     # to encode this step; and the content hashes whose encoder outputs the runner may drop.
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # KV connector (vLLM's field): what the runner loads before the step and saves after it, built by the
+    # scheduler's side of the connector (graphrunner.kv_transfer); None when no connector is on.
+    kv_connector_metadata: Any = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -11,8 +11,8 @@
 `execute_model` and `sample_tokens` are the step, top to bottom: validate, update request
 states, plan the batch, run it, advance the host mirrors, hand the output back. Each stage
 is one call into the module that owns it (state/, step/); pipeline and lockstep data
-parallelism (`self.pp`, `self.dp`) and speculative decoding (inside the step body) are
-objects the step calls at fixed points, absent when unused.
+parallelism (`self.pp`, `self.dp`), the KV connector (`self.kv_connector`) and speculative
+decoding (inside the step body) are objects the step calls at fixed points, absent when unused.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from graphrunner.distributed.lockstep import LockstepDP
 from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.pipeline_stage import PipelineStage
 from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
+from graphrunner.kv_transfer.base import KVConnectorWorker
 from graphrunner.layers.lora.manager import LoraManager
 from graphrunner.layers.lora.weights import LoraBuffers
 from graphrunner.limits import StepLimits
@@ -169,6 +170,11 @@ class ModelRunner:
         self._deferred: DeferredStep | None = None
         self._last_descriptor: BatchExecutionDescriptor | None = None
         self.embeds: EmbedInputs | None = None  # prompt embeddings / multimodal inputs (load_model)
+        # KV connector (kv_transfer/): loads before the step's run, saves after it; None when off.
+        self.kv_connector: KVConnectorWorker | None = None
+        if config.kv_transfer is not None and config.parallel.world_size != 1:
+            raise ValueError(f"kv_transfer_config with a parallel world of size {config.parallel.world_size} is not "
+                             "supported (a KV connector serves one process)")
 
     # ---- set-up -----------------------------------------------------------------
     def load_model(self) -> None:
@@ -274,6 +280,12 @@ class ModelRunner:
         self.buffers.block_tables = self.state.init_block_tables(L.max_num_blocks_per_req, L.block_size, num_blocks)
         if self.body.spec is not None:  # a draft model's KV lives in the same blocks
             self.buffers.draft_kv_caches = self.body.spec.attach_kv_cache(self.buffers.block_tables, num_blocks)
+        if self.config.kv_transfer is not None:
+            from graphrunner.kv_transfer import make_worker_connector, model_identity
+
+            self.kv_connector = make_worker_connector(self.config.kv_transfer, shape, model_identity(self.config),
+                                                      self.device)
+            self.kv_connector.register_kv_caches(self.buffers.kv_caches)
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, L.block_size,
                     num_blocks * shape.block_bytes / _GIB)
         # A capture on first use runs on one rank alone: only where no peer joins its collectives
@@ -378,10 +390,17 @@ class ModelRunner:
                 self.embeds.update(so)
 
             # 3. Nothing scheduled: an idle lockstep-DP replica still joins its peers' collectives.
+            kv_connector = self.kv_connector
             if so.total_num_scheduled_tokens == 0:
+                if kv_connector is not None:
+                    kv_connector.no_forward(so)
                 if self.dp is not None and self.dp.idle_step() and self.eplb is not None:
                     self.eplb.step()
                 return
+
+            # KV connector loads land in the paged cache before any graph of the step replays.
+            if kv_connector is not None:
+                kv_connector.pre_forward(so)
 
             # 4. Plan the batch: order decode-first, dispatch (agreed under lockstep DP), upload.
             batch, desc = planner.prepare(so, plan, prompt_lp.needs_eager)
@@ -424,6 +443,8 @@ class ModelRunner:
                     current.full_graph = graph
         except RuntimeError as e:  # under TP/PP/DP: a CollectiveError naming this rank
             self.groups.raise_step_failure(e)
+        if self.kv_connector is not None:  # the KV the step computed, saved outside the graphs
+            self.kv_connector.post_forward()
         if self.eplb is not None:  # outside the graphs: the step's expert load; every interval a rebalance
             with self.groups.exchange("EPLB rebalance (expert weights between the EP ranks)"):
                 self.eplb.step()

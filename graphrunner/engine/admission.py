@@ -53,6 +53,11 @@ def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list
     if isinstance(alloc, PrefixCachingAllocator) and req.sampling_params.prompt_logprobs is None:
         hit = alloc.lookup(req.block_key_tokens, (req.num_tokens - 1) // bs, req.cache_salt)
     req.num_computed_tokens = len(hit) * bs
+    # A KV connector may hold the blocks after the local hit (loaded before the step, not computed).
+    connector, external = sched.kv_connector, 0
+    if connector is not None and req.sampling_params.prompt_logprobs is None:
+        external = connector.get_num_new_matched_tokens(req, req.num_computed_tokens)
+        req.num_computed_tokens += external
     req.num_prefill_tokens = req.num_tokens  # (re)admitted: every known token is prefill, hit or not
     num_new = sched.num_new_tokens(req, budget)
     needed = _cdiv(req.num_computed_tokens + num_new, bs) - len(hit)
@@ -63,7 +68,10 @@ def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list
     if hit:
         assert isinstance(alloc, PrefixCachingAllocator)
         alloc.touch(hit)
-    return num_new, hit + alloc.allocate(needed)
+    block_ids = hit + alloc.allocate(needed)
+    if external:
+        connector.update_state_after_alloc(req, block_ids, external)
+    return num_new, block_ids
 
 
 def cache_filled_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
@@ -82,6 +90,8 @@ def cache_filled_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
         if full > sched.cached_blocks.get(req_id, 0):
             alloc.register(req.block_key_tokens, req.block_ids, full, req.cache_salt)
             sched.cached_blocks[req_id] = full
+            if sched.kv_connector is not None:
+                sched.kv_connector.blocks_cached(req, full)
 
 
 __all__ = ["admit_blocks", "cache_filled_blocks", "validate_prompt"]

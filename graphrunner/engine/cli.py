@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
                    help="data-parallel replicas")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of identical prompt prefixes (vLLM's default: on)")
+    p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
+                   help='a KV connector as JSON (vLLM\'s option), e.g. \'{"kv_connector": "SharedStorageConnector", '
+                        '"kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
     p.add_argument("--data-parallel-lockstep", action="store_true",
                    help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
                         "default: each replica runs on its own")
@@ -109,6 +112,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
                    help="decode context-parallel ranks (inside TP): the KV cache sharded over them")
     p.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds before a collective with a dead or stalled rank raises")
+
+
+def _kv_transfer_config(text: str) -> dict[str, Any]:
+    """`--kv-transfer-config`: a JSON object (checked by `KVTransferConfig` when the LLM is built)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--kv-transfer-config {text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--kv-transfer-config {text!r} must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -134,6 +148,7 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
         enable_expert_parallel=args.enable_expert_parallel,
         **dbo_cli_kwargs(args),
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_transfer_config=args.kv_transfer_config,
         collective_timeout_s=args.collective_timeout,
         tokenizer=args.tokenizer,
         **speculative_kwargs(args, f"graphrunner {command}"),
@@ -271,6 +286,8 @@ def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outpu
         "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": num_generated,
         "preemptions": llm.scheduler.num_preemptions,
         "prefix_cache_hit_rate": getattr(llm.scheduler.block_allocator, "hit_rate", None),
+        "kv_external_hit_rate": (llm.scheduler.kv_connector.external_hit_rate
+                                 if llm.scheduler.kv_connector is not None else None),
         "scheduling": "async" if llm.async_scheduling else "sync", "elapsed_seconds": round(elapsed, 4),
         "output_tokens_per_s": num_generated / elapsed if elapsed > 0 else None,
         "outputs": [{"request_id": o.request_id, "completions": [
@@ -350,6 +367,10 @@ def _print_summary(
     hit_rate = getattr(llm.scheduler.block_allocator, "hit_rate", None)
     if hit_rate is not None:
         print(f"prefix cache:     {hit_rate:.1%} of prompt tokens hit")
+    connector, kv_transfer = llm.scheduler.kv_connector, llm.config.kv_transfer
+    if connector is not None and kv_transfer is not None:
+        print(f"kv connector:     {kv_transfer.kv_connector}, {connector.external_hit_rate:.1%} of prompt "
+              "tokens loaded (external hits)")
     print(f"scheduling:       {'async' if llm.async_scheduling else 'sync'}")
     spec = llm.config.speculative
     if spec.num_speculative_tokens:

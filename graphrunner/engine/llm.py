@@ -37,6 +37,7 @@ import torch
 
 from graphrunner.config import (
     DRAFTER_METHODS,
+    KVTransferConfig,
     LoRAConfig,
     ParallelConfig,
     SpeculativeConfig,
@@ -131,6 +132,11 @@ class LLM(PoolingAPI):
         pooler_config: a pooling runner's `PoolerConfig`; None reads the checkpoint's (modules.json).
         enable_prompt_embeds: accept `{"prompt_embeds": tensor}` prompts (vLLM's name): [len, hidden]
             embeddings the first layer reads instead of token embeddings (docs/multimodal.md).
+        kv_transfer_config: a KV connector (vLLM's shape), e.g. {"kv_connector": "SharedStorageConnector",
+            "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config":
+            {"shared_storage_path": DIR}} or {"kv_connector": "CpuOffloadConnector", "kv_connector_extra_config":
+            {"cpu_bytes": N}} (`KVTransferConfig`; None: off). Loaded prompt tokens count in
+            `RequestOutput.num_cached_tokens`. See docs/kv_transfer.md.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -183,6 +189,7 @@ class LLM(PoolingAPI):
         runner: str = "generate",
         pooler_config: Any = None,
         enable_prompt_embeds: bool = False,
+        kv_transfer_config: KVTransferConfig | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
@@ -214,6 +221,7 @@ class LLM(PoolingAPI):
             extra=kwargs,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size)
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        kv_transfer = KVTransferConfig.coerce(kv_transfer_config)
         kwargs.setdefault("structured_output_graphs", can_compile_grammars(self.tokenizer))  # step/split.py
         self._init_distributed(parallel, device, dtype)
         max_num_seqs, max_num_batched_tokens = default_limits(self.device, max_num_seqs, max_num_batched_tokens)
@@ -222,7 +230,7 @@ class LLM(PoolingAPI):
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora, enable_prompt_embeds=enable_prompt_embeds)
+            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer)
         self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
         if enable_prompt_embeds or self.config.model.vision is not None:
             from graphrunner.multimodal.inputs import InputProcessor
@@ -305,7 +313,21 @@ class LLM(PoolingAPI):
             # A draft model or EAGLE head writes KV for its drafts past each decode: blocks for them too.
             num_lookahead_tokens=spec.num_speculative_tokens if spec.method in DRAFTER_METHODS else 0,
             max_loras=self.config.lora.max_loras if self.config.lora is not None else 0,
+            kv_connector=self._make_kv_connector(prefix_caching),
         )
+
+    def _make_kv_connector(self, prefix_caching: bool) -> Any:
+        """The scheduler's side of the configured KV connector (None: off)."""
+        kv_transfer = self.config.kv_transfer
+        if kv_transfer is None:
+            return None
+        if kv_transfer.kv_connector == "CpuOffloadConnector" and not prefix_caching:
+            raise ValueError("kv_connector='CpuOffloadConnector' offloads blocks the prefix cache evicts: it needs "
+                             "enable_prefix_caching=True")
+        from graphrunner.kv_transfer import make_scheduler_connector, model_identity
+
+        return make_scheduler_connector(kv_transfer, self.runner.kv_cache_shape,
+                                        model_identity(self.config))
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Every check a request passes before it is queued; raises ValueError and changes nothing.

@@ -19,7 +19,7 @@ adapters, whose KV differs for the same tokens, never share blocks (vLLM keys by
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from graphrunner.engine.block_allocator import BlockAllocator
 
@@ -40,6 +40,9 @@ class PrefixCachingAllocator(BlockAllocator):
         self._key_ids: dict[Key, int] = {}  # keyed blocks' key -> a unique id (the parent part of child keys)
         self._next_key_id = 0
         self.num_queries = self.num_hit_tokens = self.num_query_tokens = 0
+        # Called with a cached block's id as `allocate` hands it out again (its content still intact until
+        # the step it is now scheduled in writes it): a KV connector may copy it elsewhere first.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -63,6 +66,8 @@ class PrefixCachingAllocator(BlockAllocator):
             if key is not None:  # its children's keys become unreachable: they are evicted in turn
                 del self._block_of[key]
                 del self._key_ids[key]
+                if self.on_evict is not None:
+                    self.on_evict(block)
             self._refs[block] = 1
             ids.append(block)
         return ids

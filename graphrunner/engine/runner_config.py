@@ -11,6 +11,7 @@ import torch
 from graphrunner.config import (
     CacheConfig,
     CompilationConfig,
+    KVTransferConfig,
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
@@ -27,6 +28,7 @@ def build_runner_config(
     max_num_batched_tokens: int, max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
     gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
     speculative: SpeculativeConfig, lora: LoRAConfig | None = None, enable_prompt_embeds: bool = False,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> RunnerConfig:
     """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
     from graphrunner.models.loader import is_builtin, load_model_config
@@ -56,6 +58,7 @@ def build_runner_config(
         compilation=CompilationConfig(enforce_eager=enforce_eager, **compilation_kwargs),
         speculative=speculative,
         lora=lora,
+        kv_transfer=kv_transfer,
         dtype=dtype,
         seed=seed,
     )

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
@@ -67,6 +67,9 @@ from graphrunner.protocol import (
     SchedulerOutput,
     check_token_ids,
 )
+
+if TYPE_CHECKING:
+    from graphrunner.kv_transfer.base import KVConnectorScheduler
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -134,6 +137,9 @@ class Scheduler:
         max_loras: with LoRA on, the most distinct adapters among the running requests (so in any
             step): a waiting request whose adapter would exceed it stays queued while later ones
             with running adapters (or none) are admitted, as vLLM's scheduler does. 0: LoRA off.
+        kv_connector: the scheduler's side of a KV connector (graphrunner.kv_transfer): a waiting
+            request's blocks past its local prefix-cache hit may come from it (they count as computed
+            and cached; the runner loads them before the step), and each plan carries its metadata.
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         if type(num_speculative_tokens) is not int or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
@@ -203,6 +210,9 @@ class Scheduler:
         # Multimodal models: the encoder budget and the runner's encoder cache, as the engine tracks them
         # (multimodal.scheduling.EncoderScheduler); None for a text-only model.
         self.encoder: Any = None
+        self.kv_connector = kv_connector
+        if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
+            self.block_allocator.on_evict = kv_connector.block_evicted
 
     # ---------------------------------------------------------------- requests
     @property
@@ -381,6 +391,8 @@ class Scheduler:
         )
         if self.encoder is not None:
             so.scheduled_encoder_inputs, so.free_encoder_mm_hashes = self.encoder.take()
+        if self.kv_connector is not None:  # before async counts the plan as computed: chunks start here
+            so.kv_connector_metadata = self.kv_connector.build_connector_meta(so, self.requests)
         if self.async_scheduling and num_scheduled:
             self._advance_in_flight(so)
         return so
@@ -554,6 +566,8 @@ class Scheduler:
         self.cached_blocks.pop(req.req_id, None)
         if self.encoder is not None:
             self.encoder.release(req)
+        if self.kv_connector is not None:
+            self.kv_connector.request_preempted(req)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -675,6 +689,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.req_id in self._deferred:
             self._release_deferred(req.req_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(req)
         req.status = status
         if self.encoder is not None:
             self.encoder.release(req)

@@ -1,0 +1,170 @@
+"""The KV connector interface (vLLM's shape): a scheduler side and a runner side, one metadata between.
+
+The scheduler side decides, per step, what moves: for a request being admitted it reports how many
+more prompt tokens than the local prefix cache holds it can supply (`get_num_new_matched_tokens`), is
+told the blocks they go to (`update_state_after_alloc`), and at the end of `schedule()` packs the
+step's loads and saves into `SchedulerOutput.kv_connector_metadata` (`build_connector_meta`).
+
+The runner side moves the bytes at three fixed points of the step:
+
+    pre_forward(so)   before the step's graphs replay: every load lands in the paged cache, so a
+                      FULL graph never reads KV that has not arrived (no layer-wise wait inside it)
+    post_forward()    after the step's forward: the KV it computed is saved
+    no_forward(so)    a step with nothing scheduled: its loads and saves still run
+
+A runner without a connector holds None and pays one `is None` test per step. Dummy steps (profile,
+capture) do not pass through `execute_model`, so they never reach a connector.
+
+Blocks are named by the chained hash of their prefix (`prefix_hashes`): equal hashes mean equal
+tokens from the first one on (and the same adapter), so a block of one instance is a block of
+another for the same prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphrunner.config import KVTransferConfig, RunnerConfig
+from graphrunner.kv_shape import KVCacheShape
+
+logger = logging.getLogger("graphrunner.kv_transfer")
+
+
+def prefix_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int, salt: int = 0,
+                  known: list[str] | None = None) -> list[str]:
+    """The hex digests of the first `num_blocks` full blocks of `token_ids`: each covers its parent's
+    digest and its own tokens, so it names the whole prefix. `known`: digests already computed for a
+    prefix of these blocks (extended, and returned)."""
+    hashes = known if known is not None else []
+    parent = hashes[-1] if hashes else f"salt:{salt}"
+    for i in range(len(hashes), num_blocks):
+        block = np.asarray(token_ids[i * block_size:(i + 1) * block_size], dtype=np.int64)
+        parent = hashlib.sha256(parent.encode() + block.tobytes()).hexdigest()
+        hashes.append(parent)
+    return hashes
+
+
+def model_identity(config: RunnerConfig) -> str:
+    """What must be equal for two instances' KV of the same tokens to be equal: the weights (a
+    folder, or dummy weights and their seed). Written into every stored block and checked on load."""
+    load = config.load
+    seed = f"|seed={load.seed}" if load.load_format == "dummy" else ""
+    return f"{config.model.name}|{load.model}|{load.load_format}{seed}"
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """The KV of `block_ids` from every layer: [num_layers, 2, n, block_size, kv_heads, head_dim]."""
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
+    return torch.stack([cache.index_select(1, index) for cache in kv_caches])
+
+
+def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Write `data` ([num_layers, 2, n, block_size, kv_heads, head_dim], any device) into `block_ids`
+    of every layer, in stream order (before anything the step launches after)."""
+    device = kv_caches[0].device
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+    data = data.to(device, non_blocking=True)
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, index, data[layer])
+
+
+class KVConnectorScheduler:
+    """The scheduler's side of a connector (vLLM's `KVConnectorBase_V1` scheduler-role methods)."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
+        self.config, self.shape, self.model_id = config, shape, model_id
+        self.block_size = shape.block_size
+        self.num_external_hit_tokens = 0  # prompt tokens loaded instead of computed
+        self.num_query_tokens = 0  # prompt tokens of the requests asked about
+        self._hashes: dict[str, list[str]] = {}  # request id -> its full blocks' digests so far
+
+    def hashes(self, req: Any, num_blocks: int) -> list[str]:
+        """The digests of `req`'s first `num_blocks` full blocks (computed once per request)."""
+        known = self._hashes.setdefault(req.req_id, [])
+        if len(known) < num_blocks:
+            prefix_hashes(req.all_token_ids, num_blocks, self.block_size, req.cache_salt, known)
+        return known[:num_blocks]
+
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int:
+        """Prompt tokens past `num_computed_tokens` (the local prefix-cache hit, block aligned) this
+        connector can supply for waiting `req`, whole blocks only, leaving at least its last token to
+        compute. 0 by default."""
+        return 0
+
+    def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """`req` was admitted with `num_external_tokens` from this connector, placed after its local hit
+        in `block_ids` (all of its blocks)."""
+
+    def block_evicted(self, block_id: int) -> None:
+        """The prefix cache is handing out cached block `block_id` again (its content is still intact
+        until the step it is scheduled in)."""
+
+    def blocks_cached(self, req: Any, num_full: int) -> None:
+        """`req`'s first `num_full` blocks are full and keyed in the prefix cache."""
+
+    def build_connector_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> Any:
+        """The step's loads and saves (`SchedulerOutput.kv_connector_metadata`); `requests`: the live
+        requests by id (their `num_computed_tokens` is where this step's chunk starts)."""
+        return None
+
+    def request_finished(self, req: Any) -> None:
+        """`req` ended (finished or aborted): forget it."""
+        self._hashes.pop(req.req_id, None)
+
+    def request_preempted(self, req: Any) -> None:
+        """`req` lost its KV and waits to be admitted again."""
+
+    def note_query(self, req: Any) -> None:
+        self.num_query_tokens += req.num_tokens
+
+    @property
+    def external_hit_rate(self) -> float:
+        """Prompt tokens loaded through the connector over prompt tokens asked about."""
+        return self.num_external_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class KVConnectorWorker:
+    """The runner's side of a connector: moves KV between the paged cache and elsewhere at the step's
+    fixed points (module docstring). Subclasses implement `load` and `save`."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
+        self.config, self.shape, self.model_id, self.device = config, shape, model_id, device
+        self.kv_caches: list[torch.Tensor] = []
+        self._metadata: Any = None
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """The runner's paged cache, one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
+        self.kv_caches = kv_caches
+
+    def pre_forward(self, scheduler_output: Any) -> None:
+        """Before the step's graphs replay: take the step's metadata and land its loads."""
+        self._metadata = metadata = scheduler_output.kv_connector_metadata
+        if metadata is not None:
+            self.load(metadata)
+
+    def post_forward(self) -> None:
+        """After the step's forward: save what it computed, then drop the metadata."""
+        metadata, self._metadata = self._metadata, None
+        if metadata is not None:
+            self.save(metadata)
+
+    def no_forward(self, scheduler_output: Any) -> None:
+        """A step with nothing scheduled: its loads and saves still run."""
+        self.pre_forward(scheduler_output)
+        self.post_forward()
+
+    def load(self, metadata: Any) -> None:
+        raise NotImplementedError
+
+    def save(self, metadata: Any) -> None:
+        raise NotImplementedError
+
+
+__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "gather_blocks", "model_identity", "prefix_hashes",
+           "scatter_blocks"]

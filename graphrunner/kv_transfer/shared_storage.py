@@ -1,0 +1,253 @@
+"""SharedStorageConnector: KV blocks through a directory (vLLM's example connector).
+
+A producer writes every full prompt block it computes to `shared_storage_path`, one file per block
+named by its prefix hash (`base.prefix_hashes`). A consumer's scheduler side, admitting a request,
+reads the blocks that follow its local prefix-cache hit from the directory, as long as they chain,
+and verifies each; the runner copies them into the paged cache before the step, so only the rest of
+the prompt is prefilled. Two processes, or two machines sharing a file system, share a directory.
+
+A block file is `MAGIC`, an 8-byte little-endian header length, a JSON header, then the payload:
+the block's K and V of every layer, [num_layers, 2, block_size, kv_heads, head_dim] in the cache's
+dtype. The header names the model (`base.model_identity`), the geometry, the dtype, the block's
+hash and tokens, and the payload's length and sha256. A file that is missing, truncated, corrupt
+(checksum), written for other tokens or another model, or of another geometry or dtype is not
+loaded: the chain stops before it (logged), and the request computes the rest of its prompt.
+A different block size names different blocks (their tokens differ), so it simply misses.
+
+Blocks are verified when they are matched, by the scheduler side, and handed to the runner in the
+step's metadata: once a request is planned with loaded tokens, nothing can fail under it.
+Files are written to a temporary name and renamed, so a reader never sees a half-written block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphrunner.config import KVTransferConfig
+from graphrunner.kv_shape import KVCacheShape
+from graphrunner.kv_transfer.base import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    gather_blocks,
+    logger,
+    scatter_blocks,
+)
+
+MAGIC = b"GRKVBLK1"
+VERSION = 1
+_LEN = struct.Struct("<Q")
+_EXTRA_KEYS = ("shared_storage_path",)
+
+
+def storage_path(config: KVTransferConfig) -> Path:
+    """`kv_connector_extra_config["shared_storage_path"]`, created if missing; ValueError without it."""
+    extra = config.kv_connector_extra_config
+    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"SharedStorageConnector: unknown kv_connector_extra_config keys {unknown}; "
+                         f"allowed: {list(_EXTRA_KEYS)}")
+    path = extra.get("shared_storage_path")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"SharedStorageConnector needs kv_connector_extra_config['shared_storage_path'] (a "
+                         f"directory), got {path!r}")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def block_file(root: Path, block_hash: str) -> Path:
+    return root / f"{block_hash}.kvblock"
+
+
+def _header(shape: KVCacheShape, model_id: str) -> dict[str, Any]:
+    return {"version": VERSION, "model": model_id, "dtype": str(shape.dtype).removeprefix("torch."),
+            "block_size": shape.block_size, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim}
+
+
+def encode_block(shape: KVCacheShape, model_id: str, block_hash: str, tokens: Sequence[int],
+                 data: torch.Tensor) -> bytes:
+    """A block file's bytes; `data`: [num_layers, 2, block_size, kv_heads, head_dim] on the host."""
+    payload = data.contiguous().view(torch.uint8).numpy().tobytes()
+    header = _header(shape, model_id) | {"hash": block_hash, "tokens": [int(t) for t in tokens],
+                                          "payload_bytes": len(payload),
+                                          "sha256": hashlib.sha256(payload).hexdigest()}
+    head = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + _LEN.pack(len(head)) + head + payload
+
+
+def decode_block(raw: bytes, shape: KVCacheShape, model_id: str, block_hash: str,
+                 tokens: Sequence[int]) -> torch.Tensor:
+    """The payload of a block file, [num_layers, 2, block_size, kv_heads, head_dim]; ValueError saying
+    why when the file is not this block of this model in this geometry."""
+    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _LEN.size:
+        raise ValueError("not a KV block file (bad magic)")
+    (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    try:
+        header = json.loads(raw[start:start + head_len])
+    except ValueError:
+        raise ValueError("truncated or corrupt header") from None
+    expected = _header(shape, model_id)
+    for key, want in expected.items():
+        if header.get(key) != want:
+            raise ValueError(f"{key}={header.get(key)!r} does not match this instance's {want!r}")
+    if header.get("hash") != block_hash or header.get("tokens") != [int(t) for t in tokens]:
+        raise ValueError("written for other tokens (foreign file)")
+    payload = raw[start + head_len:]
+    if len(payload) != header.get("payload_bytes"):
+        raise ValueError(f"truncated: {len(payload)} of {header.get('payload_bytes')} payload bytes")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch (corrupt payload)")
+    s = shape
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(s.dtype).reshape(
+        s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: list[int]
+    data: torch.Tensor  # [num_layers, 2, n, block_size, kv_heads, head_dim], host
+
+
+@dataclass
+class _Save:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+    tokens: list[list[int]]
+
+
+@dataclass
+class SharedStorageMetadata:
+    """One step's work for the runner: verified blocks to load, computed blocks to save."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+class SharedStorageScheduler(KVConnectorScheduler):
+    """Matches waiting requests' blocks in the directory (consumer) and plans saves (producer)."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
+        super().__init__(config, shape, model_id)
+        self.root = storage_path(config)
+        self._matched: dict[str, torch.Tensor] = {}  # request id -> verified blocks, until admitted
+        self._loads: list[_Load] = []
+        self._saved: dict[str, int] = {}  # prefilling request id -> prompt blocks planned for saving so far
+        self.num_rejected_blocks = 0  # store entries found but refused (logged)
+
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int:
+        self._matched.pop(req.req_id, None)
+        if not self.config.is_consumer:
+            return 0
+        self.note_query(req)
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (req.num_tokens - 1) // bs
+        if first >= last:
+            return 0
+        hashes = self.hashes(req, last)
+        tokens = req.all_token_ids
+        blocks = []
+        for i in range(first, last):
+            path = block_file(self.root, hashes[i])
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                logger.warning("KV store: cannot read %s (%s); request %r computes it", path, e, req.req_id)
+                break
+            try:
+                blocks.append(decode_block(raw, self.shape, self.model_id, hashes[i], tokens[i * bs:(i + 1) * bs]))
+            except ValueError as e:
+                self.num_rejected_blocks += 1
+                logger.warning("KV store: %s refused: %s; request %r computes its prompt from token %d", path, e,
+                               req.req_id, i * bs)
+                break
+        if not blocks:
+            return 0
+        self._matched[req.req_id] = torch.stack(blocks, dim=2)  # [L, 2, n, bs, h, d]
+        return len(blocks) * bs
+
+    def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        data = self._matched.pop(req.req_id)
+        n = num_external_tokens // self.block_size
+        first = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
+        self._loads.append(_Load(req.req_id, list(block_ids[first:first + n]), data[:, :, :n]))
+        self.num_external_hit_tokens += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> SharedStorageMetadata | None:
+        meta = SharedStorageMetadata(loads=self._loads)
+        self._loads = []
+        if self.config.is_producer:
+            # Only requests whose prompt is not saved yet are looked at: a decode step costs nothing here.
+            for new in scheduler_output.scheduled_new_reqs:
+                self._saved.setdefault(new.req_id, 0)
+            bs, scheduled = self.block_size, scheduler_output.num_scheduled_tokens
+            for req_id in [r for r in self._saved if r in scheduled]:
+                req = requests[req_id]
+                last = req.num_prompt_tokens // bs
+                full = min(req.num_computed_tokens + scheduled[req_id], req.num_prompt_tokens) // bs
+                done = self._saved[req_id]
+                if full > done:
+                    hashes = self.hashes(req, full)
+                    tokens = req.all_token_ids
+                    meta.saves.append(_Save(req_id, list(req.block_ids[done:full]), hashes[done:full],
+                                            [list(tokens[i * bs:(i + 1) * bs]) for i in range(done, full)]))
+                if full >= last:
+                    del self._saved[req_id]
+                else:
+                    self._saved[req_id] = full
+        return meta if meta.loads or meta.saves else None
+
+    def request_finished(self, req: Any) -> None:
+        super().request_finished(req)
+        self._matched.pop(req.req_id, None)
+        self._saved.pop(req.req_id, None)
+
+    def request_preempted(self, req: Any) -> None:
+        """Its KV is dropped; what it had saved stays in the store (re-admitted, it is looked at anew)."""
+        self._matched.pop(req.req_id, None)
+        self._saved.pop(req.req_id, None)
+
+
+class SharedStorageWorker(KVConnectorWorker):
+    """Copies verified blocks into the paged cache; writes computed blocks to the directory."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
+        super().__init__(config, shape, model_id, device)
+        self.root = storage_path(config)
+        self.num_saved_blocks = 0
+
+    def load(self, metadata: SharedStorageMetadata) -> None:
+        for entry in metadata.loads:
+            scatter_blocks(self.kv_caches, entry.block_ids, entry.data)
+
+    def save(self, metadata: SharedStorageMetadata) -> None:
+        for entry in metadata.saves:
+            todo = [i for i, h in enumerate(entry.hashes) if not block_file(self.root, h).exists()]
+            if not todo:
+                continue
+            data = gather_blocks(self.kv_caches, [entry.block_ids[i] for i in todo]).cpu()  # waits for the step
+            for j, i in enumerate(todo):
+                raw = encode_block(self.shape, self.model_id, entry.hashes[i], entry.tokens[i], data[:, :, j])
+                path = block_file(self.root, entry.hashes[i])
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(raw)
+                os.replace(tmp, path)
+                self.num_saved_blocks += 1
+
+
+__all__ = ["SharedStorageMetadata", "SharedStorageScheduler", "SharedStorageWorker", "block_file", "decode_block",
+           "encode_block", "storage_path"]

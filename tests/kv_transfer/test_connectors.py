@@ -1,0 +1,266 @@
+"""KV connectors on a CPU: every instance that loads KV gives the tokens (and logprobs) of one LLM that
+computes everything, reports the loaded tokens as cached, and recomputes what it cannot trust."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from graphrunner.config import KVTransferConfig
+
+ARGS = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16, seed=0,
+            num_kv_blocks=48)
+GRAPHS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32])
+PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for j in range(70)] for i in range(3)]  # 4 full blocks before the last token
+LOADABLE = 64  # (70 - 1) // 16 blocks
+
+
+def _params():
+    from graphrunner.protocol import SamplingParams
+
+    return [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=0, ignore_eos=True)
+            for i in range(len(PROMPTS))]
+
+
+def _result(outs) -> list[tuple[list[int], list[float]]]:
+    """Tokens and their logprobs: the logprobs move with any change of the KV a step reads."""
+    return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _assert_same(got, want) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, rel=1e-5, abs=1e-5)
+
+
+def _storage(path: Path, role: str) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+def _generate(prompts=PROMPTS, **extra):
+    from graphrunner.engine import LLM
+
+    llm = LLM("builtin:tiny-llama", **{**ARGS, **extra})
+    outs = llm.generate(prompts, _params()[:len(prompts)], use_tqdm=False)
+    return llm, outs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _result(_generate()[1])
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, reference):
+    """A directory a producer filled with PROMPTS' blocks (its own tokens equal the reference's)."""
+    path = tmp_path_factory.mktemp("kvstore")
+    llm, outs = _generate(kv_transfer_config=_storage(path, "kv_producer"))
+    _assert_same(_result(outs), reference)
+    assert llm.runner.kv_connector.num_saved_blocks == len(PROMPTS) * 4
+    return path
+
+
+def test_config_names_bad_values():
+    with pytest.raises(ValueError, match="kv_connector='Nope'"):
+        KVTransferConfig("Nope")
+    with pytest.raises(ValueError, match="kv_role='reader'"):
+        KVTransferConfig("SharedStorageConnector", "reader")
+    with pytest.raises(ValueError, match=r"unknown keys \['role'\]"):
+        KVTransferConfig.coerce({"kv_connector": "SharedStorageConnector", "role": "x"})
+    with pytest.raises(ValueError, match="shared_storage_path"):
+        _generate(kv_transfer_config={"kv_connector": "SharedStorageConnector"})
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        _generate(enable_prefix_caching=False, kv_transfer_config={
+            "kv_connector": "CpuOffloadConnector", "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
+    with pytest.raises(ValueError, match="cpu_bytes"):
+        _generate(kv_transfer_config={"kv_connector": "CpuOffloadConnector",
+                                      "kv_connector_extra_config": {"cpu_bytes": 10}})
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_consumer_loads_the_producers_blocks(store, reference, async_scheduling):
+    llm, outs = _generate(kv_transfer_config=_storage(store, "kv_consumer"), async_scheduling=async_scheduling)
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+    connector = llm.scheduler.kv_connector
+    assert connector.num_external_hit_tokens == LOADABLE * len(PROMPTS)
+    assert connector.external_hit_rate == pytest.approx(LOADABLE / 70)
+
+
+def test_connector_keeps_the_full_graphs(store, reference):
+    """Loads land before the step's graphs replay: decode steps still replay FULL graphs, and a consumer
+    captures the graphs a runner without a connector does."""
+    from capture.modes import CUDAGraphMode
+    from graphrunner.engine import LLM
+
+    plain = LLM("builtin:tiny-llama", **ARGS, **GRAPHS)
+    llm = LLM("builtin:tiny-llama", kv_transfer_config=_storage(store, "kv_consumer"), **ARGS, **GRAPHS)
+    assert llm.runner.capture_report.num_graphs == plain.runner.capture_report.num_graphs
+    modes = []
+    execute = llm.runner.execute_model
+
+    def record(so):
+        execute(so)
+        modes.append((so.total_num_scheduled_tokens == len(so.num_scheduled_tokens), llm.runner.last_descriptor))
+
+    llm.runner.execute_model = record
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+    decodes = [desc for uniform, desc in modes if uniform and desc is not None]
+    assert decodes and all(desc.cg_mode == CUDAGraphMode.FULL for desc in decodes)
+
+
+def _producer(rank: int, world_size: int, path: str) -> list:
+    """Rank 0 produces, rank 1 waits for its marker and consumes; both return their results."""
+    import os
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # two independent instances, not a world
+        os.environ.pop(name, None)
+    marker = Path(path) / "done"
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the producer never finished"
+            time.sleep(0.05)
+    llm, outs = _generate(kv_transfer_config=_storage(Path(path), "kv_producer" if rank == 0 else "kv_consumer"))
+    if rank == 0:
+        marker.write_text("ok")
+    return [_result(outs), [o.num_cached_tokens for o in outs]]
+
+
+def test_producer_and_consumer_in_two_processes(tmp_path, reference):
+    from tests.dist_utils import run_world
+
+    (prod, prod_cached), (cons, cons_cached) = run_world(2, _producer, str(tmp_path), init_pg=False, timeout_s=60)
+    _assert_same([tuple(r) for r in prod], reference)
+    _assert_same([tuple(r) for r in cons], reference)
+    assert prod_cached == [0] * len(PROMPTS) and cons_cached == [LOADABLE] * len(PROMPTS)
+
+
+def _rewrite(path: Path, how: str) -> None:
+    from graphrunner.kv_transfer.shared_storage import _LEN, MAGIC
+
+    raw = path.read_bytes()
+    (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    header = json.loads(raw[start:start + head_len])
+    payload = bytearray(raw[start + head_len:])
+    if how == "corrupt":
+        payload[len(payload) // 2] ^= 0xFF
+    elif how == "truncate":
+        payload = payload[:-100]
+    elif how == "dtype":
+        header["dtype"] = "float16"
+    elif how == "block_size":
+        header["block_size"] = 32
+    head = json.dumps(header, sort_keys=True).encode()
+    path.write_bytes(MAGIC + _LEN.pack(len(head)) + head + bytes(payload))
+
+
+def test_bad_store_entries_are_recomputed(store, reference, tmp_path, caplog):
+    """A corrupt third block, a foreign second one, a first one of another dtype: each prompt's chain stops
+    before its bad block (logged), the rest is computed, the tokens stay the reference's."""
+    import shutil
+
+    from graphrunner.kv_transfer import prefix_hashes
+    from graphrunner.kv_transfer.shared_storage import block_file
+
+    bad = tmp_path / "store"
+    shutil.copytree(store, bad)
+    hashes = [prefix_hashes(p, 4, 16) for p in PROMPTS]
+    _rewrite(block_file(bad, hashes[0][2]), "corrupt")
+    shutil.copy(block_file(bad, hashes[0][3]), block_file(bad, hashes[1][1]))  # foreign: another block's file
+    block_file(bad, hashes[1][2]).unlink()  # (behind the foreign one: never read)
+    _rewrite(block_file(bad, hashes[2][0]), "dtype")
+    with caplog.at_level(logging.WARNING, logger="graphrunner.kv_transfer"):
+        llm, outs = _generate(kv_transfer_config=_storage(bad, "kv_consumer"))
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [32, 16, 0]
+    text = caplog.text
+    assert "checksum mismatch" in text and "foreign" in text and "dtype='float16'" in text
+    assert llm.scheduler.kv_connector.num_rejected_blocks == 3
+
+
+@pytest.mark.parametrize("how", ["truncate", "block_size"])
+def test_truncated_or_foreign_geometry_is_refused(how):
+    import torch
+
+    from graphrunner.kv_shape import KVCacheShape
+    from graphrunner.kv_transfer.shared_storage import decode_block, encode_block
+
+    shape = KVCacheShape(2, 4, 1, 8, torch.float32)
+    data = torch.randn(2, 2, 4, 1, 8)
+    raw = encode_block(shape, "m", "h", [1, 2, 3, 4], data)
+    assert torch.equal(decode_block(raw, shape, "m", "h", [1, 2, 3, 4]), data)
+    with pytest.raises(ValueError, match="another model|does not match"):
+        decode_block(raw, shape, "other-model", "h", [1, 2, 3, 4])
+    from graphrunner.kv_transfer.shared_storage import _LEN, MAGIC
+
+    (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    header = json.loads(raw[start:start + head_len])
+    payload = raw[start + head_len:]
+    if how == "truncate":
+        payload = payload[:-7]
+        match = "truncated"
+    else:
+        header["block_size"] = 8
+        match = "block_size=8"
+    head = json.dumps(header, sort_keys=True).encode()
+    with pytest.raises(ValueError, match=match):
+        decode_block(MAGIC + _LEN.pack(len(head)) + head + payload, shape, "m", "h", [1, 2, 3, 4])
+
+
+def test_cpu_offload_brings_an_evicted_prefix_back(reference):
+    """A GPU cache of 12 blocks: the first prompt's blocks are evicted by the later prompts, offloaded
+    to the host LRU, and all come back when it is asked again, with the reference's tokens."""
+    from graphrunner.engine import LLM
+
+    small = {**ARGS, "num_kv_blocks": 12, "max_num_seqs": 1}
+    block_bytes = 2 * 4 * 16 * 2 * 32 * 4  # K and V x layers x tokens x KV heads x head_dim x fp32
+    llm = LLM("builtin:tiny-llama", kv_transfer_config={
+        "kv_connector": "CpuOffloadConnector", "kv_connector_extra_config": {"cpu_bytes": 32 * block_bytes}}, **small)
+    params = _params()
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    _assert_same(_result(first), reference)
+    others = [[(i * 11 + j * 5) % 700 + 900 for j in range(70)] for i in range(2)]
+    llm.generate(others, params[:2], use_tqdm=False)  # every GPU block of the first prompt is handed out again
+    connector = llm.scheduler.kv_connector
+    assert connector.num_slots == 32 and connector.num_offloaded_blocks >= 4
+    again = llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
+    _assert_same(_result(again), reference[:1])
+    assert again[0].num_cached_tokens == LOADABLE
+    assert connector.num_external_hit_tokens == LOADABLE  # all from host memory
+
+
+def test_cpu_offload_lru_is_bounded_and_keeps_recent_prefixes():
+    import torch
+
+    from graphrunner.kv_shape import KVCacheShape
+    from graphrunner.kv_transfer.cpu_offload import CpuOffloadScheduler
+
+    shape = KVCacheShape(1, 2, 1, 2, torch.float32)
+    config = KVTransferConfig("CpuOffloadConnector", kv_connector_extra_config={"cpu_bytes": 2 * shape.block_bytes})
+    sched = CpuOffloadScheduler(config, shape, "m")
+
+    class Req:
+        def __init__(self, rid, tokens, blocks):
+            self.req_id, self.all_token_ids, self.block_ids, self.cache_salt = rid, tokens, blocks, 0
+            self.num_tokens = len(tokens)
+
+    reqs = [Req(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], [i]) for i in range(3)]
+    for r in reqs:
+        sched.blocks_cached(r, 1)
+        sched.block_evicted(r.block_ids[0])
+    meta = sched.build_connector_meta(None, {})
+    assert [slot for _, slot in meta.offloads] == [0, 1, 0]  # the third reuses the oldest slot
+    assert sched.get_num_new_matched_tokens(reqs[0], 0) == 0  # evicted from the host LRU
+    assert sched.get_num_new_matched_tokens(reqs[2], 0) == 2
+    assert len(sched._index) == 2
