@@ -36,6 +36,17 @@ from graphrunner.kv_shape import KVCacheShape
 logger = logging.getLogger("graphrunner.kv_transfer")
 
 
+def connector_extra(config: KVTransferConfig, allowed: Sequence[str]) -> dict[str, Any]:
+    """The connector's `kv_connector_extra_config`; ValueError naming the connector, the unknown
+    keys and the allowed ones when it has keys the connector does not read."""
+    extra = config.kv_connector_extra_config
+    unknown = sorted(set(extra) - set(allowed))
+    if unknown:
+        raise ValueError(f"{config.kv_connector}: unknown kv_connector_extra_config keys {unknown}; "
+                         f"allowed: {list(allowed)}")
+    return dict(extra)
+
+
 def prefix_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int, salt: int = 0,
                   known: list[str] | None = None) -> list[str]:
     """The hex digests of the first `num_blocks` full blocks of `token_ids`: each covers its parent's

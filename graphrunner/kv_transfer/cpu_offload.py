@@ -25,18 +25,20 @@ import torch
 
 from graphrunner.config import KVTransferConfig
 from graphrunner.kv_shape import KVCacheShape
-from graphrunner.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, gather_blocks, scatter_blocks
+from graphrunner.kv_transfer.base import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    connector_extra,
+    gather_blocks,
+    scatter_blocks,
+)
 
 _EXTRA_KEYS = ("cpu_bytes",)
 
 
 def num_host_slots(config: KVTransferConfig, shape: KVCacheShape) -> int:
     """Host blocks of `cpu_bytes`; ValueError naming the value when it is missing or holds no block."""
-    extra = config.kv_connector_extra_config
-    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
-    if unknown:
-        raise ValueError(f"CpuOffloadConnector: unknown kv_connector_extra_config keys {unknown}; "
-                         f"allowed: {list(_EXTRA_KEYS)}")
+    extra = connector_extra(config, _EXTRA_KEYS)
     cpu_bytes = extra.get("cpu_bytes")
     if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes < shape.block_bytes:
         raise ValueError(f"CpuOffloadConnector needs kv_connector_extra_config['cpu_bytes'], an int of at least one "

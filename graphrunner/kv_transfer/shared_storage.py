@@ -37,6 +37,7 @@ from graphrunner.kv_shape import KVCacheShape
 from graphrunner.kv_transfer.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
+    connector_extra,
     gather_blocks,
     logger,
     scatter_blocks,
@@ -50,11 +51,7 @@ _EXTRA_KEYS = ("shared_storage_path",)
 
 def storage_path(config: KVTransferConfig) -> Path:
     """`kv_connector_extra_config["shared_storage_path"]`, created if missing; ValueError without it."""
-    extra = config.kv_connector_extra_config
-    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
-    if unknown:
-        raise ValueError(f"SharedStorageConnector: unknown kv_connector_extra_config keys {unknown}; "
-                         f"allowed: {list(_EXTRA_KEYS)}")
+    extra = connector_extra(config, _EXTRA_KEYS)
     path = extra.get("shared_storage_path")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"SharedStorageConnector needs kv_connector_extra_config['shared_storage_path'] (a "
