@@ -129,8 +129,10 @@ def test_prompt_dicts(llm):
     a, b = scope["a"], scope["b"]
     assert a.prompt == "the graph runner" and b.prompt is None
     assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].text == b.outputs[0].text
-    with pytest.raises(ValueError, match="prompt 0: keys \\['multi_modal_data'\\] are not supported"):
+    with pytest.raises(ValueError, match="prompt 0: multi_modal_data .* given, but the model is text-only"):
         llm.generate({"prompt": "x", "multi_modal_data": {}})
+    with pytest.raises(ValueError, match="prompt 0: keys \\['not_a_field'\\] are not supported"):
+        llm.generate({"prompt": "x", "not_a_field": 1})
 
 
 def test_logprobs_with_decoded_tokens(llm):
