@@ -443,7 +443,7 @@ class Scheduler:
         preempted: set[str] = set()
         fast = self._plan_decodes() if self._fast_decode else None
         if fast is not None:
-            batch, cached, num_scheduled, budget = fast
+            batch, cached, num_scheduled, budget, counts = fast
         else:
             self._batch = None  # admissions and preemptions change what it holds
             cached = CachedRequestData()
@@ -470,17 +470,20 @@ class Scheduler:
             so.kv_connector_metadata = self.kv_connector.build_connector_meta(so, self.requests)
         if self.async_scheduling and num_scheduled:
             if fast is not None:
-                self._advance_decodes(so, batch)
+                self._advance_decodes(so, batch, *counts)
             else:
                 self._advance_in_flight(so)
         self._fast_plan = (so, batch) if fast is not None and not self.async_scheduling else None
         return so
 
-    def _plan_decodes(self) -> tuple[_DecodeBatch, CachedRequestData, dict[str, int], int] | None:
+    def _plan_decodes(
+        self,
+    ) -> tuple[_DecodeBatch, CachedRequestData, dict[str, int], int, tuple[np.ndarray, np.ndarray]] | None:
         """The fast path of `schedule`: when nothing waits and every running request decodes
         1 + k tokens within the budget and max_model_len, with the KV blocks it needs free (the
         general path would then preempt nothing), its plan (batch, cached, num_scheduled, budget
-        left), made with array operations; None (nothing changed) for the general path."""
+        left, and the requests' computed tokens and placeholders for `_advance_decodes`), made with
+        array operations; None (nothing changed) for the general path."""
         running = self.running
         q = 1 + self.num_speculative_tokens
         if (self.waiting or not running or self.encoder is not None or self.kv_connector is not None
@@ -495,13 +498,14 @@ class Scheduler:
         if batch is None:
             batch = _DecodeBatch.of(list(running), self.eos_token_ids)
         self._batch = batch
+        held = np.zeros(len(batch.reqs), np.int64)  # sync: no placeholders
         if self.async_scheduling:  # `_finishes_in_flight`: not scheduled (async: the last token is in flight)
             held = _gather(_PLACEHOLDERS, batch.reqs)
             if held.any():
                 pending = _gather_len(_OUTPUTS, batch.reqs) + held
                 done = (held > 0) & ((pending >= batch.max_tokens) | (batch.num_prompt + pending >= self.max_model_len))
                 if done.any():
-                    batch = batch.select(~done)
+                    batch, held = batch.select(~done), held[~done]
         reqs = batch.reqs
         n = len(reqs)
         computed = _gather(_NUM_COMPUTED, reqs)
@@ -521,14 +525,15 @@ class Scheduler:
                 reqs[i].block_ids.extend(new_blocks)
                 new_block_ids[i] = new_blocks
         cached = CachedRequestData(list(batch.ids), new_block_ids, computed.tolist())
-        return batch, cached, dict.fromkeys(batch.ids, q), self.max_num_batched_tokens - n * q
+        return batch, cached, dict.fromkeys(batch.ids, q), self.max_num_batched_tokens - n * q, (computed, held)
 
-    def _advance_decodes(self, so: SchedulerOutput, batch: _DecodeBatch) -> None:
-        """`_advance_in_flight` of a fast plan: every request decodes, so each samples."""
-        q = 1 + self.num_speculative_tokens
+    def _advance_decodes(self, so: SchedulerOutput, batch: _DecodeBatch, computed: np.ndarray,
+                         held: np.ndarray) -> None:
+        """`_advance_in_flight` of a fast plan (`computed`, `held`: its requests' counts as planned):
+        every request decodes, so each samples."""
         reqs = batch.reqs
-        _scatter(reqs, "num_computed_tokens", _gather(_NUM_COMPUTED, reqs) + q)
-        _scatter(reqs, "num_output_placeholders", _gather(_PLACEHOLDERS, reqs) + 1)
+        _scatter(reqs, "num_computed_tokens", computed + (1 + self.num_speculative_tokens))
+        _scatter(reqs, "num_output_placeholders", held + 1)
         self._in_flight.append(_Launched(so, batch.id_set, batch.id_set, batch, self.num_preemptions))
 
     def _schedule_running(
@@ -854,18 +859,19 @@ class Scheduler:
             return None
         sampled = tokens[rows]
         prefix_caching = isinstance(self.block_allocator, PrefixCachingAllocator)
-        if launched is not None and prefix_caching:
-            self._cache_filled(reqs, ids, num_prompt)  # the blocks the previous output filled
         num_outputs = _gather_len(_OUTPUTS, reqs)
+        computed = _gather(_NUM_COMPUTED, reqs)
+        if launched is not None and prefix_caching:  # the blocks the previous output filled
+            self._cache_filled(reqs, ids, num_prompt + num_outputs, computed)
         # Requests this token may end (`Request.stop_status`), or that get their first token.
         special = ((num_outputs == 0) | (num_outputs + 1 >= max_tokens)
                    | (num_prompt + num_outputs + 1 >= self.max_model_len) | np.isin(sampled, batch.stop_ids))
-        plain_reqs = reqs
+        plain_reqs, plain_computed = reqs, computed
         if special.any():
             plain_reqs = list(compress(reqs, (~special).tolist()))
-            sampled = sampled[~special]
+            sampled, plain_computed = sampled[~special], computed[~special]
         if launched is None:
-            _scatter(plain_reqs, "num_computed_tokens", _gather(_NUM_COMPUTED, plain_reqs) + 1)
+            _scatter(plain_reqs, "num_computed_tokens", plain_computed + 1)
         else:
             _scatter(plain_reqs, "num_output_placeholders", _gather(_PLACEHOLDERS, plain_reqs) - 1)
         for _ in map(list.append, map(_OUTPUTS, plain_reqs), sampled.tolist()):
@@ -879,19 +885,21 @@ class Scheduler:
             if out is not None:
                 finished.append(out)
         if launched is None and prefix_caching:
+            # Each request not finished now has one more token, and one more computed.
+            num_tokens, computed = num_prompt + num_outputs + 1, computed + 1
             if finished:
-                keep = list(map(self.requests.__contains__, ids))
-                reqs, ids = list(compress(reqs, keep)), list(compress(ids, keep))
-                num_prompt = num_prompt[np.array(keep)]
-            self._cache_filled(reqs, ids, num_prompt)
+                keep = np.fromiter(map(self.requests.__contains__, ids), bool, len(ids))
+                mask = keep.tolist()
+                reqs, ids = list(compress(reqs, mask)), list(compress(ids, mask))
+                num_tokens, computed = num_tokens[keep], computed[keep]
+            self._cache_filled(reqs, ids, num_tokens, computed)
         return finished
 
-    def _cache_filled(self, reqs: list[Request], ids: list[str], num_prompt: np.ndarray) -> None:
-        """`cache_filled_blocks` for live running requests, with array operations."""
+    def _cache_filled(self, reqs: list[Request], ids: list[str], num_tokens: np.ndarray, computed: np.ndarray) -> None:
+        """`cache_filled_blocks` for live running requests (their token and computed counts), with
+        array operations."""
         bs = self.block_size
-        num_tokens = num_prompt + _gather_len(_OUTPUTS, reqs)
-        full = np.minimum(np.minimum(_gather(_NUM_COMPUTED, reqs), num_tokens - 1),
-                          _gather_len(_BLOCKS, reqs) * bs) // bs
+        full = np.minimum(np.minimum(computed, num_tokens - 1), _gather_len(_BLOCKS, reqs) * bs) // bs
         known = np.fromiter(map(self.cached_blocks.get, ids, repeat(0)), np.int64, len(ids))
         alloc = self.block_allocator
         assert isinstance(alloc, PrefixCachingAllocator)
