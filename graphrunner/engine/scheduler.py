@@ -860,7 +860,8 @@ class Scheduler:
         sampled = tokens[rows]
         prefix_caching = isinstance(self.block_allocator, PrefixCachingAllocator)
         num_outputs = _gather_len(_OUTPUTS, reqs)
-        computed = _gather(_NUM_COMPUTED, reqs)
+        # Async applies no computed count (one token per decode: nothing rejected), so reads it only to cache blocks.
+        computed = _gather(_NUM_COMPUTED, reqs) if launched is None or prefix_caching else num_outputs
         if launched is not None and prefix_caching:  # the blocks the previous output filled
             self._cache_filled(reqs, ids, num_prompt + num_outputs, computed)
         # Requests this token may end (`Request.stop_status`), or that get their first token.
