@@ -278,8 +278,9 @@ class Scheduler:
         if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
             self.block_allocator.on_evict = kv_connector.block_evicted
         # Steady decode (every running request decodes, nothing waits): plans and outputs as array
-        # operations over the batch instead of ~10 Python calls per request and step (256 requests
-        # on a CPU: ~600 us of host work per step the general way). False: always the general path.
+        # operations over the batch instead of ~10 Python calls per request and step. 256 decoding
+        # requests, schedule + update on a CPU: 600 -> 130 us per step sync, 770 -> 190 us async.
+        # False: always the general path.
         self._fast_decode = True
         self._batch: _DecodeBatch | None = None  # the running requests as of the last fast plan
         self._fast_plan: tuple[SchedulerOutput, _DecodeBatch] | None = None  # sync: the latest fast plan
