@@ -28,6 +28,21 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def _check_ints(obj: object, names: tuple[str, ...], minimum: int) -> None:
+    """ValueError naming the first of `names` on `obj` that is not an int (bools excluded) >= `minimum`."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _check_bools(obj: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of `names` on `obj` that is not a bool."""
+    for name in names:
+        if not isinstance(getattr(obj, name), bool):
+            raise ValueError(f"{name}={getattr(obj, name)!r} must be a bool")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
     """`"auto"`/None -> bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
     if isinstance(dtype, torch.dtype):
@@ -135,15 +150,9 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        shared = self.shared_expert_intermediate_size
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ValueError(f"shared_expert_intermediate_size={shared!r} must be an int >= 0")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+        _check_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"), 1)
+        _check_ints(self, ("shared_expert_intermediate_size",), 0)
+        _check_bools(self, ("norm_topk_prob",))
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be <= num_experts={self.num_experts}"
@@ -188,19 +197,14 @@ class ModelConfig:
     vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        _check_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "num_key_value_heads", "head_dim", "max_position_embeddings"), 1)
         for name in ("rms_norm_eps", "rope_theta"):  # eps < 0 or theta <= 0 give NaN logits
             value = getattr(self, name)
             finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not (finite and value > 0):
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
-        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        _check_bools(self, ("tie_word_embeddings", "attention_bias", "qk_norm"))
         eos = self.eos_token_id
         if not isinstance(eos, tuple) or not all(type(t) is int and t >= 0 for t in eos):
             raise ValueError(f"eos_token_id={eos!r} must be a tuple of token ids (ints >= 0)")
@@ -347,20 +351,14 @@ class ParallelConfig:
     eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders", "enable_expert_parallel",
-                     "enable_eplb"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "prefill_context_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "eplb_window_size",
-                     "eplb_step_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        _check_bools(self, ("data_parallel_lockstep", "enable_dbo", "pp_token_placeholders", "enable_expert_parallel",
+                            "enable_eplb"))
+        _check_ints(self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                           "prefill_context_parallel_size", "decode_context_parallel_size",
+                           "cp_kv_cache_interleave_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
+                           "eplb_window_size", "eplb_step_interval"), 1)
+        _check_ints(self, ("num_redundant_experts",), 0)
         r = self.num_redundant_experts
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"num_redundant_experts={r!r} must be an int >= 0")
         if (self.enable_eplb or r) and not self.enable_expert_parallel:
             raise ValueError(f"enable_eplb={self.enable_eplb}, num_redundant_experts={r} need "
                              "enable_expert_parallel=True: EPLB places whole experts on ranks")
@@ -630,10 +628,7 @@ class LoRAConfig:
     lora_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        _check_ints(self, ("max_loras", "max_lora_rank"), 1)
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} exceeds the largest supported rank {MAX_LORA_RANK}")
         if self.max_cpu_loras is None:
