@@ -166,7 +166,8 @@ def test_expert_parallel_size_must_divide_the_experts():
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_gpu_bf16_greedy_matches_transformers(arch, tmp_path):
     """CUDA, bf16, the Triton MoE kernels (eager and FULL graphs) against transformers' own
-    bf16 experts on the same GPU: the first 16 greedy tokens agree."""
+    bf16 experts on the same GPU: the first 16 greedy tokens agree, except where the two orders of
+    bf16 summation split a near-tie (one qwen2_moe prompt's 16th token: 411 against 20)."""
     path = make_hf_checkpoint(arch, tmp_path, seed=6)
     from transformers import AutoModelForCausalLM
 
@@ -181,8 +182,23 @@ def test_gpu_bf16_greedy_matches_transformers(arch, tmp_path):
             ids = torch.tensor([prompt], device="cuda")
             with torch.inference_mode():
                 want = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(prompt):]
-            assert out.token_ids == want.tolist(), (arch, eager, prompt)
+            _assert_greedy_agrees_up_to_near_ties(hf, prompt, out.token_ids, want.tolist(), (arch, eager))
         llm.shutdown()
+
+
+def _assert_greedy_agrees_up_to_near_ties(hf, prompt, got, want, where, max_gap=0.125):
+    """Equal token lists, or equal up to a first difference where transformers' own logits (teacher-forced
+    on the common prefix) rank the two tokens first and second, within `max_gap` (a few bf16 steps at the logits'
+    scale) of its choice; past that point the two continuations legitimately differ."""
+    if got == want:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    ids = torch.tensor([prompt + want[:i]], device="cuda")
+    with torch.inference_mode():
+        logits = hf(ids).logits[0, -1].float()
+    top2 = set(logits.topk(2).indices.tolist())  # a full prefill may order an exact tie either way
+    gap = abs(float(logits[want[i]] - logits[got[i]]))
+    assert top2 == {want[i], got[i]} and gap <= max_gap, (where, prompt, i, got[i], want[i], top2, gap)
 
 
 @pytest.mark.gpu

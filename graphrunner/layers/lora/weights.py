@@ -125,7 +125,9 @@ class LoraWeights:
         """out [T, N_local] += each token row's adapter of x [T, K_local] (in place)."""
         T, buf = x.shape[0], self.buffers
         if self.use_triton:
-            torch.ops.graphrunner.lora_shrink_expand(x, out, self.a, self.b, buf.sorted_tokens[:T], buf.starts,
+            # The whole buffer, not `[:T]`: the kernels read rows below starts[L] <= T only, and a slice
+            # by the traced token count is a new unbacked size that inductor's pieces refuse.
+            torch.ops.graphrunner.lora_shrink_expand(x, out, self.a, self.b, buf.sorted_tokens, buf.starts,
                                                      self.slice_table, self.max_slice)
         else:
             lora_reference(x, out, self.a, self.b, buf.token_slot[:T], self.slice_bounds)
