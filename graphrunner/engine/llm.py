@@ -137,6 +137,10 @@ class LLM(PoolingAPI):
             {"shared_storage_path": DIR}} or {"kv_connector": "CpuOffloadConnector", "kv_connector_extra_config":
             {"cpu_bytes": N}} (`KVTransferConfig`; None: off). Loaded prompt tokens count in
             `RequestOutput.num_cached_tokens`. See docs/kv_transfer.md.
+        quantization: "fp8" quantizes the decoder's linear weights to e4m3 at load (per output channel,
+            dynamic per-token activations; vLLM's name); None (default) keeps the checkpoint's own: a
+            pre-quantized fp8 checkpoint (compressed-tensors or block-wise fp8) loads as published.
+            See docs/quantization.md.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -190,6 +194,7 @@ class LLM(PoolingAPI):
         pooler_config: Any = None,
         enable_prompt_embeds: bool = False,
         kv_transfer_config: KVTransferConfig | Mapping[str, Any] | None = None,
+        quantization: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
@@ -230,7 +235,7 @@ class LLM(PoolingAPI):
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer)
+            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer, quantization=quantization)
         self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
         if enable_prompt_embeds or self.config.model.vision is not None:
             from graphrunner.multimodal.inputs import InputProcessor
