@@ -283,7 +283,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 config, self.rotary_emb, attn_backend, dtype=dtype, device=device,
-                layer_index=i - self.start_layer, global_index=i, tp=tp, kernel=kernel, quant_prefix=f"model.layers.{i}.",
+                layer_index=i - self.start_layer, global_index=i, tp=tp, kernel=kernel,
+                quant_prefix=f"model.layers.{i}.",
             )
             if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
