@@ -237,7 +237,8 @@ def test_graph_modes_equal_eager_with_fp8_weights(llama):
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported; supported: ['compressed-tensors', 'fp8']"),
+    ({"quant_method": "awq", "bits": 4},
+     "quant_method='awq' is not supported; supported: ['compressed-tensors', 'fp8']"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size=[128] must be [rows, columns]"),
     (_compressed_tensors("channel", None), "input_activations is null"),
@@ -263,7 +264,8 @@ def test_missing_or_misshaped_scale_tensor_is_named(llama, tmp_path):
     tensors = load_file(file)
     scale = tensors.pop("model.layers.1.mlp.down_proj.weight_scale")
     save_file(tensors, file)
-    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): \['model.layers.1.mlp.down_proj.weight_scale'\]"):
+    missing = r"missing 1 tensor\(s\): \['model.layers.1.mlp.down_proj.weight_scale'\]"
+    with pytest.raises(CheckpointError, match=missing):
         LLM(str(tmp_path / "fp8"), **KW)
     tensors["model.layers.1.mlp.down_proj.weight_scale"] = scale[:10]
     save_file(tensors, file)
