@@ -603,7 +603,8 @@ class LLM(PoolingAPI):
                                                      lora_request=loras[i] if loras is not None else None,
                                                      extras=planned.extras[i] if planned.extras else None)
                     added.append(req.req_id)
-                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
+                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids,
+                                         child_params.allowed_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
                                           planned.params[i], children, stream)
                 req_ids.append(planned.all_ids[i])
