@@ -341,7 +341,7 @@ def test_gemv_interpreted(n, k, kind, bn, bk, tile, bias, seed):
 
 
 @needs_triton
-@given(m=st.integers(2, 20), n=st.integers(1, 40), k=st.integers(1, 80), kind=kernel_kinds, bn=st.integers(1, 20),
+@given(m=st.integers(2, 20), n=st.integers(1, 40), k=st.integers(33, 90), kind=kernel_kinds, bn=st.integers(1, 20),
        bk=st.sampled_from([16, 32]), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_gemm_interpreted(m, n, k, kind, bn, bk, bias, seed):
     block = (bn, bk) if kind == "block" else None
