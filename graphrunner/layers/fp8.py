@@ -24,7 +24,7 @@ The CUDA paths (`fp8_linear`), chosen on the real shapes at run time inside one 
   (`_act_quant_kernel`). _scaled_mm needs K and N multiples of 16 and a bf16 output; other cases
   run the Triton GEMM below.
 - several rows, block scales (and the cases above that _scaled_mm refuses): `fp8_gemm_triton`,
-  one program per (BLOCK_M, BLOCK_N) output tile with fp8 `tl.dot` (wgmma on sm_90). In the block
+  one program per (BLOCK_M, BLOCK_N) output tile with fp8 `tl.dot` (tensor-core mma). In the block
   format BLOCK_K equals the group bk: each K step quantizes its x tile per row (the group's amax
   is the tile row's), multiplies, and adds the fp32 partial product times both tile scales. With
   per-token scales a first pass over the program's rows of x finds their amax.

@@ -352,6 +352,18 @@ def test_gemm_interpreted(m, n, k, kind, bn, bk, bias, seed):
     _check_against_reference(y, x, w_q, w_scale, b, block, input_scale, f"gemm {kind}")
 
 
+@needs_triton
+@pytest.mark.parametrize("block", [(12, 32), (1, 16), (40, 16)])
+def test_block_kernels_interpreted(block):
+    """The block format on fixed ragged shapes (K = 90: partial last group; N = 37: partial last
+    BLOCK_N and weight row block), so every run multiplies several K groups' scales."""
+    x, w_q, w_scale, b, _ = _case(5, 37, 90, block, "block", True, sum(block))
+    y = fp8_gemm_triton(x, w_q, w_scale, b, block=block, tile=(16, 16, block[1], 4))
+    _check_against_reference(y, x, w_q, w_scale, b, block, None, f"gemm {block}")
+    y1 = fp8_gemv_triton(x[2:3], w_q, w_scale, b, (8, 32, 4), block=block)
+    _check_against_reference(y1, x[2:3], w_q, w_scale, b, block, None, f"gemv {block}")
+
+
 def _ties_and_grid() -> torch.Tensor:
     """Every finite e4m3 value, the midpoints between neighbours (ties), values just off them, and
     values past 448: x / 1.0 must round as torch rounds."""
