@@ -1,8 +1,8 @@
 """The fused mixture-of-experts kernels: routing, token-to-expert alignment, two grouped GEMMs and the top-k sum.
 
 A MoE layer call is five launches (three at decode: the direct path below), each with a grid that
-depends on the token count T and static configuration only, never on the routing, so one CUDA-graph capture at T replays correctly for any
-routing (no host synchronisation, no `.item()`, no data-dependent shape):
+depends on the token count T and static configuration only, never on the routing, so one CUDA-graph
+capture at T replays correctly for any routing (no host synchronisation, no `.item()`, no data-dependent shape):
 
 1. `route`: softmax over the experts (fp32), the top-k by iterative argmax-and-mask, optional
    renormalisation; one program per block of token rows.
