@@ -8,10 +8,9 @@ Takes the engine options of `graphrunner generate` (vLLM's names: -tp, --max-mod
 --gpu-memory-utilization, ...). Async scheduling is on by default here. Needs the `serve`
 extra: pip install 'graphrunner[serve]'.
 
-    graphrunner serve MODEL --lora-modules sql=/adapters/sql chat=/adapters/chat --max-loras 2
-
-serves two LoRA adapters as well (implies --enable-lora): a request's `model` field picks one by
-name, or the base model by its served name; GET /v1/models lists them all.
+With `--lora-modules sql=/adapters/sql chat=/adapters/chat` it serves two LoRA adapters as well
+(implies --enable-lora): a request's `model` field picks one by name, or the base model by its
+served name; GET /v1/models lists them all.
 """
 
 from __future__ import annotations

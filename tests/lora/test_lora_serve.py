@@ -155,13 +155,14 @@ def test_lora_modules_are_checked_and_numbered(world, tmp_path):
                                     max_lora_rank=8)
     assert loras == [LoRARequest("b", 1, adapters["chat"]), LoRARequest("a", 2, adapters["sql"])]
     (tmp_path / "empty").mkdir()
-    for modules, why in (([("a", str(tmp_path / "gone"))], r"--lora-modules a=.*gone: adapter folder .* does not exist"),
-                         ([("a", str(tmp_path / "empty"))], r"--lora-modules a=.*empty: .* has no adapter_config.json"),
-                         ([("a", adapters["sql"]), ("a", adapters["chat"])], "the name 'a' is given twice"),
-                         ([("m", adapters["sql"])], "'m' is the base model's name"),
-                         ([("a", adapters["sql"])], r"has rank 8, above --max-lora-rank=4")):
+    cases = [([("a", str(tmp_path / "gone"))], r"--lora-modules a=.*gone: adapter folder .* does not exist", 8),
+             ([("a", str(tmp_path / "empty"))], r"--lora-modules a=.*empty: .* has no adapter_config.json", 8),
+             ([("a", adapters["sql"]), ("a", adapters["chat"])], "the name 'a' is given twice", 8),
+             ([("m", adapters["sql"])], "'m' is the base model's name", 8),
+             ([("a", adapters["sql"])], r"--lora-modules a=.*sql: .* has rank 8, above --max-lora-rank=4", 4)]
+    for modules, why, max_rank in cases:
         with pytest.raises(ValueError, match=why):
-            serve_cli.lora_requests(modules, base_names=("m",), max_lora_rank=4 if "rank" in why else 8)
+            serve_cli.lora_requests(modules, base_names=("m",), max_lora_rank=max_rank)
 
 
 def test_serve_lora_modules_imply_enable_lora_and_fail_before_the_model_loads(world, monkeypatch, tmp_path):
