@@ -161,6 +161,15 @@ def _register_simulate(sub: argparse._SubParsersAction) -> None:
                         "consecutive steps to use disjoint requests; the trace's steps are taken as-is")
     p.add_argument("--step-overhead-tokens", type=int, default=0, metavar="N",
                    help="fixed work of every step, in tokens, added to its padded tokens (with -pp P > 1)")
+    p.add_argument("--num-experts", type=int, default=0, metavar="E",
+                   help="with E > 0, also route the trace's tokens over E experts and report the per-rank expert "
+                        "load (max/mean) of --ep-size ranks with the static placement and with EPLB's")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (with --num-experts)")
+    p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks (with --num-experts)")
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="EPLB's extra physical expert slots (with --num-experts)")
+    p.add_argument("--router-skew", type=float, default=1.0,
+                   help="Zipf exponent of expert popularity (0: uniform; with --num-experts)")
 
 
 def _register_kernels(sub: argparse._SubParsersAction) -> None:
@@ -345,6 +354,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from graphrunner_tools.inspect.table import header_lines
 
     check_pipeline_args(args.pp_size, args.step_overhead_tokens)
+    if args.num_experts:
+        from graphrunner_tools.inspect.experts import check_expert_args
+
+        check_expert_args(args.num_experts, args.top_k, args.ep_size, args.num_redundant_experts, args.router_skew)
     if args.plot:
         require_plot()  # fail before the work, not after
     built = _built_table(args)
@@ -377,10 +390,18 @@ def _run_simulate(args: argparse.Namespace) -> int:
     result = simulate(built.table, shapes, source)
     pipe = (simulate_pipeline([s.run_tokens for s in result.steps], args.pp_size, args.step_overhead_tokens)
             if args.pp_size > 1 else None)
+    experts = None
+    if args.num_experts:
+        from graphrunner_tools.inspect.experts import expert_load_text, simulate_expert_load
+
+        experts = simulate_expert_load([s.real_tokens for s in result.steps], args.num_experts, args.top_k,
+                                       args.ep_size, args.num_redundant_experts, args.router_skew, args.seed)
     if args.json:
-        print_json(result.to_dict(args.top) | ({"pipeline": pipe.to_dict()} if pipe else {}))
+        print_json(result.to_dict(args.top) | ({"pipeline": pipe.to_dict()} if pipe else {})
+                   | ({"expert_load": experts.to_dict()} if experts else {}))
     else:
-        print(simulation_text(result, header_lines(built), args.top) + (f"\n\n{pipeline_text(pipe)}" if pipe else ""))
+        print(simulation_text(result, header_lines(built), args.top) + (f"\n\n{pipeline_text(pipe)}" if pipe else "")
+              + (f"\n\n{expert_load_text(experts)}" if experts else ""))
     if args.plot:
         from graphrunner_tools.inspect.simulate import plot_simulation
 
