@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.layers.lora.kernels import lora_reference, lora_shrink_expand
+from graphrunner.layers.lora.kernels import lora_k_splits, lora_reference, lora_shrink_expand
 from graphrunner.layers.lora.weights import LoraBuffers
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -59,7 +59,7 @@ cases = st.fixed_dictionaries({
     "num_slots": st.integers(1, 4),
     "slice_sizes": st.lists(st.sampled_from([8, 16, 24, 40]), min_size=1, max_size=3),
     "rank": st.sampled_from([8, 16]),
-    "in_features": st.sampled_from([16, 40, 64]),
+    "in_features": st.sampled_from([16, 40, 64, 1100]),  # 1100: the shrink splits K in 3 (decode)
     "seed": st.integers(0, 2**16),
 })
 
@@ -105,6 +105,11 @@ def test_kernels_match_the_reference(case):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     base = buffers.token_slot[:T] < 0
     assert torch.equal(got[base], out[base])  # rows without an adapter: untouched
+
+
+def test_decode_splits_k_and_prefill_does_not():
+    assert lora_k_splits(1, 14336) == 28 and lora_k_splits(64, 4096) == 8 and lora_k_splits(16, 300) == 1
+    assert lora_k_splits(65, 14336) == 1 and lora_k_splits(1, 10 ** 6) == 32
 
 
 def test_upload_groups_rows_by_slot():
