@@ -20,7 +20,10 @@ graph-safe: no host sync, no value-dependent shapes, writes in place; their torc
 An fp8 cache (dtype float8_e4m3fn) gets each key as `clamp(k / k_scale, -448, 448)` rounded to
 e4m3, and each value likewise with `v_scale` (`kv_scale`: the layer's [2] fp32 tensor, read on
 the device so a captured graph follows a rewritten scale); the division is IEEE-rounded
-(`div_rn`) so that the kernels store exactly what `write_kv_torch` stores.
+(`div_rn`) so that the kernels store exactly what `write_kv_torch` stores. On a GPU the cast is the
+hardware's round-to-nearest-even; the interpreter's own fp32 -> fp8 cast rounds ties up and loses
+the carry into the exponent (124.9 became 64), so for CPU tensors the kernels round to the e4m3 grid
+in fp32 first (`fp8_mode` 2), after which its cast is exact.
 
 `write_kv` picks the Triton kernel for CUDA tensors when triton imports, else the torch path.
 """
@@ -41,6 +44,15 @@ from graphrunner.attention.torch_ref import (
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
 
+
+def fp8_mode(kv_cache: torch.Tensor) -> int:
+    """The kernels' FP8 switch: 0 for a cache of the model's dtype, 1 for fp8 on a GPU (the hardware
+    cast), 2 for fp8 in the interpreter (rounded to the e4m3 grid before its cast; module docstring)."""
+    if not is_fp8_cache(kv_cache):
+        return 0
+    return 1 if kv_cache.is_cuda else 2
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -48,12 +60,28 @@ if HAS_TRITON:
     from graphrunner.kernels.pdl import pdl_wait
 
     _FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_KV_MAX)
+    _RINT_MAGIC_C: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds |y| < 2^22 to even
 
     @triton.jit
-    def quantize_fp8_kv(x, scale, ty):
-        """fp32 `x / scale` (IEEE-rounded), clamped to +-448, cast to the fp8 cache dtype `ty`."""
+    def _round_to_e4m3_grid(q):
+        """fp32 `q` (|q| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the
+        grid step is 2^(e - 3) for q's exponent e, and 2^-9 below e4m3's smallest normal 2^-6."""
+        exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.maximum(exponent, -6) - 3  # in [-9, 5]: both powers below are normal fp32
+        down = ((127 - step) << 23).to(tl.float32, bitcast=True)  # 2^-step
+        up = ((127 + step) << 23).to(tl.float32, bitcast=True)  # 2^step
+        r = ((q * down + _RINT_MAGIC_C) - _RINT_MAGIC_C) * up  # |q * down| < 16: exact scalings
+        return tl.where(r == 0.0, q * 0.0, r)  # keep the sign of a zero, as the cast does
+
+    @triton.jit
+    def quantize_fp8_kv(x, scale, ty, MODE: tl.constexpr):
+        """fp32 `x / scale` (IEEE-rounded), clamped to +-448, cast to the fp8 cache dtype `ty`
+        (`MODE` 2: rounded to the e4m3 grid first, for the interpreter; module docstring)."""
         q = tl.math.div_rn(x.to(tl.float32), scale)
-        return tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C).to(ty)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C)
+        if MODE == 2:
+            q = _round_to_e4m3_grid(q)
+        return q.to(ty)
 
     @triton.jit
     def _write_kv_kernel(
@@ -78,7 +106,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         H_PAD: tl.constexpr,
         D_PAD: tl.constexpr,
-        FP8: tl.constexpr,  # the cache stores quantized e4m3 (module docstring)
+        FP8: tl.constexpr,  # fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)  # int64
@@ -94,8 +122,8 @@ if HAS_TRITON:
         dst = cache_ptr + blk * stride_c_blk + off * stride_c_off + h * stride_c_h + d * stride_c_d
         ty = cache_ptr.dtype.element_ty
         if FP8:
-            tl.store(dst, quantize_fp8_kv(k, tl.load(scale_ptr), ty), mask=mask)
-            tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), ty), mask=mask)
+            tl.store(dst, quantize_fp8_kv(k, tl.load(scale_ptr), ty, FP8), mask=mask)
+            tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), ty, FP8), mask=mask)
         else:
             tl.store(dst, k.to(ty), mask=mask)
             tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
@@ -117,7 +145,7 @@ if HAS_TRITON:
         HKV_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
         GDC: tl.constexpr,  # launched with PDL (graphrunner.kernels.pdl): wait before the first access
-        FP8: tl.constexpr,  # the cache stores quantized e4m3 (module docstring)
+        FP8: tl.constexpr,  # fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         t = tl.program_id(0).to(tl.int64)
         pdl_wait(GDC)
@@ -156,10 +184,10 @@ if HAS_TRITON:
         if FP8:
             k_scale = tl.load(scale_ptr)
             v_scale = tl.load(scale_ptr + 1)
-            tl.store(kdst, quantize_fp8_kv(k_lo, k_scale, cty), mask=kv_mask)
-            tl.store(kdst + HALF * stride_c_d, quantize_fp8_kv(k_hi, k_scale, cty), mask=kv_mask)
-            tl.store(kdst + stride_c_kv, quantize_fp8_kv(v1, v_scale, cty), mask=kv_mask)
-            tl.store(kdst + stride_c_kv + HALF * stride_c_d, quantize_fp8_kv(v2, v_scale, cty), mask=kv_mask)
+            tl.store(kdst, quantize_fp8_kv(k_lo, k_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + HALF * stride_c_d, quantize_fp8_kv(k_hi, k_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + stride_c_kv, quantize_fp8_kv(v1, v_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + stride_c_kv + HALF * stride_c_d, quantize_fp8_kv(v2, v_scale, cty, FP8), mask=kv_mask)
         else:
             tl.store(kdst, k_lo.to(cty), mask=kv_mask)
             tl.store(kdst + HALF * stride_c_d, k_hi.to(cty), mask=kv_mask)
@@ -182,7 +210,7 @@ def write_kv_triton(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    fp8 = is_fp8_cache(kv_cache)
+    fp8 = fp8_mode(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -227,7 +255,7 @@ def rope_write_kv_triton(
         return q_rot
     num_kv_heads = k.shape[1]
     launch = pdl_launch(num_tokens, pdl_rows)
-    fp8 = is_fp8_cache(kv_cache)
+    fp8 = fp8_mode(kv_cache)
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, q_rot, kv_cache,
         kv_scale_pair(kv_scale, kv_cache.device) if fp8 else cos_sin,  # unread without FP8

@@ -54,13 +54,12 @@ import dataclasses
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.kv_write import rope_write_kv_triton, write_kv_triton
+from graphrunner.attention.kv_write import fp8_mode, rope_write_kv_triton, write_kv_triton
 from graphrunner.attention.torch_ref import (
     WriteThenAttendBackend,
     check_attention_args,
     check_kv_scale,
     check_rope_args,
-    is_fp8_cache,
     kv_scale_pair,
 )
 from graphrunner.config import MAX_KV_SPLITS, KernelConfig
@@ -169,8 +168,8 @@ if HAS_TRITON:
             dst = (kv_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                    + kvh.to(tl.int64) * stride_c_h + d * stride_c_d)
             if FP8:
-                tl.store(dst, quantize_fp8_kv(k_rot, tl.load(scale_ptr), cty), mask=mask)
-                tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), cty), mask=mask)
+                tl.store(dst, quantize_fp8_kv(k_rot, tl.load(scale_ptr), cty, FP8), mask=mask)
+                tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), cty, FP8), mask=mask)
             else:
                 tl.store(dst, k_rot.to(cty), mask=mask)
                 tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
@@ -390,7 +389,7 @@ if HAS_TRITON:
         ROPE_KV: tl.constexpr,  # decode batch, q unrotated: rotate here and write the new k / v (rope_kv)
         GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
         DECODE_GRID: tl.constexpr,  # program b serves request b's tiles (attention_launch_plan)
-        FP8: tl.constexpr,  # the cache stores quantized e4m3 (module docstring)
+        FP8: tl.constexpr,  # kv_write.fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -645,7 +644,7 @@ def paged_attention_triton(
     if rope_kv is not None and not by_request:
         raise ValueError("rope_kv needs the decode grid: a request's keys are written by the programs that read them")
     num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]
-    fp8 = is_fp8_cache(kv_cache)
+    fp8 = fp8_mode(kv_cache)
     _paged_attn_kernel[(num_programs, num_kv_heads, splits)](
         q,
         kv_cache,
