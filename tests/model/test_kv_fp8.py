@@ -280,6 +280,24 @@ def test_model_fp8_graph_modes_equal_eager(eager_fp8, mode):
         assert lps == pytest.approx(ref, rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2},
+    {"method": "eagle3", "model": "builtin:eagle3-tiny-llama", "num_speculative_tokens": 2},
+])
+def test_speculative_drafters_store_their_kv_in_fp8_too(eager_fp8, spec):
+    """A draft model's or EAGLE head's cache follows the target's dtype, and greedy verification
+    keeps the fp8 run's tokens."""
+    from graphrunner import LLM, SamplingParams
+
+    _, want = eager_fp8
+    llm = LLM("builtin:tiny-llama", kv_cache_dtype="fp8", speculative_config=spec, enforce_eager=True, **ENGINE)
+    assert llm.runner.buffers.draft_kv_caches and all(
+        c.dtype == FP8_KV_DTYPE for c in llm.runner.buffers.draft_kv_caches)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [t for t, _ in want]
+
+
 # --------------------------------------------------------------------------- checkpoint scales
 
 
