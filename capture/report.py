@@ -22,6 +22,9 @@ class CaptureRecord:
     pool_bytes: int  # growth of reserved device memory while capturing this graph
     num_nodes: int | None = None  # graph nodes, where the torch version can tell
     kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> count in the graph
+    # Triton kernels specialized (compiled, or loaded from its disk cache) while capturing this graph:
+    # first launches of a new (kernel, constexprs) pair (capture.jit_events); None: not counted.
+    jit_kernels: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,10 +111,11 @@ class CaptureReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        lines = [f"{'graph':<34} {'seconds':>8} {'pool MiB':>9} {'nodes':>6}"]
+        lines = [f"{'graph':<34} {'seconds':>8} {'pool MiB':>9} {'nodes':>6} {'jit':>4}"]
         for r in self.records:
             nodes = "-" if r.num_nodes is None else str(r.num_nodes)
-            lines.append(f"{r.key:<34} {r.seconds:>8.3f} {r.pool_bytes / (1 << 20):>9.1f} {nodes:>6}")
+            jit = "-" if r.jit_kernels is None else str(r.jit_kernels)
+            lines.append(f"{r.key:<34} {r.seconds:>8.3f} {r.pool_bytes / (1 << 20):>9.1f} {nodes:>6} {jit:>4}")
         lines.append(
             f"{self.num_graphs} graphs ({self.mode}) on {self.device} in {self.total_seconds:.2f} s "
             f"(+ {self.compile_seconds:.2f} s compile); "

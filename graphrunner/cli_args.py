@@ -84,6 +84,15 @@ def runner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _RUNNER_FIELDS}
 
 
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    """--quantization (vLLM's flag): `LLM(quantization=...)`."""
+    from graphrunner.config import QUANT_METHODS
+
+    p.add_argument("--quantization", choices=QUANT_METHODS, default=None,
+                   help="fp8: quantize the decoder's linear weights to e4m3 at load (vLLM's option); "
+                        "unset: the checkpoint's own, if any")
+
+
 def add_limit_args(p: argparse.ArgumentParser, *, help: dict[str, str] | None = None, **defaults: int | None) -> None:
     """The scheduler limits named in `defaults`, in that order: `max_num_seqs=64` adds
     --max-num-seqs with default 64. `help` adds to a limit's help text."""

@@ -180,6 +180,77 @@ class MoEConfig:
         return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
 
 
+QUANT_METHODS = ("fp8",)
+FP8_WEIGHT_SCALES = ("channel", "tensor", "block")
+FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """fp8 (e4m3) weights of the decoder's linear layers (q|k|v, o, gate|up, down); the embedding,
+    the LM head and the norms stay in the model dtype.
+
+    `weight_scale`: "channel" (one fp32 scale per output row), "tensor" (one per checkpoint tensor,
+    held per row, so fused q|k|v keeps each part's scale exactly) or "block" (one per
+    `block_size` = (rows, columns) tile, the format Qwen3-FP8 and DeepSeek publish).
+    `activation_scheme`: "dynamic" quantizes each token row at run time (per row, or per
+    `block_size[1]` columns of a row with block scales); "static" uses the checkpoint's
+    `input_scale`. `prequantized`: the checkpoint holds the fp8 weights and their scales; else the
+    model-dtype weights are quantized once, after loading (`LLM(quantization="fp8")`). `ignore`:
+    module names (exact, or "re:" + a regular expression, as compressed-tensors writes them) kept
+    in the model dtype.
+    """
+
+    method: str = "fp8"
+    weight_scale: str = "channel"
+    block_size: tuple[int, int] | None = None
+    activation_scheme: str = "dynamic"
+    prequantized: bool = False
+    ignore: tuple[str, ...] = ()
+    # The checkpoint's name of a weight's scale tensor: "weight_scale", or "weight_scale_inv" (the fp8
+    # block format's name; it holds the same multiplier, dequantized = fp8 value * scale).
+    scale_name: str = "weight_scale"
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"quantization method {self.method!r} is not supported; supported: {list(QUANT_METHODS)}")
+        if self.weight_scale not in FP8_WEIGHT_SCALES:
+            raise ValueError(f"weight_scale={self.weight_scale!r} must be one of {list(FP8_WEIGHT_SCALES)}")
+        if self.activation_scheme not in FP8_ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"activation_scheme={self.activation_scheme!r} must be one of {list(FP8_ACTIVATION_SCHEMES)}")
+        block = self.block_size
+        if (block is None) != (self.weight_scale != "block"):
+            raise ValueError(f"block_size={block!r} must be set exactly when weight_scale='block'")
+        if block is not None and not (isinstance(block, tuple) and len(block) == 2
+                                      and all(type(b) is int and b > 0 for b in block)):
+            raise ValueError(f"block_size={block!r} must be a pair of ints > 0 (rows, columns)")
+        if block is not None and self.activation_scheme != "dynamic":
+            raise ValueError("block-wise fp8 weights take dynamic activation scales only "
+                             f"(activation_scheme={self.activation_scheme!r})")
+        _check_bools(self, ("prequantized",))
+        if not (isinstance(self.ignore, tuple) and all(isinstance(n, str) for n in self.ignore)):
+            raise ValueError(f"ignore={self.ignore!r} must be a tuple of module names")
+        if self.scale_name not in ("weight_scale", "weight_scale_inv"):
+            raise ValueError(f"scale_name={self.scale_name!r} must be 'weight_scale' or 'weight_scale_inv'")
+
+    def for_dummy_weights(self) -> QuantConfig:
+        """The online form of this format: dummy weights are drawn in the model dtype and quantized at
+        load (per tile with block scales, else per output channel, dynamic activations)."""
+        scale = "block" if self.block_size is not None else "channel"
+        return QuantConfig(weight_scale=scale, block_size=self.block_size, ignore=self.ignore)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer `module` (its checkpoint name, e.g. `model.layers.0.mlp.down_proj`)
+        holds fp8 weights."""
+        import re
+
+        for pattern in self.ignore:
+            if pattern.startswith("re:") and re.fullmatch(pattern[3:], module) or pattern == module:
+                return False
+        return True
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), dense or with
@@ -209,6 +280,8 @@ class ModelConfig:
     enable_prompt_embeds: bool = False
     # A vision-language model's vision tower and projector (None: text only).
     vision: VisionConfig | None = None
+    # fp8 weights (a pre-quantized checkpoint's `quantization_config`, or `LLM(quantization="fp8")`).
+    quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         _check_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -224,6 +297,11 @@ class ModelConfig:
             raise ValueError(f"eos_token_id={eos!r} must be a tuple of token ids (ints >= 0)")
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise ValueError(f"moe={self.moe!r} must be a MoEConfig or None")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ValueError(f"quant={self.quant!r} must be a QuantConfig or None")
+        if self.quant is not None and self.moe is not None:
+            raise ValueError(f"fp8 weights are not supported for mixture-of-experts models ({self.architecture}); "
+                             "load it in bf16 or float16")
         if self.moe is not None and any(i >= self.num_hidden_layers for i in self.moe.mlp_only_layers):
             raise ValueError(
                 f"mlp_only_layers={self.moe.mlp_only_layers} names a layer past "

@@ -25,6 +25,7 @@ from graphrunner.cli_args import (
     add_graph_args,
     add_kv_cache_dtype_arg,
     add_limit_args,
+    add_quantization_arg,
     add_runner_args,
     add_speculative_args,
     dbo_cli_kwargs,
@@ -101,6 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
     p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
                    help='a KV connector as JSON (vLLM\'s option), e.g. \'{"kv_connector": "SharedStorageConnector", '
                         '"kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}\'')
+    add_quantization_arg(p)
     p.add_argument("--data-parallel-lockstep", action="store_true",
                    help="DP replicas step together (per-step agreement, dummy steps on idle replicas); "
                         "default: each replica runs on its own")
@@ -152,6 +154,7 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
         **dbo_cli_kwargs(args),
         enable_prefix_caching=args.enable_prefix_caching,
         kv_transfer_config=args.kv_transfer_config,
+        quantization=args.quantization,
         collective_timeout_s=args.collective_timeout,
         tokenizer=args.tokenizer,
         **speculative_kwargs(args, f"graphrunner {command}"),

@@ -141,6 +141,10 @@ class LLM(PoolingAPI):
             {"shared_storage_path": DIR}} or {"kv_connector": "CpuOffloadConnector", "kv_connector_extra_config":
             {"cpu_bytes": N}} (`KVTransferConfig`; None: off). Loaded prompt tokens count in
             `RequestOutput.num_cached_tokens`. See docs/kv_transfer.md.
+        quantization: "fp8" quantizes the decoder's linear weights to e4m3 at load (per output channel,
+            dynamic per-token activations; vLLM's name); None (default) keeps the checkpoint's own: a
+            pre-quantized fp8 checkpoint (compressed-tensors or block-wise fp8) loads as published.
+            See docs/quantization.md.
         **kwargs: fields of `CompilationConfig` (e.g. cudagraph_mode) or DBO's and EPLB's of `ParallelConfig`
             (enable_dbo, ..., enable_eplb, num_redundant_experts, eplb_window_size, eplb_step_interval).
     """
@@ -195,6 +199,7 @@ class LLM(PoolingAPI):
         pooler_config: Any = None,
         enable_prompt_embeds: bool = False,
         kv_transfer_config: KVTransferConfig | Mapping[str, Any] | None = None,
+        quantization: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_compilation_kwargs(kwargs)
@@ -235,7 +240,7 @@ class LLM(PoolingAPI):
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer,
+            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype)
         self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
         if enable_prompt_embeds or self.config.model.vision is not None:
@@ -604,7 +609,8 @@ class LLM(PoolingAPI):
                                                      lora_request=loras[i] if loras is not None else None,
                                                      extras=planned.extras[i] if planned.extras else None)
                     added.append(req.req_id)
-                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids)
+                    self._structured.add(req.req_id, child_params.structured_outputs, child_params.bad_words_token_ids,
+                                         child_params.allowed_token_ids)
                 self._outputs.add_request(planned.all_ids[i], planned.texts[i], list(map(int, planned.prompts[i])),
                                           planned.params[i], children, stream)
                 req_ids.append(planned.all_ids[i])

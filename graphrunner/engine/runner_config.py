@@ -28,12 +28,13 @@ def build_runner_config(
     max_num_batched_tokens: int, max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
     gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
     speculative: SpeculativeConfig, lora: LoRAConfig | None = None, enable_prompt_embeds: bool = False,
-    kv_transfer: KVTransferConfig | None = None, kv_cache_dtype: str = "auto",
+    kv_transfer: KVTransferConfig | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
 ) -> RunnerConfig:
     """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
     from graphrunner.models.loader import is_builtin, load_model_config
+    from graphrunner.models.quant_config import with_quantization
 
-    model_config = load_model_config(model)
+    model_config = with_quantization(load_model_config(model), quantization)
     if enable_prompt_embeds:
         model_config = dataclasses.replace(model_config, enable_prompt_embeds=True)
     if max_model_len is None:

@@ -25,6 +25,7 @@ methods serves (the tests use tiny ones over token ids).
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import Sequence
 from itertools import chain
@@ -39,6 +40,8 @@ from graphrunner.engine.request import RequestStatus, SequenceOutput
 from graphrunner.protocol import ModelRunnerOutput, SchedulerOutput
 from graphrunner.state.staging import host_buffer
 from graphrunner.structured_outputs import GrammarOutput, StructuredOutputsParams, bitmask_words
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GrammarBackend", "GrammarMatcher", "StructuredOutputs", "XGrammarBackend", "can_compile_grammars",
            "make_structured_outputs"]
@@ -225,6 +228,9 @@ class StructuredOutputs:
         # Requests with bad words of several tokens (engine/bad_words.py): their mask rows ban what
         # their last tokens make a word's end; with a grammar, on top of its mask.
         self.bans: dict[str, WordBans] = {}
+        # The packed allowed_token_ids of constrained requests that have them: a step whose grammar or
+        # bad words leave none of them ends the request on one of them (`_keep_allowed`).
+        self.allowed: dict[str, np.ndarray] = {}
 
     @property
     def pending(self) -> dict[str, list[int]]:
@@ -240,11 +246,17 @@ class StructuredOutputs:
                              "and xgrammar (pip install 'graphrunner[structured]')")
 
     def add(self, req_id: str, params: StructuredOutputsParams | None,
-            bad_words_token_ids: Sequence[Sequence[int]] = ()) -> None:
+            bad_words_token_ids: Sequence[Sequence[int]] = (),
+            allowed_token_ids: Sequence[int] | None = None) -> None:
         """Compile the request's grammar (errors name the request and what failed); keep its bad
-        words of several tokens (`SamplingParams.bad_words_token_ids`)."""
+        words of several tokens (`SamplingParams.bad_words_token_ids`) and, beside either, its
+        `allowed_token_ids`."""
         if bad_words_token_ids:
             self.bans[req_id] = WordBans(bad_words_token_ids)
+        if allowed_token_ids is not None and (params is not None or bad_words_token_ids):
+            bits = np.zeros(self.words * 32, dtype=bool)
+            bits[list(allowed_token_ids)] = True
+            self.allowed[req_id] = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
         if params is None:
             return
         self.check(req_id, params)
@@ -263,6 +275,7 @@ class StructuredOutputs:
         self.terminated.discard(req_id)
         self._pending.pop(req_id, None)
         self.broken.discard(req_id)
+        self.allowed.pop(req_id, None)
 
     def grammar_output(self, so: SchedulerOutput, device: Any = None, block: Any = None) -> GrammarOutput | None:
         """The masks of the step's constrained requests (None when it has none), in vLLM's layout:
@@ -293,7 +306,27 @@ class StructuredOutputs:
         mask[num_rows:] = -1  # bad words only: every token allowed but the bans below
         if self.bans:
             self._apply_bans(all_ids, spec, mask)
+        if self.allowed:
+            self._keep_allowed(all_ids, spec, mask)
         return GrammarOutput(all_ids, mask, pinned=staged)
+
+    def _keep_allowed(self, ids: list[str], spec: dict[str, list[int]], mask: np.ndarray) -> None:
+        """A row whose grammar or bad words leave none of its request's allowed_token_ids would sample
+        from nothing (an all -inf row: token 0, outside the set). Such a row takes the allowed set
+        instead, so the token is one of them, and the request ends with it (finish_reason "stop"):
+        its grammar cannot go on from there. One AND per constrained row with allowed ids."""
+        start = 0
+        for rid in ids:
+            rows = 1 + (len(spec.get(rid, [])) if spec else 0)
+            allowed = self.allowed.get(rid)
+            if allowed is not None:
+                for row in range(start, start + rows):
+                    if not np.bitwise_and(mask[row], allowed).any():
+                        logger.warning("request %r: its structured output or bad words allow none of its "
+                                       "allowed_token_ids at this position; it ends with one of them", rid)
+                        mask[row] = allowed
+                        self.broken.add(rid)
+            start += rows
 
     def _apply_bans(self, ids: list[str], spec: dict[str, list[int]], mask: np.ndarray) -> None:
         """Clear the banned tokens in the rows of `ids` that have bad words (row j after drafts 0..j-1)."""
@@ -408,11 +441,11 @@ class StructuredOutputs:
         the step's forward does, instead of here, between two steps, where the device waits. A step
         without any stop token (the usual one) is recorded whole, in one append: even sorting its
         tokens per request waits for `grammar_output`. Bad words take their requests' tokens at once."""
-        if self.bans:
-            self._advance_bans(runner_output, scheduler)
-        if not self.matchers:
-            return []
         ended: list[SequenceOutput] = []
+        if self.bans:
+            self._advance_bans(runner_output, scheduler, ended)
+        if not self.matchers:
+            return ended
         stops, sampled = self._stops, runner_output.sampled_token_ids
         if stops is not None and not self.broken and stops.isdisjoint(chain.from_iterable(sampled)):
             self.unsorted.append((runner_output.req_ids, sampled))  # no token can complete a grammar: all deferred
@@ -425,12 +458,16 @@ class StructuredOutputs:
             self.remove(rid)
         return ended
 
-    def _advance_bans(self, runner_output: ModelRunnerOutput, scheduler: Any) -> None:
-        """The bad-words requests' new tokens; forget those that finished."""
+    def _advance_bans(self, runner_output: ModelRunnerOutput, scheduler: Any, ended: list[SequenceOutput]) -> None:
+        """The bad-words requests' new tokens; end those `_keep_allowed` forced; forget those that finished."""
         bans = self.bans
         for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
             if tokens and rid in bans:
                 bans[rid].accept(tokens)
+                if rid in self.broken and rid not in self.matchers:  # `_keep_allowed` forced this token
+                    out = scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    if out is not None:
+                        ended.append(out)
         for rid in [r for r in bans if r not in scheduler.requests]:
             del bans[rid]
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.config import KernelConfig
+from graphrunner.config import KernelConfig, QuantConfig
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.device import DeviceProperties, device_properties
 from graphrunner.kernels.pdl import pdl_max_rows
@@ -218,6 +218,35 @@ def choose_linear_method(kernel: KernelConfig, device: DeviceProperties | None, 
     return GemvMethod(gemv_plan(n, k, device), norm_tile, k <= kernel.swiglu_gemv_max_k, pdl_max_rows(kernel, device))
 
 
+class Fp8LinearMethod(LinearMethod):
+    """fp8 (e4m3) weights with fp32 scales (layers/fp8.py): each token row is quantized to fp8 at
+    run time (per row, or per `block[1]` columns with block scales; `input_scale`: the checkpoint's
+    static scale), the product accumulates in fp32 and both scales multiply it. CPU: the exact
+    dequantized arithmetic in torch; CUDA: the fp8 GEMV for one row (half the bytes of a bf16
+    weight), scaled GEMMs for several. Under torch.compile one opaque op serves every row count.
+    The fused norm and SiLU·mul entries run their torch/Triton form first, then this projection.
+
+    `weight_scale` [N] per output row, or [ceil(N / block[0]), ceil(K / block[1])] per tile; the
+    tensors are the layer's own parameters, bound once they hold their final values."""
+
+    name = "fp8"
+
+    def __init__(self, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                 block: tuple[int, int] | None) -> None:
+        self.weight_scale, self.input_scale, self.block = weight_scale, input_scale, block
+
+    def __repr__(self) -> str:
+        scales = f"block {self.block}" if self.block else "per channel"
+        return f"Fp8LinearMethod({scales}, {'static' if self.input_scale is not None else 'dynamic'} activations)"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from graphrunner.layers.fp8 import fp8_linear, fp8_linear_op
+
+        if torch.compiler.is_compiling():
+            return fp8_linear_op(x, weight, self.weight_scale, bias, self.block or (), self.input_scale)
+        return fp8_linear(x, weight, self.weight_scale, bias, block=self.block, input_scale=self.input_scale)
+
+
 def _split(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
         raise ValueError(f"{what}={size} is not divisible by tp_size={tp_size}")
@@ -238,17 +267,119 @@ class _LinearBase(nn.Module):
         tp_size: int,
         tp_rank: int,
         kernel: KernelConfig | None,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype, device=device), requires_grad=False)
+        self.quant = quant
+        prequantized = quant is not None and quant.prequantized
+        weight_dtype = torch.float8_e4m3fn if prequantized else dtype
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=weight_dtype, device=device),
+                                   requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_local, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scale: nn.Parameter | None = None
         self.method = linear_method(kernel or KernelConfig(), self.weight)
+        if prequantized:
+            assert quant is not None
+            self.weight_scale = nn.Parameter(torch.ones(self._scale_shape(out_local, in_local), device=device),
+                                             requires_grad=False)
+            if quant.activation_scheme == "static":  # fused parts take the largest of their scales, as vLLM
+                self.input_scale = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+            self._bind_fp8()
         self.lora: Any = None  # layers.lora.weights.LoraWeights, attached by the runner with LoRA on
+
+    def _scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
+        """The local weight scale's shape: [rows] per output channel (a per-tensor scale is held per row,
+        so fused parts keep theirs exactly), or one per block tile."""
+        assert self.quant is not None
+        if self.quant.block_size is None:
+            return (rows,)
+        bn, bk = self.quant.block_size
+        return (-(-rows // bn), -(-cols // bk))
+
+    def _bind_fp8(self) -> None:
+        assert self.quant is not None and self.weight_scale is not None
+        self.method = Fp8LinearMethod(self.weight_scale, self.input_scale, self.quant.block_size)
+
+    @torch.no_grad()
+    def quantize_weights(self) -> None:
+        """Online fp8: replace the loaded model-dtype weight by its e4m3 values and fp32 scales (per output
+        channel, or per block tile). Nothing for a layer without quantization or already in fp8."""
+        if self.quant is None or self.weight.dtype == torch.float8_e4m3fn:
+            return
+        from graphrunner.layers.fp8 import quantize_weight_fp8
+
+        weight, scale = quantize_weight_fp8(self.weight, self.quant.block_size)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.float(), requires_grad=False)
+        self._bind_fp8()
+
+    def _check_block_aligned(self, what: str, offset: int, size: int, block: int) -> None:
+        """A block-scaled weight's tiles cannot straddle two fused parts or two ranks' shares."""
+        if offset % block or (size % block and offset + size != self._local_extent(what)):
+            raise ValueError(
+                f"{type(self).__name__}: {what} [{offset}, {offset + size}) of this rank is not aligned to the "
+                f"fp8 weight block of {block}; block-wise scales need every fused part and tensor-parallel share "
+                "to start on a block boundary"
+            )
+
+    def _local_extent(self, what: str) -> int:
+        return self.weight.shape[0] if what == "rows" else self.weight.shape[1]
+
+    @torch.no_grad()
+    def _load_scale(self, param: str, tensor: torch.Tensor, rows: tuple[int, int, int] | None,
+                    cols: tuple[int, int] | None) -> None:
+        """Copy a checkpoint scale into place. `rows`: (full-tensor row offset of this rank's share, local
+        offset, size) of a column-parallel part (None: every local row); `cols`: (full-tensor column offset,
+        size) of this rank's input share (None: every column)."""
+        assert self.quant is not None
+        if param == "input_scale":
+            assert self.input_scale is not None
+            self.input_scale.copy_(torch.maximum(self.input_scale, tensor.reshape(1).float()))
+            return
+        scale = self.weight_scale
+        assert scale is not None
+        src_row, local_row, size = rows if rows is not None else (0, 0, self.weight.shape[0])
+        block = self.quant.block_size
+        if block is None:
+            target = scale.narrow(0, local_row, size)
+            if self.quant.weight_scale == "tensor":
+                target.copy_(tensor.reshape(()).float().expand(size))
+            else:
+                target.copy_(tensor.reshape(-1).narrow(0, src_row, size).float())
+            return
+        bn, bk = block
+        self._check_block_aligned("rows", local_row, size, bn)
+        self._check_block_aligned("rows", src_row, 0, bn)  # this rank's share of the checkpoint tensor
+        src = tensor.float().narrow(0, src_row // bn, -(-size // bn))
+        if cols is not None:
+            if cols[0] % bk or (cols[1] % bk and self.tp_size > 1):
+                raise ValueError(f"{type(self).__name__}: this rank's input columns [{cols[0]}, {cols[0] + cols[1]}) "
+                                 f"are not aligned to the fp8 weight block of {bk} columns; choose a tensor-parallel "
+                                 "size that splits the input on block boundaries")
+            src = src.narrow(1, cols[0] // bk, -(-cols[1] // bk))
+        scale.narrow(0, local_row // bn, -(-size // bn)).copy_(src)
+
+    def _scale_checkpoint_shape(self, param: str, rows: int, cols: int) -> tuple[int, ...]:
+        """The full checkpoint shape of a scale of an [rows, cols] weight (a per-tensor scale is a scalar;
+        [N, 1] and [1] forms load too: `load_weights` reshapes a scale of the same size)."""
+        assert self.quant is not None
+        if param == "input_scale" or self.quant.weight_scale == "tensor":
+            return ()
+        if self.quant.block_size is None:
+            return (rows,)
+        bn, bk = self.quant.block_size
+        return (-(-rows // bn), -(-cols // bk))
+
+    def _check_weight_dtype(self, param: str, tensor: torch.Tensor) -> None:
+        if param == "weight" and self.weight.dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{type(self).__name__}: the checkpoint's fp8 format expects float8_e4m3fn weights, "
+                             f"got {tensor.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
         out = self.method.linear(x, self.weight, self.bias)
@@ -259,7 +390,7 @@ class _LinearBase(nn.Module):
 
     def _param(self, name: str) -> nn.Parameter:
         param = getattr(self, name, None)
-        if name not in ("weight", "bias") or param is None:
+        if name not in ("weight", "bias", "weight_scale", "input_scale") or param is None:
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
         return param
 
@@ -278,12 +409,13 @@ class ColumnLinear(_LinearBase):
         tp_size: int = 1,
         tp_rank: int = 0,
         kernel: KernelConfig | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         self.in_features, self.out_features = in_features, out_features
         out_local = _split(out_features, tp_size, "out_features")
         super().__init__(
             in_features, out_local, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank,
-            kernel=kernel,
+            kernel=kernel, quant=quant,
         )
 
     # A shard is one fused part (q/k/v, gate/up); plain ColumnLinear has one, `None`.
@@ -303,17 +435,29 @@ class ColumnLinear(_LinearBase):
             return self(normed), residual
         return self.method.add_norm_linear(norm, x, residual, self.weight, self.bias)
 
+    def _shard_rank(self, shard_id) -> int:
+        """Which share of `shard_id`'s full tensor this rank holds."""
+        return self.tp_rank
+
     def checkpoint_shape(self, param: str, shard_id=None) -> tuple[int, ...]:
         full, _, _ = self._shard_layout(shard_id)
         self._param(param)
+        if param in ("weight_scale", "input_scale"):
+            return self._scale_checkpoint_shape(param, full, self.in_features)
         return (full, self.in_features) if param == "weight" else (full,)
 
     @torch.no_grad()
     def load_shard(self, param: str, tensor: torch.Tensor, shard_id=None) -> None:
-        """Copy this rank's rows of the full HF `tensor` into the slice of `shard_id`."""
+        """Copy this rank's rows of the full HF `tensor` (a weight, bias or fp8 scale) into the slice of
+        `shard_id`."""
         _, offset, size = self._shard_layout(shard_id)
-        src = tensor.narrow(0, self.tp_rank * size, size)
-        self._param(param).narrow(0, offset, size).copy_(src)
+        start = self._shard_rank(shard_id) * size
+        if param in ("weight_scale", "input_scale"):
+            self._param(param)
+            self._load_scale(param, tensor, (start, offset, size), None)
+            return
+        self._check_weight_dtype(param, tensor)
+        self._param(param).narrow(0, offset, size).copy_(tensor.narrow(0, start, size))
 
 
 class QKVLinear(ColumnLinear):
@@ -339,6 +483,7 @@ class QKVLinear(ColumnLinear):
         kv_tp_size: int | None = None,
         kv_tp_rank: int | None = None,
         kernel: KernelConfig | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         self.kv_tp_size = tp_size if kv_tp_size is None else kv_tp_size
         self.kv_tp_rank = tp_rank if kv_tp_rank is None else kv_tp_rank
@@ -349,7 +494,7 @@ class QKVLinear(ColumnLinear):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim  # per rank
         self.in_features, self.out_features = hidden_size, (num_heads + 2 * num_kv_heads) * head_dim
         _LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype,
-                             device=device, tp_size=tp_size, tp_rank=tp_rank, kernel=kernel)
+                             device=device, tp_size=tp_size, tp_rank=tp_rank, kernel=kernel, quant=quant)
 
     def _shard_layout(self, shard_id) -> tuple[int, int, int]:
         q, kv = self.q_size, self.kv_size
@@ -359,12 +504,8 @@ class QKVLinear(ColumnLinear):
             raise ValueError(f"QKVLinear shard must be one of {sorted(layout)}, got {shard_id!r}")
         return layout[shard_id]
 
-    @torch.no_grad()
-    def load_shard(self, param: str, tensor: torch.Tensor, shard_id=None) -> None:
-        """Copy this rank's rows of the full HF q/k/v `tensor` into the slice of `shard_id`."""
-        _, offset, size = self._shard_layout(shard_id)
-        rank = self.tp_rank if shard_id == "q" else self.kv_tp_rank
-        self._param(param).narrow(0, offset, size).copy_(tensor.narrow(0, rank * size, size))
+    def _shard_rank(self, shard_id) -> int:
+        return self.tp_rank if shard_id == "q" else self.kv_tp_rank
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q+2kv] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] (views of `qkv`)."""
@@ -392,12 +533,13 @@ class MergedColumnLinear(ColumnLinear):
         tp_size: int = 1,
         tp_rank: int = 0,
         kernel: KernelConfig | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         self.out_sizes = tuple(out_sizes)
         self.local_sizes = tuple(_split(s, tp_size, f"out_sizes[{i}]") for i, s in enumerate(self.out_sizes))
         super().__init__(
             in_features, sum(self.out_sizes), bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank,
-            kernel=kernel,
+            kernel=kernel, quant=quant,
         )
 
     def _shard_layout(self, shard_id) -> tuple[int, int, int]:
@@ -423,6 +565,7 @@ class RowLinear(_LinearBase):
         tp_rank: int = 0,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         kernel: KernelConfig | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         if tp_size > 1 and all_reduce is None:
             raise ValueError(f"RowLinear with tp_size={tp_size} needs an all_reduce function")
@@ -430,7 +573,7 @@ class RowLinear(_LinearBase):
         in_local = _split(in_features, tp_size, "in_features")
         super().__init__(
             in_local, out_features, bias=bias, dtype=dtype, device=device, tp_size=tp_size, tp_rank=tp_rank,
-            kernel=kernel,
+            kernel=kernel, quant=quant,
         )
         self.all_reduce = all_reduce
 
@@ -467,14 +610,34 @@ class RowLinear(_LinearBase):
         if shard_id is not None:
             raise ValueError(f"RowLinear has no shard {shard_id!r}")
         self._param(param)
+        if param in ("weight_scale", "input_scale"):
+            return self._scale_checkpoint_shape(param, self.out_features, self.in_features)
         return (self.out_features, self.in_features) if param == "weight" else (self.out_features,)
 
     @torch.no_grad()
     def load_shard(self, param: str, tensor: torch.Tensor, shard_id=None) -> None:
-        """Copy this rank's columns of the full HF weight (the whole bias) into place."""
+        """Copy this rank's columns of the full HF weight (the whole bias, the scales of its columns) into
+        place."""
         if shard_id is not None:
             raise ValueError(f"RowLinear has no shard {shard_id!r}")
+        if param in ("weight_scale", "input_scale"):
+            self._param(param)
+            size = self.weight.shape[1]
+            self._load_scale(param, tensor, None, (self.tp_rank * size, size))
+            return
+        self._check_weight_dtype(param, tensor)
         if param == "weight":
             size = self.weight.shape[1]
             tensor = tensor.narrow(1, self.tp_rank * size, size)
         self._param(param).copy_(tensor)
+
+
+def quantize_linear_layers(model: nn.Module) -> int:
+    """Quantize every linear layer built for online fp8 (`QuantConfig`, not pre-quantized) once its
+    weights are loaded; returns how many layers hold fp8 weights afterwards."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, _LinearBase) and module.quant is not None:
+            module.quantize_weights()
+            count += 1
+    return count

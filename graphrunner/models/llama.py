@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -31,7 +32,7 @@ from torch import nn
 
 from graphrunner.attention.base import AttentionBackend, AttentionMetadata, rope_attention
 from graphrunner.attention.op import unified_attention  # noqa: F401  (importing registers the op)
-from graphrunner.config import KernelConfig, ModelConfig
+from graphrunner.config import KernelConfig, ModelConfig, QuantConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
@@ -42,6 +43,20 @@ from graphrunner.models.registry import check_architecture
 from graphrunner.models.stages import MissingLayer, pp_layer_range
 
 logger = logging.getLogger("graphrunner.models")
+
+
+def projection_quant(config: ModelConfig, prefix: str | None, parts: Sequence[str]) -> QuantConfig | None:
+    """The fp8 config of a (fused) projection whose checkpoint modules are `prefix` + each of `parts`
+    (None: not quantized: the prefix is None for layers outside the checkpoint, e.g. an EAGLE head).
+    Fused parts share one weight, so they are quantized together or not at all."""
+    quant = config.quant
+    if quant is None or prefix is None:
+        return None
+    flags = {quant.quantizes(prefix + part) for part in parts}
+    if len(flags) > 1:
+        raise ValueError(f"quantization_config ignores some but not all of {[prefix + p for p in parts]}; "
+                         "they are fused into one fp8 weight, so list all of them or none")
+    return quant if flags.pop() else None
 
 
 class Attention(nn.Module):
@@ -58,10 +73,12 @@ class Attention(nn.Module):
         layer_index: int = 0,
         tp: TPComm | None = None,
         kernel: KernelConfig | None = None,
+        quant_prefix: str | None = None,
     ) -> None:
         super().__init__()
         tp = tp or TPComm()
         d = config.head_dim
+        p = None if quant_prefix is None else quant_prefix + "self_attn."
         self.layer_index = layer_index  # which of the forward context's KV caches the op uses (stage-local)
         self.attention_op_mode = False  # set by LlamaForCausalLM.use_attention_op
         self.scale = d**-0.5
@@ -78,6 +95,7 @@ class Attention(nn.Module):
             kv_tp_size=tp.kv_shards[0],
             kv_tp_rank=tp.kv_shards[1],
             kernel=kernel,
+            quant=projection_quant(config, p, ("q_proj", "k_proj", "v_proj")),
         )
         # Heads of this TP rank.
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
@@ -86,6 +104,7 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(
             config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
             tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
+            quant=projection_quant(config, p, ("o_proj",)),
         )
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
@@ -156,16 +175,19 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig, *, dtype, device, tp: TPComm | None = None,
-                 kernel: KernelConfig | None = None) -> None:
+                 kernel: KernelConfig | None = None, quant_prefix: str | None = None) -> None:
         super().__init__()
         tp = tp or TPComm()
         i = config.intermediate_size
+        p = None if quant_prefix is None else quant_prefix + "mlp."
         self.gate_up_proj = MergedColumnLinear(
-            config.hidden_size, [i, i], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank, kernel=kernel
+            config.hidden_size, [i, i], dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank, kernel=kernel,
+            quant=projection_quant(config, p, ("gate_proj", "up_proj")),
         )
         self.down_proj = RowLinear(
             i, config.hidden_size, dtype=dtype, device=device, tp_size=tp.size, tp_rank=tp.rank,
             all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
+            quant=projection_quant(config, p, ("down_proj",)),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -192,17 +214,22 @@ class DecoderLayer(nn.Module):
         global_index: int = 0,
         tp: TPComm | None = None,
         kernel: KernelConfig | None = None,
+        quant_prefix: str | None = None,
     ) -> None:
+        """`quant_prefix`: the layer's checkpoint name (`model.layers.N.`) when its projections follow the
+        model's fp8 config; None keeps them in the model dtype (a layer of no checkpoint's decoder)."""
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype=dtype, device=device, kernel=kernel)
         self.self_attn = Attention(
-            config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp, kernel=kernel
+            config, rotary, attn_backend, dtype=dtype, device=device, layer_index=layer_index, tp=tp, kernel=kernel,
+            quant_prefix=quant_prefix,
         )
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device, kernel=kernel)
         self.mlp: MLP | FusedMoE = (
             FusedMoE(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
-            if config.is_sparse_layer(global_index) else MLP(config, dtype=dtype, device=device, tp=tp, kernel=kernel)
+            if config.is_sparse_layer(global_index)
+            else MLP(config, dtype=dtype, device=device, tp=tp, kernel=kernel, quant_prefix=quant_prefix)
         )
 
     def forward(
@@ -261,6 +288,7 @@ class LlamaModel(nn.Module):
             DecoderLayer(
                 config, self.rotary_emb, attn_backend, dtype=dtype, device=device,
                 layer_index=i - self.start_layer, global_index=i, tp=tp, kernel=kernel,
+                quant_prefix=f"model.layers.{i}.",
             )
             if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -334,6 +362,9 @@ class LlamaModel(nn.Module):
         assert self.norm is not None, "the last stage holds the final norm"
         hidden, _ = self.norm.add_norm(hidden, residual)
         return (hidden, *aux) if self.aux_hidden_state_layers else hidden
+
+
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 @runtime_checkable
@@ -493,6 +524,8 @@ class LlamaForCausalLM(nn.Module):
             if not loaded.isdisjoint(stands_for):
                 again = name if name in loaded else f"{name} (another form of {sorted(loaded & set(stands_for))[0]})"
                 raise ValueError(f"checkpoint tensor {again!r} appears more than once")
+            if name.endswith(_SCALE_SUFFIXES) and tensor.numel() == math.prod(target.shape):
+                tensor = tensor.reshape(target.shape)  # [N, 1], [1] and scalar scale forms alike
             if tuple(tensor.shape) != target.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}"
@@ -516,10 +549,18 @@ class LlamaForCausalLM(nn.Module):
             targets[name] = _WeightTarget(tuple(param.shape), param.copy_)
 
         def sharded(name: str, layer: ShardedModule, param: str, shard_id: int | str | None = None) -> None:
-            def load(tensor: torch.Tensor) -> None:
+            def load(tensor: torch.Tensor, param: str = param) -> None:
                 layer.load_shard(param, tensor, shard_id)
 
             targets[name] = _WeightTarget(layer.checkpoint_shape(param, shard_id), load)
+            # A pre-quantized fp8 projection's scales sit beside its weight (`q_proj.weight_scale`, ...).
+            quant = getattr(layer, "quant", None)
+            if param == "weight" and quant is not None and quant.prequantized:
+                stem = name[: -len("weight")]
+                for scale, key in ((quant.scale_name, "weight_scale"), ("input_scale", "input_scale")):
+                    if getattr(layer, key) is not None:
+                        targets[stem + scale] = _WeightTarget(layer.checkpoint_shape(key, shard_id),
+                                                              functools.partial(load, param=key))
 
         m = self.model
         if m.embed_tokens is not None:

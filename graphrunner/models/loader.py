@@ -13,6 +13,7 @@ are not finite (NaN or inf) once loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,7 +26,9 @@ import torch
 
 from graphrunner.attention.kv_scales import is_kv_scale_name, load_kv_scales
 from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, MoEConfig, resolve_dtype
+from graphrunner.layers.linear import quantize_linear_layers
 from graphrunner.layers.rotary import normalize_rope_scaling
+from graphrunner.models.quant_config import parse_quantization_config
 from graphrunner.models.registry import check_architecture, decoder_architecture, get_builtin, is_builtin
 
 if TYPE_CHECKING:
@@ -164,6 +167,7 @@ def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> Model
         architecture=architecture,
         name=name,
         moe=_moe(raw, arch),
+        quant=None if raw.get("quantization_config") is None else parse_quantization_config(raw["quantization_config"]),
     )
 
 
@@ -523,14 +527,19 @@ def _check_finite(model: torch.nn.Module, files: list[Path]) -> None:
     params = [(n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.numel() > 0]
     if not params:
         return
-    extremes = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in params])
+    # e4m3 has no infinities, and NaN is its one all-ones magnitude (0x7f): a bit test, not aminmax
+    # (which fp8 lacks).
+    extremes = torch.stack([
+        torch.stack(torch.aminmax(p)).float() if p.dtype != torch.float8_e4m3fn
+        else torch.where(((p.view(torch.uint8) & 0x7F) == 0x7F).any(), math.nan, 0.0).float().expand(2)
+        for _, p in params])
     finite = torch.isfinite(extremes).all(dim=1).tolist()
     if all(finite):
         return
     param, tensor = params[finite.index(False)]
     for file, name, source in _iter_file_tensors(files):
-        if source.dtype.is_floating_point and source.numel() > 0 and not bool(torch.isfinite(source).all()):
-            bad = torch.count_nonzero(~torch.isfinite(source)).item()
+        if source.dtype.is_floating_point and source.numel() > 0 and not bool(torch.isfinite(source.float()).all()):
+            bad = torch.count_nonzero(~torch.isfinite(source.float())).item()
             raise CheckpointError(
                 f"checkpoint file {str(file)!r}: tensor {name!r} has {bad} non-finite (NaN or inf) value(s) "
                 f"of {source.numel()}; the checkpoint is damaged"
@@ -662,12 +671,16 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     start = time.perf_counter()
+    dummy = load_config.load_format == "dummy" or is_builtin(load_config.model)
+    quant = model_config.quant
+    if dummy and quant is not None and quant.prequantized:  # no fp8 tensors to read: draw, then quantize
+        model_config = dataclasses.replace(model_config, quant=quant.for_dummy_weights())
     if model_cls is None:
         model_cls = generative_model_class(model_config.architecture)
     model = model_cls(model_config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank,
                       pp_size=pp_size, kernel=kernel)
     sharded = model.tp.ep_size > 1 or pp_size > 1  # ep_size: TP, times DP under DP + EP
-    if load_config.load_format == "dummy" or is_builtin(load_config.model):
+    if dummy:
         if sharded:
             init_dummy_weights_sharded(model, seed=load_config.seed)
         else:
@@ -676,6 +689,9 @@ def load_model(
     else:
         _load_checkpoint(model, Path(load_config.model))
         source = repr(load_config.model)
+    quantized = quantize_linear_layers(model)
+    if quantized:
+        source += f", {quantized} projections in fp8"
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # so the logged time includes the copies

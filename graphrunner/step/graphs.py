@@ -42,6 +42,7 @@ import torch
 from capture.descriptor import BatchExecutionDescriptor
 from capture.dispatch import DispatchTable
 from capture.full import FullGraph
+from capture.jit_events import count_triton_jit
 from capture.modes import AttentionCGSupport, CUDAGraphMode, resolve_mode
 from capture.pool import GraphPool
 from capture.report import CaptureRecord, CaptureReport
@@ -267,7 +268,10 @@ class StepGraphs:
                 if hasattr(bar, "set_postfix_str"):
                     bar.set_postfix_str(f"{label} free={self.pool.free_bytes() / (1 << 30):.1f}GiB")
                 try:
-                    report.records.append(self._capture_one(desc, variant, label, inspect_nodes))
+                    with count_triton_jit() as jit:
+                        record = self._capture_one(desc, variant, label, inspect_nodes)
+                    record.jit_kernels = jit[0]
+                    report.records.append(record)
                 except torch.OutOfMemoryError as e:
                     raise torch.OutOfMemoryError(self._oom_message(label, i, len(work), report, free_before)) from e
                 except Exception as e:

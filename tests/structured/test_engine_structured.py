@@ -260,6 +260,32 @@ def test_deferred_tokens_are_accepted_before_drafts_and_masks() -> None:
     assert finished == ["r", "b"]
 
 
+def test_a_mask_disjoint_from_allowed_token_ids_samples_from_them_and_ends_the_request() -> None:
+    """A grammar (or bad words) that leaves none of a request's allowed_token_ids would leave an all
+    -inf row (token 0, outside the set): the row takes the allowed set, the request ends after it."""
+    so_ = StructuredOutputs(_Backend(), VOCAB)
+    so_.add("g", StructuredOutputsParams(choice=["1 2"]), allowed_token_ids=[5, 6])  # disjoint
+    so_.add("ok", StructuredOutputsParams(choice=["1 2"]), allowed_token_ids=[1, 5])  # overlaps: untouched
+    out = so_.grammar_output(_so("g", "ok"))
+    assert out is not None
+    masks = dict(zip(out.structured_output_request_ids, out.grammar_bitmask, strict=True))
+    assert _allowed(masks["g"]) == {5, 6} and _allowed(masks["ok"]) == {1}
+    assert so_.broken == {"g"}
+
+    class _Scheduler:
+        requests = {"g": None, "ok": None}
+        finished: list[str] = []
+
+        def finish_request(self, rid, status):
+            self.finished.append(rid)
+
+    from graphrunner.protocol import ModelRunnerOutput
+
+    sched = _Scheduler()
+    so_.after_output(ModelRunnerOutput(req_ids=["g", "ok"], sampled_token_ids=[[5], [1]]), sched)
+    assert sched.finished == ["g"]
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -307,4 +333,19 @@ def test_structured_outputs_without_a_tokenizer_are_refused() -> None:
     llm = LLM("builtin:tiny-llama", device="cpu", num_kv_blocks=32)
     with pytest.raises(ValueError, match="request '0': structured_outputs need a tokenizer"):
         llm.generate([[1, 2]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+    llm.shutdown()
+
+
+def test_bad_words_that_ban_the_last_allowed_token_end_the_request_on_it() -> None:
+    """allowed_token_ids=[9] with the bad word (9, 9): after one 9 nothing is left to sample. The
+    request ends on a 9 (never token 0, outside the set); the next request is served as usual."""
+    from graphrunner.engine import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM("builtin:tiny-llama", device="cpu", num_kv_blocks=32, max_model_len=64)
+    trapped, free = llm.generate([[1, 2, 3], [1, 2, 3]], [
+        SamplingParams(max_tokens=5, temperature=0.0, allowed_token_ids=[9], bad_words_token_ids=[[9, 9]]),
+        SamplingParams(max_tokens=5, temperature=0.0, allowed_token_ids=[9, 11], bad_words_token_ids=[[9, 9]])])
+    assert trapped.token_ids == [9, 9] and trapped.finish_reason == "stop"
+    assert len(free.token_ids) == 5 and set(free.token_ids) <= {9, 11} and free.finish_reason == "length"
     llm.shutdown()

@@ -19,6 +19,7 @@ from graphrunner.cli_args import (
     add_graph_args,
     add_kv_cache_dtype_arg,
     add_limit_args,
+    add_quantization_arg,
     add_runner_args,
     add_subcommand,
     limit_kwargs,
@@ -78,6 +79,7 @@ def _register_latency(sub: argparse._SubParsersAction) -> None:
     _copy_mib_arg(p)
     p.add_argument("--no-random-kv", action="store_true", help="leave the KV cache zero-filled (not recommended)")
     p.add_argument("--png", metavar="PATH", default=None, help="plot ms/step and %% of roofline (needs matplotlib)")
+    add_quantization_arg(p)
     p.add_argument("--num-loras", type=int, default=0,
                    help="also time each batch with this many distinct dummy LoRA adapters (all seven projections)")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the dummy LoRA adapters")
@@ -149,6 +151,7 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule and launch step N+1 while step N runs (the engine's default; same tokens)")
     _copy_mib_arg(p)
+    add_quantization_arg(p)
     p.add_argument("--num-loras", type=int, default=0,
                    help="prompt i runs dummy LoRA adapter i mod N (all seven projections); 0: the base model")
     p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in flight (the rest queue)")
@@ -394,6 +397,7 @@ def _run_latency(args: argparse.Namespace) -> int:
             capture_sizes=capture_sizes,
             copy_bytes=_copy_bytes(args),
             random_kv=not args.no_random_kv,
+            quantization=args.quantization,
             num_loras=args.num_loras,
             lora_rank=args.lora_rank,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -449,6 +453,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             copy_bytes=_copy_bytes(args),
             peer=args.peer,
             peer_variants=tuple(v.strip() for v in args.peer_variants.split(",") if v.strip()),
+            quantization=args.quantization,
             num_loras=args.num_loras,
             max_loras=args.max_loras,
             lora_rank=args.lora_rank,

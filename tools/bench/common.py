@@ -147,17 +147,20 @@ def build_runner_config(
     seed: int = 0,
     kernel: KernelConfig | None = None,
     lora: LoRAConfig | None = None,
+    quantization: str | None = None,
     kv_cache_dtype: str = "auto",
 ) -> RunnerConfig:
     """A RunnerConfig for one benchmarked mode. NONE means enforce_eager (nothing captured); `kernel`
-    (default `KernelConfig()`) picks the layers' and attention's kernels; `lora` turns multi-LoRA on."""
+    (default `KernelConfig()`) picks the layers' and attention's kernels; `lora` turns multi-LoRA on;
+    `quantization` as `LLM`'s."""
     from graphrunner.models.loader import is_builtin, load_model_config
+    from graphrunner.models.quant_config import with_quantization
 
     if load_format == "auto" and is_builtin(model):
         load_format = "dummy"  # builtins have no checkpoint
     eager = mode is CUDAGraphMode.NONE
     return RunnerConfig(
-        model=load_model_config(model),
+        model=with_quantization(load_model_config(model), quantization),
         load=LoadConfig(model=model, load_format=load_format, seed=seed),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(

@@ -93,6 +93,7 @@ class LatencySpec:
     kernel: KernelConfig = field(default_factory=KernelConfig)  # the runner's kernel choices
     num_loras: int = 0  # > 0: also measure each batch with this many distinct dummy adapters
     lora_rank: int = 16
+    quantization: str | None = None  # "fp8": e4m3 linear weights (LLM's quantization)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
@@ -291,6 +292,7 @@ def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, 
         load_format=spec.load_format,
         seed=spec.seed,
         kernel=spec.kernel,
+        quantization=spec.quantization,
         # LoRA graphs at the same sizes as the plain ones: each batch compares like with like.
         lora=LoRAConfig(max_loras=spec.num_loras, max_lora_rank=spec.lora_rank,
                         lora_capture_sizes=tuple(capture_sizes) if capture_sizes else None)

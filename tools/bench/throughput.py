@@ -93,6 +93,7 @@ class ThroughputSpec:
     copy_bytes: int | None = None
     peer: bool = False  # also time Hugging Face transformers generate on the same weights
     peer_variants: tuple[str, ...] = PEER_VARIANTS
+    quantization: str | None = None  # "fp8": e4m3 linear weights (LLM's quantization)
     num_loras: int = 0  # > 0: prompt i runs dummy adapter i mod num_loras
     max_loras: int = 8  # distinct adapters in flight (LLM's max_loras), at most num_loras
     lora_rank: int = 16
@@ -223,6 +224,7 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
         cudagraph_mode=None if eager else mode.name,
         compile_backend=spec.compile_backend or default_compile_backend(device),
         async_scheduling=spec.async_scheduling,
+        quantization=spec.quantization,
         enable_lora=spec.num_loras > 0,
         max_loras=max(1, min(spec.max_loras, spec.num_loras)),
         max_lora_rank=spec.lora_rank,
