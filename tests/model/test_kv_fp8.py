@@ -27,7 +27,7 @@ from graphrunner.config import KV_CACHE_DTYPES, CacheConfig, kv_cache_dtype
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kv_shape import KVCacheShape
 from graphrunner.layers.rotary import RotaryEmbedding
-from tests.model.test_attention import expected_cache, heads, make_batch, request_lists
+from tests.model.test_attention import DEVICE, expected_cache, heads, make_batch, request_lists
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 if HAS_TRITON:
@@ -60,10 +60,10 @@ def _fp8_batch(reqs, hk, block_size, pad_reqs, pad_tokens, seed, k_scale, v_scal
     k/v scaled by `magnitude` so that small scales reach the clamp."""
     num_heads, num_kv_heads = hk
     batch = make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=block_size,
-                       pad_reqs=pad_reqs, pad_tokens=pad_tokens, dtype=torch.float32, device="cpu", seed=seed)
+                       pad_reqs=pad_reqs, pad_tokens=pad_tokens, dtype=torch.float32, device=DEVICE, seed=seed)
     batch.k.mul_(magnitude)
     batch.v.mul_(magnitude)
-    kv_scale = torch.tensor([k_scale, v_scale], dtype=torch.float32)
+    kv_scale = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=DEVICE)
     return batch, kv_scale, _quantize_cache(batch.kv_cache, kv_scale)
 
 
@@ -97,8 +97,8 @@ def test_write_quantizes_value_over_scale_clamped(reqs, hk, block_size, pad_toke
 def test_rope_write_quantizes_like_the_reference(reqs, hk, k_scale, v_scale, seed):
     """The rotary + KV-write kernel quantizes the rotated key exactly as the torch rotation + write."""
     batch, kv_scale, cache = _fp8_batch(reqs, hk, 4, 0, 1, seed, k_scale, v_scale)
-    positions = torch.randint(0, 32, (batch.q.shape[0],), generator=torch.Generator().manual_seed(seed))
-    cos_sin = RotaryEmbedding(16, 32, 10000.0, device="cpu").cos_sin_cache
+    positions = torch.randint(0, 32, (batch.q.shape[0],), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    cos_sin = RotaryEmbedding(16, 32, 10000.0, device=DEVICE).cos_sin_cache
     slots = batch.metadata.slot_mapping
     ref, got = cache.clone(), cache.clone()
     q_ref = rope_write_kv_torch(batch.q, batch.k, batch.v, positions, cos_sin, ref, slots, kv_scale)
@@ -143,14 +143,14 @@ def test_torch_reference_attends_over_the_dequantized_cache(reqs, hk, block_size
        v_scale=scales, seed=st.integers(0, 2**16))
 def test_triton_attends_over_the_dequantized_cache(reqs, hk, block_size, pad_reqs, pad_tokens, splits, decode_grid,
                                                    with_lse, k_scale, v_scale, seed):
-    """Interpreted, fp32: the Triton kernel over the fp8 cache equals the same kernel over the
+    """fp32 (interpreted on a CPU): the Triton kernel over the fp8 cache equals the same kernel over the
     dequantized fp32 cache exactly (outputs and LSE), and the torch reference up to summation order."""
     batch, kv_scale, cache = _fp8_batch(reqs, hk, block_size, pad_reqs, pad_tokens, seed, k_scale, v_scale)
     md = batch.metadata
     write_kv_triton(batch.k, batch.v, cache, md.slot_mapping, kv_scale)
     deq = _dequantize(cache, kv_scale)
     T, H = batch.q.shape[:2]
-    lse_got, lse_ref = (torch.empty(T, H), torch.empty(T, H)) if with_lse else (None, None)
+    lse_got, lse_ref = (torch.empty(T, H, device=DEVICE) for _ in range(2)) if with_lse else (None, None)
     kw = dict(num_kv_splits=splits, decode_grid=decode_grid)
     got = paged_attention_triton(batch.q, cache, md, 0.3, torch.empty_like(batch.q), lse_got, kv_scale=kv_scale, **kw)
     ref = paged_attention_triton(batch.q, deq, md, 0.3, torch.empty_like(batch.q), lse_ref, **kw)
@@ -170,8 +170,8 @@ def test_fused_rope_write_attend_quantizes_and_dequantizes(reqs, hk, splits, k_s
     rotation + write stores, and attends like the plain launch over that cache."""
     batch, kv_scale, cache = _fp8_batch(reqs, hk, 4, 0, 1, seed, k_scale, v_scale)
     md = batch.metadata
-    positions = torch.tensor([c for c, _ in batch.reqs] + [0], dtype=torch.int64)
-    cos_sin = RotaryEmbedding(16, 64, 10000.0, device="cpu").cos_sin_cache
+    positions = torch.tensor([c for c, _ in batch.reqs] + [0], dtype=torch.int64, device=DEVICE)
+    cos_sin = RotaryEmbedding(16, 64, 10000.0, device=DEVICE).cos_sin_cache
     slots = md.slot_mapping
     ref_cache = cache.clone()
     q_rot = rope_write_kv_torch(batch.q, batch.k, batch.v, positions, cos_sin, ref_cache, slots, kv_scale)
@@ -186,9 +186,11 @@ def test_fused_rope_write_attend_quantizes_and_dequantizes(reqs, hk, splits, k_s
 def test_bad_scale_tensor_is_refused():
     batch, _, cache = _fp8_batch([(2, 1)], (2, 1), 4, 0, 0, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="kv_scale is torch.float64"):
-        write_kv_torch(batch.k, batch.v, cache, batch.metadata.slot_mapping, torch.ones(2, dtype=torch.float64))
+        write_kv_torch(batch.k, batch.v, cache, batch.metadata.slot_mapping,
+                       torch.ones(2, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match=r"float32 \[2\]"):
-        paged_attention_torch(batch.q, cache, batch.metadata, 0.3, torch.empty_like(batch.q), kv_scale=torch.ones(3))
+        paged_attention_torch(batch.q, cache, batch.metadata, 0.3, torch.empty_like(batch.q),
+                              kv_scale=torch.ones(3, device=DEVICE))
 
 
 # --------------------------------------------------------------------------- config and sizing
