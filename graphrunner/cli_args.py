@@ -84,11 +84,14 @@ def runner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _RUNNER_FIELDS}
 
 
+# `graphrunner.config.QUANT_METHODS`, spelled out: building a parser imports no torch (a test holds
+# the two equal).
+QUANTIZATION_CHOICES = ("fp8",)
+
+
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
     """--quantization (vLLM's flag): `LLM(quantization=...)`."""
-    from graphrunner.config import QUANT_METHODS
-
-    p.add_argument("--quantization", choices=QUANT_METHODS, default=None,
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
                    help="fp8: quantize the decoder's linear weights to e4m3 at load (vLLM's option); "
                         "unset: the checkpoint's own, if any")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphrunner.engine.request import RequestOutput
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import LoRARequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class _Live:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     stream: bool
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -95,10 +96,11 @@ class AsyncEngine:
     def num_live(self) -> int:
         return self._num_live
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       stream: bool = True) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, stream: bool = True,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs: deltas when `stream`, else its one final output. Leaving early
-        (or the task being cancelled) aborts it."""
+        (or the task being cancelled) aborts it. `lora_request`: the adapter it runs on (None: the
+        base model); a bad adapter raises ValueError from the first iteration."""
         if self.error is not None or not self._thread.is_alive():
             raise EngineDead(f"the engine thread stopped: {self.error!r}")
         if self._num_live >= self.max_live:
@@ -106,7 +108,8 @@ class AsyncEngine:
                             f"--max-queued-requests = {self.max_live}); retry later")
         self._num_live += 1
         queue: asyncio.Queue = asyncio.Queue()
-        self._send("add", (request_id, prompt, params, _Live(queue, asyncio.get_running_loop(), stream)))
+        self._send("add", (request_id, prompt, params, _Live(queue, asyncio.get_running_loop(), stream,
+                                                                 lora_request)))
         finished = False
         try:
             while True:
@@ -162,7 +165,8 @@ class AsyncEngine:
             if kind == "add":
                 request_id, prompt, params, live = payload
                 try:
-                    self.llm.add_request(request_id, prompt, params, stream=live.stream)
+                    self.llm.add_request(request_id, prompt, params, stream=live.stream,
+                                         lora_request=live.lora_request)
                 except (ValueError, TypeError) as e:
                     live.loop.call_soon_threadsafe(live.queue.put_nowait, e)
                     continue

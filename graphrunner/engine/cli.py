@@ -38,7 +38,7 @@ from graphrunner.cli_args import (
 if TYPE_CHECKING:
     from graphrunner.engine.llm import LLM
     from graphrunner.engine.request import RequestOutput
-    from graphrunner.protocol import SamplingParams
+    from graphrunner.protocol import LoRARequest, SamplingParams
 
 NUM_SHOWN_OUTPUTS = 3
 TOKENIZER_FILE = "tokenizer.json"
@@ -116,6 +116,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
                    help="decode context-parallel ranks (inside TP): the KV cache sharded over them")
     p.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds before a collective with a dead or stalled rank raises")
+    add_lora_args(p)
 
 
 def _kv_transfer_config(text: str) -> dict[str, Any]:
@@ -158,7 +159,53 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
         collective_timeout_s=args.collective_timeout,
         tokenizer=args.tokenizer,
         **speculative_kwargs(args, f"graphrunner {command}"),
+        **lora_kwargs(args),
     )
+
+
+# ---------------------------------------------------------------- LoRA (vLLM's flag names; docs/lora.md)
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """The multi-LoRA options of `LLM` (vLLM's names); `lora_kwargs` hands them on."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="let requests run on PEFT LoRA adapters (default: off; the runner allocates nothing for it)")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="distinct adapters in one step (device slots); requests for more queue")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest adapter rank accepted (up to 256); every slot is padded to it")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory (unset = --max-loras)")
+
+
+def lora_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM`'s LoRA keyword arguments from `add_lora_args`' options (checked by `LoRAConfig`)."""
+    return dict(enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras)
+
+
+def check_adapter_folder(what: str, path: str, max_lora_rank: int) -> None:
+    """ValueError naming `what` (the flag or module) and `path` unless `path` is a folder with a readable
+    adapter_config.json whose rank fits `max_lora_rank`: a cheap check before the model loads (the
+    weights are checked against the model when the adapter is first read)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{what}: adapter folder {path!r} does not exist")
+    config_path = folder / ADAPTER_CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{what}: {path!r} has no {ADAPTER_CONFIG_FILE} (not a PEFT adapter folder)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{what}: {config_path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: {config_path} must hold a JSON object")
+    pattern = config.get("rank_pattern")
+    ranks = [config.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
+    worst = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=0)
+    if worst > max_lora_rank:
+        raise ValueError(f"{what}: {path!r} has rank {worst}, above --max-lora-rank={max_lora_rank}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -189,6 +236,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="write one JSON line per step of the timed run (num_reqs, num_tokens, query_lens, "
                         "uniform, descriptor): the trace `graphrunner inspect simulate --trace` reads; "
                         "FILE is overwritten")
+    p.add_argument("--lora-path", metavar="DIR", default=None,
+                   help="a PEFT LoRA adapter folder every prompt runs on (needs --enable-lora)")
     p.set_defaults(func=run)
 
 
@@ -208,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     _check_device(args.device)
+    _check_lora_path(args)
     world = args.tp * args.pp * args.dp * args.pcp
     if world < 1 or min(args.tp, args.pp, args.dp, args.pcp, args.dcp) < 1:
         raise SystemExit(f"graphrunner generate: --tp={args.tp} --pp={args.pp} --dp={args.dp} -pcp={args.pcp} "
@@ -233,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     progress(f"loading {args.model} ...")
     load_start = time.perf_counter()
     llm = _build_llm(args)
+    lora = _lora_request(args)
     load_seconds = time.perf_counter() - load_start
     progress(f"ready in {load_seconds:.1f} s ({llm.runner.startup_times})")
 
@@ -244,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup:
         progress("warm-up run (untimed, up to 4 tokens per prompt; --no-warmup skips it) ...")
         try:
-            llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)), use_tqdm=False)
+            llm.generate(prompts, dataclasses.replace(params, max_tokens=min(params.max_tokens, 4)), use_tqdm=False,
+                         lora_request=lora)
         except ValueError:
             pass  # the timed run below reports the error
         llm.scheduler.reset_prefix_cache()  # the timed run must prefill its prompts, not hit the warm-up's
@@ -253,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     progress(f"timed run: {len(prompts)} prompts x {params.max_tokens} tokens")
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=is_printer)
+        outputs = llm.generate(prompts, params, use_tqdm=is_printer, lora_request=lora)
     except ValueError as e:  # e.g. a prompt longer than max_model_len
         raise SystemExit(f"graphrunner generate: {e}") from None
     elapsed = time.perf_counter() - start
@@ -267,6 +319,26 @@ def run(args: argparse.Namespace) -> int:
         _print_summary(args, llm, prompts, outputs, tokenizer, load_seconds=load_seconds, elapsed=elapsed,
                        mode_name=mode_name)
     return 0
+
+
+def _check_lora_path(args: argparse.Namespace) -> None:
+    """SystemExit for a --lora-path without --enable-lora, or one that is no adapter folder (before any
+    rank starts or the model loads)."""
+    if args.lora_path is None:
+        return
+    if not args.enable_lora:
+        raise SystemExit(f"graphrunner generate: --lora-path {args.lora_path!r} needs --enable-lora")
+    try:
+        check_adapter_folder("--lora-path", args.lora_path, args.max_lora_rank)
+    except ValueError as e:
+        raise SystemExit(f"graphrunner generate: {e}") from None
+
+
+def _lora_request(args: argparse.Namespace) -> LoRARequest | None:
+    """The adapter of --lora-path, shared by every prompt (one id: the folder is read once)."""
+    from graphrunner.protocol import LoRARequest
+
+    return LoRARequest("cli", 1, args.lora_path) if args.lora_path else None
 
 
 def _progress(enabled: bool):
@@ -287,7 +359,7 @@ def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outpu
         "kv_cache_dtype": str(llm.runner.kv_cache_dtype).removeprefix("torch."),
         "block_size": args.block_size, "max_model_len": llm.scheduler.max_model_len,
         "max_num_seqs": llm.scheduler.max_num_seqs, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
-        "load_seconds": round(load_seconds, 3),
+        "lora_path": args.lora_path, "load_seconds": round(load_seconds, 3),
         "startup_seconds": {k: round(v, 3) for k, v in llm.runner.startup_times.to_dict().items()},
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": num_generated,
@@ -356,6 +428,8 @@ def _print_summary(
     weights = _random_weights_reason(args)
     if weights:
         print(f"weights:          random ({weights}; tokens are meaningless)")
+    if args.lora_path:
+        print(f"lora adapter:     {args.lora_path}")
     print(f"device:           {llm.device}")
     print(f"cudagraph mode:   {mode_name}")
     print(f"dtype:            {str(llm.dtype).removeprefix('torch.')}")

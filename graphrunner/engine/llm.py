@@ -701,15 +701,17 @@ class LLM(PoolingAPI):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (vLLM's `LLM.chat`): each conversation (a list of
         `{"role": ..., "content": ...}` messages, or a list of such lists) is rendered with the
-        tokenizer's chat template (or `chat_template`), then generated from like a prompt."""
+        tokenizer's chat template (or `chat_template`), then generated from like a prompt
+        (`lora_request` as in `generate`)."""
         prompts = render_chat(self.tokenizer, messages, chat_template=chat_template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -4,6 +4,10 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `"stre
 as server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 With an API key, every /v1 route wants `Authorization: Bearer KEY` (401 otherwise).
 
+A request's `model` field names the base model (its served name or path) or one of the LoRA
+adapters the server was started with (`--lora-modules`): the request then runs on that adapter.
+Any other name gets 404 listing the served names.
+
 The engine runs on one background thread (`AsyncEngine`); each HTTP request submits its
 prompts and reads their outputs from an asyncio queue. A client that disconnects aborts its
 requests (their KV blocks are freed with the next step). Beyond `max_num_seqs +
@@ -32,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from graphrunner.engine.async_engine import TTFT_BUCKETS, AsyncEngine, EngineDead, QueueFull, now
 from graphrunner.engine.chat import render_chat
 from graphrunner.engine.request import CompletionOutput, RequestOutput
-from graphrunner.protocol import SamplingParams
+from graphrunner.protocol import LoRARequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +109,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 @dataclass
 class ServerConfig:
-    """What `build_app` needs besides the engine: the served name, the key, the queue bound."""
+    """What `build_app` needs besides the engine: the served name, the key, the queue bound, and the
+    LoRA adapters a request may name (`lora_modules`, each by its `lora_name`)."""
 
     served_model_name: str
     model: str
     api_key: str | None = None
     max_queued_requests: int = 1024
+    lora_modules: tuple[LoRARequest, ...] = ()
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -118,6 +124,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="graphrunner", docs_url=None, redoc_url=None)
     llm = engine.llm
     max_model_len = llm.max_model_len
+    adapters = {lora.lora_name: lora for lora in config.lora_modules}
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -146,9 +153,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": now(), "owned_by": "graphrunner",
-            "root": config.model, "parent": None, "max_model_len": max_model_len}]}
+        created = now()
+        base = {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "graphrunner",
+                "root": config.model, "parent": None, "max_model_len": max_model_len}
+        # vLLM's shape for adapters: the folder as root, the base model as parent.
+        loras = [{"id": lora.lora_name, "object": "model", "created": created, "owned_by": "graphrunner",
+                  "root": lora.lora_path, "parent": config.served_model_name, "max_model_len": max_model_len}
+                 for lora in config.lora_modules]
+        return {"object": "list", "data": [base, *loras]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -157,18 +169,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        _check_model(body, config)
+        lora = _resolve_model(body, config, adapters)
         prompts = _completion_prompts(body.prompt)
         params = _sampling_params(body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
                                   logprobs=body.logprobs, best_of=body.best_of)
         if body.echo:
             raise APIError(400, "echo=true is not supported", "echo")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        return await _serve(engine, request, body, prompts, params, request_id, _CompletionFormat(body, config))
+        return await _serve(engine, request, body, prompts, params, request_id, _CompletionFormat(body, config, lora),
+                            lora)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
-        _check_model(body, config)
+        lora = _resolve_model(body, config, adapters)
         try:
             prompts = render_chat(llm.tokenizer, body.messages, chat_template=body.chat_template,
                                   add_generation_prompt=body.add_generation_prompt,
@@ -184,15 +197,23 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         params = _sampling_params(body, max_tokens=limit,
                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None, best_of=None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        return await _serve(engine, request, body, prompts, params, request_id, _ChatFormat(body, config))
+        return await _serve(engine, request, body, prompts, params, request_id, _ChatFormat(body, config, lora),
+                            lora)
 
     return app
 
 
-def _check_model(body: _Body, config: ServerConfig) -> None:
-    if body.model is not None and body.model not in (config.served_model_name, config.model):
+def _resolve_model(body: _Body, config: ServerConfig, adapters: dict[str, LoRARequest]) -> LoRARequest | None:
+    """The adapter the body's `model` names, None for the base model (or no name); 404 listing the
+    served names for any other."""
+    if body.model is None or body.model in (config.served_model_name, config.model):
+        return None
+    lora = adapters.get(body.model)
+    if lora is None:
+        names = [config.served_model_name, *adapters]
         raise APIError(404, f"model {body.model!r} is not served here; this server serves "
-                            f"{config.served_model_name!r}", "model")
+                            f"{', '.join(repr(n) for n in names)}", "model")
+    return lora
 
 
 def _completion_prompts(prompt: Any) -> list[Any]:
@@ -234,14 +255,16 @@ def _sampling_params(body: _Body, *, max_tokens: int, logprobs: int | None, best
 
 
 async def _serve(engine: AsyncEngine, request: Request, body: _Body, prompts: list[Any], params: SamplingParams,
-                 request_id: str, fmt: _Format) -> Response:
-    """Submit every prompt, then answer at once (non-streaming) or as server-sent events."""
+                 request_id: str, fmt: _Format, lora: LoRARequest | None) -> Response:
+    """Submit every prompt (on `lora`'s adapter, or the base model), then answer at once (non-streaming)
+    or as server-sent events."""
     if body.stream and params.best_of is not None and params.best_of > params.n:
         raise APIError(400, f"best_of={params.best_of} > n={params.n} cannot stream", "best_of")
     if engine.num_live + len(prompts) > engine.max_live:
         raise APIError(429, f"the server is at its request limit ({engine.num_live} live of "
                             f"max_num_seqs + --max-queued-requests = {engine.max_live}); retry later")
-    streams = [engine.generate(p, params, f"{request_id}-{i}", stream=body.stream) for i, p in enumerate(prompts)]
+    streams = [engine.generate(p, params, f"{request_id}-{i}", stream=body.stream, lora_request=lora)
+               for i, p in enumerate(prompts)]
     merged = _merge(streams)
     if body.stream:
         try:
@@ -370,8 +393,10 @@ def _event(payload: dict[str, Any]) -> str:
 class _Format:
     """How one endpoint's responses look (completions or chat)."""
 
-    def __init__(self, body: Any, config: ServerConfig) -> None:
-        self.body, self.model, self.created = body, config.served_model_name, now()
+    def __init__(self, body: Any, config: ServerConfig, lora: LoRARequest | None = None) -> None:
+        # Responses name what ran, as vLLM's do: the adapter, or the base model's served name.
+        self.model = lora.lora_name if lora is not None else config.served_model_name
+        self.body, self.created = body, now()
 
     def usage(self, outs: list[RequestOutput]) -> dict[str, int]:
         prompt = sum(len(o.prompt_token_ids) for o in outs)

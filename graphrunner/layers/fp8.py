@@ -539,6 +539,8 @@ def _fp8_linear_rows(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
                      input_scale: torch.Tensor | None, block: Sequence[int], tile: Sequence[int]) -> torch.Tensor:
     """The device paths (module docstring), chosen on the real shapes at run time: x [T, K] -> [T, N]."""
     blk = _check_block(block) if len(block) else None
+    if not (x.is_cuda and HAS_TRITON):  # a CPU step compiled with the op: the exact reference
+        return fp8_linear_reference(x, w_q, w_scale, bias, block=blk, input_scale=input_scale)
     if blk is not None and (blk[1] < 16 or blk[1] & (blk[1] - 1)):  # Triton tiles are powers of two
         return fp8_linear_reference(x, w_q, w_scale, bias, block=blk, input_scale=input_scale)
     if x.stride(1) != 1:
@@ -569,15 +571,18 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     (module docstring); under torch.compile through the opaque op `graphrunner::fp8_linear`, so one
     compiled graph serves every row count. `tile`: the GEMV's (`fp8_gemv_plan`), best chosen once
     where the layer is built; None plans it here (host-side, cached device properties)."""
-    if not (x.is_cuda and HAS_TRITON):
+    compiling = torch.compiler.is_compiling()
+    if not (x.is_cuda and HAS_TRITON) and not compiling:
         return fp8_linear_reference(x, w_q, w_scale, bias, block=block, input_scale=input_scale)
     from graphrunner.kernels.device import device_properties
 
     n, k = w_q.shape
+    # Under torch.compile every device goes through the op: the reference's shape tests on an unbacked
+    # token count cannot be traced.
     tile = tile or fp8_gemv_plan(n, k, device_properties(x.device))
     x2 = x.reshape(-1, k)
     blk = tuple(block) if block is not None else ()
-    if torch.compiler.is_compiling():
+    if compiling:
         y = fp8_linear_op(x2, w_q, w_scale, bias, input_scale, blk, tile)
     else:
         y = _fp8_linear_rows(x2, w_q, w_scale, bias, input_scale, blk, tile)

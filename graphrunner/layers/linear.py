@@ -52,6 +52,7 @@ from graphrunner.config import KernelConfig, QuantConfig
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.device import DeviceProperties, device_properties
 from graphrunner.kernels.pdl import pdl_max_rows
+from graphrunner.layers.fp8 import fp8_gemv_plan, fp8_linear, quantize_weight_fp8
 from graphrunner.layers.gemv import (
     GEMV_DTYPES,
     Tile,
@@ -232,19 +233,16 @@ class Fp8LinearMethod(LinearMethod):
     name = "fp8"
 
     def __init__(self, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                 block: tuple[int, int] | None) -> None:
-        self.weight_scale, self.input_scale, self.block = weight_scale, input_scale, block
+                 block: tuple[int, int] | None, tile: tuple[int, int, int] | None) -> None:
+        self.weight_scale, self.input_scale, self.block, self.tile = weight_scale, input_scale, block, tile
 
     def __repr__(self) -> str:
         scales = f"block {self.block}" if self.block else "per channel"
         return f"Fp8LinearMethod({scales}, {'static' if self.input_scale is not None else 'dynamic'} activations)"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from graphrunner.layers.fp8 import fp8_linear, fp8_linear_op
-
-        if torch.compiler.is_compiling():
-            return fp8_linear_op(x, weight, self.weight_scale, bias, self.block or (), self.input_scale)
-        return fp8_linear(x, weight, self.weight_scale, bias, block=self.block, input_scale=self.input_scale)
+        return fp8_linear(x, weight, self.weight_scale, bias, block=self.block, input_scale=self.input_scale,
+                          tile=self.tile)
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -304,7 +302,10 @@ class _LinearBase(nn.Module):
 
     def _bind_fp8(self) -> None:
         assert self.quant is not None and self.weight_scale is not None
-        self.method = Fp8LinearMethod(self.weight_scale, self.input_scale, self.quant.block_size)
+        device = device_properties(self.weight.device)
+        n, k = self.weight.shape
+        tile = fp8_gemv_plan(n, k, device) if device is not None else None
+        self.method = Fp8LinearMethod(self.weight_scale, self.input_scale, self.quant.block_size, tile)
 
     @torch.no_grad()
     def quantize_weights(self) -> None:
@@ -312,8 +313,6 @@ class _LinearBase(nn.Module):
         channel, or per block tile). Nothing for a layer without quantization or already in fp8."""
         if self.quant is None or self.weight.dtype == torch.float8_e4m3fn:
             return
-        from graphrunner.layers.fp8 import quantize_weight_fp8
-
         weight, scale = quantize_weight_fp8(self.weight, self.quant.block_size)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.float(), requires_grad=False)

@@ -237,13 +237,14 @@ def test_dead_or_stalled_rank_raises_within_timeout(request, how: str) -> None:
     assert info["seconds"] < 4.0 + 10.0, info
 
 
-def _engine_with_dead_peer(rank: int, world: int, tp: int, pp: int, dp: int, how: str) -> dict:
+def _engine_with_dead_peer(rank: int, world: int, tp: int, pp: int, dp: int, how: str,
+                           model: str = "builtin:tiny-llama", expert_parallel: bool = False) -> dict:
     """Both ranks serve one generate; then rank 1 dies or stalls, and rank 0 generates again."""
     from graphrunner.engine.llm import LLM
     from graphrunner.protocol import SamplingParams
 
-    llm = LLM("builtin:tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-              **{**LLM_ARGS, "collective_timeout_s": 5.0})
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+              enable_expert_parallel=expert_parallel, **{**LLM_ARGS, "collective_timeout_s": 5.0})
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate(PROMPTS[:2], params)
     # Both ranks finished the first generate (the last PP stage's final token broadcast is
@@ -274,6 +275,17 @@ def test_engine_rank_dead_or_stalled_fails_within_timeout(request, tp: int, pp: 
     # The error names the exchange, this rank's place and the timeout (not only the transport's words).
     assert info["msg"].startswith("CollectiveError: "), info
     assert f"tp 0/{tp}, pp 0/{pp}, dp 0/{dp}; collective_timeout_s=5.0" in info["msg"], info
+
+
+def test_dp2_expert_parallel_rank_death_fails_within_timeout() -> None:
+    """DP2 + EP: the replicas step in lockstep and every MoE layer exchanges tokens across them, so a
+    replica that dies leaves the survivor inside a collective; it raises within the timeout instead."""
+    info, _ = run_world(2, _engine_with_dead_peer, 1, 1, 2, "kill", "builtin:tiny-moe", True, timeout_s=90,
+                        allow_hang=frozenset({1}))
+    assert info["raised"], info
+    assert info["seconds"] < 5.0 + 15.0, info
+    assert info["msg"].startswith("CollectiveError: "), info
+    assert "tp 0/1, pp 0/1, dp 0/2; collective_timeout_s=5.0" in info["msg"], info
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -2,8 +2,9 @@
 parallel ranks spawned by this pytest process, gloo on the CPU) with the real `openai` client.
 
 Expected texts come from a one-process `LLM` over the same tiny trained-tokenizer model (greedy, so
-every layout gives the same tokens). Under DP each request runs on one replica and the replicas'
-outputs are merged; under TP every rank steps every request. Bounded in time; 127.0.0.1 only.
+every layout gives the same tokens); under TP a LoRA adapter named by the `model` field too. Under
+DP each request runs on one replica and the replicas' outputs are merged; under TP every rank steps
+every request. Bounded in time; 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from graphrunner import LLM, SamplingParams  # noqa: E402
+from graphrunner import LLM, LoRARequest, SamplingParams  # noqa: E402
 from graphrunner.engine.serve_cli import make_server  # noqa: E402
 from graphrunner.engine.workers import WorkerLLM  # noqa: E402
 from tests.engine.test_engine_text import add_chat_template, make_text_model  # noqa: E402
+from tests.lora.lora_fixtures import make_adapter  # noqa: E402
 
 ARGS = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
             block_size=8, num_kv_blocks=64, collective_timeout_s=30.0)
@@ -57,11 +59,24 @@ def expected(folder) -> dict:
                 "chat": llm.chat(MESSAGES, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text}
 
 
+LORA_ARGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@pytest.fixture(scope="module")
+def lora(folder, tmp_path_factory) -> tuple[LoRARequest, str]:
+    """(an adapter, the text one process gives PROMPTS[0] with it, greedy)."""
+    pytest.importorskip("peft")
+    request = LoRARequest("sql", 1, make_adapter(tmp_path_factory.mktemp("parallel_lora") / "sql", r=8, seed=1))
+    with LLM(str(folder), **ARGS, **LORA_ARGS) as llm:
+        return request, llm.generate(PROMPTS[:1], SamplingParams(**GREEDY), use_tqdm=False,
+                                     lora_request=request)[0].outputs[0].text
+
+
 @contextlib.contextmanager
-def serving(llm) -> Iterator[tuple[str, object]]:
+def serving(llm, lora_modules=()) -> Iterator[tuple[str, object]]:
     """(base url, AsyncEngine) of a server over `llm` on an ephemeral port; stops it and the ranks after."""
     server, engine = make_server(llm, host="127.0.0.1", port=0, api_key=None, served_model_name="tiny",
-                                 max_queued_requests=16)
+                                 max_queued_requests=16, lora_modules=lora_modules)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -83,14 +98,17 @@ def wait_idle(llm, engine) -> None:
         time.sleep(0.05)
 
 
-def test_tp2_server_answers_as_one_process(folder, expected):
-    llm = LLM(str(folder), tensor_parallel_size=2, async_scheduling=True, **ARGS)
+def test_tp2_server_answers_as_one_process(folder, expected, lora):
+    llm = LLM(str(folder), tensor_parallel_size=2, async_scheduling=True, **ARGS, **LORA_ARGS)
     assert isinstance(llm, WorkerLLM)
     procs = llm.processes
-    with serving(llm) as (base, engine):
+    with serving(llm, lora_modules=[lora[0]]) as (base, engine):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
         out = client.completions.create(model="tiny", prompt=PROMPTS, **GREEDY)
         assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected["completions"]
+        # The adapter reaches the ranks with the request.
+        adapted = client.completions.create(model="sql", prompt=PROMPTS[0], **GREEDY).choices[0].text
+        assert adapted == lora[1] != expected["completions"][0]
         chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **GREEDY))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["chat"]
         with pytest.raises(openai.BadRequestError, match="out of range for vocab_size"):  # a rank's ValueError

@@ -274,6 +274,13 @@ def test_missing_or_misshaped_scale_tensor_is_named(llama, tmp_path):
         LLM(str(tmp_path / "fp8"), **KW)
 
 
+def test_the_command_line_offers_the_supported_methods():
+    from graphrunner.cli_args import QUANTIZATION_CHOICES
+    from graphrunner.config import QUANT_METHODS
+
+    assert QUANTIZATION_CHOICES == QUANT_METHODS
+
+
 def test_quantization_option_is_checked_and_moe_is_refused():
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; supported: \['fp8'\]"):
         LLM("builtin:tiny-llama", quantization="int4", **KW)
