@@ -21,6 +21,9 @@ _LIMIT_HELP = {
     "max_model_len": "prompt + output tokens of one request at most",
     "num_kv_blocks": "KV cache blocks",
 }
+# CacheConfig.cache_dtype's values (graphrunner.config.KV_CACHE_DTYPES; kept equal by a test, as this
+# module stays free of torch).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 # The options add_runner_args adds, as the keyword arguments of a spec (runner_kwargs).
 _RUNNER_FIELDS = ("model", "dtype", "device", "block_size", "compile_backend", "load_format", "seed")
 # A help text that already says what happens by default ("default: ...", "unset = ...").
@@ -67,6 +70,13 @@ def add_runner_args(p: argparse.ArgumentParser, *, model: str, compile_backend: 
     )
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="builtins always use dummy weights")
     p.add_argument("--seed", type=int, default=0, help="seeds dummy weights and whatever else is random")
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype (vLLM's flag), parsed into `args.kv_cache_dtype`: `CacheConfig.cache_dtype`."""
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="how the KV cache stores keys and values: auto = the model's dtype; fp8 (= fp8_e4m3) = "
+                        "float8_e4m3fn over each layer's k_scale / v_scale (the checkpoint's, else 1.0)")
 
 
 def runner_kwargs(args: argparse.Namespace) -> dict[str, Any]:

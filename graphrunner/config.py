@@ -28,6 +28,20 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# CacheConfig.cache_dtype values; every one but "auto" names float8_e4m3fn storage.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the KV cache: the model's for "auto", float8_e4m3fn for "fp8" / "fp8_e4m3"
+    (ValueError naming the value and the allowed ones otherwise)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in KV_CACHE_DTYPES:
+        return torch.float8_e4m3fn
+    raise ValueError(f"cache_dtype={cache_dtype!r} is not supported; allowed: {list(KV_CACHE_DTYPES)}")
+
+
 def _check_ints(obj: object, names: tuple[str, ...], minimum: int) -> None:
     """ValueError naming the first of `names` on `obj` that is not an int (bools excluded) >= `minimum`."""
     for name in names:
@@ -344,14 +358,20 @@ class CacheConfig:
 
     num_blocks=None lets `ModelRunner.determine_num_kv_blocks` size the cache from a
     profile run and `gpu_memory_utilization` (CUDA) or `cpu_kv_cache_bytes` (CPU).
+    `cache_dtype` (vLLM's `kv_cache_dtype`): "auto" stores keys and values in the model's dtype;
+    "fp8" (or "fp8_e4m3") stores them as float8_e4m3fn, each layer's keys divided by its k_scale
+    and values by its v_scale (docs/quantization.md).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 256 << 20
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported; allowed: {list(KV_CACHE_DTYPES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

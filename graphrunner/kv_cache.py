@@ -23,6 +23,21 @@ from graphrunner.step.body import StepBody
 logger = logging.getLogger("graphrunner.kv_cache")
 
 _GIB = 1 << 30
+# The e4m3 conversions of the fp8 KV kernels are native from this compute capability on (Ada, Hopper).
+_FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_kv_device(storage_dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError naming the device and its compute capability when an fp8 KV cache is asked for on a
+    GPU whose kernels cannot convert to and from e4m3 (CPUs run the torch reference and are fine)."""
+    if storage_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, _FP8_MIN_CAPABILITY))
+        raise ValueError(f"kv_cache_dtype='fp8' is not supported on {device} (compute capability "
+                         f"{capability[0]}.{capability[1]}): the fp8 KV kernels need {need} or newer; "
+                         "use kv_cache_dtype='auto'")
 
 
 def determine_num_kv_blocks(shape: KVCacheShape, cache: CacheConfig, body: StepBody, device: torch.device, *,

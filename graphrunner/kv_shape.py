@@ -25,13 +25,23 @@ class KVCacheShape:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the storage dtype: the model's, or float8_e4m3fn for an fp8 cache (CacheConfig.cache_dtype)
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one stored key or value element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token's keys and values take across every local layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across every local layer (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes of one block across every local layer (K and V), in the storage dtype: an fp8
+        cache fits twice the blocks of a bf16 one in the same memory."""
+        return self.block_size * self.token_bytes
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per local layer (zeros), stored

@@ -30,13 +30,13 @@ from capture.descriptor import BatchExecutionDescriptor
 from capture.full import FullGraph
 from capture.report import CaptureReport
 from graphrunner.attention import get_attention_backend
-from graphrunner.config import RunnerConfig, resolve_dtype
+from graphrunner.config import RunnerConfig, kv_cache_dtype, resolve_dtype
 from graphrunner.distributed.dcp_attention import wrap_for_dcp
 from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.distributed.lockstep import LockstepDP
 from graphrunner.distributed.pcp_step import make_prefill_context_parallel
 from graphrunner.distributed.pipeline_stage import PipelineStage
-from graphrunner.kv_cache import KVCacheShape, determine_num_kv_blocks
+from graphrunner.kv_cache import KVCacheShape, check_fp8_kv_device, determine_num_kv_blocks
 from graphrunner.kv_transfer.base import KVConnectorWorker
 from graphrunner.layers.lora.manager import LoraManager
 from graphrunner.layers.lora.weights import LoraBuffers
@@ -116,6 +116,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV cache's storage dtype: the model's, or float8_e4m3fn (CacheConfig.cache_dtype).
+        self.kv_cache_dtype = kv_cache_dtype(config.cache.cache_dtype, self.dtype)
+        check_fp8_kv_device(self.kv_cache_dtype, self.device)
         self.model_config = config.model
         sched = config.scheduler
         self.limits = StepLimits(
@@ -211,6 +214,7 @@ class ModelRunner:
         if not self.config.parallel.enable_dbo:
             model.allocate_workspace(self.limits.max_num_tokens)
         if self.body.spec is not None:  # a draft model or EAGLE head, if the drafter has one
+            self.body.spec.cache_dtype = self.config.cache.cache_dtype  # its KV is stored like the target's
             self.body.spec.load_draft_model(self.config.load, self.attn_backend, self.dtype, self.device, model)
         self.prompt_logprobs.compute_logits = model.compute_logits
         if self.pp is not None:
@@ -238,7 +242,7 @@ class ModelRunner:
         """This rank's share of the KV cache (its layers and KV heads)."""
         m = self.model_config
         layers = self.model.num_local_layers if self.model is not None else m.num_hidden_layers
-        return KVCacheShape(layers, self.limits.block_size, self.num_kv_heads_local, m.head_dim, self.dtype)
+        return KVCacheShape(layers, self.limits.block_size, self.num_kv_heads_local, m.head_dim, self.kv_cache_dtype)
 
     def compile_cache_scope(self) -> Any:
         """Compilation and Triton JIT inside this block go to (and load from) the configuration's
@@ -286,8 +290,8 @@ class ModelRunner:
             self.kv_connector = make_worker_connector(self.config.kv_transfer, shape, model_identity(self.config),
                                                       self.device)
             self.kv_connector.register_kv_caches(self.buffers.kv_caches)
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, L.block_size,
-                    num_blocks * shape.block_bytes / _GIB)
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s)", num_blocks, L.block_size,
+                    num_blocks * shape.block_bytes / _GIB, str(shape.dtype).removeprefix("torch."))
         # A capture on first use runs on one rank alone: only where no peer joins its collectives
         # and no drafts sit in per-step buffers (step/graphs.py).
         g = self.groups

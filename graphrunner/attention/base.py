@@ -58,10 +58,13 @@ class AttentionBackend(Protocol):
         scale: float,
         out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place if given
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of padded tokens are unspecified
+        """Write k/v into `kv_cache`, attend. A backend serving fp8 caches also takes `kv_scale=`, the
+        layer's [2] fp32 (k_scale, v_scale) (graphrunner.attention.torch_ref, "fp8 KV cache")."""
         ...
 
 
-RopeAttend = Callable[..., torch.Tensor]  # (q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None)
+# (q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None, kv_scale=None)
+RopeAttend = Callable[..., torch.Tensor]
 
 
 def rotate_torch(
@@ -80,13 +83,17 @@ def rope_attention(backend: Any) -> RopeAttend:
     """What a layer calls for the rotary embedding, the KV write and attention (module docstring).
 
     Arguments: q [T, H, D] and k [T, Hkv, D] not yet rotated, v [T, Hkv, D], positions [T] int64,
-    cos_sin [max_positions, D] float32 (cos | sin), the layer's kv_cache, metadata, scale and an
-    optional out [T, H, D] written in place; returns [T, H, D]."""
+    cos_sin [max_positions, D] float32 (cos | sin), the layer's kv_cache, metadata, scale, an
+    optional out [T, H, D] written in place and the layer's kv_scale ([2] fp32: k_scale, v_scale,
+    read only by an fp8 cache); returns [T, H, D]."""
     rope_attend = getattr(backend, "rope_attend", None)
     if rope_attend is not None:
         return rope_attend
-    def rotate_then_forward(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+    def rotate_then_forward(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None,
+                            kv_scale=None) -> torch.Tensor:
         q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
-        return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out)
+        # Only an fp8 cache reads scales: a backend without fp8 support keeps its plain signature.
+        extra = {"kv_scale": kv_scale} if kv_cache.dtype == torch.float8_e4m3fn else {}
+        return backend.forward(q, k, v.contiguous(), kv_cache, metadata, scale, out=out, **extra)
 
     return rotate_then_forward

@@ -17,6 +17,14 @@ graph-safe: no host sync, no value-dependent shapes, writes in place; their torc
   rounded to the activation dtype first (as Hugging Face does); each rotated element is
   computed in fp32 and rounded once, as inductor's fused rotary kernel computes it too.
 
+An fp8 cache (dtype float8_e4m3fn) gets each key as `clamp(k / k_scale, -448, 448)` rounded to
+e4m3, and each value likewise with `v_scale` (`kv_scale`: the layer's [2] fp32 tensor, read on
+the device so a captured graph follows a rewritten scale); the division is IEEE-rounded
+(`div_rn`) so that the kernels store exactly what `write_kv_torch` stores. On a GPU the cast is the
+hardware's round-to-nearest-even; the interpreter's own fp32 -> fp8 cast rounds ties up and loses
+the carry into the exponent (124.9 became 64), so for CPU tensors the kernels round to the e4m3 grid
+in fp32 first (`fp8_mode` 2), after which its cast is exact.
+
 `write_kv` picks the Triton kernel for CUDA tensors when triton imports, else the torch path.
 """
 
@@ -24,9 +32,26 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.attention.torch_ref import check_kv_args, check_rope_args, write_kv_torch
+from graphrunner.attention.torch_ref import (
+    FP8_KV_MAX,
+    check_kv_args,
+    check_kv_scale,
+    check_rope_args,
+    is_fp8_cache,
+    kv_scale_pair,
+    write_kv_torch,
+)
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.pdl import pdl_launch
+
+
+def fp8_mode(kv_cache: torch.Tensor) -> int:
+    """The kernels' FP8 switch: 0 for a cache of the model's dtype, 1 for fp8 on a GPU (the hardware
+    cast), 2 for fp8 in the interpreter (rounded to the e4m3 grid before its cast; module docstring)."""
+    if not is_fp8_cache(kv_cache):
+        return 0
+    return 1 if kv_cache.is_cuda else 2
+
 
 if HAS_TRITON:
     import triton
@@ -34,12 +59,37 @@ if HAS_TRITON:
 
     from graphrunner.kernels.pdl import pdl_wait
 
+    _FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_KV_MAX)
+    _RINT_MAGIC_C: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds |y| < 2^22 to even
+
+    @triton.jit
+    def _round_to_e4m3_grid(q):
+        """fp32 `q` (|q| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the
+        grid step is 2^(e - 3) for q's exponent e, and 2^-9 below e4m3's smallest normal 2^-6."""
+        exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.maximum(exponent, -6) - 3  # in [-9, 5]: both powers below are normal fp32
+        down = ((127 - step) << 23).to(tl.float32, bitcast=True)  # 2^-step
+        up = ((127 + step) << 23).to(tl.float32, bitcast=True)  # 2^step
+        r = ((q * down + _RINT_MAGIC_C) - _RINT_MAGIC_C) * up  # |q * down| < 16: exact scalings
+        return tl.where(r == 0.0, q * 0.0, r)  # keep the sign of a zero, as the cast does
+
+    @triton.jit
+    def quantize_fp8_kv(x, scale, ty, MODE: tl.constexpr):
+        """fp32 `x / scale` (IEEE-rounded), clamped to +-448, cast to the fp8 cache dtype `ty`
+        (`MODE` 2: rounded to the e4m3 grid first, for the interpreter; module docstring)."""
+        q = tl.math.div_rn(x.to(tl.float32), scale)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C)
+        if MODE == 2:
+            q = _round_to_e4m3_grid(q)
+        return q.to(ty)
+
     @triton.jit
     def _write_kv_kernel(
         k_ptr,
         v_ptr,
         cache_ptr,
         slot_ptr,
+        scale_ptr,  # [2] fp32 (k_scale, v_scale): read under FP8 only
         block_size,
         stride_kt,
         stride_kh,
@@ -56,6 +106,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         H_PAD: tl.constexpr,
         D_PAD: tl.constexpr,
+        FP8: tl.constexpr,  # fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)  # int64
@@ -70,12 +121,17 @@ if HAS_TRITON:
         v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
         dst = cache_ptr + blk * stride_c_blk + off * stride_c_off + h * stride_c_h + d * stride_c_d
         ty = cache_ptr.dtype.element_ty
-        tl.store(dst, k.to(ty), mask=mask)
-        tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
+        if FP8:
+            tl.store(dst, quantize_fp8_kv(k, tl.load(scale_ptr), ty, FP8), mask=mask)
+            tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), ty, FP8), mask=mask)
+        else:
+            tl.store(dst, k.to(ty), mask=mask)
+            tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
 
     @triton.jit
     def _rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, cache_ptr,
+        scale_ptr,  # [2] fp32 (k_scale, v_scale): read under FP8 only
         block_size,
         stride_qt, stride_qh, stride_qd,
         stride_kt, stride_kh, stride_kd,
@@ -89,6 +145,7 @@ if HAS_TRITON:
         HKV_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
         GDC: tl.constexpr,  # launched with PDL (graphrunner.kernels.pdl): wait before the first access
+        FP8: tl.constexpr,  # fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         t = tl.program_id(0).to(tl.int64)
         pdl_wait(GDC)
@@ -121,10 +178,21 @@ if HAS_TRITON:
         cty = cache_ptr.dtype.element_ty
         kdst = (cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                 + hk * stride_c_h + j[None, :] * stride_c_d)
-        tl.store(kdst, (k1 * cos - k2 * sin).to(ty).to(cty), mask=kv_mask)
-        tl.store(kdst + HALF * stride_c_d, (k2 * cos + k1 * sin).to(ty).to(cty), mask=kv_mask)
-        tl.store(kdst + stride_c_kv, v1.to(cty), mask=kv_mask)
-        tl.store(kdst + stride_c_kv + HALF * stride_c_d, v2.to(cty), mask=kv_mask)
+        # The rotated key is rounded to the activation dtype first, as the torch rotation returns it.
+        k_lo = (k1 * cos - k2 * sin).to(ty)
+        k_hi = (k2 * cos + k1 * sin).to(ty)
+        if FP8:
+            k_scale = tl.load(scale_ptr)
+            v_scale = tl.load(scale_ptr + 1)
+            tl.store(kdst, quantize_fp8_kv(k_lo, k_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + HALF * stride_c_d, quantize_fp8_kv(k_hi, k_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + stride_c_kv, quantize_fp8_kv(v1, v_scale, cty, FP8), mask=kv_mask)
+            tl.store(kdst + stride_c_kv + HALF * stride_c_d, quantize_fp8_kv(v2, v_scale, cty, FP8), mask=kv_mask)
+        else:
+            tl.store(kdst, k_lo.to(cty), mask=kv_mask)
+            tl.store(kdst + HALF * stride_c_d, k_hi.to(cty), mask=kv_mask)
+            tl.store(kdst + stride_c_kv, v1.to(cty), mask=kv_mask)
+            tl.store(kdst + stride_c_kv + HALF * stride_c_d, v2.to(cty), mask=kv_mask)
 
 
 def write_kv_triton(
@@ -132,19 +200,23 @@ def write_kv_triton(
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale) of an fp8 cache; None: 1.0
 ) -> None:
     """Triton implementation of `write_kv` (also runs on CPU tensors under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
         raise RuntimeError("write_kv_triton needs triton, which failed to import; use write_kv_torch")
     check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_scale(kv_cache, kv_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    fp8 = fp8_mode(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
         kv_cache,
         slot_mapping,
+        kv_scale_pair(kv_scale, kv_cache.device) if fp8 else slot_mapping,  # unread without FP8
         kv_cache.shape[2],
         *k.stride(),
         *v.stride(),
@@ -153,6 +225,7 @@ def write_kv_triton(
         HEAD_DIM=head_dim,
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        FP8=fp8,
     )
 
 
@@ -165,6 +238,7 @@ def rope_write_kv_triton(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
     pdl_rows: int = 0,  # launches of at most this many tokens use PDL (graphrunner.kernels.pdl)
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale) of an fp8 cache; None: 1.0
 ) -> torch.Tensor:  # q_rot [T, H, D] contiguous
     """Rotate q and k by `positions`, write rotated k and v at `slot_mapping`; return rotated q.
 
@@ -174,14 +248,17 @@ def rope_write_kv_triton(
         raise RuntimeError("rope_write_kv_triton needs triton, which failed to import; use rope_write_kv_torch")
     check_rope_args(q, k, positions, cos_sin)
     check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_scale(kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     q_rot = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_rot
     num_kv_heads = k.shape[1]
     launch = pdl_launch(num_tokens, pdl_rows)
+    fp8 = fp8_mode(kv_cache)
     _rope_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, q_rot, kv_cache,
+        kv_scale_pair(kv_scale, kv_cache.device) if fp8 else cos_sin,  # unread without FP8
         kv_cache.shape[2],
         *q.stride(), *k.stride(), *v.stride(),
         cos_sin.stride(0),
@@ -193,6 +270,7 @@ def rope_write_kv_triton(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         GDC=bool(launch),
+        FP8=fp8,
         **launch,
     )
     return q_rot
@@ -203,17 +281,19 @@ def write_kv(
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale) of an fp8 cache; None: 1.0
 ) -> None:
-    """Write token t's k/v at cache slot `slot_mapping[t]`, skipping slot -1, in place.
+    """Write token t's k/v at cache slot `slot_mapping[t]`, skipping slot -1, in place
+    (quantized by `kv_scale` into an fp8 cache).
 
     Uses the Triton kernel for CUDA tensors when triton imports, else `write_kv_torch`.
     Slots of live tokens must be distinct (two live tokens writing one slot is a
     scheduler bug; which one wins is unspecified).
     """
     if HAS_TRITON and kv_cache.is_cuda:
-        write_kv_triton(k, v, kv_cache, slot_mapping)
+        write_kv_triton(k, v, kv_cache, slot_mapping, kv_scale)
     else:
-        write_kv_torch(k, v, kv_cache, slot_mapping)
+        write_kv_torch(k, v, kv_cache, slot_mapping, kv_scale)
 
 
 __all__ = ["rope_write_kv_triton", "write_kv", "write_kv_triton"]

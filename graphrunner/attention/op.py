@@ -89,22 +89,25 @@ def unified_attention(
     out: torch.Tensor,  # [T, H, D], written in place
     layer_index: int,
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale): the layer's, read by an fp8 cache
 ) -> None:
     """Rotate q/k, write layer `layer_index`'s k/v into its cache and attend, into `out` (eager).
 
     The rotary embedding lives inside the op so that the backend can fuse it with the KV
-    write and attention (`graphrunner.attention.base.rope_attention`).
+    write and attention (`graphrunner.attention.base.rope_attention`). `kv_scale` is an argument
+    (a persistent buffer of the layer, like the rotary table), not context: its address is what a
+    captured graph reads.
     """
     ctx = current_forward_context()
     if not 0 <= layer_index < len(ctx.kv_caches):
         raise IndexError(f"layer_index={layer_index} is out of range for {len(ctx.kv_caches)} kv caches")
     # The KV cache is mutated too, but it is not an argument: compiled code never sees it.
     rope_attention(ctx.backend)(q, k, v, positions, cos_sin_cache, ctx.kv_caches[layer_index], ctx.metadata, scale,
-                                out=out)
+                                out=out, kv_scale=kv_scale)
 
 
 @unified_attention.register_fake
-def _unified_attention_fake(q, k, v, positions, cos_sin_cache, out, layer_index, scale) -> None:
+def _unified_attention_fake(q, k, v, positions, cos_sin_cache, out, layer_index, scale, kv_scale=None) -> None:
     # Nothing to describe: the op returns nothing and `out` keeps its shape and strides.
     return None
 

@@ -12,6 +12,13 @@ log-sum-exp of the scaled scores over the keys that token attended to (`out_lse`
 [T, H] fp32): what lets partial attention over disjoint key shards be merged exactly
 (`graphrunner.attention.merge`). A token that sees no key (an empty shard, a padded
 token) gets LSE -inf and an output row of zeros.
+
+fp8 KV cache. A cache of dtype float8_e4m3fn (`CacheConfig.cache_dtype="fp8"`) stores each
+key as `clamp(k / k_scale, -448, 448)` cast to e4m3 (round to nearest even) and each value
+likewise with `v_scale`; `kv_scale` is the layer's persistent [2] fp32 tensor (k_scale,
+v_scale). Every reader dequantizes on load, `element * scale` in fp32, before any other
+arithmetic: attention over an fp8 cache equals attention over a cache holding those products.
+Every path takes `kv_scale=None` as scales of 1.0; caches of other dtypes ignore it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,38 @@ from __future__ import annotations
 import torch
 
 from graphrunner.attention.base import AttentionMetadata, rotate_torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # the largest finite e4m3fn value: quantized keys and values are clamped to +-this
+
+
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` stores quantized fp8 keys and values (module docstring)."""
+    return kv_cache.dtype == FP8_KV_DTYPE
+
+
+def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """Host-side check of a layer's (k_scale, v_scale) tensor (metadata only, safe during capture)."""
+    if kv_scale is None:
+        return
+    if kv_scale.shape != (2,) or kv_scale.dtype != torch.float32 or kv_scale.device != kv_cache.device:
+        raise ValueError(f"kv_scale is {kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}, expected "
+                         f"float32 [2] (k_scale, v_scale) on the cache's device {kv_cache.device}")
+
+
+def kv_scale_pair(kv_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(k_scale, v_scale) as a [2] fp32 tensor: `kv_scale`, or ones when none is given."""
+    return kv_scale if kv_scale is not None else torch.ones(2, dtype=torch.float32, device=device)
+
+
+def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x / scale` in fp32, clamped to the e4m3 range and rounded to float8_e4m3fn (`scale`: 0-d fp32)."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 `x * scale`: what every attention path reads from an fp8 cache."""
+    return x.float() * scale
 
 
 def check_kv_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -44,6 +83,7 @@ def write_kv_torch(
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale): an fp8 cache's quantization scales
 ) -> None:
     """Write token t's k/v at cache slot `slot_mapping[t]`, skipping slot -1, in place (graph-safe).
 
@@ -55,8 +95,10 @@ def write_kv_torch(
     slot 0 with the cache's own current content, which changes nothing.
     """
     check_kv_args(k, v, kv_cache, slot_mapping)
+    check_kv_scale(kv_cache, kv_scale)
     if k.shape[0] == 0:
         return
+    scales = kv_scale_pair(kv_scale, kv_cache.device) if is_fp8_cache(kv_cache) else None
     block_size = kv_cache.shape[2]
     live = slot_mapping >= 0  # [T] bool
     any_live = live.any()  # 0-d bool, stays on the device
@@ -68,8 +110,8 @@ def write_kv_torch(
     slots = torch.where(live, slot_mapping, fallback_slot)  # [T], all valid
     blk, off = slots // block_size, slots % block_size
     live3 = live.view(-1, 1, 1)
-    for half, new in ((kv_cache[0], k), (kv_cache[1], v)):
-        new = new.to(half.dtype)
+    for i, (half, new) in enumerate(((kv_cache[0], k), (kv_cache[1], v))):
+        new = quantize_kv_torch(new, scales[i]) if scales is not None else new.to(half.dtype)
         # Value for redirected tokens: the first live token's own row, else slot 0's current content.
         fallback = torch.where(any_live, new.index_select(0, first), half[0, 0].unsqueeze(0))  # [1, Hkv, D]
         values = torch.where(live3, new, fallback)  # [T, Hkv, D]
@@ -90,10 +132,10 @@ def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, c
         )
 
 
-def rope_write_kv_torch(q, k, v, positions, cos_sin, kv_cache, slot_mapping) -> torch.Tensor:
+def rope_write_kv_torch(q, k, v, positions, cos_sin, kv_cache, slot_mapping, kv_scale=None) -> torch.Tensor:
     """Torch reference of `rope_write_kv_triton` (same arguments, same result)."""
     check_rope_args(q, k, positions, cos_sin)
-    write_kv_torch(rotate_torch(positions, k, cos_sin), v, kv_cache, slot_mapping)
+    write_kv_torch(rotate_torch(positions, k, cos_sin), v, kv_cache, slot_mapping, kv_scale)
     return rotate_torch(positions, q, cos_sin)
 
 
@@ -145,6 +187,7 @@ def paged_attention_torch(
     out: torch.Tensor,  # [T, H, D], written in place
     out_lse: torch.Tensor | None = None,  # [T, H] fp32, written in place if given
     dcp: tuple[int, int, int] | None = None,  # (size, rank, interleave): the cache holds this rank's share
+    kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale): an fp8 cache's dequantization scales
 ) -> torch.Tensor:
     """Attend every real query token to its request's cached keys (causal), in fp32.
 
@@ -154,6 +197,8 @@ def paged_attention_torch(
     to 0 (LSE -inf). Syncs with the host.
     """
     check_attention_args(q, kv_cache, metadata, out, out_lse)
+    check_kv_scale(kv_cache, kv_scale)
+    scales = kv_scale_pair(kv_scale, kv_cache.device) if is_fp8_cache(kv_cache) else None
     block_size = kv_cache.shape[2]
     group = q.shape[1] // kv_cache.shape[3]
     qsl = metadata.query_start_loc[: metadata.num_reqs + 1].tolist()
@@ -170,8 +215,11 @@ def paged_attention_torch(
         n_keys = len(key_pos)
         blocks = metadata.block_table[b, : -(-n_keys // block_size)].long()
         # k, v: [n_keys, Hkv, D] -> [H, n_keys, D] (query head h reads kv head h // group)
-        k = kv_cache[0, blocks].flatten(0, 1)[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = kv_cache[1, blocks].flatten(0, 1)[:n_keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        k, v = kv_cache[0, blocks].flatten(0, 1)[:n_keys].float(), kv_cache[1, blocks].flatten(0, 1)[:n_keys].float()
+        if scales is not None:  # dequantize on load, before any other arithmetic
+            k, v = k * scales[0], v * scales[1]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qr = q[q0:q1].float().transpose(0, 1)  # [H, query_len, D]
         scores = torch.matmul(qr, k.transpose(1, 2)) * scale  # [H, query_len, n_keys]
         pos = torch.arange(query_len, device=q.device).view(-1, 1) + (seq_len - query_len)
@@ -212,26 +260,28 @@ class WriteThenAttendBackend:
         scale: float,
         out: torch.Tensor | None = None,  # [T, H, D]
         out_lse: torch.Tensor | None = None,  # [T, H] fp32: the log-sum-exp, written in place if given
+        kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (module docstring)
     ) -> torch.Tensor:  # [T, H, D]; rows of padded tokens are 0
         """Write k/v at `metadata.slot_mapping`, then attend; returns `out` (allocated if None)."""
         check_attention_args(q, kv_cache, metadata, out, out_lse)
         slots = metadata.slot_mapping[: metadata.num_tokens]
         if metadata.kv_gather is not None:  # PCP: every rank writes every token of the group
             k, v, slots = metadata.kv_gather.gather(k, v)
-        self.write_kv(k, v, kv_cache, slots)
+        self.write_kv(k, v, kv_cache, slots, kv_scale=kv_scale)
         if out is None:
             out = torch.empty_like(q)
-        return self.attend(q, kv_cache, metadata, scale, out, out_lse)
+        return self.attend(q, kv_cache, metadata, scale, out, out_lse, kv_scale=kv_scale)
 
-    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None,
+                    kv_scale=None) -> torch.Tensor:
         """q and k not yet rotated: the rotary embedding (torch), then `forward`."""
         q, k = rotate_torch(positions, q, cos_sin), rotate_torch(positions, k, cos_sin)
-        return self.forward(q, k, v, kv_cache, metadata, scale, out=out)
+        return self.forward(q, k, v, kv_cache, metadata, scale, out=out, kv_scale=kv_scale)
 
-    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+    def write_kv(self, k, v, kv_cache, slot_mapping, kv_scale=None) -> None:
         raise NotImplementedError
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None, kv_scale=None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -240,8 +290,8 @@ class TorchReferenceBackend(WriteThenAttendBackend):
 
     name = "torch"
 
-    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        write_kv_torch(k, v, kv_cache, slot_mapping)
+    def write_kv(self, k, v, kv_cache, slot_mapping, kv_scale=None) -> None:
+        write_kv_torch(k, v, kv_cache, slot_mapping, kv_scale)
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
-        return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse, dcp)
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None, kv_scale=None) -> torch.Tensor:
+        return paged_attention_torch(q, kv_cache, metadata, scale, out, out_lse, dcp, kv_scale)

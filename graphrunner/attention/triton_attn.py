@@ -39,6 +39,12 @@ compiled with `STORE_LSE=True` also stores each row's natural LSE, `ln 2 * (m + 
 from the final running max `m` and denominator `l` (-inf for a row that saw no key);
 under split-KV the merge kernel stores it. The default variant (`STORE_LSE=False`)
 compiles without those stores, so attention without an LSE buffer runs the same code.
+
+fp8 KV cache (`FP8`, from the cache's dtype float8_e4m3fn). Each loaded key and value block is
+dequantized first, `element * k_scale` (or `v_scale`) in fp32, the scales read from the layer's
+[2] fp32 tensor on the device; the tiles then enter the same dots as a cache of the query's
+dtype would (fp32 on a CPU or for fp32 models, the activation dtype's tensor-core dots on a
+GPU). The folded KV write (ROPE_KV) quantizes as kv_write.py does.
 """
 
 from __future__ import annotations
@@ -48,8 +54,14 @@ import dataclasses
 import torch
 
 from graphrunner.attention.base import AttentionMetadata
-from graphrunner.attention.kv_write import rope_write_kv_triton, write_kv_triton
-from graphrunner.attention.torch_ref import WriteThenAttendBackend, check_attention_args, check_rope_args
+from graphrunner.attention.kv_write import fp8_mode, rope_write_kv_triton, write_kv_triton
+from graphrunner.attention.torch_ref import (
+    WriteThenAttendBackend,
+    check_attention_args,
+    check_kv_scale,
+    check_rope_args,
+    kv_scale_pair,
+)
 from graphrunner.config import MAX_KV_SPLITS, KernelConfig
 from graphrunner.kernels import HAS_TRITON, sm_count
 from graphrunner.kernels.device import device_properties
@@ -71,6 +83,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from graphrunner.attention.kv_write import quantize_fp8_kv
     from graphrunner.kernels.pdl import pdl_wait
 
     _NEG_BIG_C: tl.constexpr = tl.constexpr(_NEG_BIG)
@@ -128,10 +141,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr,
-                          kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                          stride_cs, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
+                          kv_ptr, scale_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
+                          stride_vd, stride_cs, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, FP8: tl.constexpr):
         """ROPE_KV, decode grid: this program (request, kv head kvh, split) is the only one that reads
         the keys of its split's range, for every tile of the request. It writes the rotated keys and
         the values of the request's new tokens that fall there (at their slots; -1 = skip) before
@@ -154,8 +167,12 @@ if HAS_TRITON:
             slot = slot.to(tl.int64)[:, None]
             dst = (kv_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                    + kvh.to(tl.int64) * stride_c_h + d * stride_c_d)
-            tl.store(dst, k_rot.to(cty), mask=mask)
-            tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
+            if FP8:
+                tl.store(dst, quantize_fp8_kv(k_rot, tl.load(scale_ptr), cty, FP8), mask=mask)
+                tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), cty, FP8), mask=mask)
+            else:
+                tl.store(dst, k_rot.to(cty), mask=mask)
+                tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
         tl.debug_barrier()
 
     @triton.jit
@@ -168,6 +185,7 @@ if HAS_TRITON:
         split,
         q_ptr,
         kv_ptr,
+        scale_ptr,  # [2] fp32 (k_scale, v_scale) (FP8 only)
         out_ptr,
         lse_ptr,  # [T, H] fp32 (STORE_LSE only)
         bt_ptr,
@@ -217,6 +235,7 @@ if HAS_TRITON:
         STORE_LSE: tl.constexpr,
         IS_DCP: tl.constexpr,
         ROPE_KV: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One (tile, kv head, split) of the module docstring: rows tok0 .. tok0 + BLOCK_Q - 1."""
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -247,6 +266,9 @@ if HAS_TRITON:
             q = tl.load(q_rows + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if COMPUTE_FP32:
             q = q.to(tl.float32)
+        if FP8:
+            k_scale = tl.load(scale_ptr)
+            v_scale = tl.load(scale_ptr + 1)
 
         m_i = tl.full([BLOCK_M], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -262,6 +284,12 @@ if HAS_TRITON:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)  # k: [BLOCK_N, D_PAD]
             v = tl.load(kv_ptr + stride_c_kv + kv_off, mask=kv_mask, other=0.0)  # v: [BLOCK_N, D_PAD]
+            if FP8:  # dequantize on load: element * scale in fp32, then the dtype the dots take
+                k = k.to(tl.float32) * k_scale
+                v = v.to(tl.float32) * v_scale
+                if not COMPUTE_FP32:
+                    k = k.to(q_ptr.dtype.element_ty)
+                    v = v.to(q_ptr.dtype.element_ty)
             if COMPUTE_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -306,6 +334,7 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         q_ptr,
         kv_ptr,
+        scale_ptr,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (FP8 only)
         out_ptr,
         lse_ptr,  # [T, H] fp32 (STORE_LSE only)
         qsl_ptr,
@@ -360,6 +389,7 @@ if HAS_TRITON:
         ROPE_KV: tl.constexpr,  # decode batch, q unrotated: rotate here and write the new k / v (rope_kv)
         GDC: tl.constexpr,  # launched with PDL: wait before the first access (graphrunner.kernels.pdl)
         DECODE_GRID: tl.constexpr,  # program b serves request b's tiles (attention_launch_plan)
+        FP8: tl.constexpr,  # kv_write.fp8_mode: the cache stores quantized e4m3 (module docstring)
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -377,28 +407,30 @@ if HAS_TRITON:
         if DECODE_GRID:
             if ROPE_KV:
                 _write_request_kv(q_start, q_end, seq_len, kvh, split, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr,
-                                  slot_ptr, kv_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt,
+                                  slot_ptr, kv_ptr, scale_ptr, block_size, stride_kt, stride_kh, stride_kd, stride_vt,
                                   stride_vh, stride_vd, stride_cs, stride_c_kv, stride_c_blk, stride_c_off,
-                                  stride_c_h, stride_c_d, HEAD_DIM, D_PAD, NUM_SPLITS, BLOCK_N)
+                                  stride_c_h, stride_c_d, HEAD_DIM, D_PAD, NUM_SPLITS, BLOCK_N, FP8)
             for tok0 in range(q_start, q_end, BLOCK_Q):  # one tile per decode request
                 _attend_tile(
                     tok0, b, q_end, seq_len, kvh, split,
-                    q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size,
+                    q_ptr, kv_ptr, scale_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens,
+                    block_size,
                     qk_scale, dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot,
                     stride_oh, stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
                     stride_c_d, stride_bt, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, stride_kt, stride_kh,
                     stride_kd, stride_vt, stride_vh, stride_vd, stride_cs, NUM_HEADS, GROUP, G_PAD, BLOCK_Q,
-                    HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV,
+                    HEAD_DIM, D_PAD, BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV, FP8,
                 )
         else:
             _attend_tile(
                 q_start + (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q, b, q_end, seq_len, kvh, split,
-                q_ptr, kv_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size, qk_scale,
+                q_ptr, kv_ptr, scale_ptr, out_ptr, lse_ptr, bt_ptr, part_o_ptr, part_ml_ptr, num_tokens, block_size,
+                qk_scale,
                 dcp_size, dcp_rank, dcp_interleave, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
                 stride_od, stride_lt, stride_lh, stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_c_d,
                 stride_bt, k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, slot_ptr, stride_kt, stride_kh, stride_kd,
                 stride_vt, stride_vh, stride_vd, stride_cs, NUM_HEADS, GROUP, G_PAD, BLOCK_Q, HEAD_DIM, D_PAD,
-                BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV,
+                BLOCK_N, NUM_SPLITS, COMPUTE_FP32, STORE_LSE, IS_DCP, ROPE_KV, FP8,
             )
 
     @triton.jit(do_not_specialize=['num_tokens'])
@@ -551,6 +583,7 @@ def paged_attention_triton(
     rope_kv: RopeKV | None = None,
     max_kv_splits: int = _PLAN_MAX_SPLITS,
     pdl_rows: int = 0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of a padded mixed batch in one (or, split-KV, two) launches.
 
@@ -566,12 +599,14 @@ def paged_attention_triton(
     (not with `dcp`; the decode grid, which it needs, unless `decode_grid=False` is asked and
     refused): q is not yet rotated; the kernel rotates it, and each program first writes the
     rotated keys and the values of its request's new tokens that its split reads, at their
-    slots (the rotary + KV-write kernel folded in; `RopeKV`). Works on CPU tensors under
-    TRITON_INTERPRET=1.
+    slots (the rotary + KV-write kernel folded in; `RopeKV`). `kv_scale` ([2] fp32: k_scale,
+    v_scale; None: 1.0) is read when the cache is fp8 (module docstring). Works on CPU tensors
+    under TRITON_INTERPRET=1.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which failed to import; use the torch backend")
     check_attention_args(q, kv_cache, metadata, out, out_lse)
+    check_kv_scale(kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_tokens == 0:
@@ -609,9 +644,11 @@ def paged_attention_triton(
     if rope_kv is not None and not by_request:
         raise ValueError("rope_kv needs the decode grid: a request's keys are written by the programs that read them")
     num_programs = metadata.num_reqs + 1 if by_request else plan["num_tiles"]
+    fp8 = fp8_mode(kv_cache)
     _paged_attn_kernel[(num_programs, num_kv_heads, splits)](
         q,
         kv_cache,
+        kv_scale_pair(kv_scale, kv_cache.device) if fp8 else q,  # unread without FP8
         out,
         lse,
         metadata.query_start_loc,
@@ -644,6 +681,7 @@ def paged_attention_triton(
         ROPE_KV=rope_kv is not None,
         GDC=gdc,
         DECODE_GRID=by_request,
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **registers,
@@ -687,29 +725,31 @@ class TritonPagedAttentionBackend(WriteThenAttendBackend):
         self.max_kv_splits = kernel.attention_max_kv_splits
         self.pdl_rows = pdl_max_rows(kernel, device_properties(device))
 
-    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        write_kv_triton(k, v, kv_cache, slot_mapping)
+    def write_kv(self, k, v, kv_cache, slot_mapping, kv_scale=None) -> None:
+        write_kv_triton(k, v, kv_cache, slot_mapping, kv_scale)
 
-    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata, scale, out, out_lse=None, dcp=None, kv_scale=None) -> torch.Tensor:
         return paged_attention_triton(q, kv_cache, metadata, scale, out, out_lse, dcp=dcp,
-                                      max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows)
+                                      max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows, kv_scale=kv_scale)
 
-    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None) -> torch.Tensor:
+    def rope_attend(self, q, k, v, positions, cos_sin, kv_cache, metadata, scale, out=None,
+                    kv_scale=None) -> torch.Tensor:
         """q and k not yet rotated. A decode batch (no more tokens than requests): the attention
         launch rotates, writes and attends (`RopeKV`, with its decode grid). Other batches: the
         rotary + KV-write kernel, then attention. Under prefill context parallelism (k/v
         all-gathered before the write): the torch rotation, then `forward`."""
         if metadata.kv_gather is not None:
-            return super().rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out)
+            return super().rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, scale, out, kv_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous like q_rot
         if self.rope_in_attention and q.shape[0] <= metadata.num_reqs:
             rope = RopeKV(k, v, positions, cos_sin, metadata.slot_mapping)
             return paged_attention_triton(q, kv_cache, metadata, scale, out, rope_kv=rope,
-                                          max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows)
+                                          max_kv_splits=self.max_kv_splits, pdl_rows=self.pdl_rows,
+                                          kv_scale=kv_scale)
         slots = metadata.slot_mapping[: metadata.num_tokens]
-        q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, kv_cache, slots, self.pdl_rows)
-        return self.attend(q_rot, kv_cache, metadata, scale, out)
+        q_rot = rope_write_kv_triton(q, k, v, positions, cos_sin, kv_cache, slots, self.pdl_rows, kv_scale)
+        return self.attend(q_rot, kv_cache, metadata, scale, out, kv_scale=kv_scale)
 
 
 __all__ = ["RopeKV", "TritonPagedAttentionBackend", "paged_attention_triton", "attention_launch_plan"]

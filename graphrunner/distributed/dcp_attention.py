@@ -56,15 +56,17 @@ class DCPAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # [T, H_local, D]
+        kv_scale: torch.Tensor | None = None,  # [2] fp32 (k_scale, v_scale) of an fp8 cache
     ) -> torch.Tensor:
+        """Write this rank's share of k/v, attend the group's heads over it, merge this rank's heads."""
         T, H, Dh = q.shape
         D, r = self.size, self.rank
-        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
+        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens], kv_scale)
         gather = torch.ops.graphrunner.tp_all_gather
         q_all = gather(q, D, self.group_name).permute(1, 0, 2, 3).reshape(T, D * H, Dh)  # the group's heads
         part = torch.empty_like(q_all)  # [T, D*H, Dh]
         lse = torch.empty(T, D * H, dtype=torch.float32, device=q.device)  # [T, D*H]
-        self.inner.attend(q_all, kv_cache, metadata, scale, part, lse, dcp=self.layout)
+        self.inner.attend(q_all, kv_cache, metadata, scale, part, lse, dcp=self.layout, kv_scale=kv_scale)
         # One collective for both: the fp32 LSE travels bit-cast to the output's dtype.
         packed = torch.cat([part.reshape(T, -1), lse.view(part.dtype).reshape(T, -1)], dim=1)
         got = gather(packed, D, self.group_name)  # [D, T, D*H*Dh + D*H*(4 / element size)]

@@ -23,6 +23,7 @@ from graphrunner.cli_args import (
     DefaultsHelpFormatter,
     add_dbo_args,
     add_graph_args,
+    add_kv_cache_dtype_arg,
     add_limit_args,
     add_quantization_arg,
     add_runner_args,
@@ -65,6 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model: str | None) -> None:
     """The options that build an `LLM` (vLLM's flag names), shared by `generate` and `serve`;
     `engine_kwargs` hands them on."""
     add_runner_args(p, model=model, compile_backend="inductor")  # type: ignore[arg-type]  # serve: None
+    add_kv_cache_dtype_arg(p)
     add_limit_args(
         p,
         max_num_seqs=None,
@@ -136,6 +138,7 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return dict(
         **runner_kwargs(args),
         **limit_kwargs(args),
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         cudagraph_mode=args.mode,
@@ -353,6 +356,7 @@ def _summary(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], outpu
     return {
         "kind": "generate", "model": args.model, "device": str(llm.device), "cudagraph_mode": mode_name,
         "dtype": str(llm.dtype).removeprefix("torch."), "kv_blocks": llm.scheduler.num_blocks,
+        "kv_cache_dtype": str(llm.runner.kv_cache_dtype).removeprefix("torch."),
         "block_size": args.block_size, "max_model_len": llm.scheduler.max_model_len,
         "max_num_seqs": llm.scheduler.max_num_seqs, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
         "lora_path": args.lora_path, "load_seconds": round(load_seconds, 3),
@@ -435,7 +439,8 @@ def _print_summary(
             print(f"prefill context parallel: {args.pcp}")
         print(f"pipeline stages:  {args.pp}")
         print(f"data parallel:    {args.dp}")
-    print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens")
+    print(f"kv blocks:        {llm.scheduler.num_blocks} x {args.block_size} tokens "
+          f"({str(llm.runner.kv_cache_dtype).removeprefix('torch.')})")
     print(f"load seconds:     {load_seconds:.2f} ({llm.runner.startup_times})")
     print(f"num prompts:      {len(prompts)}")
     print(f"prompt tokens:    {sum(len(p) for p in prompts)}")

@@ -82,6 +82,10 @@ class LLM(PoolingAPI):
         max_model_len: prompt + output tokens of one request; None: the model's
             max_position_embeddings, or less when the KV cache cannot hold that many (logged).
         block_size: tokens per KV block.
+        kv_cache_dtype: how the KV cache stores keys and values (vLLM's name): "auto" (the model's
+            dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn, divided by each layer's k_scale / v_scale
+            from the checkpoint, else 1.0; twice the tokens in the same memory as bf16). See
+            docs/quantization.md.
         seed: seeds dummy weights and sampling; equal seeds give equal outputs.
         num_kv_blocks: KV blocks to allocate; None sizes the cache from a profile run.
         gpu_memory_utilization: fraction of GPU memory the runner may use (CUDA only).
@@ -163,6 +167,7 @@ class LLM(PoolingAPI):
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         block_size: int = 16,
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -235,7 +240,8 @@ class LLM(PoolingAPI):
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             seed=seed, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             load_format=load_format, enforce_eager=enforce_eager, compilation_kwargs=kwargs, speculative=speculative,
-            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer, quantization=quantization)
+            lora=lora, enable_prompt_embeds=enable_prompt_embeds, kv_transfer=kv_transfer, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype)
         self._inputs = None  # prompt embeddings and images -> token ids and RequestExtras
         if enable_prompt_embeds or self.config.model.vision is not None:
             from graphrunner.multimodal.inputs import InputProcessor

@@ -28,7 +28,7 @@ def build_runner_config(
     max_num_batched_tokens: int, max_model_len: int | None, block_size: int, seed: int, num_kv_blocks: int | None,
     gpu_memory_utilization: float, load_format: str, enforce_eager: bool | None, compilation_kwargs: dict[str, Any],
     speculative: SpeculativeConfig, lora: LoRAConfig | None = None, enable_prompt_embeds: bool = False,
-    kv_transfer: KVTransferConfig | None = None, quantization: str | None = None,
+    kv_transfer: KVTransferConfig | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto",
 ) -> RunnerConfig:
     """The `RunnerConfig` of `LLM`'s arguments, with their defaults resolved for this model and device."""
     from graphrunner.models.loader import is_builtin, load_model_config
@@ -47,7 +47,8 @@ def build_runner_config(
         model=model_config,
         load=LoadConfig(model=model, load_format=load_format, seed=seed),
         cache=CacheConfig(
-            block_size=block_size, num_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization
+            block_size=block_size, num_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

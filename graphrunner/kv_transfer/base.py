@@ -81,6 +81,10 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data
     device = kv_caches[0].device
     index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
     data = data.to(device, non_blocking=True)
+    if data.dtype.itemsize == 1:
+        # fp8 blocks move as their bytes: index_copy_ has no float8 kernel on a CPU, and a byte copy
+        # cannot change a quantized value.
+        data, kv_caches = data.view(torch.uint8), [cache.view(torch.uint8) for cache in kv_caches]
     for layer, cache in enumerate(kv_caches):
         cache.index_copy_(1, index, data[layer])
 

@@ -118,6 +118,9 @@ class Attention(nn.Module):
         self._rotary = [rotary]
         self.attn_backend = attn_backend
         self._rope_attend = rope_attention(attn_backend)  # the backend's rotary + KV write + attention
+        # (k_scale, v_scale) of an fp8 KV cache: 1.0 unless the checkpoint has this layer's scales
+        # (graphrunner.attention.kv_scales). A buffer, so every graph reads one persistent address.
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32, device=device), persistent=False)
 
     def forward(
         self,
@@ -161,10 +164,11 @@ class Attention(nn.Module):
         cos_sin = self._rotary[0].cos_sin_cache  # [max_positions, D] float32
         if self.attention_op_mode:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous for the reshape
-            torch.ops.graphrunner.unified_attention(q, k, v, positions, cos_sin, out, self.layer_index, self.scale)
+            torch.ops.graphrunner.unified_attention(q, k, v, positions, cos_sin, out, self.layer_index, self.scale,
+                                                    self.kv_scale)
             return out
         assert kv_cache is not None, "outside op mode every layer gets its KV cache"
-        return self._rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, self.scale)
+        return self._rope_attend(q, k, v, positions, cos_sin, kv_cache, metadata, self.scale, kv_scale=self.kv_scale)
 
 
 class MLP(nn.Module):

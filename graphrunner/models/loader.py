@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphrunner.attention.kv_scales import is_kv_scale_name, load_kv_scales
 from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, MoEConfig, resolve_dtype
 from graphrunner.layers.linear import quantize_linear_layers
 from graphrunner.layers.rotary import normalize_rope_scaling
@@ -459,10 +460,14 @@ def _load_checkpoint(model: LlamaForCausalLM, folder: Path) -> None:
     current: list[Path] = []  # the file of the tensor being loaded; empty once all are
     expected = _checkpoint_names(model)
     harmless: list[str] = []
+    kv_scales: list[tuple[str, torch.Tensor]] = []  # fp8 KV-cache scales: buffers, not weights
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for file, name, tensor in _iter_file_tensors(files, progress=True):
             current[:] = [file]
+            if is_kv_scale_name(name):
+                kv_scales.append((name, tensor))
+                continue
             if name not in expected:
                 if name.endswith(_HARMLESS_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
                     harmless.append(name)
@@ -482,6 +487,10 @@ def _load_checkpoint(model: LlamaForCausalLM, folder: Path) -> None:
     except ValueError as e:
         where = f"checkpoint file {str(current[0])!r}" if current else f"checkpoint folder {str(folder)!r}"
         raise CheckpointError(f"{where}: {e}") from e
+    try:
+        load_kv_scales(model, kv_scales)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint folder {str(folder)!r}: {e}") from e
     _check_finite(model, files)
     if harmless:
         logger.warning("ignored %d checkpoint tensor(s) the model recomputes: %s", len(harmless), harmless[:8])

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphrunner.config import LoadConfig, ModelConfig, SpeculativeConfig
+from graphrunner.config import LoadConfig, ModelConfig, SpeculativeConfig, kv_cache_dtype
 from graphrunner.distributed.groups import ParallelGroups
 from graphrunner.kv_shape import KVCacheShape
 from graphrunner.limits import StepLimits
@@ -116,6 +116,7 @@ class SpeculativeStep:
         self.target_config = target_config
         self._aux_local: tuple[int, ...] = ()  # EAGLE-3: the feature layers this stage's target returns
         self.drafter: DraftModelDrafter | EagleDrafter | None = None
+        self.cache_dtype = "auto"  # CacheConfig.cache_dtype: the draft KV is stored like the target's (runner)
         if config.method in ("eagle", "eagle3"):
             from graphrunner.models.eagle import load_head_config
 
@@ -196,7 +197,7 @@ class SpeculativeStep:
         if self.drafter is None or self.drafter.model is None:
             return None
         m = self.drafter.model_config
-        dtype = next(self.drafter.model.parameters()).dtype
+        dtype = kv_cache_dtype(self.cache_dtype, next(self.drafter.model.parameters()).dtype)
         return KVCacheShape(m.num_hidden_layers, block_size, m.num_key_value_heads, m.head_dim, dtype)
 
     def draft_block_bytes(self, block_size: int) -> int:

@@ -66,7 +66,18 @@ def workloads(draw):
     return seq_lens, query_lens, draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4])), draw(st.integers(0, 99))
 
 
-def _check(workload, attend, device) -> None:
+def _fp8(cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The cache quantized as an fp8 KV write stores it (unchanged without scales)."""
+    if kv_scale is None:
+        return cache
+    from graphrunner.attention.torch_ref import quantize_kv_torch
+
+    kv_scale = kv_scale.to(cache.device)
+    return torch.stack([quantize_kv_torch(cache[0], kv_scale[0]), quantize_kv_torch(cache[1], kv_scale[1])])
+
+
+def _check(workload, attend, device, kv_scale: torch.Tensor | None = None) -> None:
+    """`kv_scale`: every cache, the reference's too, is fp8 over these scales, and `attend` gets them."""
     seq_lens, query_lens, size, interleave, seed = workload
     gen = torch.Generator().manual_seed(seed)
     keys = [torch.randn(s, KV_HEADS, HEAD_DIM, generator=gen) for s in seq_lens]
@@ -79,11 +90,17 @@ def _check(workload, attend, device) -> None:
     # The reference: every key on one rank (D = 1 is the plain kernel).
     (full_cache, full_table), = _caches(keys, values, seq_lens, 1, 1, 8, "cpu")
     expected = torch.empty_like(q)
-    paged_attention_torch(q, full_cache.to(device), _metadata(qsl, seq_lens, full_table, device), scale, expected)
+    scales = kv_scale.to(device) if kv_scale is not None else None
+    paged_attention_torch(q, _fp8(full_cache.to(device), kv_scale), _metadata(qsl, seq_lens, full_table, device),
+                          scale, expected, kv_scale=scales)
     outs, lses = [], []
     for rank, (cache, table) in enumerate(_caches(keys, values, seq_lens, size, interleave, 8, device)):
         out, lse = torch.empty_like(q), torch.empty(qsl[-1], HEADS, device=device)
-        attend(q, cache, _metadata(qsl, seq_lens, table, device), scale, out, lse, (size, rank, interleave))
+        layout = (size, rank, interleave)
+        if kv_scale is None:
+            attend(q, cache, _metadata(qsl, seq_lens, table, device), scale, out, lse, layout)
+        else:
+            attend(q, _fp8(cache, kv_scale), _metadata(qsl, seq_lens, table, device), scale, out, lse, layout, scales)
         outs.append(out)
         lses.append(lse)
     merged = torch.empty_like(q)
@@ -102,6 +119,18 @@ def test_triton_kernel_sharded_and_merged_equals_whole_cache(workload) -> None:
     from graphrunner.attention.triton_attn import paged_attention_triton
 
     _check(workload, lambda *a: paged_attention_triton(*a[:6], dcp=a[6]), "cpu")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@given(workloads(), st.sampled_from([(1.0, 1.0), (0.3, 0.05)]))
+def test_fp8_cache_sharded_and_merged_equals_whole_cache(workload, scales) -> None:
+    """fp8 KV under DCP: each rank dequantizes its share with the layer's scales; merged, that is the
+    torch reference over the whole fp8 cache (torch and Triton ranks alike)."""
+    from graphrunner.attention.triton_attn import paged_attention_triton
+
+    kv_scale = torch.tensor(scales)
+    _check(workload, lambda *a: paged_attention_torch(*a[:6], dcp=a[6], kv_scale=a[7]), "cpu", kv_scale)
+    _check(workload, lambda *a: paged_attention_triton(*a[:6], dcp=a[6], kv_scale=a[7]), "cpu", kv_scale)
 
 
 @pytest.mark.gpu

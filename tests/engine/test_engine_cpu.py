@@ -127,6 +127,13 @@ def test_cli_generate_prints_throughput(capsys):
     assert "output 0 (length, 6 tokens): [" in out and "output 3" not in out
 
 
+def test_cli_generate_with_fp8_kv_cache(capsys):
+    assert main(["generate", "--model", MODEL, "--device", "cpu", "--num-prompts", "2", "--prompt-len", "8",
+                 "--max-tokens", "3", "--num-kv-blocks", "16", "--max-model-len", "64",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    assert "(float8_e4m3fn)" in capsys.readouterr().out
+
+
 def test_cli_generate_reports_the_graph_mode_it_ran(capsys):
     """The summary names the captured mode (read before the engine shuts down and releases its
     graphs), and eager when nothing was captured."""

@@ -264,3 +264,66 @@ def test_cpu_offload_lru_is_bounded_and_keeps_recent_prefixes():
     assert sched.get_num_new_matched_tokens(reqs[0], 0) == 0  # evicted from the host LRU
     assert sched.get_num_new_matched_tokens(reqs[2], 0) == 2
     assert len(sched._index) == 2
+
+
+def test_fp8_blocks_scatter_and_gather_as_their_bytes():
+    """Every one of the 256 e4m3 bit patterns (NaN and -0 included) lands in the paged cache and comes
+    back unchanged: fp8 blocks move as bytes, never through a float conversion."""
+    import torch
+
+    from graphrunner.kv_shape import KVCacheShape
+    from graphrunner.kv_transfer.base import gather_blocks, scatter_blocks
+
+    shape = KVCacheShape(2, 4, 2, 16, torch.float8_e4m3fn)
+    caches = shape.allocate(5, torch.device("cpu"))
+    data = torch.arange(2 * 2 * 2 * 4 * 2 * 16).remainder(256).to(torch.uint8)
+    data = data.reshape(2, 2, 2, 4, 2, 16).view(torch.float8_e4m3fn)  # [L, 2, n=2, bs, h, d]
+    scatter_blocks(caches, [3, 1], data)
+    back = gather_blocks(caches, [3, 1])
+    assert torch.equal(back.view(torch.uint8), data.view(torch.uint8))
+    assert not caches[0][:, [0, 2, 4]].view(torch.uint8).any()  # other blocks untouched
+
+
+def test_fp8_kv_blocks_travel_as_their_bytes(tmp_path):
+    """fp8 KV (kv_cache_dtype="fp8"): a consumer loads the producer's quantized blocks byte for byte
+    and gives the fp8 run's tokens and logprobs; the store names the dtype, so a bf16/fp32 instance
+    never takes fp8 blocks (and the reverse)."""
+    from graphrunner.kv_transfer import prefix_hashes
+    from graphrunner.kv_transfer.shared_storage import _LEN, MAGIC, block_file
+
+    fp8 = {"kv_cache_dtype": "fp8"}
+    want = _result(_generate(**fp8)[1])
+    _, outs = _generate(kv_transfer_config=_storage(tmp_path, "kv_producer"), **fp8)
+    _assert_same(_result(outs), want)
+    raw = block_file(tmp_path, prefix_hashes(PROMPTS[0], 4, 16)[0]).read_bytes()
+    (head_len,) = _LEN.unpack_from(raw, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    assert json.loads(raw[start:start + head_len])["dtype"] == "float8_e4m3fn"
+    assert len(raw) - start - head_len == 2 * 4 * 16 * 2 * 32  # one byte per element
+    _, outs = _generate(kv_transfer_config=_storage(tmp_path, "kv_consumer"), **fp8)
+    _assert_same(_result(outs), want)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+    _, outs = _generate(kv_transfer_config=_storage(tmp_path, "kv_consumer"))
+    assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)  # fp32 instance: dtype mismatch
+
+
+def test_cpu_offload_moves_fp8_blocks_unchanged():
+    """The CPU offload connector with fp8 KV: an evicted prefix comes back from host memory and the
+    tokens and logprobs are those of the fp8 run that computed everything."""
+    from graphrunner.engine import LLM
+
+    small = {**ARGS, "num_kv_blocks": 12, "max_num_seqs": 1, "kv_cache_dtype": "fp8"}
+    block_bytes = 2 * 4 * 16 * 2 * 32  # K and V x layers x tokens x KV heads x head_dim x 1 byte
+    want = _result(_generate(kv_cache_dtype="fp8")[1])
+    llm = LLM("builtin:tiny-llama", kv_transfer_config={
+        "kv_connector": "CpuOffloadConnector", "kv_connector_extra_config": {"cpu_bytes": 32 * block_bytes}}, **small)
+    params = _params()
+    _assert_same(_result(llm.generate(PROMPTS, params, use_tqdm=False)), want)
+    connector = llm.scheduler.kv_connector
+    assert connector.num_slots == 32  # the fp8 block size sets the host slots
+    others = [[(i * 11 + j * 5) % 700 + 900 for j in range(70)] for i in range(2)]
+    llm.generate(others, params[:2], use_tqdm=False)
+    assert connector.num_offloaded_blocks >= 4
+    again = llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
+    _assert_same(_result(again), want[:1])
+    assert again[0].num_cached_tokens == LOADABLE

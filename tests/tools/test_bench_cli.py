@@ -82,6 +82,26 @@ def test_latency_writes_one_row_per_mode_and_batch(tmp_path):
         assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_latency_with_fp8_kv_reports_the_dtype_and_reads_one_byte_per_element(tmp_path):
+    """--kv-cache-dtype fp8: the runners' caches are float8_e4m3fn, the report says so, and the
+    roofline's KV bytes use the 1-byte element (a quarter of the CPU's fp32 cache)."""
+    out, md = tmp_path / "lat.json", tmp_path / "lat.md"
+    assert main(_latency_argv(out, "--kv-cache-dtype", "fp8", "--markdown", str(md), modes="NONE")) == 0
+    data = json.loads(out.read_text())
+    assert data["spec"]["kv_cache_dtype"] == "fp8"
+    assert [m["kv_cache_dtype"] for m in data["modes"]] == ["float8_e4m3fn"]
+    kv_per_token = kv_bytes_per_token(load_model_config(MODEL), 1)
+    for r in data["rows"]:
+        assert r["kv_bytes"] == r["batch_size"] * r["mean_seq_len"] * kv_per_token
+    assert "KV cache: float8_e4m3fn (kv_cache_dtype=fp8)" in md.read_text()
+
+
+def test_latency_refuses_an_unknown_kv_cache_dtype(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--model", MODEL, "--device", "cpu", "--kv-cache-dtype", "int8"])
+    assert "--kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_latency_with_lora_adapters_times_base_and_lora(tmp_path):
     """`--num-loras 2 --lora-rank 4`: each batch is timed on the base model, then with request i running
     dummy adapter i mod 2 on the LoRA graphs of its size; the LoRA row carries its ratio to the base row."""

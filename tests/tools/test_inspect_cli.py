@@ -352,6 +352,15 @@ def test_capture_text_prints_a_row_per_graph():
     assert "4 graphs (FULL) on cpu" in text and "emulated" in text
 
 
+def test_capture_reports_the_kv_cache_dtype():
+    data = run_json("capture", *CAPTURE, "--mode", "FULL", "--capture-sizes", "2", "--kv-cache-dtype", "fp8")
+    kv = data["kv_cache"]
+    assert kv["dtype"] == "float8_e4m3fn" and kv["cache_dtype"] == "fp8"
+    assert kv["block_bytes"] == 2 * 4 * 16 * 2 * 32  # tiny-llama: K and V x layers x tokens x heads x dim, 1 byte
+    text = run_text("capture", *CAPTURE, "--mode", "FULL", "--capture-sizes", "2")
+    assert "KV cache: float32 (kv_cache_dtype=auto)" in text
+
+
 def test_capture_dot_on_cpu_fails_clearly_before_building(monkeypatch, tmp_path):
     from graphrunner.runner import ModelRunner
 

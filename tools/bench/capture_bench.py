@@ -101,6 +101,7 @@ def build_loaded_runner(spec, device) -> tuple[ModelRunner, float]:
         compile_backend=spec.compile_backend or default_compile_backend(device),
         load_format=spec.load_format,
         seed=spec.seed,
+        kv_cache_dtype=getattr(spec, "kv_cache_dtype", "auto"),  # the inspect tool's spec names one
     )
     speculative = getattr(spec, "speculative_config", None)  # the inspect tool's spec may carry one
     if speculative:

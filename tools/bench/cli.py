@@ -17,6 +17,7 @@ from graphrunner.cli_args import (
     COMPILE_BACKENDS,
     add_command_group,
     add_graph_args,
+    add_kv_cache_dtype_arg,
     add_limit_args,
     add_quantization_arg,
     add_runner_args,
@@ -64,6 +65,7 @@ def _output_args(p: argparse.ArgumentParser) -> None:
 def _register_latency(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(sub, "latency", "decode step time per mode and batch size, beside the memory-bandwidth roofline")
     _common(p)
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
     p.add_argument("--modes", default="NONE,PIECEWISE,FULL", help="comma-separated cudagraph modes (one runner each)")
@@ -135,6 +137,7 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
         sub, "throughput", "offline LLM.generate output tokens/s and its ratio to the bandwidth-bound ideal"
     )
     _common(p)
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--runner", default="generate", choices=("generate", "pooling"),
                    help="pooling: LLM.embed prompts/s beside the generative prefill rate (prompts only)")
     p.add_argument("--num-prompts", type=int, default=256)
@@ -397,6 +400,7 @@ def _run_latency(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             num_loras=args.num_loras,
             lora_rank=args.lora_rank,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         result = run_latency(spec, log=_log)
     except ValueError as e:
@@ -453,6 +457,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             num_loras=args.num_loras,
             max_loras=args.max_loras,
             lora_rank=args.lora_rank,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         result = run_throughput(spec, log=_log)
     except ValueError as e:
@@ -481,6 +486,9 @@ def _run_pooling_throughput(args: argparse.Namespace) -> int:
     from graphrunner_tools.bench.pooling_throughput import PoolingThroughputSpec, run_pooling_throughput
 
     try:
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype} is not supported with --runner pooling "
+                             "(its benchmark builds the cache in the model's dtype); use auto")
         limits = limit_kwargs(args)
         spec = PoolingThroughputSpec(
             model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, mode=args.mode,

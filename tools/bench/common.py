@@ -148,6 +148,7 @@ def build_runner_config(
     kernel: KernelConfig | None = None,
     lora: LoRAConfig | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> RunnerConfig:
     """A RunnerConfig for one benchmarked mode. NONE means enforce_eager (nothing captured); `kernel`
     (default `KernelConfig()`) picks the layers' and attention's kernels; `lora` turns multi-LoRA on;
@@ -161,7 +162,7 @@ def build_runner_config(
     return RunnerConfig(
         model=with_quantization(load_model_config(model), quantization),
         load=LoadConfig(model=model, load_format=load_format, seed=seed),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from capture.modes import CUDAGraphMode
-from graphrunner.config import KernelConfig, LoRAConfig
+from graphrunner.config import KV_CACHE_DTYPES, KernelConfig, LoRAConfig
 from graphrunner.protocol import LoRARequest, NewRequestData, SamplingParams, SchedulerOutput
 from graphrunner_tools.bench.common import (
     Stats,
@@ -83,6 +83,7 @@ class LatencySpec:
     steps: int = 50
     warmup: int = 5
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # CacheConfig.cache_dtype: "auto" (the model's dtype), "fp8", "fp8_e4m3"
     capture_sizes: tuple[int, ...] | str | None = None
     compile_backend: str | None = None  # None: inductor on CUDA, eager on CPU
     load_format: str = "auto"
@@ -111,6 +112,9 @@ class LatencySpec:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.num_loras < 0 or self.lora_rank < 1:
             raise ValueError(f"num_loras={self.num_loras} must be >= 0 and lora_rank={self.lora_rank} >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; allowed: "
+                             f"{list(KV_CACHE_DTYPES)}")
         if isinstance(self.capture_sizes, str) and self.capture_sizes != "default":
             raise ValueError(f"capture_sizes={self.capture_sizes!r}; allowed: None, 'default', or a tuple of ints")
 
@@ -143,6 +147,7 @@ class ModeInfo:
     num_graphs: int | None = None
     pool_bytes: int | None = None
     error: str | None = None
+    kv_cache_dtype: str | None = None  # the KV cache's storage dtype, e.g. "bfloat16", "float8_e4m3fn"
 
 
 @dataclass
@@ -280,6 +285,7 @@ def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, 
         max_num_batched_tokens=max(spec.max_batch, max(capture_sizes or (1,))),
         max_model_len=blocks_per_req * spec.block_size,
         block_size=spec.block_size,
+        kv_cache_dtype=spec.kv_cache_dtype,
         num_blocks=num_blocks,
         capture_sizes=capture_sizes,
         compile_backend=spec.compile_backend or default_compile_backend(device),
@@ -292,7 +298,8 @@ def _build_runner(spec: LatencySpec, mode: CUDAGraphMode, device: torch.device, 
                         lora_capture_sizes=tuple(capture_sizes) if capture_sizes else None)
         if spec.num_loras else None,
     )
-    log(f"{mode.name}: building {spec.model} on {device} ({num_blocks} KV blocks x {spec.block_size} tokens)")
+    log(f"{mode.name}: building {spec.model} on {device} ({num_blocks} KV blocks x {spec.block_size} tokens, "
+        f"KV {spec.kv_cache_dtype})")
     return ModelRunner(config, device)
 
 
@@ -304,6 +311,7 @@ def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeIn
     info.load_seconds = time.perf_counter() - start
     assert runner.graphs is not None
     info.resolved_mode = runner.graphs.mode.name
+    info.kv_cache_dtype = str(runner.kv_cache_dtype).removeprefix("torch.")
     if mode is not CUDAGraphMode.NONE:
         report = runner.capture_model(progress=False)
         info.capture_seconds = report.total_seconds
@@ -314,7 +322,10 @@ def _prepare_runner(runner, spec: LatencySpec, mode: CUDAGraphMode, info: ModeIn
         gen = torch.Generator(device=runner.device).manual_seed(spec.seed)
         with torch.inference_mode():
             for cache in runner.buffers.kv_caches:
-                cache.normal_(generator=gen)
+                if cache.dtype.itemsize == 1:  # fp8 has no normal_: draw in fp32, one layer at a time
+                    cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device))
+                else:
+                    cache.normal_(generator=gen)
 
 
 def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, bandwidth: Bandwidth,
@@ -329,7 +340,7 @@ def _measure_batch(runner, spec: LatencySpec, mode: CUDAGraphMode, bs: int, band
     desc = runner.graphs.dispatch(bs, bs * q, q, has_lora=bool(loras))
     stats = Stats.of(wall)
     assert runner.model is not None
-    elem = element_size(runner.dtype)
+    elem = element_size(runner.kv_cache_dtype)  # the KV cache's storage dtype: 1 byte for fp8
     mean_seq = spec.mean_timed_seq_len()
     roof = decode_roofline(
         weight_bytes_read(runner.model, runner.model_config, bs),

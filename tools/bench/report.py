@@ -94,9 +94,16 @@ def _latency_header(result: LatencyResult) -> list[str]:
     return [
         f"decode latency: {s.model}, context {s.context}, {s.steps} timed steps after {s.warmup} warmup",
         *env_lines(result.env),
+        f"KV cache: {_kv_dtype(result)} (kv_cache_dtype={s.kv_cache_dtype}); the roofline reads its element size",
         f"copy bandwidth: {bw.bytes_per_s / 1e9:.1f} GB/s ({bw.method}); roofline = (weights + KV read) / bandwidth",
         *([f"weights read count the routed experts as {EXPERT_FORMULA}"] if _is_moe(result) else []),
     ]
+
+
+def _kv_dtype(result: LatencyResult) -> str:
+    """The storage dtype the runners' KV caches had (the first built one's), else the spec's name."""
+    built = [m.kv_cache_dtype for m in result.modes if m.kv_cache_dtype]
+    return built[0] if built else result.spec.kv_cache_dtype
 
 
 def _mode_lines(result: LatencyResult) -> list[str]:

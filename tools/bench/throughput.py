@@ -83,6 +83,7 @@ class ThroughputSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # CacheConfig.cache_dtype (LLM(kv_cache_dtype=...))
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     compile_backend: str | None = None
@@ -214,6 +215,7 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=spec.block_size,
+        kv_cache_dtype=spec.kv_cache_dtype,
         seed=spec.seed,
         num_kv_blocks=spec.num_kv_blocks,
         gpu_memory_utilization=spec.gpu_memory_utilization,
@@ -272,7 +274,7 @@ def _ideal_output_tokens_per_s(
     every step only reads the weights and the KV cache at copy bandwidth."""
     assert runner.model is not None
     weights = weight_bytes_read(runner.model, runner.model_config, concurrency)
-    kv_per_token = kv_bytes_per_token(runner.model_config, element_size(runner.dtype))
+    kv_per_token = kv_bytes_per_token(runner.model_config, element_size(runner.kv_cache_dtype))
     step_bytes = weights + concurrency * mean_context * kv_per_token
     return concurrency * bandwidth.bytes_per_s / step_bytes
 

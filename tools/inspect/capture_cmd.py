@@ -47,6 +47,7 @@ class CaptureSpec:
     max_num_batched_tokens: int = 512
     max_model_len: int = 1024
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # CacheConfig.cache_dtype: "auto" (the model's dtype), "fp8", "fp8_e4m3"
     capture_sizes: tuple[int, ...] | None = None
     compile_backend: str | None = None  # None: inductor on CUDA, eager on CPU
     load_format: str = "auto"
@@ -77,6 +78,8 @@ class CaptureResult:
     notes: list[str] = field(default_factory=list)
     speculative: dict[str, Any] | None = None  # drafter.speculative_capture's summary; None: no speculation
     num_layers: int = 0  # the model's num_hidden_layers
+    # The paged cache the graphs read: storage dtype, blocks, tokens per block, bytes per block.
+    kv_cache: dict[str, Any] = field(default_factory=dict)
     node_summaries: list[GraphNodeSummary] = field(default_factory=list)  # one per report record
 
     @property
@@ -98,6 +101,7 @@ class CaptureResult:
             "kernel_histogram": [{"kernel": k, "count": n} for k, n in hist.most_common(top)],
             "kernel_nodes": sum(hist.values()),
             "speculative": self.speculative,
+            "kv_cache": self.kv_cache,
             "node_families": {
                 "num_hidden_layers": self.num_layers,
                 "default_graph": self.default_graph,
@@ -156,6 +160,10 @@ def run_capture(spec: CaptureSpec) -> CaptureResult:
             load_seconds,
             report,
         )
+        shape = runner.kv_cache_shape
+        result.kv_cache = {"dtype": str(shape.dtype).removeprefix("torch."), "cache_dtype": spec.kv_cache_dtype,
+                           "num_blocks": runner.buffers.kv_caches[0].shape[1] if runner.buffers.kv_caches else 0,
+                           "block_size": shape.block_size, "block_bytes": shape.block_bytes}
         if device.type != "cuda":
             result.notes.append(
                 "CPU: FULL graphs are emulated (no CUDA graph), so node counts and kernel names are empty"
@@ -242,6 +250,14 @@ def dot_graph_key(text: str, descriptor_keys: list[str]) -> str:
     return f"{base}[{variant}]"
 
 
+def kv_cache_lines(kv: dict[str, Any]) -> list[str]:
+    """The KV cache line of the text report (none when the runner had no cache)."""
+    if not kv:
+        return []
+    return [f"KV cache: {kv['dtype']} (kv_cache_dtype={kv['cache_dtype']}), {kv['num_blocks']} blocks x "
+            f"{kv['block_size']} tokens, {kv['block_bytes']} bytes per block"]
+
+
 def capture_text(result: CaptureResult, top: int, all_graphs: bool = False) -> str:
     from graphrunner_tools.bench.report import env_lines
     from graphrunner_tools.inspect.drafter import speculative_lines
@@ -254,6 +270,7 @@ def capture_text(result: CaptureResult, top: int, all_graphs: bool = False) -> s
         f"graph capture: {result.spec.model}, mode {result.spec.mode} (resolved {r.mode})",
         *env_lines(result.env),
         f"capture sizes: {list(result.capture_sizes)}",
+        *kv_cache_lines(result.kv_cache),
         graphs,
         *speculative_lines(result.speculative, result.spec.speculation),
         "",

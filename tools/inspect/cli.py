@@ -16,6 +16,7 @@ from graphrunner.cli_args import (
     CUDAGRAPH_MODES,
     add_command_group,
     add_graph_args,
+    add_kv_cache_dtype_arg,
     add_limit_args,
     add_model_args,
     add_runner_args,
@@ -100,6 +101,7 @@ def _register_capture(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "capture", "capture with node inspection; show the CaptureReport, nodes per layer, kernel "
                                 "families and a kernel histogram")
     add_runner_args(p, model=_DEFAULT_MODEL)
+    add_kv_cache_dtype_arg(p)
     add_graph_args(p, mode="FULL_AND_PIECEWISE", mode_help="cudagraph mode")
     add_limit_args(p, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
     add_speculative_args(p)
@@ -314,6 +316,7 @@ def _run_capture(args: argparse.Namespace) -> int:
         **limit_kwargs(args),
         capture_sizes=_sizes(args.capture_sizes, "--cudagraph-capture-sizes"),
         speculative_config=speculative_kwargs(args, "graphrunner inspect capture").get("speculative_config"),
+        kv_cache_dtype=args.kv_cache_dtype,
         dot=tuple(args.dot) if args.dot else None,
         progress=args.progress,
     )
