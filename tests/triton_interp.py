@@ -18,7 +18,8 @@ else changes; where the interpreter lacks these internals (another Triton versio
 `install()` does nothing.
 
 It also memoizes the interpreter's `_get_np_dtype` (a pure lookup that rebuilt its table on
-every call) and, per module, which language modules a helper's globals hold.
+every call) and, per module, which language modules a helper's globals hold, and defers the type
+of a `tl.tuple` built without one until it is read (`_install_lazy_tuple_type`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def install() -> bool:
     except Exception:  # pragma: no cover - no triton: nothing to patch
         return False
     _install_np_dtype(interpreter, tl)
+    _install_lazy_tuple_type(tl)
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if patch_lang is None or scope_type is None:
@@ -102,3 +104,42 @@ def _install_np_dtype(interpreter, tl) -> None:
 
     get_np_dtype._graphrunner_memo = True  # type: ignore[attr-defined]
     interpreter._get_np_dtype = get_np_dtype
+
+
+class _LazyTupleType:
+    """`tl.tuple.type` computed at its first read, from the values then held (a non-data descriptor:
+    an assigned type, given or recomputed by `_setitem`, lands in the instance and wins)."""
+
+    def __init__(self, type_of) -> None:
+        self.type_of = type_of
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        t = obj.__dict__["type"] = self.type_of(obj.values)
+        return t
+
+
+def _install_lazy_tuple_type(tl) -> None:
+    """Every interpreted tensor holds its shape as a `tl.tuple`, whose constructor builds a
+    `tuple_type` and its name string from the values' types: ~24% of a sampler kernel's interpreter
+    time (test_sample_reject), though the interpreter reads almost none of them. Built without a
+    type, a tuple now gets the same one, from the same values (only `_setitem` changes them, and it
+    assigns the type anew), when it is first read."""
+    core = tl.core
+    cls = core.tuple
+    type_of = getattr(core, "_type_for_tuple_values", None)
+    if type_of is None or getattr(cls, "_graphrunner_lazy", False) or "type" in vars(cls):
+        return
+    original = cls.__init__
+
+    def __init__(self, args, type=None):
+        if type is not None:
+            original(self, args, type)
+        else:
+            self.values = [i for i in args]
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    cls.type = _LazyTupleType(type_of)
+    cls._graphrunner_lazy = True

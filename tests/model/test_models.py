@@ -264,11 +264,20 @@ def test_linear_tp_errors_name_values():
 
 
 def _scaled_down(cfg: ModelConfig) -> ModelConfig:
-    """Same flags (bias, tying, rope scaling, GQA ratio, head_dim), CPU-sized."""
+    """Same flags (bias, tying, rope scaling, GQA ratio, head_dim; expert count, top-k, shared expert), CPU-sized."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     heads = group  # one KV head
+    moe = cfg.moe
+    if moe is not None:
+        # Narrow experts: at full width qwen3-30b-a3b's 2 layers of 128 experts were 0.6 B fp32 parameters
+        # (~8 s to fill and run, mixtral's ~5 s); the routing depends on the count and top-k, kept.
+        moe = dataclasses.replace(
+            moe, moe_intermediate_size=min(moe.moe_intermediate_size, 64),
+            shared_expert_intermediate_size=min(moe.shared_expert_intermediate_size, 128),
+        )
     return dataclasses.replace(
         cfg,
+        moe=moe,
         vocab_size=1024,
         hidden_size=heads * cfg.head_dim,
         intermediate_size=2 * heads * cfg.head_dim,

@@ -204,6 +204,11 @@ def test_profile_run_before_kv_cache_uses_no_live_state():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the interpreter on CPU)")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def _rows_x32(tile):
+    block_n, block_k, warps = tile
+    return block_n * 32, block_k, warps
+
+
 def test_two_runners_in_one_process_keep_their_own_kernel_plans(monkeypatch):
     """Each runner's layers and attention are planned when they are built, from that runner's KernelConfig.
     With GPU-class device properties faked for the CPU (the Triton kernels then run interpreted), one runner's
@@ -215,6 +220,12 @@ def test_two_runners_in_one_process_keep_their_own_kernel_plans(monkeypatch):
 
     no_pdl = DeviceProperties((8, 0), 108, 85_000_000_000, 41_943_040, 2.04e12)  # PDL needs 9.0 (not interpreted)
     monkeypatch.setattr(linear, "device_properties", lambda device: no_pdl)
+    # The planned tiles, 32x the rows per program: the interpreter pays ~10 ms a program whatever its
+    # size, and the plans' 2-4 rows made ~5,800 programs of this test's 5 decode steps (~55 of its 60 s).
+    # The kernels' code and K steps are the planned ones; only the grid is coarser.
+    for plan in ("gemv_plan", "norm_gemv_plan"):
+        planned = getattr(linear, plan)
+        monkeypatch.setattr(linear, plan, lambda n, k, device=None, planned=planned: _rows_x32(planned(n, k, device)))
     runners = {"gemv": make_runner(kernel=KernelConfig(swiglu_gemv_max_k=0)),
                "torch": make_runner(kernel=KernelConfig(decode_gemv=False))}
     layers = {name: r.model.model.local_layers[0] for name, r in runners.items()}
