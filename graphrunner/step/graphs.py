@@ -104,6 +104,7 @@ class StepGraphs:
         self.body = body
         # Variants captured by capture(); the rest on first use (module docstring).
         self.eager_variants: tuple[SamplingFeatures, ...] = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
+        self.captured_on_first_use = 0  # lazy variants captured by steps since the last capture()
         self.device = device
         self.num_live = num_live
         self.name = name
@@ -222,6 +223,7 @@ class StepGraphs:
             raise
         self.captured = True
         self.generation += 1
+        self.captured_on_first_use = 0
         report.total_seconds = time.perf_counter() - start - report.compile_seconds
         report.free_memory_delta_bytes = free_before - self.pool.free_bytes()
         logger.info("captured %d graphs in %.2f s (%s)", report.num_graphs, report.total_seconds, self.mode.name)
@@ -248,6 +250,7 @@ class StepGraphs:
             body.reset_scratch_row()
             body.buffers.inputs.upload(batch.idx_mapping_np, batch.query_lens_np, batch.num_reqs_padded,
                                        requests.scratch_row)
+        self.captured_on_first_use += 1
         logger.info("captured %s on first use in %.2f s", record.key, time.perf_counter() - start)
         return self.full_graphs[(desc, variant)]
 

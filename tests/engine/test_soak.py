@@ -99,3 +99,17 @@ def test_check_output_flags_broken_outputs():
     assert "not allowed" in soak.check_output(output([5, 9, 6, 5], "length"), params, LIMITS)
     assert "max_tokens" in soak.check_output(output([5, 6, 5, 6, 5], "length"), params, LIMITS)
     assert "finish 'length'" in soak.check_output(output([5, 6], "length"), params, LIMITS)
+
+
+def test_a_variant_captured_on_first_use_is_not_counted_as_a_recapture():
+    """The all-features graphs are captured by the first step that needs one: the soak's graph count
+    (what `capture()` made) and generation stay, while the lazy capture itself is counted."""
+    from graphrunner import LLM
+
+    llm = LLM("builtin:tiny-llama", device="cpu", enforce_eager=False, cudagraph_mode="FULL_DECODE_ONLY",
+              compile_backend="eager", cudagraph_capture_sizes=(1, 2), max_num_seqs=2, num_kv_blocks=32,
+              max_model_len=64)
+    before = soak._graph_state(llm)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2))
+    assert llm.runner.graphs.captured_on_first_use == 1
+    assert soak._graph_state(llm) == before

@@ -110,7 +110,7 @@ class SoakRow:
     allocated_mib: float  # torch.cuda.memory_allocated (0 on a CPU)
     reserved_mib: float  # torch.cuda.memory_reserved (0 on a CPU)
     rss_mib: float  # process resident set size
-    graphs: int  # FULL graphs + PIECEWISE captured sizes
+    graphs: int  # FULL graphs + PIECEWISE captured sizes, as capture() made them (not the lazy variants)
     recaptures: int  # StepGraphs.generation changes since the start
     recompiles: int  # dynamo graphs compiled since the start
     preemptions: int
@@ -287,12 +287,15 @@ class _Counters:
 
 
 def _graph_state(llm: LLM) -> tuple[int, int, int]:
-    """(graph generation, FULL graphs + PIECEWISE captured sizes, dynamo graphs compiled)."""
+    """(graph generation, FULL graphs + PIECEWISE captured sizes, dynamo graphs compiled). A variant
+    captured on its first use (lazy all-features graphs) is by design, once per descriptor, not a
+    recapture: the count is of the graphs `capture()` made."""
     graphs, compiled = llm.runner.graphs, llm.runner.body.compiled
     if graphs is None:
         return 0, 0, 0
     pieces = 0 if compiled is None else len(compiled.captured_sizes)
-    return graphs.generation, len(graphs.full_graphs) + pieces, 0 if compiled is None else compiled.num_graphs_compiled
+    up_front = len(graphs.full_graphs) - graphs.captured_on_first_use + pieces
+    return graphs.generation, up_front, 0 if compiled is None else compiled.num_graphs_compiled
 
 
 def _rss_mib() -> float:
