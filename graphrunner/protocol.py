@@ -493,6 +493,12 @@ class ModelRunnerOutput:
         for an output built from lists."""
         return self._tokens
 
+    @property
+    def produces_array(self) -> np.ndarray | None:
+        """[R] bool beside `token_array`, False where the entry sampled nothing; None when every
+        entry sampled (or the output was built from lists)."""
+        return self._produces if self._tokens is not None else None
+
     def sampled_token(self, index: int) -> int | None:
         """Entry `index`'s one sampled token, None where it sampled nothing."""
         if self._tokens is not None and self._sampled is None:

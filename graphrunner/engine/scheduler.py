@@ -47,10 +47,14 @@ step) unless the request was preempted since. Blocks are reserved for all q toke
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from graphrunner.engine.admission import admit_blocks, cache_filled_blocks, validate_prompt
 from graphrunner.engine.block_allocator import BlockAllocator
@@ -74,6 +78,64 @@ if TYPE_CHECKING:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Field reads over a batch of requests in C (map over an attrgetter), not a Python loop.
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
+_PLACEHOLDERS = operator.attrgetter("num_output_placeholders")
+_OUTPUTS = operator.attrgetter("output_token_ids")
+_BLOCKS = operator.attrgetter("block_ids")
+
+
+def _gather(getter: Any, reqs: list[Request]) -> np.ndarray:
+    return np.fromiter(map(getter, reqs), np.int64, len(reqs))
+
+
+def _gather_len(getter: Any, reqs: list[Request]) -> np.ndarray:
+    return np.fromiter(map(len, map(getter, reqs)), np.int64, len(reqs))
+
+
+def _scatter(reqs: list[Request], name: str, values: np.ndarray) -> None:
+    for _ in map(setattr, reqs, repeat(name), values.tolist()):
+        pass
+
+
+@dataclass(frozen=True)
+class _DecodeBatch:
+    """The running requests of a steady decode, for the scheduler's fast path: what does not
+    change while they run (the changing counts are read from the requests each step)."""
+
+    reqs: list[Request]
+    ids: list[str]
+    id_set: frozenset[str]
+    num_prefill: np.ndarray
+    num_prompt: np.ndarray
+    max_tokens: np.ndarray
+    stop_ids: np.ndarray  # every token that may stop one of them: a sampled one sends it the general way
+
+    @staticmethod
+    def of(reqs: list[Request], eos_token_ids: frozenset[int]) -> _DecodeBatch:
+        n = len(reqs)
+        params = [r.sampling_params for r in reqs]
+        stop: set[int] = set().union(*(p.stop_token_ids for p in params))
+        if not all(p.ignore_eos for p in params):
+            stop |= eos_token_ids
+        ids = [r.req_id for r in reqs]
+        return _DecodeBatch(
+            reqs, ids, frozenset(ids), np.fromiter((r.num_prefill_tokens for r in reqs), np.int64, n),
+            np.fromiter((len(r.prompt_token_ids) for r in reqs), np.int64, n),
+            np.fromiter((p.max_tokens for p in params), np.int64, n), np.array(sorted(stop), np.int64))
+
+    def matches(self, reqs: list[Request]) -> bool:
+        return len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs))
+
+    def select(self, keep: np.ndarray) -> _DecodeBatch:
+        """The rows where `keep` is True. The stop ids of the others stay: a superset only sends
+        more tokens the general way."""
+        mask = keep.tolist()
+        ids = list(compress(self.ids, mask))
+        return _DecodeBatch(list(compress(self.reqs, mask)), ids, frozenset(ids), self.num_prefill[keep],
+                            self.num_prompt[keep], self.max_tokens[keep], self.stop_ids)
 
 
 @dataclass(frozen=True)
@@ -111,6 +173,8 @@ class _Launched:
     plan: SchedulerOutput
     produces: frozenset[str]
     decodes: frozenset[str]
+    batch: _DecodeBatch | None = None  # planned by the steady-decode fast path
+    num_preemptions: int = 0  # the scheduler's count at launch
 
 
 class Scheduler:
@@ -213,6 +277,13 @@ class Scheduler:
         self.kv_connector = kv_connector
         if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
             self.block_allocator.on_evict = kv_connector.block_evicted
+        # Steady decode (every running request decodes, nothing waits): plans and outputs as array
+        # operations over the batch instead of ~10 Python calls per request and step. 256 decoding
+        # requests, schedule + update on a CPU: 600 -> 130 us per step sync, 770 -> 190 us async.
+        # False: always the general path.
+        self._fast_decode = True
+        self._batch: _DecodeBatch | None = None  # the running requests as of the last fast plan
+        self._fast_plan: tuple[SchedulerOutput, _DecodeBatch] | None = None  # sync: the latest fast plan
 
     # ---------------------------------------------------------------- requests
     @property
@@ -370,13 +441,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Always returns an output (possibly with no tokens)."""
         new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
-        budget = self._schedule_running(self.max_num_batched_tokens, cached, num_scheduled, preempted)
-        # Admit waiting requests only if the cache was not just found to be full.
-        if not preempted:
-            budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
+        fast = self._plan_decodes() if self._fast_decode else None
+        if fast is not None:
+            batch, cached, num_scheduled, budget, counts = fast
+        else:
+            self._batch = None  # admissions and preemptions change what it holds
+            cached = CachedRequestData()
+            num_scheduled = {}
+            budget = self._schedule_running(self.max_num_batched_tokens, cached, num_scheduled, preempted)
+            # Admit waiting requests only if the cache was not just found to be full.
+            if not preempted:
+                budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
 
         # The previous plan's step ran (else `step_failed` gave its ids back): its ids are delivered.
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -394,8 +470,72 @@ class Scheduler:
         if self.kv_connector is not None:  # before async counts the plan as computed: chunks start here
             so.kv_connector_metadata = self.kv_connector.build_connector_meta(so, self.requests)
         if self.async_scheduling and num_scheduled:
-            self._advance_in_flight(so)
+            if fast is not None:
+                self._advance_decodes(so, batch, *counts)
+            else:
+                self._advance_in_flight(so)
+        self._fast_plan = (so, batch) if fast is not None and not self.async_scheduling else None
         return so
+
+    def _plan_decodes(
+        self,
+    ) -> tuple[_DecodeBatch, CachedRequestData, dict[str, int], int, tuple[np.ndarray, np.ndarray]] | None:
+        """The fast path of `schedule`: when nothing waits and every running request decodes
+        1 + k tokens within the budget and max_model_len, with the KV blocks it needs free (the
+        general path would then preempt nothing), its plan (batch, cached, num_scheduled, budget
+        left, and the requests' computed tokens and placeholders for `_advance_decodes`), made with
+        array operations; None (nothing changed) for the general path."""
+        running = self.running
+        q = 1 + self.num_speculative_tokens
+        if (self.waiting or not running or self.encoder is not None or self.kv_connector is not None
+                or self.pipeline is not None):
+            return None
+        batch = self._batch
+        if batch is not None and not batch.matches(running):
+            # Requests ended since the last plan (most steps of a large batch): drop their rows.
+            batch = batch.select(np.fromiter(map(self.requests.__contains__, batch.ids), bool, len(batch.ids)))
+            if not batch.matches(running):
+                batch = None
+        if batch is None:
+            batch = _DecodeBatch.of(list(running), self.eos_token_ids)
+        self._batch = batch
+        held = np.zeros(len(batch.reqs), np.int64)  # sync: no placeholders
+        if self.async_scheduling:  # `_finishes_in_flight`: not scheduled (async: the last token is in flight)
+            held = _gather(_PLACEHOLDERS, batch.reqs)
+            if held.any():
+                pending = _gather_len(_OUTPUTS, batch.reqs) + held
+                done = (held > 0) & ((pending >= batch.max_tokens) | (batch.num_prompt + pending >= self.max_model_len))
+                if done.any():
+                    batch, held = batch.select(~done), held[~done]
+        reqs = batch.reqs
+        n = len(reqs)
+        computed = _gather(_NUM_COMPUTED, reqs)
+        if (not n or n * q > self.max_num_batched_tokens or (batch.num_prefill <= 0).any()
+                or (batch.num_prefill > computed).any() or (computed > self.max_model_len - q).any()):
+            return None  # a prefill chunk, a decode cut by the budget or max_model_len
+        # `_try_grow` for all: blocks for q tokens and the lookahead, the new ones in admission order.
+        end = np.minimum(computed + (q + self.num_lookahead_tokens), self.max_model_len)
+        needed = -(-end // self.block_size) - _gather_len(_BLOCKS, reqs)
+        new_block_ids: list[list[int] | None] = [None] * n
+        growing = np.flatnonzero(needed > 0)
+        if growing.size:
+            if not self.block_allocator.can_allocate(int(needed[growing].sum())):
+                return None  # someone would be preempted
+            for i, num in zip(growing.tolist(), needed[growing].tolist(), strict=True):
+                new_blocks = self.block_allocator.allocate(num)
+                reqs[i].block_ids.extend(new_blocks)
+                new_block_ids[i] = new_blocks
+        cached = CachedRequestData(list(batch.ids), new_block_ids, computed.tolist())
+        return batch, cached, dict.fromkeys(batch.ids, q), self.max_num_batched_tokens - n * q, (computed, held)
+
+    def _advance_decodes(self, so: SchedulerOutput, batch: _DecodeBatch, computed: np.ndarray,
+                         held: np.ndarray) -> None:
+        """`_advance_in_flight` of a fast plan (`computed`, `held`: its requests' counts as planned):
+        every request decodes, so each samples."""
+        reqs = batch.reqs
+        _scatter(reqs, "num_computed_tokens", computed + (1 + self.num_speculative_tokens))
+        _scatter(reqs, "num_output_placeholders", held + 1)
+        self._in_flight.append(_Launched(so, batch.id_set, batch.id_set, batch, self.num_preemptions))
 
     def _schedule_running(
         self, budget: int, cached: CachedRequestData, num_scheduled: dict[str, int], preempted: set[str]
@@ -587,14 +727,22 @@ class Scheduler:
         emit: 1, or 1 + its draft slots for a decode)."""
         # Prefix caching: key the blocks the last applied step filled (sync: this one's, once applied).
         if self.async_scheduling:
+            return self._update_from_async_output(scheduler_output, runner_output)
+        fast_plan, self._fast_plan = self._fast_plan, None
+        finished = None
+        if fast_plan is not None and fast_plan[0] is scheduler_output:
+            finished = self._apply_decodes(fast_plan[1], runner_output, None)
+        if finished is None:
+            finished = self._apply_output(scheduler_output, runner_output)
             cache_filled_blocks(self, scheduler_output)
-        finished = self._apply_output(scheduler_output, runner_output)
-        if not self.async_scheduling:
-            cache_filled_blocks(self, scheduler_output)
+        self._release_cached_siblings()
+        return finished
+
+    def _release_cached_siblings(self) -> None:
+        """Queue the siblings whose leader's prompt blocks are cached now."""
         if self._deferred:
             for leader_id in [r for r in self._deferred if self._prompt_cached(r)]:
                 self._release_deferred(leader_id)
-        return finished
 
     def _prompt_cached(self, leader_id: str) -> bool:
         """Whether the siblings held back for `leader_id` may go: its shareable prompt blocks are
@@ -607,27 +755,29 @@ class Scheduler:
     def _apply_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[SequenceOutput]:
-        if self.async_scheduling:
-            return self._update_from_async_output(scheduler_output, runner_output)
         finished: list[SequenceOutput] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            index, sampled = output_entry(req, runner_output)
-            if req.is_decoding:
-                check_num_sampled(req, sampled, num_tokens)
-                req.num_computed_tokens += len(sampled)  # KV of rejected drafts is rewritten later
-            else:
-                req.num_computed_tokens += num_tokens
-                if req.num_computed_tokens < req.num_tokens:
-                    check_partial_prefill(req, sampled)
-                    continue
-                check_num_sampled(req, sampled, 1)
-            out = self._append_sampled(req, sampled, runner_output, index)
+            out = self._apply_one(req, num_tokens, runner_output)
             if out is not None:
                 finished.append(out)
         return finished
+
+    def _apply_one(self, req: Request, num_tokens: int, runner_output: ModelRunnerOutput) -> SequenceOutput | None:
+        """Sync: apply a running request's part of the output; its output if it finished."""
+        index, sampled = output_entry(req, runner_output)
+        if req.is_decoding:
+            check_num_sampled(req, sampled, num_tokens)
+            req.num_computed_tokens += len(sampled)  # KV of rejected drafts is rewritten later
+        else:
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                check_partial_prefill(req, sampled)
+                return None
+            check_num_sampled(req, sampled, 1)
+        return self._append_sampled(req, sampled, runner_output, index)
 
     def _update_from_async_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -640,30 +790,125 @@ class Scheduler:
                 f"({len(self._in_flight)} plans in flight)"
             )
         launched = self._in_flight.popleft()
-        finished: list[SequenceOutput] = []
+        if launched.batch is not None and launched.num_preemptions == self.num_preemptions:
+            finished = self._apply_decodes(launched.batch, runner_output, launched)
+            if finished is not None:
+                self._release_cached_siblings()
+                return finished
+        cache_filled_blocks(self, scheduler_output)
+        finished = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:
                 continue  # finished (by an earlier output) or aborted since: discard its tokens
-            index, sampled = output_entry(req, runner_output)
-            if bool(sampled) != (req_id in launched.produces):
-                raise RuntimeError(
-                    f"runner sampled {sampled} for request {req_id!r}, but its chunk "
-                    f"{'reached' if req_id in launched.produces else 'did not reach'} the end of its tokens"
-                )
-            if not sampled:
-                continue
-            decoded = req_id in launched.decodes
-            check_num_sampled(req, sampled, num_tokens if decoded else 1)
-            req.num_output_placeholders -= 1
-            # A preempted request (WAITING: it cannot be re-admitted while this token was a
-            # placeholder) already counts nothing as computed.
-            if decoded and req.status == RequestStatus.RUNNING:
-                req.num_computed_tokens -= num_tokens - len(sampled)
-            out = self._append_sampled(req, sampled, runner_output, index)
+            out = self._apply_one_async(req, num_tokens, launched, runner_output)
             if out is not None:
                 finished.append(out)
+        self._release_cached_siblings()
         return finished
+
+    def _apply_one_async(self, req: Request, num_tokens: int, launched: _Launched,
+                         runner_output: ModelRunnerOutput) -> SequenceOutput | None:
+        """Async: apply a live request's part of the output; its output if it finished."""
+        req_id = req.req_id
+        index, sampled = output_entry(req, runner_output)
+        if bool(sampled) != (req_id in launched.produces):
+            raise RuntimeError(
+                f"runner sampled {sampled} for request {req_id!r}, but its chunk "
+                f"{'reached' if req_id in launched.produces else 'did not reach'} the end of its tokens"
+            )
+        if not sampled:
+            return None
+        decoded = req_id in launched.decodes
+        check_num_sampled(req, sampled, num_tokens if decoded else 1)
+        req.num_output_placeholders -= 1
+        # A preempted request (WAITING: it cannot be re-admitted while this token was a
+        # placeholder) already counts nothing as computed.
+        if decoded and req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= num_tokens - len(sampled)
+        return self._append_sampled(req, sampled, runner_output, index)
+
+    def _apply_decodes(self, batch: _DecodeBatch, runner_output: ModelRunnerOutput,
+                       launched: _Launched | None) -> list[SequenceOutput] | None:
+        """The fast path of `update_from_output` (`launched`: async) for a fast plan's output of one
+        token per request: array operations for the requests it does not end, the general
+        per-request code, in plan order, for the others (a token that may stop it, length, a first
+        token). None (nothing changed) when the general path must apply it: logprobs, speculation,
+        a request aborted (sync) since the plan, an entry missing or sampling nothing."""
+        tokens, produces = runner_output.token_array, runner_output.produces_array
+        if (tokens is None or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
+                or self.num_speculative_tokens or self.kv_connector is not None):
+            return None
+        reqs, ids, num_prompt, max_tokens = batch.reqs, batch.ids, batch.num_prompt, batch.max_tokens
+        if launched is None:
+            if not batch.matches(self.running):  # aborted between schedule() and now
+                return None
+        else:  # a request finished (or aborted) since the plan: its token is discarded
+            live = np.fromiter(map(self.requests.__contains__, ids), bool, len(ids))
+            if not live.all():
+                keep = live.tolist()
+                reqs, ids = list(compress(reqs, keep)), list(compress(ids, keep))
+                num_prompt, max_tokens = num_prompt[live], max_tokens[live]
+        if runner_output.req_ids == ids:
+            rows: Any = slice(None)
+        else:
+            index = runner_output.req_id_to_index
+            if not all(map(index.__contains__, ids)):
+                return None
+            rows = np.fromiter(map(index.__getitem__, ids), np.int64, len(ids))
+        if produces is not None and not produces[rows].all():
+            return None
+        sampled = tokens[rows]
+        prefix_caching = isinstance(self.block_allocator, PrefixCachingAllocator)
+        num_outputs = _gather_len(_OUTPUTS, reqs)
+        # Async applies no computed count (one token per decode: nothing rejected), so reads it only to cache blocks.
+        computed = _gather(_NUM_COMPUTED, reqs) if launched is None or prefix_caching else num_outputs
+        if launched is not None and prefix_caching:  # the blocks the previous output filled
+            self._cache_filled(reqs, ids, num_prompt + num_outputs, computed)
+        # Requests this token may end (`Request.stop_status`), or that get their first token.
+        special = ((num_outputs == 0) | (num_outputs + 1 >= max_tokens)
+                   | (num_prompt + num_outputs + 1 >= self.max_model_len) | np.isin(sampled, batch.stop_ids))
+        plain_reqs, plain_computed = reqs, computed
+        if special.any():
+            plain_reqs = list(compress(reqs, (~special).tolist()))
+            sampled, plain_computed = sampled[~special], computed[~special]
+        if launched is None:
+            _scatter(plain_reqs, "num_computed_tokens", plain_computed + 1)
+        else:
+            _scatter(plain_reqs, "num_output_placeholders", _gather(_PLACEHOLDERS, plain_reqs) - 1)
+        for _ in map(list.append, map(_OUTPUTS, plain_reqs), sampled.tolist()):
+            pass
+        finished: list[SequenceOutput] = []
+        for i in np.flatnonzero(special).tolist():
+            if launched is None:
+                out = self._apply_one(reqs[i], 1, runner_output)
+            else:
+                out = self._apply_one_async(reqs[i], 1, launched, runner_output)
+            if out is not None:
+                finished.append(out)
+        if launched is None and prefix_caching:
+            # Each request not finished now has one more token, and one more computed.
+            num_tokens, computed = num_prompt + num_outputs + 1, computed + 1
+            if finished:
+                keep = np.fromiter(map(self.requests.__contains__, ids), bool, len(ids))
+                mask = keep.tolist()
+                reqs, ids = list(compress(reqs, mask)), list(compress(ids, mask))
+                num_tokens, computed = num_tokens[keep], computed[keep]
+            self._cache_filled(reqs, ids, num_tokens, computed)
+        return finished
+
+    def _cache_filled(self, reqs: list[Request], ids: list[str], num_tokens: np.ndarray, computed: np.ndarray) -> None:
+        """`cache_filled_blocks` for live running requests (their token and computed counts), with
+        array operations."""
+        bs = self.block_size
+        full = np.minimum(np.minimum(computed, num_tokens - 1), _gather_len(_BLOCKS, reqs) * bs) // bs
+        known = np.fromiter(map(self.cached_blocks.get, ids, repeat(0)), np.int64, len(ids))
+        alloc = self.block_allocator
+        assert isinstance(alloc, PrefixCachingAllocator)
+        for i in np.flatnonzero(full > known).tolist():
+            req = reqs[i]
+            alloc.register(req.block_key_tokens, req.block_ids, int(full[i]), req.cache_salt)
+            self.cached_blocks[ids[i]] = int(full[i])
 
     def _append_sampled(
         self, req: Request, sampled: list[int], runner_output: ModelRunnerOutput, index: int
