@@ -274,7 +274,7 @@ async def _serve(engine: AsyncEngine, request: Request, body: _Body, prompts: li
         except Exception as e:
             await merged.aclose()
             raise _api_error(e) from None
-        return StreamingResponse(_sse(merged, first, fmt, request_id, params), media_type="text/event-stream")
+        return _EventStream(_sse(merged, first, fmt, request_id, params), media_type="text/event-stream")
     results: list[tuple[int, RequestOutput]] = []
     listener = asyncio.ensure_future(_disconnected(request))
     try:
@@ -353,6 +353,22 @@ async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGen
     finally:
         for task in tasks:
             task.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response that closes its event generator when the response ends, however it ends.
+
+    A client that leaves mid-stream cancels the response while it sends a chunk, which leaves the
+    generator suspended at its `yield`; Starlette does not close it, so only its finalization would
+    (at once by reference count, or at the next cyclic collection if a reference cycle holds it). Until
+    then its requests are neither aborted nor off the server's live count. Closing it here aborts them
+    as the response ends."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # an async generator (_sse)
 
 
 async def _sse(merged: Any, first: tuple[int, RequestOutput] | None, fmt: _Format, request_id: str,
