@@ -43,3 +43,34 @@ def test_tp2_engine_recovers_from_a_raising_step_on_every_rank(async_scheduling:
     for rank, info in enumerate(infos):
         assert len(info["raised"]) == 4, (rank, info["raised"])  # every injected failure reached the caller
         assert info["tokens"] == fresh["tokens"], f"rank {rank}"
+
+
+def _chaos(rank: int, world: int, fresh_tokens: list[list[int]]) -> dict:
+    """The chaos property of tests/engine/test_step_failure.py on each rank of a TP2 world, async
+    scheduling on. Both ranks draw the same interleavings (derandomized, no shrinking, which could
+    diverge) and inject the same faults, as an SPMD engine must see them; the example count is the
+    active profile's."""
+    from hypothesis import Phase, given, settings
+
+    from tests.engine.test_step_failure import OPS, make_llm, run_chaos
+
+    llm = make_llm(tensor_parallel_size=2, async_scheduling=True, collective_timeout_s=30.0)
+    examples = [0]
+
+    @settings(derandomize=True, database=None, phases=(Phase.explicit, Phase.generate))
+    @given(ops=OPS)
+    def chaos(ops) -> None:
+        examples[0] += 1
+        run_chaos(llm, ops, fresh_tokens)
+
+    chaos()
+    llm.shutdown()
+    return {"examples": examples[0]}
+
+
+def test_tp2_chaos_leaves_engines_that_serve_like_a_fresh_one() -> None:
+    from tests.engine.test_step_failure import GREEDY, PROMPTS, make_llm
+
+    fresh = [o.token_ids for o in make_llm().generate(PROMPTS, GREEDY, use_tqdm=False)]
+    infos = run_world(2, _chaos, fresh, timeout_s=300)
+    assert infos[0]["examples"] == infos[1]["examples"] > 0

@@ -136,7 +136,12 @@ def test_chaos_leaves_an_engine_that_serves_like_a_fresh_one(engines, fresh_toke
     """Random interleavings of generate, streams (opened, read, left), abort and step, with an
     exception injected at a step's hook points; afterwards nothing is live, no KV block is
     held, every runner row is accounted for, and the engine serves like a fresh one."""
-    llm = engines[engine]
+    run_chaos(engines[engine], ops, fresh_tokens)
+
+
+def run_chaos(llm: LLM, ops, fresh_tokens: list[list[int]]) -> None:
+    """One interleaving `ops` (OPS) on `llm`, then the fresh-engine checks (also run on each rank of a
+    TP2 world: tests/distributed/test_dist_step_failure.py)."""
     streams: list = []
     for kind, arg, spec in ops:
         try:
