@@ -230,6 +230,22 @@ class WorkerLLM:
         """`LLM.beam_search` on every rank; rank 0's outputs."""
         return self._call("beam_search", *args, **kwargs)
 
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.embed` (a pooling runner) on every rank; rank 0's outputs."""
+        return self._call("embed", *args, **kwargs)
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.classify` on every rank; rank 0's outputs."""
+        return self._call("classify", *args, **kwargs)
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.score` on every rank; rank 0's outputs."""
+        return self._call("score", *args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        """`LLM.encode` on every rank; rank 0's outputs."""
+        return self._call("encode", *args, **kwargs)
+
     def get_tokenizer(self) -> Any:
         """Rank 0's tokenizer (None without one)."""
         return self.tokenizer

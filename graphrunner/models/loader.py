@@ -597,6 +597,12 @@ def init_dummy_weights_sharded(model: LlamaForCausalLM, *, seed: int, std: float
             if name.endswith("norm.weight"):
                 tensor.add_(1.0)
         model.load_full_parameter(name, tensor)
+    # Parameters the causal LM has not (a pooling classifier's `score` head, replicated on every rank)
+    # come last in the single-process model too: drawn next, from the same generator.
+    drawn = {name for name, _ in full.named_parameters()}
+    for name, param in model.named_parameters():
+        if name not in drawn and param.dtype.is_floating_point:
+            param.normal_(0.0, std, generator=gen)
 
 
 @torch.no_grad()

@@ -33,9 +33,9 @@ class LlamaForPooling(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype, device,
                  tp: TPComm | None = None, pp_rank: int = 0, pp_size: int = 1, kernel: KernelConfig | None = None,
                  pooler: PoolerConfig | None = None) -> None:
-        if pp_size != 1 or (tp is not None and tp.size != 1):
-            raise ValueError(f"pooling models run on one rank; got pipeline_parallel_size={pp_size}, "
-                             f"tensor_parallel_size={tp.size if tp is not None else 1}")
+        if pp_size != 1:  # tensor parallelism: every rank ends with the whole hidden state, and pools it
+            raise ValueError(f"pooling models run on one rank or with tensor parallelism; got "
+                             f"pipeline_parallel_size={pp_size}")
         # Tied: no LM head is built, and a checkpoint's `lm_head.weight` is skipped.
         super().__init__(dataclasses.replace(config, tie_word_embeddings=True), attn_backend, dtype=dtype,
                          device=device, tp=tp, kernel=kernel)

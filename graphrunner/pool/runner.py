@@ -56,10 +56,11 @@ class PoolingRunner(ModelRunner):
     def __init__(self, config: RunnerConfig, device: torch.device | str, groups: ParallelGroups | None = None,
                  pooler_config: PoolerConfig | None = None) -> None:
         par = config.parallel
-        if par.world_size != 1:
-            raise ValueError(f"pooling runs on one rank; got a parallel world of {par.world_size} "
-                             f"(tensor {par.tensor_parallel_size} x pipeline {par.pipeline_parallel_size} x data "
-                             f"{par.data_parallel_size})")
+        if par.world_size != par.tensor_parallel_size:
+            raise ValueError(f"pooling runs on one rank or with tensor parallelism; got a parallel world of "
+                             f"{par.world_size} (tensor {par.tensor_parallel_size} x pipeline "
+                             f"{par.pipeline_parallel_size} x data {par.data_parallel_size} x prefill context "
+                             f"{par.prefill_context_parallel_size})")
         if config.speculative.num_speculative_tokens:
             raise ValueError("speculative decoding has nothing to speed up in a pooling runner (it samples no token)")
         super().__init__(config, device, groups)
