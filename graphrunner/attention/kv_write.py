@@ -21,9 +21,8 @@ An fp8 cache (dtype float8_e4m3fn) gets each key as `clamp(k / k_scale, -448, 44
 e4m3, and each value likewise with `v_scale` (`kv_scale`: the layer's [2] fp32 tensor, read on
 the device so a captured graph follows a rewritten scale); the division is IEEE-rounded
 (`div_rn`) so that the kernels store exactly what `write_kv_torch` stores. On a GPU the cast is the
-hardware's round-to-nearest-even; the interpreter's own fp32 -> fp8 cast rounds ties up and loses
-the carry into the exponent (124.9 became 64), so for CPU tensors the kernels round to the e4m3 grid
-in fp32 first (`fp8_mode` 2), after which its cast is exact.
+hardware's round-to-nearest-even; the interpreter's own fp32 -> fp8 cast rounds wrongly, so for CPU
+tensors the kernels take the bits from `graphrunner.kernels.fp8_bits` (`fp8_mode` 2).
 
 `write_kv` picks the Triton kernel for CUDA tensors when triton imports, else the torch path.
 """
@@ -57,31 +56,22 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from graphrunner.kernels.fp8_bits import e4m3_bits
     from graphrunner.kernels.pdl import pdl_wait
 
     _FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_KV_MAX)
-    _RINT_MAGIC_C: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds |y| < 2^22 to even
-
-    @triton.jit
-    def _round_to_e4m3_grid(q):
-        """fp32 `q` (|q| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the
-        grid step is 2^(e - 3) for q's exponent e, and 2^-9 below e4m3's smallest normal 2^-6."""
-        exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        step = tl.maximum(exponent, -6) - 3  # in [-9, 5]: both powers below are normal fp32
-        down = ((127 - step) << 23).to(tl.float32, bitcast=True)  # 2^-step
-        up = ((127 + step) << 23).to(tl.float32, bitcast=True)  # 2^step
-        r = ((q * down + _RINT_MAGIC_C) - _RINT_MAGIC_C) * up  # |q * down| < 16: exact scalings
-        return tl.where(r == 0.0, q * 0.0, r)  # keep the sign of a zero, as the cast does
 
     @triton.jit
     def quantize_fp8_kv(x, scale, ty, MODE: tl.constexpr):
         """fp32 `x / scale` (IEEE-rounded), clamped to +-448, cast to the fp8 cache dtype `ty`
-        (`MODE` 2: rounded to the e4m3 grid first, for the interpreter; module docstring)."""
+        (`MODE` 2: its bits from `e4m3_bits`, for the interpreter; module docstring)."""
         q = tl.math.div_rn(x.to(tl.float32), scale)
         q = tl.minimum(tl.maximum(q, -_FP8_MAX_C), _FP8_MAX_C)
         if MODE == 2:
-            q = _round_to_e4m3_grid(q)
-        return q.to(ty)
+            out = e4m3_bits(q).to(tl.float8e4nv, bitcast=True).to(ty)
+        else:
+            out = q.to(ty)
+        return out
 
     @triton.jit
     def _write_kv_kernel(

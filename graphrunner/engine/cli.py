@@ -164,7 +164,6 @@ def engine_kwargs(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- LoRA (vLLM's flag names; docs/lora.md)
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -189,18 +188,9 @@ def check_adapter_folder(what: str, path: str, max_lora_rank: int) -> None:
     """ValueError naming `what` (the flag or module) and `path` unless `path` is a folder with a readable
     adapter_config.json whose rank fits `max_lora_rank`: a cheap check before the model loads (the
     weights are checked against the model when the adapter is first read)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"{what}: adapter folder {path!r} does not exist")
-    config_path = folder / ADAPTER_CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"{what}: {path!r} has no {ADAPTER_CONFIG_FILE} (not a PEFT adapter folder)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{what}: {config_path} is not readable JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{what}: {config_path} must hold a JSON object")
+    from graphrunner.layers.lora.peft import read_adapter_config  # the model stack: at run time, not parsing
+
+    config = read_adapter_config(Path(path), what)
     pattern = config.get("rank_pattern")
     ranks = [config.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
     worst = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=0)

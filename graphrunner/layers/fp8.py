@@ -32,7 +32,7 @@ The CUDA paths (`fp8_linear`), chosen on the real shapes at run time inside one 
 Kernels take fp8 tensors as uint8 views and bitcast inside. Converting fp32 to fp8 is the one
 operation the Triton interpreter (CPU tests) gets wrong: it rounds ties away from zero and loses
 the carry into the exponent (124 became 64). Under the interpreter (`_EMULATE_FP8` below, fixed
-at import) the kernels therefore round with integer operations on the fp32 bits (`_fp8_bits`);
+at import) the kernels therefore round with integer operations on the fp32 bits (`graphrunner.kernels.fp8_bits`);
 compiled for a GPU they use the hardware conversion (cvt.rn.satfinite), which rounds to nearest
 even as torch does. fp8 -> fp32 and fp8 `tl.dot` are correct in the interpreter. The uint8 views
 also keep the launches in the types tools/compile_check.py records.
@@ -85,24 +85,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    _EMULATE_FP8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+    from graphrunner.kernels.fp8_bits import e4m3_bits
 
-    @triton.jit
-    def _fp8_bits(v):
-        # v fp32 in [-448, 448] -> its e4m3fn bits (uint8), rounded to nearest even, by integer
-        # operations only (the interpreter's own fp32 -> fp8 conversion rounds wrongly).
-        b = v.to(tl.int32, bitcast=True)
-        sign = (b >> 24) & 0x80
-        a = b & 0x7FFFFFFF
-        # Normal results (|v| >= 2^-6): drop 20 of fp32's 23 mantissa bits, ties to even; a carry
-        # into the exponent is the right result (448 is the largest input, so none overflows).
-        r = (a + 0x7FFFF + ((a >> 20) & 1)) & -1048576
-        normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
-        # Subnormal results are multiples of 2^-9: rint(|v| * 512), an exact product rounded once by
-        # adding and removing 2^23. Its integer is the e4m3 encoding, 8 (2^-6) included.
-        f = a.to(tl.float32, bitcast=True)
-        sub = ((f * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        return (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+    _EMULATE_FP8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
     @triton.jit
     def _tl_quantize(x, scale):
@@ -110,7 +95,7 @@ if HAS_TRITON:
         # round to nearest even.
         v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
         if _EMULATE_FP8:
-            q = _fp8_bits(v).to(tl.float8e4nv, bitcast=True)
+            q = e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
         else:
             q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         return q

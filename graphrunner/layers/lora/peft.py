@@ -70,19 +70,25 @@ def _refuse(request: LoRARequest, file: Path, what: str) -> ValueError:
     return ValueError(f"LoRA {request}: {what} ({file})")
 
 
-def _read_config(request: LoRARequest, folder: Path) -> dict[str, Any]:
+def read_adapter_config(folder: Path, where: str) -> dict[str, Any]:
+    """The adapter_config.json object of a PEFT adapter `folder`; ValueError starting with `where` (the
+    request, flag or module the folder came from) when the folder, the file or its JSON object is missing."""
     if not folder.is_dir():
-        raise ValueError(f"LoRA {request}: folder {folder} does not exist")
+        raise ValueError(f"{where}: adapter folder {str(folder)!r} does not exist")
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"LoRA {request}: {folder} has no {CONFIG_FILE}")
+        raise ValueError(f"{where}: {str(folder)!r} has no {CONFIG_FILE} (not a PEFT adapter folder)")
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _refuse(request, path, f"unreadable JSON: {e}") from None
+        raise ValueError(f"{where}: unreadable JSON: {e} ({path})") from None
     if not isinstance(config, dict):
-        raise _refuse(request, path, "expected a JSON object")
+        raise ValueError(f"{where}: expected a JSON object ({path})")
     return config
+
+
+def _read_config(request: LoRARequest, folder: Path) -> dict[str, Any]:
+    return read_adapter_config(folder, f"LoRA {request}")
 
 
 def _check_config(request: LoRARequest, path: Path, config: dict[str, Any]) -> tuple[float, bool]:
