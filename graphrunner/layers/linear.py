@@ -304,7 +304,7 @@ class _LinearBase(nn.Module):
         assert self.quant is not None and self.weight_scale is not None
         device = device_properties(self.weight.device)
         n, k = self.weight.shape
-        tile = fp8_gemv_plan(n, k, device) if device is not None else None
+        tile = fp8_gemv_plan(n, k) if device is not None else None
         self.method = Fp8LinearMethod(self.weight_scale, self.input_scale, self.quant.block_size, tile)
 
     @torch.no_grad()
