@@ -501,7 +501,7 @@ def test_gpu_triton_gemm_where_scaled_mm_refuses(t):
 def test_gpu_op_replays_from_cuda_graph(t, kind):
     block = (128, 128) if kind == "block" else None
     x, w_q, w_scale, b, _ = _case(t, 2048, 4096, block, kind, True, 7, "cuda", torch.bfloat16)
-    tile = fp8_gemv_plan(2048, 4096, None)
+    tile = fp8_gemv_plan(2048, 4096)
     blk = block or ()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
