@@ -233,34 +233,6 @@ def test_fused_moe_explicit_cases(case):
         assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("num_tokens, num_global, top_k, num_local, elsewhere, duplicate", [
-    (1, 128, 8, 128, False, False),  # Qwen3-30B-A3B's batch-1 routing
-    (4, 8, 2, 8, False, True),  # Mixtral's, an expert twice in a row
-    (2, 32, 4, 20, False, False),  # expert parallelism: some experts on another rank
-    (1, 16, 4, 8, True, False),  # every expert elsewhere: zeros
-])
-def test_direct_decode_path_equals_the_reference_and_the_grouped_path(num_tokens, num_global, top_k, num_local,
-                                                                      elsewhere, duplicate, monkeypatch):
-    """At most 8 slots take the two-launch direct path; it computes what the reference and the grouped
-    path (alignment, grouped GEMMs, top-k sum) do."""
-    from graphrunner.layers.moe import kernels
-
-    assert moe_config(num_tokens, 32, 16, num_local, top_k).direct is not None
-    x, w13, w2, weights, ids, expert_map = _moe_case(num_tokens, num_global, top_k, 32, 16, num_local, 11)
-    if elsewhere:
-        expert_map = torch.full((num_global,), -1, dtype=torch.int32)
-    if duplicate:
-        ids[:, 1] = ids[:, 0]
-    direct = fused_moe(x, w13, w2, weights, ids, expert_map)
-    torch.testing.assert_close(direct, fused_moe_reference(x, w13, w2, weights, ids, expert_map), atol=ATOL,
-                               rtol=RTOL)
-    monkeypatch.setattr(kernels, "_DIRECT_MAX_SLOTS", 0)
-    assert moe_config(num_tokens, 32, 16, num_local, top_k).direct is None
-    torch.testing.assert_close(direct, fused_moe(x, w13, w2, weights, ids, expert_map), atol=ATOL, rtol=RTOL)
-    if elsewhere:
-        assert torch.equal(direct, torch.zeros_like(direct))
-
-
 def test_fused_moe_is_deterministic_over_a_dirty_workspace():
     """Bitwise the same result twice, the second time after another user left NaN in every buffer:
     nothing read is left over from before the call."""
@@ -301,9 +273,6 @@ def test_moe_config_is_sound(num_tokens, hidden, inter, num_experts, top_k):
     config = moe_config(num_tokens, hidden, inter, num_experts, top_k)
     if num_tokens * top_k <= num_experts:
         assert config.block_m == 16
-    assert (config.direct is not None) == (num_tokens * top_k <= 8)
-    for width in config.direct or ():
-        assert width in (4, 8, 16, 32)
     for tile, n, k, b_tiles in ((config.gate_up, inter, hidden, 2), (config.down, hidden, inter, 1)):
         for size, dim in ((tile.block_n, n), (tile.block_k, k)):
             assert size >= 16 and size & (size - 1) == 0 and size <= max(16, 1 << (dim - 1).bit_length())

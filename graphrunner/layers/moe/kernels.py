@@ -1,8 +1,8 @@
 """The fused mixture-of-experts kernels: routing, token-to-expert alignment, two grouped GEMMs and the top-k sum.
 
-A MoE layer call is five launches (three at decode: the direct path below), each with a grid that
-depends on the token count T and static configuration only, never on the routing, so one CUDA-graph
-capture at T replays correctly for any routing (no host synchronisation, no `.item()`, no data-dependent shape):
+A MoE layer call is five launches, each with a grid that depends on the token count T and static
+configuration only, never on the routing, so one CUDA-graph capture at T replays correctly for any
+routing (no host synchronisation, no `.item()`, no data-dependent shape):
 
 1. `route`: softmax over the experts (fp32), the top-k by iterative argmax-and-mask, optional
    renormalisation; one program per block of token rows.
@@ -23,15 +23,6 @@ capture at T replays correctly for any routing (no host synchronisation, no `.it
    A fixed order instead of atomics keeps the result bitwise reproducible (graph replay is compared
    with eager); a slot whose expert is elsewhere (`expert_map` -1) is never read, so no buffer
    needs zeroing.
-
-Decode with at most `_DIRECT_MAX_SLOTS` slots takes a direct path of two launches instead: gate|up
-as one GEMV program per (slot, N tile) reading the slot's expert from the routing itself (no
-alignment), then down as one program per (token, N tile) that loops over the token's k experts in
-slot order, rounds each expert's output, weights it and sums in fp32 (the grouped path's down GEMM
-and top-k sum, without the per-slot rows). At batch 1 a layer's step is short enough that the
-launches, not the bytes, set its time; the grouped path's four launches per layer over 48 layers
-left Qwen3-30B-A3B at 36.7% of its batch-1 roofline on an H200 while Mixtral, whose experts are
-twenty times larger, reached 81%.
 
 Blocks exist only for experts that received tokens, and programs of unused blocks exit before any
 load: the GEMMs read the weights of the active experts only, which is what bounds batch-1 decode
@@ -86,10 +77,6 @@ _ALIGN_SCAN = 1024  # slots per histogram step of the counting pass
 _ALIGN_BLOCKS = 32  # blocks per step of the block pass
 _ROUTE_ELEMENTS = 4096  # logits per routing program (rows x experts)
 _SUM_BLOCK_H = 256
-# Decode with at most this many slots (T * k) takes the direct path (module docstring): two launches
-# instead of four, no alignment. Batch 1 of Qwen3-30B-A3B (k = 8) and batches up to 4 of Mixtral (k = 2).
-_DIRECT_MAX_SLOTS = 8
-_DIRECT_BLOCK_K = 128
 
 
 @dataclass(frozen=True)
@@ -111,8 +98,6 @@ class MoETiles:
     group_m: int
     gate_up: GemmTile
     down: GemmTile
-    # The direct decode path (no alignment, no per-slot rows): its N tiles for gate|up and down.
-    direct: tuple[int, int] | None = None
 
 
 def _next_pow2(n: int) -> int:
@@ -159,21 +144,11 @@ def moe_config(num_tokens: int, hidden_size: int, intermediate_size: int, num_ex
         stages = max(2, min(4, _STAGE_BUDGET_BYTES // stage_bytes))
         return GemmTile(block_n, bk, warps, stages)
 
-    direct = None
-    if slots <= _DIRECT_MAX_SLOTS:
-        # About `_TARGET_PROGRAMS` programs each: gate|up has one per (slot, tile), down one per (token,
-        # tile), which loops over the token's k experts. Qwen3-30B-A3B at T = 1: 8 x 48 of 16 columns,
-        # 256 of 8; Mixtral at T = 1: 2 x 448 of 32, 128 of 32.
-        def width(n: int, programs_per_tile: int) -> int:
-            return next((w for w in (32, 16, 8, 4) if programs_per_tile * _cdiv(n, w) >= _TARGET_PROGRAMS), 4)
-
-        direct = (width(intermediate_size, slots), width(hidden_size, num_tokens))
     return MoETiles(
         block_m=block_m,
         group_m=1 if small else 8,
         gate_up=tile(intermediate_size, hidden_size, 32 if small else 64, 2),
         down=tile(hidden_size, intermediate_size, 64 if small else 128, 1),
-        direct=direct,
     )
 
 
@@ -417,77 +392,6 @@ if HAS_TRITON:
         tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :], y, mask=live[:, None] & (cols[None, :] < H))
 
     @triton.jit
-    def _moe_gate_up_direct_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, map_ptr, num_slots, num_global, num_local, inter,
-                                   H, stride_xt, stride_we, stride_wn, stride_wk, stride_as, TOP_K: tl.constexpr,
-                                   HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   EVEN_K: tl.constexpr):
-        # Program (slot, N tile): silu(x[t] . gate rows) * (x[t] . up rows) of the slot's expert, a GEMV.
-        slot = tl.program_id(0)
-        expert = _local_expert(ids_ptr, map_ptr, slot, num_slots, num_global, num_local, HAS_MAP)
-        if expert < 0:  # the expert lives on another rank: nothing to read
-            return
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xt + ks
-        g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % inter).to(tl.int64)[:, None] * stride_wn
-                  + ks[None, :] * stride_wk)
-        u_ptrs = g_ptrs + inter * stride_wn
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs).to(tl.float32)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_ok = ks < H - k0
-                a = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-            acc_g += g.to(tl.float32) * a[None, :]
-            acc_u += u.to(tl.float32) * a[None, :]
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
-        gate = tl.sum(acc_g, axis=1)
-        act = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)  # fp32, one rounding at the store
-        tl.store(act_ptr + slot.to(tl.int64) * stride_as + cols, act.to(act_ptr.dtype.element_ty), mask=cols < inter)
-
-    @triton.jit
-    def _moe_down_direct_kernel(act_ptr, w_ptr, topk_weights_ptr, ids_ptr, map_ptr, out_ptr, num_slots, num_global,
-                                num_local, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_ot,
-                                TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        # Program (token, N tile): the token's k experts in slot order, each output rounded to the model
-        # dtype, weighted and summed in fp32, rounded once: the grouped path's down GEMM and top-k sum.
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = (cols % H).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        out = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(TOP_K):
-            slot = token * TOP_K + j
-            expert = _local_expert(ids_ptr, map_ptr, slot, num_slots, num_global, num_local, HAS_MAP)
-            if expert >= 0:
-                a_ptrs = act_ptr + slot.to(tl.int64) * stride_as + ks
-                b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :] * stride_wk
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-                for k0 in range(0, inter, BLOCK_K):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs).to(tl.float32)
-                        b = tl.load(b_ptrs)
-                    else:
-                        k_ok = ks < inter - k0
-                        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                        b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-                    acc += b.to(tl.float32) * a[None, :]
-                    a_ptrs += BLOCK_K
-                    b_ptrs += BLOCK_K * stride_wk
-                y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-                out += y * tl.load(topk_weights_ptr + slot)
-        tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-
-    @triton.jit
     def _moe_sum_kernel(slot_out_ptr, ids_ptr, map_ptr, out_ptr, T, H, num_global, num_local, stride_os, stride_ot,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -593,26 +497,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return out
 
 
-def _direct_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, expert_map: torch.Tensor | None, act: torch.Tensor, out: torch.Tensor,
-                widths: tuple[int, int]) -> None:
-    """The direct decode path (module docstring): gate|up per slot, then down and the top-k sum per token."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter, top_k = two_i // 2, topk_ids.shape[1]
-    num_global = expert_map.shape[0] if expert_map is not None else num_experts
-    ids_map = expert_map if expert_map is not None else topk_ids
-    bk_up, bk_down = min(_DIRECT_BLOCK_K, _next_pow2(hidden)), min(_DIRECT_BLOCK_K, _next_pow2(inter))
-    _moe_gate_up_direct_kernel[(num_tokens * top_k, _cdiv(inter, widths[0]))](
-        x, w13, act, topk_ids, ids_map, num_tokens * top_k, num_global, num_experts, inter, hidden, x.stride(0),
-        w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None,
-        BLOCK_N=widths[0], BLOCK_K=bk_up, EVEN_K=hidden % bk_up == 0, num_warps=4)
-    _moe_down_direct_kernel[(num_tokens, _cdiv(hidden, widths[1]))](
-        act, w2, topk_weights, topk_ids, ids_map, out, num_tokens * top_k, num_global, num_experts, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k,
-        HAS_MAP=expert_map is not None, BLOCK_N=widths[1], BLOCK_K=bk_down, EVEN_K=inter % bk_down == 0, num_warps=4)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
               workspace: MoEWorkspace | None = None) -> torch.Tensor:
@@ -646,9 +530,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         workspace = MoEWorkspace(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
     workspace.check(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
     sorted_slots, block_experts, num_padded, act, slot_out = workspace.views(num_tokens, config.block_m)
-    if config.direct is not None:
-        _direct_moe(x, w13, w2, topk_weights, topk_ids, expert_map, act, out, config.direct)
-        return out
     moe_align_block_size(topk_ids, num_experts, config.block_m, expert_map,
                          out=(sorted_slots, block_experts, num_padded))
 
