@@ -741,7 +741,7 @@ class LoRAConfig:
 MAX_LORA_RANK = 256  # vLLM's largest; a slot's rank tile is the rank rounded up to a power of two
 
 
-KV_CONNECTORS = ("SharedStorageConnector", "CpuOffloadConnector")  # graphrunner/kv_transfer/
+KV_CONNECTORS = ("SharedStorageConnector", "CpuOffloadConnector", "NcclConnector")  # graphrunner/kv_transfer/
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -752,7 +752,8 @@ class KVTransferConfig:
 
     kv_connector: one of `KV_CONNECTORS`. kv_role: "kv_producer" saves, "kv_consumer" loads,
     "kv_both" does both. kv_connector_extra_config: the connector's own options (SharedStorageConnector:
-    `shared_storage_path`; CpuOffloadConnector: `cpu_bytes`), see docs/kv_transfer.md."""
+    `shared_storage_path`; CpuOffloadConnector: `cpu_bytes`; NcclConnector: `kv_ip`, `kv_port`, `backend`,
+    `timeout_s`, `kv_buffer_size`), see docs/kv_transfer.md."""
 
     kv_connector: str
     kv_role: str = "kv_both"

@@ -45,9 +45,10 @@ def validate_prompt(sched: Scheduler, req_id: str, prompt: list[int], params: Sa
 
 def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list[int]] | None:
     """(tokens to schedule, block ids) for waiting `req`, or None when they do not fit (nothing
-    changed). With prefix caching its longest cached prefix of full blocks comes first and counts
-    as computed; at least its last token is always computed (the step samples after it).
-    Requests asking for prompt logprobs are not served from the cache (every position is needed)."""
+    changed, or its KV is still arriving through the connector: `sched.waiting_for_kv`). With prefix
+    caching its longest cached prefix of full blocks comes first and counts as computed; at least
+    its last token is always computed (the step samples after it). Requests asking for prompt
+    logprobs are not served from the cache (every position is needed)."""
     alloc, bs = sched.block_allocator, sched.block_size
     hit: list[int] = []
     if isinstance(alloc, PrefixCachingAllocator) and req.sampling_params.prompt_logprobs is None:
@@ -56,7 +57,12 @@ def admit_blocks(sched: Scheduler, req: Request, budget: int) -> tuple[int, list
     # A KV connector may hold the blocks after the local hit (loaded before the step, not computed).
     connector, external = sched.kv_connector, 0
     if connector is not None and req.sampling_params.prompt_logprobs is None:
-        external = connector.get_num_new_matched_tokens(req, req.num_computed_tokens)
+        matched = connector.get_num_new_matched_tokens(req, req.num_computed_tokens)
+        if matched is None:  # its KV is on its way from another instance: admitted once it is here
+            req.num_computed_tokens = 0
+            sched.waiting_for_kv = True
+            return None
+        external = matched
         req.num_computed_tokens += external
     req.num_prefill_tokens = req.num_tokens  # (re)admitted: every known token is prefill, hit or not
     num_new = sched.num_new_tokens(req, budget)

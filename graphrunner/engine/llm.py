@@ -68,6 +68,9 @@ from graphrunner.engine.workers import WorkerLLM, wants_workers
 from graphrunner.protocol import LoRARequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger("graphrunner.engine")
+# How long an engine with nothing runnable waits per step for KV arriving from another instance
+# (`KVConnectorScheduler.wait_for_kv`; it returns early when a block arrives).
+_KV_WAIT_S = 0.05
 
 
 class LLM(PoolingAPI):
@@ -338,7 +341,7 @@ class LLM(PoolingAPI):
         from graphrunner.kv_transfer import make_scheduler_connector, model_identity
 
         return make_scheduler_connector(kv_transfer, self.runner.kv_cache_shape,
-                                        model_identity(self.config))
+                                        model_identity(self.config), self.runner.device)
 
     def _check_request(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Every check a request passes before it is queued; raises ValueError and changes nothing.
@@ -744,6 +747,14 @@ class LLM(PoolingAPI):
             deltas = rest
         return finals, deltas
 
+    def _wait_for_kv(self) -> bool:
+        """An empty plan because the waiting requests' KV is still arriving through the connector:
+        wait a little for it (True), instead of spinning or calling the scheduler stuck."""
+        if not self.scheduler.waiting_for_kv or self.scheduler.kv_connector is None:
+            return False
+        self.scheduler.kv_connector.wait_for_kv(_KV_WAIT_S)
+        return True
+
     def _step_sync(self) -> list[SequenceOutput]:
         """Schedule, execute and sample one step, and apply its output."""
         if not self.scheduler.has_unfinished_requests():
@@ -754,6 +765,8 @@ class LLM(PoolingAPI):
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if self._wait_for_kv():
+                return []
             # Every request fits the cache on its own (checked on add), so an empty plan
             # with live requests means the scheduler is stuck: fail instead of spinning.
             raise RuntimeError(
@@ -775,7 +788,7 @@ class LLM(PoolingAPI):
             scheduler_output = self.scheduler.schedule()
             self._structured.place_drafts(self.runner, scheduler_output, self.scheduler)
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
-            if not scheduled and not self._in_flight:
+            if not scheduled and not self._in_flight and not self._wait_for_kv():
                 raise RuntimeError(
                     f"scheduler planned no tokens with {self.scheduler.num_unfinished_requests} unfinished requests "
                     f"and no step in flight (free KV blocks: {self.scheduler.block_allocator.num_free}/"

@@ -275,6 +275,7 @@ class Scheduler:
         # (multimodal.scheduling.EncoderScheduler); None for a text-only model.
         self.encoder: Any = None
         self.kv_connector = kv_connector
+        self.waiting_for_kv = False
         if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
             self.block_allocator.on_evict = kv_connector.block_evicted
         # Steady decode (every running request decodes, nothing waits): plans and outputs as array
@@ -442,6 +443,7 @@ class Scheduler:
         """Plan the next step. Always returns an output (possibly with no tokens)."""
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        self.waiting_for_kv = False  # set by admission when the connector says a request's KV is arriving
         fast = self._plan_decodes() if self._fast_decode else None
         if fast is not None:
             batch, cached, num_scheduled, budget, counts = fast

@@ -106,11 +106,17 @@ class KVConnectorScheduler:
             prefix_hashes(req.all_token_ids, num_blocks, self.block_size, req.cache_salt, known)
         return known[:num_blocks]
 
-    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         """Prompt tokens past `num_computed_tokens` (the local prefix-cache hit, block aligned) this
         connector can supply for waiting `req`, whole blocks only, leaving at least its last token to
-        compute. 0 by default."""
+        compute. 0 by default. None: its blocks are on their way; the scheduler keeps it waiting (and
+        the requests behind it, first come first served) and asks again next step, while the running
+        requests go on; `wait_for_kv` is called when nothing else can run."""
         return 0
+
+    def wait_for_kv(self, timeout: float) -> None:
+        """Nothing is runnable while requests wait for arriving blocks: block up to `timeout` seconds
+        (or until something arrives) instead of spinning."""
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """`req` was admitted with `num_external_tokens` from this connector, placed after its local hit

@@ -133,22 +133,37 @@ class SharedStorageMetadata:
     saves: list[_Save] = field(default_factory=list)
 
 
-class SharedStorageScheduler(KVConnectorScheduler):
-    """Matches waiting requests' blocks in the directory (consumer) and plans saves (producer)."""
+class PrefixBlockScheduler(KVConnectorScheduler):
+    """Matches waiting requests' blocks in a block store, chained from the local prefix-cache hit
+    (consumer), and plans the saves of every full prompt block computed (producer). Subclasses say
+    where a block comes from (`fetch_block`) and may ask to wait for blocks on their way
+    (`in_flight`)."""
 
     def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
         super().__init__(config, shape, model_id)
-        self.root = storage_path(config)
         self._matched: dict[str, torch.Tensor] = {}  # request id -> verified blocks, until admitted
         self._loads: list[_Load] = []
         self._saved: dict[str, int] = {}  # prefilling request id -> prompt blocks planned for saving so far
+        self._asked: set[str] = set()  # waiting request ids already counted in the hit rate
         self.num_rejected_blocks = 0  # store entries found but refused (logged)
 
-    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int:
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        """Block `index` of `req` ([num_layers, 2, block_size, kv_heads, head_dim]), verified, or None
+        where the chain stops (missing or refused: logged, counted in `num_rejected_blocks`)."""
+        raise NotImplementedError
+
+    def in_flight(self, req: Any, block_hash: str) -> bool:
+        """Whether block `block_hash`, the first `req` misses, is on its way (admission then waits for it:
+        `get_num_new_matched_tokens` returns None). False: the request computes the rest."""
+        return False
+
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         self._matched.pop(req.req_id, None)
         if not self.config.is_consumer:
             return 0
-        self.note_query(req)
+        if req.req_id not in self._asked:
+            self._asked.add(req.req_id)
+            self.note_query(req)
         bs = self.block_size
         first, last = num_computed_tokens // bs, (req.num_tokens - 1) // bs
         if first >= last:
@@ -157,21 +172,12 @@ class SharedStorageScheduler(KVConnectorScheduler):
         tokens = req.all_token_ids
         blocks = []
         for i in range(first, last):
-            path = block_file(self.root, hashes[i])
-            try:
-                raw = path.read_bytes()
-            except FileNotFoundError:
+            block = self.fetch_block(req, i, hashes[i], tokens[i * bs:(i + 1) * bs])
+            if block is None:
+                if self.in_flight(req, hashes[i]):
+                    return None
                 break
-            except OSError as e:
-                logger.warning("KV store: cannot read %s (%s); request %r computes it", path, e, req.req_id)
-                break
-            try:
-                blocks.append(decode_block(raw, self.shape, self.model_id, hashes[i], tokens[i * bs:(i + 1) * bs]))
-            except ValueError as e:
-                self.num_rejected_blocks += 1
-                logger.warning("KV store: %s refused: %s; request %r computes its prompt from token %d", path, e,
-                               req.req_id, i * bs)
-                break
+            blocks.append(block)
         if not blocks:
             return 0
         self._matched[req.req_id] = torch.stack(blocks, dim=2)  # [L, 2, n, bs, h, d]
@@ -191,6 +197,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
             # Only requests whose prompt is not saved yet are looked at: a decode step costs nothing here.
             for new in scheduler_output.scheduled_new_reqs:
                 self._saved.setdefault(new.req_id, 0)
+                self.prefill_started(requests[new.req_id])
             bs, scheduled = self.block_size, scheduler_output.num_scheduled_tokens
             for req_id in [r for r in self._saved if r in scheduled]:
                 req = requests[req_id]
@@ -208,10 +215,14 @@ class SharedStorageScheduler(KVConnectorScheduler):
                     self._saved[req_id] = full
         return meta if meta.loads or meta.saves else None
 
+    def prefill_started(self, req: Any) -> None:
+        """Producer: `req`'s prefill is scheduled for the first time (its blocks will be saved)."""
+
     def request_finished(self, req: Any) -> None:
         super().request_finished(req)
         self._matched.pop(req.req_id, None)
         self._saved.pop(req.req_id, None)
+        self._asked.discard(req.req_id)
 
     def request_preempted(self, req: Any) -> None:
         """Its KV is dropped; what it had saved stays in the store (re-admitted, it is looked at anew)."""
@@ -219,13 +230,35 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._saved.pop(req.req_id, None)
 
 
-class SharedStorageWorker(KVConnectorWorker):
-    """Copies verified blocks into the paged cache; writes computed blocks to the directory."""
+class SharedStorageScheduler(PrefixBlockScheduler):
+    """Reads blocks from the directory (module docstring)."""
 
-    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
-        super().__init__(config, shape, model_id, device)
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
+        super().__init__(config, shape, model_id)
         self.root = storage_path(config)
-        self.num_saved_blocks = 0
+
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        path = block_file(self.root, block_hash)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("KV store: cannot read %s (%s); request %r computes it", path, e, req.req_id)
+            return None
+        try:
+            return decode_block(raw, self.shape, self.model_id, block_hash, tokens)
+        except ValueError as e:
+            self.num_rejected_blocks += 1
+            logger.warning("KV store: %s refused: %s; request %r computes its prompt from token %d", path, e,
+                           req.req_id, index * self.block_size)
+            return None
+
+
+class PrefixBlockWorker(KVConnectorWorker):
+    """Copies verified blocks into the paged cache; hands computed blocks to `store_blocks`."""
+
+    num_saved_blocks = 0
 
     def load(self, metadata: SharedStorageMetadata) -> None:
         for entry in metadata.loads:
@@ -233,18 +266,42 @@ class SharedStorageWorker(KVConnectorWorker):
 
     def save(self, metadata: SharedStorageMetadata) -> None:
         for entry in metadata.saves:
-            todo = [i for i, h in enumerate(entry.hashes) if not block_file(self.root, h).exists()]
-            if not todo:
-                continue
-            data = gather_blocks(self.kv_caches, [entry.block_ids[i] for i in todo]).cpu()  # waits for the step
-            for j, i in enumerate(todo):
-                raw = encode_block(self.shape, self.model_id, entry.hashes[i], entry.tokens[i], data[:, :, j])
-                path = block_file(self.root, entry.hashes[i])
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                tmp.write_bytes(raw)
-                os.replace(tmp, path)
-                self.num_saved_blocks += 1
+            todo = [i for i, h in enumerate(entry.hashes) if not self.stored(h)]
+            if todo:
+                data = gather_blocks(self.kv_caches, [entry.block_ids[i] for i in todo])
+                self.store_blocks([entry.hashes[i] for i in todo], [entry.tokens[i] for i in todo], data)
+
+    def stored(self, block_hash: str) -> bool:
+        """Whether the store holds `block_hash` already (it is not saved again)."""
+        return False
+
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+        """Save blocks; `data` [num_layers, 2, n, block_size, kv_heads, head_dim] on the cache's device,
+        gathered by the step's stream."""
+        raise NotImplementedError
 
 
-__all__ = ["SharedStorageMetadata", "SharedStorageScheduler", "SharedStorageWorker", "block_file", "decode_block",
-           "encode_block", "storage_path"]
+class SharedStorageWorker(PrefixBlockWorker):
+    """Writes computed blocks to the directory, one file each (module docstring)."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
+        super().__init__(config, shape, model_id, device)
+        self.root = storage_path(config)
+        self.num_saved_blocks = 0
+
+    def stored(self, block_hash: str) -> bool:
+        return block_file(self.root, block_hash).exists()
+
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+        data = data.cpu()  # waits for the step
+        for j, block_hash in enumerate(hashes):
+            raw = encode_block(self.shape, self.model_id, block_hash, tokens[j], data[:, :, j])
+            path = block_file(self.root, block_hash)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(raw)
+            os.replace(tmp, path)
+            self.num_saved_blocks += 1
+
+
+__all__ = ["PrefixBlockScheduler", "PrefixBlockWorker", "SharedStorageMetadata", "SharedStorageScheduler",
+           "SharedStorageWorker", "block_file", "decode_block", "encode_block", "storage_path"]

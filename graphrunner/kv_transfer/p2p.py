@@ -1,0 +1,394 @@
+"""NcclConnector: KV blocks sent point to point from a prefill instance to a decode instance.
+
+Two instances meet at `kv_ip:kv_port` (`kv_connector_extra_config`): the `kv_producer` is rank 0 of a
+two-rank process group of their own, the `kv_consumer` rank 1. The group is NCCL between two GPUs
+(`backend`, default "nccl" on CUDA) or gloo (the default on a CPU, and what CPU tests use); it is
+built by a background thread, so neither instance waits for the other to start, and it never
+touches the instance's own tensor-parallel groups.
+
+The producer plans saves as SharedStorageConnector does (every full prompt block it computes, named
+by its prefix hash) and, when a prefill is first scheduled, announces the hashes of the prompt
+blocks it will send. After the step the runner gathers the blocks on its stream; a sender thread
+sends them (outside the graphs, on the process group's own stream under NCCL) while the instance
+goes on. A receiver thread on the consumer keeps what arrives in a bounded LRU store
+(`kv_buffer_size` bytes, on the device the group moves tensors on).
+
+The consumer's scheduler side matches a waiting request's blocks in that store, chained from its
+local prefix-cache hit. When the first block it misses has been announced and not yet arrived, the
+request waits (`get_num_new_matched_tokens` returns None) while running requests go on; it is
+admitted once its blocks are there, or after `timeout_s` without them, computing what is missing.
+
+Faults never give wrong tokens or a hang: blocks of another model, geometry or dtype are refused on
+arrival (logged); a block is used only for the tokens it was sent with; a peer that dies or falls
+silent (the producer sends a heartbeat every third of `timeout_s`) ends the link (logged), and
+every request computes what has not arrived. A message is one int64 pair (header bytes, payload
+bytes), a JSON header, then the payload: the blocks' K and V of every layer, [num_layers, 2, n,
+block_size, kv_heads, head_dim] in the cache's dtype, sent as bytes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphrunner.config import KVTransferConfig
+from graphrunner.kv_shape import KVCacheShape
+from graphrunner.kv_transfer.base import connector_extra, logger
+from graphrunner.kv_transfer.shared_storage import PrefixBlockScheduler, PrefixBlockWorker
+
+_EXTRA_KEYS = ("kv_ip", "kv_port", "backend", "timeout_s", "kv_buffer_size")
+_BACKENDS = ("nccl", "gloo")
+_PREFIX = "graphrunner_kv_p2p"
+_SENT_MEMORY = 1 << 20  # block hashes a producer remembers as sent (not sent again)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Where and how the two instances meet (`kv_connector_extra_config`)."""
+
+    ip: str
+    port: int
+    backend: str
+    timeout_s: float
+    buffer_bytes: int
+
+
+def link_config(config: KVTransferConfig, device: torch.device | str) -> LinkConfig:
+    """The connector's options, checked; ValueError naming the key, the value and what is allowed."""
+    extra = connector_extra(config, _EXTRA_KEYS)
+    if config.kv_role not in ("kv_producer", "kv_consumer"):
+        raise ValueError(f"NcclConnector links a kv_producer with a kv_consumer; kv_role={config.kv_role!r} is "
+                         "neither")
+    port = extra.get("kv_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(f"NcclConnector needs kv_connector_extra_config['kv_port'], a TCP port in 1..65535, "
+                         f"got {port!r}")
+    ip = extra.get("kv_ip", "127.0.0.1")
+    if not isinstance(ip, str) or not ip:
+        raise ValueError(f"NcclConnector: kv_ip must be a host name or address, got {ip!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    backend = extra.get("backend", "nccl" if on_cuda else "gloo")
+    if backend not in _BACKENDS or (backend == "nccl" and not on_cuda):
+        raise ValueError(f"NcclConnector: backend={backend!r} is not one of {list(_BACKENDS)}"
+                         + ("" if backend not in ("nccl",) else f" on device {device} (nccl needs CUDA)"))
+    timeout = extra.get("timeout_s", 30.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"NcclConnector: timeout_s must be a positive number of seconds, got {timeout!r}")
+    buffer = extra.get("kv_buffer_size", 4 << 30)
+    if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer <= 0:
+        raise ValueError(f"NcclConnector: kv_buffer_size must be a positive number of bytes, got {buffer!r}")
+    return LinkConfig(ip, port, backend, float(timeout), buffer)
+
+
+def _geometry(shape: KVCacheShape, model_id: str) -> dict[str, Any]:
+    return {"model": model_id, "dtype": str(shape.dtype).removeprefix("torch."), "block_size": shape.block_size,
+            "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+
+
+class PeerLink:
+    """One end of the two-rank group and its background thread: rank 0 sends (`announce`,
+    `send_blocks`), rank 1 receives into a bounded store (`lookup`, `in_flight`, `wait`)."""
+
+    def __init__(self, cfg: LinkConfig, rank: int, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
+        self.cfg, self.rank, self.shape, self.model_id = cfg, rank, shape, model_id
+        self.geometry = _geometry(shape, model_id)
+        self.wire = torch.device(device) if cfg.backend == "nccl" else torch.device("cpu")
+        self.alive = True
+        self.connected = threading.Event()
+        self._lock = threading.Condition()
+        # (priority, order, header, payload, ready event): announcements go before queued payloads (a
+        # request waits on them), the closing message after everything.
+        self._outbox: queue.PriorityQueue[tuple[int, int, dict[str, Any], torch.Tensor | None, Any]] = \
+            queue.PriorityQueue()
+        self._order = itertools.count()
+        self._pending_bytes = 0
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._blocks: OrderedDict[str, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
+        self._block_bytes = 0
+        self._announced: dict[str, float] = {}
+        self.num_sent_blocks = self.num_received_blocks = self.num_refused_blocks = self.num_dropped_blocks = 0
+        self._thread = threading.Thread(target=self._run, name=f"kv-p2p-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producer
+    def was_sent(self, block_hash: str) -> bool:
+        with self._lock:
+            return block_hash in self._sent
+
+    def announce(self, hashes: Sequence[str]) -> None:
+        """Tell the consumer these blocks are coming (those not sent before)."""
+        with self._lock:
+            todo = [h for h in hashes if h not in self._sent]
+        if todo and self.alive:
+            self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo}, None, None))
+
+    def send_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+        """Queue `data` [num_layers, 2, n, block_size, kv_heads, head_dim] (gathered by the step's
+        stream) for sending; dropped (logged, counted) past `kv_buffer_size` bytes waiting or with the
+        link down: the consumer then computes those blocks."""
+        nbytes = data.numel() * data.element_size()
+        with self._lock:
+            if not self.alive or self._pending_bytes + nbytes > self.cfg.buffer_bytes:
+                self.num_dropped_blocks += len(hashes)
+                logger.warning("NcclConnector: %d blocks not sent (%s)", len(hashes),
+                               "link down" if not self.alive else f"over kv_buffer_size={self.cfg.buffer_bytes} "
+                               "bytes waiting")
+                return
+            self._pending_bytes += nbytes
+            for h in hashes:
+                self._sent[h] = None
+                if len(self._sent) > _SENT_MEMORY:
+                    self._sent.popitem(last=False)
+        ready = None
+        if data.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+        if self.wire != data.device:
+            data = data.to(self.wire)  # gloo: a host copy (it waits for the step)
+        header = {"kind": "blocks", **self.geometry, "hashes": hashes, "tokens": tokens}
+        self._outbox.put((1, next(self._order), header, data, ready))
+
+    # ------------------------------------------------------------------ consumer
+    def lookup(self, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The block received as `block_hash` for exactly `tokens`, else None."""
+        with self._lock:
+            entry = self._blocks.get(block_hash)
+            if entry is None:
+                return None
+            self._blocks.move_to_end(block_hash)
+        if entry[0] != tuple(int(t) for t in tokens):
+            logger.warning("NcclConnector: block %s arrived for other tokens; refused", block_hash[:12])
+            return None
+        return entry[1]
+
+    def in_flight(self, block_hash: str) -> bool:
+        """Announced, not arrived, and the link is up."""
+        with self._lock:
+            return self.alive and block_hash in self._announced and block_hash not in self._blocks
+
+    def wait(self, timeout: float) -> None:
+        """Up to `timeout` seconds, returning early when blocks arrive or the link goes down."""
+        with self._lock:
+            self._lock.wait(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            group = self._connect()
+            if group is None:
+                return
+            self.connected.set()
+            if self.rank == 0:
+                self._send_loop(group)
+            else:
+                self._receive_loop(group)
+        except Exception as e:  # the peer died, timed out or sent garbage: requests compute instead
+            logger.warning("NcclConnector (rank %d, %s:%d): link down: %s: %s; requests compute their KV",
+                           self.rank, self.cfg.ip, self.cfg.port, type(e).__name__, e)
+        finally:
+            with self._lock:
+                self.alive = False
+                self._announced.clear()
+                self._lock.notify_all()
+
+    def _connect(self) -> Any:
+        timeout = timedelta(seconds=self.cfg.timeout_s)
+        while True:  # the peer may start much later than this instance
+            try:
+                store = dist.TCPStore(self.cfg.ip, self.cfg.port, 2, self.rank == 0, timeout=timeout,
+                                      wait_for_workers=False)
+                break
+            except Exception as e:  # noqa: BLE001  (the master is not listening yet)
+                if not self.alive:
+                    return None
+                logger.debug("NcclConnector: waiting for %s:%d (%s)", self.cfg.ip, self.cfg.port, e)
+                time.sleep(0.2)
+        prefixed = dist.PrefixStore(_PREFIX, store)
+        if self.cfg.backend == "gloo":
+            return dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        torch.cuda.set_device(self.wire)
+        return dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+
+    def _send_message(self, group: Any, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        body = None if payload is None else payload.contiguous().view(torch.uint8).reshape(-1)
+        sizes = torch.tensor([head.numel(), 0 if body is None else body.numel()], dtype=torch.int64)
+        for t in (sizes, head) if body is None else (sizes, head, body):
+            group.send([t.to(self.wire)], 1, 0).wait()
+
+    def _send_loop(self, group: Any) -> None:
+        beat = self.cfg.timeout_s / 3
+        while True:
+            try:
+                _, _, header, payload, ready = self._outbox.get(timeout=beat)
+            except queue.Empty:
+                self._send_message(group, {"kind": "heartbeat"}, None)
+                continue
+            if header["kind"] == "close":
+                self._send_message(group, header, None)
+                return
+            if ready is not None:
+                ready.synchronize()
+            self._send_message(group, header, payload)
+            if payload is not None:
+                with self._lock:
+                    self._pending_bytes -= payload.numel() * payload.element_size()
+                self.num_sent_blocks += len(header["hashes"])
+
+    def _recv(self, group: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=self.wire)
+        group.recv([t], 0, 0).wait()
+        return t
+
+    def _receive_loop(self, group: Any) -> None:
+        while True:
+            head_len, body_len = self._recv(group, 2, torch.int64).tolist()
+            header = json.loads(bytes(self._recv(group, head_len, torch.uint8).cpu().numpy()))
+            body = self._recv(group, body_len, torch.uint8) if body_len else None
+            kind = header.get("kind")
+            if kind == "close":
+                logger.info("NcclConnector: the producer closed the link")
+                return
+            if kind == "announce":
+                now = time.monotonic()
+                with self._lock:
+                    self._announced.update((h, now) for h in header["hashes"])
+            elif kind == "blocks" and body is not None:
+                self._store(header, body)
+
+    def _store(self, header: dict[str, Any], body: torch.Tensor) -> None:
+        hashes, tokens = header["hashes"], header["tokens"]
+        wrong = {k: header.get(k) for k, v in self.geometry.items() if header.get(k) != v}
+        s = self.shape
+        per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+        if wrong or body.numel() != per_block * len(hashes) or len(tokens) != len(hashes):
+            self.num_refused_blocks += len(hashes)
+            logger.warning("NcclConnector: %d blocks refused: %s", len(hashes),
+                           wrong or f"{body.numel()} payload bytes for {len(hashes)} blocks of {per_block}")
+            with self._lock:
+                for h in hashes:
+                    self._announced.pop(h, None)
+                self._lock.notify_all()
+            return
+        data = body.view(s.dtype).reshape(s.num_layers, 2, len(hashes), s.block_size, s.num_kv_heads, s.head_dim)
+        with self._lock:
+            for j, h in enumerate(hashes):
+                if h in self._blocks:
+                    continue
+                self._blocks[h] = (tuple(int(t) for t in tokens[j]), data[:, :, j].clone())
+                self._block_bytes += per_block
+                self._announced.pop(h, None)
+                self.num_received_blocks += 1
+            while self._block_bytes > self.cfg.buffer_bytes and self._blocks:
+                self._blocks.popitem(last=False)
+                self._block_bytes -= per_block
+            self._lock.notify_all()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Producer: tell the consumer the link ends (after what is queued); both: stop the thread."""
+        if self.rank == 0 and self.connected.is_set() and self.alive:
+            self._outbox.put((2, next(self._order), {"kind": "close"}, None, None))
+        else:
+            with self._lock:
+                self.alive = False
+                self._lock.notify_all()
+
+
+_LINKS: dict[tuple[str, int, int], PeerLink] = {}
+_LINKS_LOCK = threading.Lock()
+_CLOSE_WAIT_S = 2.0  # at exit, per link: a producer's queued blocks and closing message go out first
+
+
+@atexit.register
+def _close_links() -> None:
+    """Producers close their links (the consumer's receiver then returns), so no group is torn down
+    under a thread still in a send or receive."""
+    with _LINKS_LOCK:
+        links = sorted(_LINKS.values(), key=lambda link: link.rank)  # producers first
+    for link in links:
+        link.close()
+    for link in links:
+        link.join(_CLOSE_WAIT_S)
+
+
+def peer_link(config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device | str) -> PeerLink:
+    """The link of this instance's end (one per address and role in a process, shared by the scheduler
+    side and the runner side)."""
+    cfg = link_config(config, device)
+    rank = 0 if config.kv_role == "kv_producer" else 1
+    key = (cfg.ip, cfg.port, rank)
+    with _LINKS_LOCK:
+        link = _LINKS.get(key)
+        if link is None or not link.alive:
+            link = _LINKS[key] = PeerLink(cfg, rank, shape, model_id, torch.device(device))
+        return link
+
+
+class NcclScheduler(PrefixBlockScheduler):
+    """Announces the producer's prefills; matches arrived blocks and waits for announced ones (module
+    docstring)."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(config, shape, model_id)
+        self.link = peer_link(config, shape, model_id, device)
+        self._waiting_since: dict[str, float] = {}
+
+    def prefill_started(self, req: Any) -> None:
+        self.link.announce(self.hashes(req, req.num_prompt_tokens // self.block_size))
+
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        return self.link.lookup(block_hash, tokens)
+
+    def in_flight(self, req: Any, block_hash: str) -> bool:
+        if not self.link.in_flight(block_hash):
+            self._waiting_since.pop(req.req_id, None)
+            return False
+        since = self._waiting_since.setdefault(req.req_id, time.monotonic())
+        if time.monotonic() - since <= self.link.cfg.timeout_s:
+            return True
+        logger.warning("NcclConnector: request %r waited %.1f s for announced KV; it computes the rest",
+                       req.req_id, self.link.cfg.timeout_s)
+        return False
+
+    def wait_for_kv(self, timeout: float) -> None:
+        self.link.wait(timeout)
+
+    def request_finished(self, req: Any) -> None:
+        super().request_finished(req)
+        self._waiting_since.pop(req.req_id, None)
+
+
+class NcclWorker(PrefixBlockWorker):
+    """Hands computed blocks to the sender thread."""
+
+    def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str, device: torch.device) -> None:
+        super().__init__(config, shape, model_id, device)
+        self.link = peer_link(config, shape, model_id, device)
+
+    def stored(self, block_hash: str) -> bool:
+        return self.link.was_sent(block_hash)
+
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+        self.link.send_blocks(hashes, tokens, data)
+        self.num_saved_blocks += len(hashes)
+
+
+__all__ = ["LinkConfig", "NcclScheduler", "NcclWorker", "PeerLink", "link_config", "peer_link"]

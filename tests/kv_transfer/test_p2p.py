@@ -1,0 +1,163 @@
+"""NcclConnector over gloo on a CPU: a producer instance sends its prompt blocks to a consumer
+instance through a two-rank group of their own; the consumer's tokens and logprobs equal one LLM
+computing everything, its loaded tokens count as cached, it waits for announced blocks while they
+travel, and a producer that dies mid-transfer leaves it computing, never hung."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from graphrunner.config import KVTransferConfig
+from tests.dist_utils import free_port
+from tests.kv_transfer.test_connectors import LOADABLE, PROMPTS, _assert_same, _generate, _result
+
+NUM_BLOCKS = len(PROMPTS) * (LOADABLE // 16)
+
+
+def _p2p(role: str, port: int, **extra) -> dict:
+    return {"kv_connector": "NcclConnector", "kv_role": role,
+            "kv_connector_extra_config": {"kv_port": port, "timeout_s": 20.0, **extra}}
+
+
+def _llm(role: str, port: int, **extra):
+    from graphrunner.engine import LLM
+    from tests.kv_transfer.test_connectors import ARGS
+
+    return LLM("builtin:tiny-llama", kv_transfer_config=_p2p(role, port, **extra), **ARGS)
+
+
+def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _result(_generate()[1])
+
+
+def test_options_name_bad_values():
+    from graphrunner.kv_transfer.p2p import link_config
+
+    def config(role="kv_consumer", **extra):
+        return KVTransferConfig("NcclConnector", role, extra)
+
+    with pytest.raises(ValueError, match="kv_role='kv_both' is neither"):
+        link_config(config("kv_both", kv_port=1234), "cpu")
+    with pytest.raises(ValueError, match=r"kv_port'\], a TCP port in 1..65535, got None"):
+        link_config(config(), "cpu")
+    with pytest.raises(ValueError, match="got 70000"):
+        link_config(config(kv_port=70000), "cpu")
+    with pytest.raises(ValueError, match="backend='nccl'.*nccl needs CUDA"):
+        link_config(config(kv_port=1234, backend="nccl"), "cpu")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
+        link_config(config(kv_port=1234, timeout_s=0), "cpu")
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['port'\]"):
+        link_config(config(port=1234), "cpu")
+    cfg = link_config(config(kv_port=1234), "cpu")
+    assert (cfg.ip, cfg.backend, cfg.timeout_s) == ("127.0.0.1", "gloo", 30.0)
+
+
+def test_consumer_loads_the_producers_blocks(reference):
+    port = free_port()
+    producer, consumer = _llm("kv_producer", port), _llm("kv_consumer", port)
+    outs = producer.generate(PROMPTS, _params(), use_tqdm=False)
+    _assert_same(_result(outs), reference)
+    link = consumer.scheduler.kv_connector.link
+    _wait_for(lambda: link.num_received_blocks == NUM_BLOCKS, "the blocks never arrived")
+    assert producer.runner.kv_connector.link.num_sent_blocks == NUM_BLOCKS
+    outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+    assert consumer.scheduler.kv_connector.external_hit_rate == pytest.approx(LOADABLE / 70)
+    # A prefix sent once is not sent again.
+    producer.generate(PROMPTS, _params(), use_tqdm=False)
+    assert producer.runner.kv_connector.link.num_sent_blocks == NUM_BLOCKS
+
+
+def _params():
+    from tests.kv_transfer.test_connectors import _params as params
+
+    return params()
+
+
+def test_consumer_waits_for_announced_blocks(reference, monkeypatch):
+    """The producer's blocks are held back after their announcement: the consumer's requests wait
+    (they would otherwise compute everything and count nothing as cached), then load them."""
+    from graphrunner.kv_transfer.base import prefix_hashes
+    from graphrunner.kv_transfer.p2p import PeerLink
+
+    held: list = []
+    send_blocks = PeerLink.send_blocks
+    monkeypatch.setattr(PeerLink, "send_blocks", lambda self, *args: held.append((self, args)))
+    port = free_port()
+    producer, consumer = _llm("kv_producer", port), _llm("kv_consumer", port)
+    producer.generate(PROMPTS, _params(), use_tqdm=False)
+    link = consumer.scheduler.kv_connector.link
+    first = [prefix_hashes(p, 1, 16)[0] for p in PROMPTS]
+    _wait_for(lambda: all(link.in_flight(h) for h in first), "the announcement never arrived")
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(consumer.generate(PROMPTS, _params(), use_tqdm=False)))
+    worker.start()
+    worker.join(1.0)
+    assert worker.is_alive() and link.num_received_blocks == 0  # waiting, not computing
+    for self, args in held:
+        send_blocks(self, *args)
+    worker.join(60)
+    assert not worker.is_alive()
+    outs = result[0]
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+
+
+def _dying_producer(rank: int, world_size: int, port: int, hashes: list[str]) -> None:
+    """Rank 0 of a separate process: announces `hashes`, starts a blocks message (sizes and header
+    promising a payload), and exits before the payload."""
+    import os
+
+    from graphrunner.kv_transfer.p2p import LinkConfig, PeerLink
+
+    class Dying(PeerLink):
+        def _send_loop(self, group):
+            self._send_message(group, {"kind": "announce", "hashes": hashes}, None)
+            time.sleep(1.0)  # the consumer's requests are waiting now
+            import torch
+
+            head = torch.frombuffer(bytearray(b'{"kind": "blocks"}'), dtype=torch.uint8)
+            group.send([torch.tensor([head.numel(), 1 << 20], dtype=torch.int64)], 1, 0).wait()
+            group.send([head], 1, 0).wait()
+            os._exit(1)
+
+    import torch
+
+    from graphrunner.kv_shape import KVCacheShape
+
+    Dying(LinkConfig("127.0.0.1", port, "gloo", 20.0, 1 << 30), 0, KVCacheShape(1, 16, 1, 1, torch.float32),
+          "dying", torch.device("cpu"))
+    time.sleep(30)
+
+
+def test_producer_dying_mid_transfer_leaves_the_consumer_computing(reference, caplog):
+    from graphrunner.kv_transfer.base import prefix_hashes
+    from tests.dist_utils import start_world
+
+    port = free_port()
+    hashes = [h for p in PROMPTS for h in prefix_hashes(p, LOADABLE // 16, 16)]
+    # Started (forked) before the consumer has threads of its own.
+    world = start_world(1, _dying_producer, port, hashes, init_pg=False, timeout_s=60, allow_hang=frozenset({0}))
+    consumer = _llm("kv_consumer", port)
+    link = consumer.scheduler.kv_connector.link
+    _wait_for(lambda: link.in_flight(hashes[0]), "the announcement never arrived")
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+        outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
+    assert time.monotonic() - started < 20  # not the 20 s wait for announced blocks: the death ended it
+    _assert_same(_result(outs), reference)
+    assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
+    assert not link.alive and "link down" in caplog.text
+    world.wait()
