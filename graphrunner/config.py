@@ -299,9 +299,9 @@ class ModelConfig:
             raise ValueError(f"moe={self.moe!r} must be a MoEConfig or None")
         if self.quant is not None and not isinstance(self.quant, QuantConfig):
             raise ValueError(f"quant={self.quant!r} must be a QuantConfig or None")
-        if self.quant is not None and self.moe is not None:
-            raise ValueError(f"fp8 weights are not supported for mixture-of-experts models ({self.architecture}); "
-                             "load it in bf16 or float16")
+        if self.quant is not None and self.quant.prequantized and self.moe is not None:
+            raise ValueError(f"fp8 checkpoints of mixture-of-experts models ({self.architecture}) are not supported; "
+                             "load the bf16 checkpoint, with quantization='fp8' to quantize it at load")
         if self.moe is not None and any(i >= self.num_hidden_layers for i in self.moe.mlp_only_layers):
             raise ValueError(
                 f"mlp_only_layers={self.moe.mlp_only_layers} names a layer past "

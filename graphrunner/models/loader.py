@@ -27,6 +27,7 @@ import torch
 from graphrunner.attention.kv_scales import is_kv_scale_name, load_kv_scales
 from graphrunner.config import KernelConfig, LoadConfig, ModelConfig, MoEConfig, resolve_dtype
 from graphrunner.layers.linear import quantize_linear_layers
+from graphrunner.layers.moe.layer import FusedMoE
 from graphrunner.layers.rotary import normalize_rope_scaling
 from graphrunner.models.quant_config import parse_quantization_config
 from graphrunner.models.registry import check_architecture, decoder_architecture, get_builtin, is_builtin
@@ -698,6 +699,12 @@ def load_model(
     quantized = quantize_linear_layers(model)
     if quantized:
         source += f", {quantized} projections in fp8"
+    if model_config.quant is not None and not model_config.quant.prequantized:
+        sparse = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        for moe in sparse:
+            moe.quantize_fp8()
+        if sparse:
+            source += f", the experts of {len(sparse)} sparse layers in fp8"
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # so the logged time includes the copies

@@ -281,11 +281,57 @@ def test_the_command_line_offers_the_supported_methods():
     assert QUANTIZATION_CHOICES == QUANT_METHODS
 
 
-def test_quantization_option_is_checked_and_moe_is_refused():
+def test_quantization_option_is_checked():
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; supported: \['fp8'\]"):
         LLM("builtin:tiny-llama", quantization="int4", **KW)
-    with pytest.raises(ValueError, match="fp8 weights are not supported for mixture-of-experts models"):
-        LLM("builtin:tiny-moe", quantization="fp8", **KW)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> Path:
+    return make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=3)
+
+
+def test_online_fp8_moe_equals_the_quantized_reference(qwen3_moe):
+    """The dense projections as above; the experts weight-only: transformers with each expert's
+    output rows replaced by their e4m3 values times the row's scale (quantized here)."""
+    hf = load_hf_model(qwen3_moe)
+    reference = fp8_reference_model(qwen3_moe, {n: quantize(hf.get_submodule(n).weight.detach(), "channel", None)
+                                                for n in projections(hf)}, None)
+    experts = [(n, p) for n, p in reference.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert len(experts) == 2 * reference.config.num_hidden_layers
+    with torch.no_grad():
+        for _, p in experts:
+            e, n, k = p.shape
+            q, scale = quantize(p.reshape(e * n, k).float(), "channel", None)
+            p.copy_(dequantize(q, scale, None).float().view(e, n, k))
+    got = run_llm(qwen3_moe, quantization="fp8")
+    assert_matches_reference(got, reference)
+    llm = LLM(str(qwen3_moe), quantization="fp8", **KW)
+    moe = llm.runner.model.model.layers[0].mlp
+    assert moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn and moe.w13_scale.shape == (8, 64)
+
+
+def test_fp8_moe_checkpoints_and_eplb_are_refused(qwen3_moe, tmp_path):
+    import shutil
+
+    folder = tmp_path / "fp8_moe"
+    shutil.copytree(qwen3_moe, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fp8 checkpoints of mixture-of-experts models .* are not supported"):
+        load_model_config(str(folder))
+    from graphrunner.config import ModelConfig
+    from graphrunner.distributed.comm import TPComm
+    from graphrunner.layers.moe.layer import FusedMoE
+    from graphrunner.models.registry import get_builtin
+
+    tiny = get_builtin("builtin:tiny-moe")
+    layer = FusedMoE(tiny, dtype=torch.float32, device="cpu",
+                     tp=TPComm(2, 0, "unused-group", expert_parallel=True, num_redundant_experts=2))
+    assert isinstance(tiny, ModelConfig) and layer.log2phy is not None
+    with pytest.raises(ValueError, match="fp8 experts with EPLB"):
+        layer.quantize_fp8()
 
 
 def test_ignored_modules_stay_in_the_model_dtype_and_fused_parts_go_together():

@@ -319,10 +319,10 @@ if HAS_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks, inter, H,
-                        stride_xt, stride_we, stride_wn, stride_wk, stride_as, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    def _moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks,
+                        inter, H, stride_xt, stride_we, stride_wn, stride_wk, stride_wse, stride_as,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr):
         pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, inter, BLOCK_N, GROUP_M)
         expert = tl.load(block_experts_ptr + pid_m)
         if expert < 0:  # past the used blocks: no weight is read
@@ -347,22 +347,29 @@ if HAS_TRITON:
             else:
                 k_ok = ks < H - k0
                 a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0)
+            if FP8_W:  # e4m3 codes (uint8) -> x's dtype, exactly; the row scales apply after the dots
+                g = g.to(tl.float8e4nv, bitcast=True).to(x_ptr.dtype.element_ty)
+                u = u.to(tl.float8e4nv, bitcast=True).to(x_ptr.dtype.element_ty)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
+        if FP8_W:
+            scales = ws_ptr + expert.to(tl.int64) * stride_wse + w_rows
+            acc_g = acc_g * tl.load(scales)[None, :]
+            acc_u = acc_u * tl.load(scales + inter)[None, :]
         act = acc_g * tl.sigmoid(acc_g) * acc_u  # fp32, one rounding at the store
         out = act_ptr + slots.to(tl.int64)[:, None] * stride_as + cols[None, :]
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < inter))
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots,
-                     num_blocks, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_os,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr,
+                     num_slots, num_blocks, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_wse,
+                     stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr):
         pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, H, BLOCK_N, GROUP_M)
         expert = tl.load(block_experts_ptr + pid_m)
         if expert < 0:
@@ -383,10 +390,14 @@ if HAS_TRITON:
             else:
                 k_ok = ks < inter - k0
                 a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
+            if FP8_W:
+                b = b.to(tl.float8e4nv, bitcast=True).to(act_ptr.dtype.element_ty)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
+        if FP8_W:
+            acc = acc * tl.load(ws_ptr + expert.to(tl.int64) * stride_wse + cols % H)[None, :]
         # Each expert's output rounded to the model dtype before it is weighted, as the reference.
         y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(topk_weights_ptr + rows, mask=live)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :], y, mask=live[:, None] & (cols[None, :] < H))
@@ -499,22 +510,38 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-              workspace: MoEWorkspace | None = None) -> torch.Tensor:
+              workspace: MoEWorkspace | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe_reference` in four launches (alignment, gate|up, down, top-k sum): x [T, H] -> [T, H].
 
     w13 [E_local, 2I, H], w2 [E_local, H, I] in x's dtype (bf16, fp16, fp32); topk_weights [T, k] fp32 and
     topk_ids [T, k] int32 (global ids, contiguous; `route` gives both); expert_map [E_global] int32 or
     None. fp32 accumulation; each expert's output is rounded to x's dtype, weighted and summed in fp32,
     rounded once. Graph-safe at every T: the launches' grids depend on T and the shapes only. Bitwise
-    deterministic. `workspace` (`MoEWorkspace`) holds the intermediates; None allocates them (tests)."""
+    deterministic. `workspace` (`MoEWorkspace`) holds the intermediates; None allocates them (tests).
+
+    fp8 experts (weight-only): w13 / w2 in float8_e4m3fn with per-output-row fp32 scales w13_scale
+    [E_local, 2I] and w2_scale [E_local, H]; each tile's codes convert exactly to x's dtype on load
+    and the row scales multiply the fp32 accumulators (`fused_moe_reference` with the scales)."""
     _require_triton("fused_moe")
     _check_routing(topk_ids, expert_map)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
     check_tensor("x", x, (num_tokens, hidden), MOE_DTYPES)
-    check_tensor("w13", w13, (num_experts, 2 * inter, hidden), (x.dtype,))
-    check_tensor("w2", w2, (num_experts, hidden, inter), (x.dtype,))
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    weight_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    check_tensor("w13", w13, (num_experts, 2 * inter, hidden), (weight_dtype,))
+    check_tensor("w2", w2, (num_experts, hidden, inter), (weight_dtype,))
+    if fp8 != (w13_scale is not None) or fp8 != (w2_scale is not None):
+        raise ValueError(f"fp8 experts need w13_scale and w2_scale, other weights neither (w13 {w13.dtype}, "
+                         f"w13_scale {None if w13_scale is None else tuple(w13_scale.shape)}, w2_scale "
+                         f"{None if w2_scale is None else tuple(w2_scale.shape)})")
+    if w13_scale is not None and w2_scale is not None:
+        check_tensor("w13_scale", w13_scale, (num_experts, 2 * inter), (torch.float32,))
+        check_tensor("w2_scale", w2_scale, (num_experts, hidden), (torch.float32,))
+        if w13_scale.stride(1) != 1 or w2_scale.stride(1) != 1:
+            raise ValueError("w13_scale and w2_scale must have unit stride along their rows")
     check_tensor("topk_ids", topk_ids, (num_tokens, top_k), (torch.int32,))
     check_tensor("topk_weights", topk_weights, (num_tokens, top_k), (torch.float32,))
     if not topk_weights.is_contiguous() or x.stride(1) != 1:
@@ -537,17 +564,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     bm, gm = config.block_m, config.group_m
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32, not TF32
     t = config.gate_up
+    # fp8 weights travel as their uint8 codes (bitcast in the kernels); unused scale arguments point at x.
+    w13_k, w2_k = (w13.view(torch.uint8), w2.view(torch.uint8)) if fp8 else (w13, w2)
+    s13 = w13_scale if w13_scale is not None else x
+    s2 = w2_scale if w2_scale is not None else x
     _moe_gate_up_kernel[(num_blocks * _cdiv(inter, t.block_n),)](
-        x, w13, act, sorted_slots, block_experts, num_slots, num_blocks, inter, hidden, x.stride(0),
-        w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=hidden % t.block_k == 0, PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        x, w13_k, s13, act, sorted_slots, block_experts, num_slots, num_blocks, inter, hidden, x.stride(0),
+        w13.stride(0), w13.stride(1), w13.stride(2), s13.stride(0) if fp8 else 0, act.stride(0), TOP_K=top_k,
+        BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=hidden % t.block_k == 0,
+        PRECISION=precision, FP8_W=fp8, num_warps=t.num_warps, num_stages=t.num_stages)
     t = config.down
     _moe_down_kernel[(num_blocks * _cdiv(hidden, t.block_n),)](
-        act, w2, topk_weights, slot_out, sorted_slots, block_experts, num_slots, num_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slot_out.stride(0), BLOCK_M=bm, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=inter % t.block_k == 0, PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        act, w2_k, s2, topk_weights, slot_out, sorted_slots, block_experts, num_slots, num_blocks, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2.stride(0) if fp8 else 0, slot_out.stride(0),
+        BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=inter % t.block_k == 0,
+        PRECISION=precision, FP8_W=fp8, num_warps=t.num_warps, num_stages=t.num_stages)
     block_h = min(_SUM_BLOCK_H, _next_pow2(hidden))
     block_t = min(_next_pow2(num_tokens), max(1, 2048 // block_h))
     _moe_sum_kernel[(_cdiv(num_tokens, block_t), _cdiv(hidden, block_h))](

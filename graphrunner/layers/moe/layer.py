@@ -59,16 +59,17 @@ def _partial(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("graphrunner::fused_moe", mutates_args=())
 def fused_moe_op(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 expert_map: torch.Tensor | None, top_k: int, renormalize: bool) -> torch.Tensor:
+                 expert_map: torch.Tensor | None, top_k: int, renormalize: bool, w13_scale: torch.Tensor | None,
+                 w2_scale: torch.Tensor | None) -> torch.Tensor:
     """Routing and the routed experts (`kernels.route`, `kernels.fused_moe`) as one op that
     torch.compile does not look into: its grids and tiles depend on the token count, which a
     compiled piece knows only at run time."""
     weights, ids = kernels.route(router_logits, top_k, renormalize)
-    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map)
+    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map, w13_scale=w13_scale, w2_scale=w2_scale)
 
 
 @fused_moe_op.register_fake
-def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize) -> torch.Tensor:
+def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize, w13_scale, w2_scale) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -210,6 +211,12 @@ class FusedMoE(nn.Module):
             )
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype, device=device)
             self.shared_expert_gate.weight.requires_grad_(False)
+        # fp8 experts (`quantize_fp8`, online quantization): per-output-row scales, None until then.
+        self.quant = config.quant
+        self.w13_scale: torch.Tensor | None
+        self.w2_scale: torch.Tensor | None
+        for name in ("w13_scale", "w2_scale"):
+            self.register_buffer(name, None, persistent=False)
         self.use_kernels = kernels.fused_moe_available(device) and dtype in kernels.MOE_DTYPES
         self.op_mode = False  # set by LlamaForCausalLM.use_attention_op: traced by torch.compile
         self.workspace: kernels.MoEWorkspace | None = None  # shared by the model's sparse layers
@@ -220,7 +227,7 @@ class FusedMoE(nn.Module):
         if not self.use_kernels:
             return None
         return kernels.MoEWorkspace(max_num_tokens, self.top_k, self.num_local_experts, self.hidden_size,
-                                    self.intermediate_local, self.w13.dtype, self.w13.device)
+                                    self.intermediate_local, self.gate.weight.dtype, self.w13.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens = x.shape[0]
@@ -232,13 +239,15 @@ class FusedMoE(nn.Module):
             out = self._routed_placed(xs, logits)
         elif not self.use_kernels:
             weights, ids = route_reference(logits, self.top_k, self.renormalize)  # [N, k] fp32, int32
-            out = fused_moe_reference(xs, self.w13, self.w2, weights, ids, self.expert_map)
+            out = fused_moe_reference(xs, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale,
+                                      self.w2_scale)
         elif self.op_mode:
             out = torch.ops.graphrunner.fused_moe(xs, logits, self.w13, self.w2, self.expert_map, self.top_k,
-                                                  self.renormalize)
+                                                  self.renormalize, self.w13_scale, self.w2_scale)
         else:
             weights, ids = kernels.route(logits, self.top_k, self.renormalize)
-            out = kernels.fused_moe(xs, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
+            out = kernels.fused_moe(xs, self.w13, self.w2, weights, ids, self.expert_map, self.workspace,
+                                    self.w13_scale, self.w2_scale)
         if self.dp is not None:
             out = self.dp.scatter_tokens(out, num_tokens)
         if self.shared_gate_up is not None:
@@ -264,6 +273,23 @@ class FusedMoE(nn.Module):
         return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
 
     # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Online fp8 (`ModelConfig.quant`): replace the loaded experts by their e4m3 codes with one
+        fp32 scale per output row of each expert (`w13_scale` [E_local, 2I], `w2_scale` [E_local, H]).
+        The grouped GEMMs read half the bytes; activations keep the model's dtype (weight-only)."""
+        from graphrunner.layers.fp8 import quantize_weight_fp8
+
+        if self.log2phy is not None:
+            raise ValueError("fp8 experts with EPLB (num_redundant_experts or expert-load recording) are not "
+                             "supported: EPLB moves expert weights without their scales")
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            e, n, k = w.shape
+            q, scale = quantize_weight_fp8(w.reshape(e * n, k))
+            setattr(self, name, nn.Parameter(q.view(e, n, k), requires_grad=False))
+            self.register_buffer(f"{name}_scale", scale.view(e, n).contiguous(), persistent=False)
 
     def checkpoint_shape(self, param: str, shard_id: tuple[int, str] | None = None) -> tuple[int, ...]:
         """The full Hugging Face shape of one checkpoint tensor: a per-expert projection

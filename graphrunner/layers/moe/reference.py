@@ -44,12 +44,18 @@ def fused_moe_reference(
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int32, global expert ids
     expert_map: torch.Tensor | None = None,  # [E_global] int32: local index or -1
+    w13_scale: torch.Tensor | None = None,  # [E_local, 2I] float32: fp8 experts' row scales
+    w2_scale: torch.Tensor | None = None,  # [E_local, H] float32
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum over the chosen experts e of weight(t, e) * down_e(silu(gate_e(x_t)) * up_e(x_t)).
 
     Each expert's output is rounded to x's dtype before it is weighted (in float32) and
-    summed, as the Hugging Face implementations do.
+    summed, as the Hugging Face implementations do. fp8 experts (float8_e4m3fn w13 / w2 with
+    their row scales) are dequantized first, code * scale in float32, then rounded to x's dtype.
     """
+    if w13_scale is not None and w2_scale is not None:
+        w13 = (w13.float() * w13_scale.unsqueeze(-1)).to(x.dtype)
+        w2 = (w2.float() * w2_scale.unsqueeze(-1)).to(x.dtype)
     num_local = w13.shape[0]
     ids = topk_ids.long()
     if expert_map is not None:
