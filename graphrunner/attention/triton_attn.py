@@ -96,6 +96,20 @@ if HAS_TRITON:
     _LN2_C: tl.constexpr = tl.constexpr(_LN2)
 
     @triton.jit
+    def _e4m3_to_fp16_in_registers(v):
+        # v (e4m3, any shape) -> fp16, converted where it was loaded. A plain cast lets the compiler
+        # stage the e4m3 tile in shared memory and convert it after: for the value tile, the B
+        # operand of p . v (its K dimension, the keys, is not the contiguous one), that read it back
+        # one byte at a time (sm_90 PTX of the decode kernel: 128 ld.shared.b8 per thread per key
+        # block; there is no transposing ldmatrix for 8-bit elements). Converted first, it is staged
+        # as fp16 and read back with ldmatrix.trans, as a bf16 cache's value tile is. The conversion
+        # is the one the cast uses (cvt.rn.f16x2.e4m3x2, element 0 in the low half); declaring it
+        # impure is what keeps the compiler from moving it after the staging.
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+    @triton.jit
     def _natural_lse(m, denom):
         """ln(sum_n exp(s_n)) from the base-2 running max `m` and denominator `denom`; -inf if none."""
         return tl.where(denom > 0.0, (m + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * _LN2_C, float("-inf"))
@@ -299,7 +313,7 @@ if HAS_TRITON:
                     v = v.to(tl.float32) * v_scale
                 else:  # e4m3 values are exact in fp16: the scales apply outside the dots
                     k = k.to(tl.float16)
-                    v = v.to(tl.float16)
+                    v = _e4m3_to_fp16_in_registers(v) if FP8 == 1 else v.to(tl.float16)
             if COMPUTE_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
