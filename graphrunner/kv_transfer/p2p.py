@@ -205,15 +205,17 @@ class PeerLink:
 
     def _connect(self) -> Any:
         timeout = timedelta(seconds=self.cfg.timeout_s)
-        while True:  # the peer may start much later than this instance
+        while True:  # the consumer may start much earlier than the producer it connects to
             try:
                 store = dist.TCPStore(self.cfg.ip, self.cfg.port, 2, self.rank == 0, timeout=timeout,
                                       wait_for_workers=False)
                 break
-            except Exception as e:  # noqa: BLE001  (the master is not listening yet)
+            except Exception as e:
+                if self.rank == 0:  # the producer listens: a port it cannot bind is an error, not a wait
+                    raise RuntimeError(f"cannot listen on {self.cfg.ip}:{self.cfg.port} ({e})") from e
                 if not self.alive:
                     return None
-                logger.debug("NcclConnector: waiting for %s:%d (%s)", self.cfg.ip, self.cfg.port, e)
+                logger.debug("NcclConnector: waiting for the producer at %s:%d (%s)", self.cfg.ip, self.cfg.port, e)
                 time.sleep(0.2)
         prefixed = dist.PrefixStore(_PREFIX, store)
         if self.cfg.backend == "gloo":

@@ -161,3 +161,23 @@ def test_producer_dying_mid_transfer_leaves_the_consumer_computing(reference, ca
     assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
     assert not link.alive and "link down" in caplog.text
     world.wait()
+
+
+def test_a_port_the_producer_cannot_listen_on_is_logged_and_prompts_are_computed(reference, caplog):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+            producer = _llm("kv_producer", port)
+            link = producer.runner.kv_connector.link
+            _wait_for(lambda: not link.alive, "the link never gave up on a taken port", 30)
+            outs = producer.generate(PROMPTS, _params(), use_tqdm=False)
+        _assert_same(_result(outs), reference)
+        assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+        assert link.num_dropped_blocks == NUM_BLOCKS  # logged, not sent, the producer unaffected
+    finally:
+        taken.close()
