@@ -291,12 +291,12 @@ def qwen3_moe(tmp_path_factory) -> Path:
     return make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=3)
 
 
-def test_online_fp8_moe_equals_the_quantized_reference(qwen3_moe):
+def _moe_reference(path: Path):
     """The dense projections as above; the experts weight-only: transformers with each expert's
     output rows replaced by their e4m3 values times the row's scale (quantized here)."""
-    hf = load_hf_model(qwen3_moe)
-    reference = fp8_reference_model(qwen3_moe, {n: quantize(hf.get_submodule(n).weight.detach(), "channel", None)
-                                                for n in projections(hf)}, None)
+    hf = load_hf_model(path)
+    reference = fp8_reference_model(path, {n: quantize(hf.get_submodule(n).weight.detach(), "channel", None)
+                                           for n in projections(hf)}, None)
     experts = [(n, p) for n, p in reference.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
     assert len(experts) == 2 * reference.config.num_hidden_layers
     with torch.no_grad():
@@ -304,8 +304,12 @@ def test_online_fp8_moe_equals_the_quantized_reference(qwen3_moe):
             e, n, k = p.shape
             q, scale = quantize(p.reshape(e * n, k).float(), "channel", None)
             p.copy_(dequantize(q, scale, None).float().view(e, n, k))
+    return reference
+
+
+def test_online_fp8_moe_equals_the_quantized_reference(qwen3_moe):
     got = run_llm(qwen3_moe, quantization="fp8")
-    assert_matches_reference(got, reference)
+    assert_matches_reference(got, _moe_reference(qwen3_moe))
     llm = LLM(str(qwen3_moe), quantization="fp8", **KW)
     moe = llm.runner.model.model.layers[0].mlp
     assert moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn and moe.w13_scale.shape == (8, 64)
@@ -358,3 +362,15 @@ def test_fp8_weights_halve_the_weight_bytes():
 
     bf16 = LLM("builtin:tiny-llama", **{**KW, "dtype": "bfloat16"}).runner.model
     assert proj_bytes(fp8) < 0.52 * proj_bytes(bf16) and proj_bytes(plain) == 2 * proj_bytes(bf16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_online_fp8_equals_the_quantized_reference(llama, qwen3_moe):
+    """The CUDA kernels (the fp8 GEMV for one row, the Triton fp8 GEMM for several, fp8 experts in
+    the grouped GEMMs) in fp32 activations, through FULL graphs: the float64 references' tokens."""
+    hf = load_hf_model(llama)
+    tensors = {n: quantize(hf.get_submodule(n).weight.detach(), "channel", None) for n in projections(hf)}
+    gpu = dict(device="cuda", enforce_eager=False, compile_backend="eager")
+    assert_matches_reference(run_llm(llama, quantization="fp8", **gpu), fp8_reference_model(llama, tensors, None))
+    assert_matches_reference(run_llm(qwen3_moe, quantization="fp8", **gpu), _moe_reference(qwen3_moe))
