@@ -766,6 +766,7 @@ class LLM(PoolingAPI):
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             if self._wait_for_kv():
+                self.runner.execute_model(scheduler_output)  # finished or preempted requests still leave it
                 return []
             # Every request fits the cache on its own (checked on add), so an empty plan
             # with live requests means the scheduler is stuck: fail instead of spinning.

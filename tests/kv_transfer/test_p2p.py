@@ -22,11 +22,11 @@ def _p2p(role: str, port: int, **extra) -> dict:
             "kv_connector_extra_config": {"kv_port": port, "timeout_s": 20.0, **extra}}
 
 
-def _llm(role: str, port: int, **extra):
+def _llm(role: str, port: int, **kw):
     from graphrunner.engine import LLM
     from tests.kv_transfer.test_connectors import ARGS
 
-    return LLM("builtin:tiny-llama", kv_transfer_config=_p2p(role, port, **extra), **ARGS)
+    return LLM("builtin:tiny-llama", kv_transfer_config=_p2p(role, port), **{**ARGS, **kw})
 
 
 def _wait_for(predicate, what: str, seconds: float = 30.0) -> None:
@@ -181,3 +181,36 @@ def test_a_port_the_producer_cannot_listen_on_is_logged_and_prompts_are_computed
         assert link.num_dropped_blocks == NUM_BLOCKS  # logged, not sent, the producer unaffected
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_aborted_while_others_wait_for_kv_leaves_the_runner(async_scheduling, monkeypatch):
+    """Only requests waiting for announced blocks are left after an abort: the step plans nothing, and
+    its finished ids still reach the runner (whose row the aborted request frees)."""
+    from graphrunner.kv_transfer.base import prefix_hashes
+    from graphrunner.kv_transfer.p2p import PeerLink
+    from graphrunner.protocol import SamplingParams
+
+    held: list = []
+    send_blocks = PeerLink.send_blocks
+    monkeypatch.setattr(PeerLink, "send_blocks", lambda self, *args: held.append((self, args)))
+    port = free_port()
+    producer = _llm("kv_producer", port)
+    consumer = _llm("kv_consumer", port, async_scheduling=async_scheduling)
+    producer.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
+    link = consumer.scheduler.kv_connector.link
+    _wait_for(lambda: link.in_flight(prefix_hashes(PROMPTS[0], 1, 16)[0]), "the announcement never arrived")
+    consumer.add_request("running", [7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        consumer.step()
+    consumer.add_request("waiting", PROMPTS[0], _params()[0])
+    consumer.abort_request("running")
+    for _ in range(3):
+        consumer.step()
+    assert "running" not in consumer.runner.state.requests.req_id_to_index
+    for self, args in held:
+        send_blocks(self, *args)
+    outs = []
+    while consumer.has_unfinished_requests():
+        outs += [o for o in consumer.step() if o.finished]
+    assert [o.request_id for o in outs] == ["waiting"] and outs[0].num_cached_tokens == LOADABLE
