@@ -214,3 +214,28 @@ def test_a_request_aborted_while_others_wait_for_kv_leaves_the_runner(async_sche
     while consumer.has_unfinished_requests():
         outs += [o for o in consumer.step() if o.finished]
     assert [o.request_id for o in outs] == ["waiting"] and outs[0].num_cached_tokens == LOADABLE
+
+
+def test_fp8_blocks_travel_as_bytes_and_another_dtype_is_refused(caplog):
+    """An fp8 KV cache's blocks arrive byte for byte (the consumer gives the fp8 run's tokens and
+    logprobs); a consumer whose cache holds fp32 refuses them on arrival and computes its prompts."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    want = _result(_generate(**fp8)[1])
+    port = free_port()
+    producer, consumer = _llm("kv_producer", port, **fp8), _llm("kv_consumer", port, **fp8)
+    producer.generate(PROMPTS, _params(), use_tqdm=False)
+    link = consumer.scheduler.kv_connector.link
+    _wait_for(lambda: link.num_received_blocks == NUM_BLOCKS, "the blocks never arrived")
+    outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
+    _assert_same(_result(outs), want)
+    assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
+
+    port = free_port()
+    producer, consumer = _llm("kv_producer", port, **fp8), _llm("kv_consumer", port)
+    with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+        producer.generate(PROMPTS, _params(), use_tqdm=False)
+        link = consumer.scheduler.kv_connector.link
+        _wait_for(lambda: link.num_refused_blocks == NUM_BLOCKS, "the blocks were not refused")
+        outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
+    assert "'dtype': 'float8_e4m3fn'" in caplog.text
