@@ -17,6 +17,8 @@ The consumer's scheduler side matches a waiting request's blocks in that store, 
 local prefix-cache hit. When the first block it misses has been announced and not yet arrived, the
 request waits (`get_num_new_matched_tokens` returns None) while running requests go on; it is
 admitted once its blocks are there, or after `timeout_s` without them, computing what is missing.
+The producer withdraws an announcement it cannot keep (blocks dropped past the buffer, a request
+ended before its blocks were computed), so nothing waits for blocks that will not come.
 
 Faults never give wrong tokens or a hang: blocks of another model, geometry or dtype are refused on
 arrival (logged); a block is used only for the tokens it was sent with; a peer that dies or falls
@@ -86,7 +88,9 @@ def link_config(config: KVTransferConfig, device: torch.device | str) -> LinkCon
     timeout = extra.get("timeout_s", 30.0)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"NcclConnector: timeout_s must be a positive number of seconds, got {timeout!r}")
-    buffer = extra.get("kv_buffer_size", 4 << 30)
+    # vLLM's P2P NCCL connector's default (1e9 bytes) in GiB. Under NCCL the blocks wait on the GPU,
+    # outside the KV cache's memory budget: gpu_memory_utilization must leave room for them.
+    buffer = extra.get("kv_buffer_size", 1 << 30)
     if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer <= 0:
         raise ValueError(f"NcclConnector: kv_buffer_size must be a positive number of bytes, got {buffer!r}")
     return LinkConfig(ip, port, backend, float(timeout), buffer)
@@ -134,30 +138,42 @@ class PeerLink:
         if todo and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo}, None, None))
 
+    def withdraw(self, hashes: Sequence[str]) -> None:
+        """Tell the consumer these announced blocks will not come (dropped, or their request ended
+        first), so no request waits for them."""
+        if hashes and self.alive:
+            self._outbox.put((0, next(self._order), {"kind": "withdraw", "hashes": list(hashes)}, None, None))
+
     def send_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
         """Queue `data` [num_layers, 2, n, block_size, kv_heads, head_dim] (gathered by the step's
         stream) for sending; dropped (logged, counted) past `kv_buffer_size` bytes waiting or with the
         link down: the consumer then computes those blocks."""
         nbytes = data.numel() * data.element_size()
         with self._lock:
-            if not self.alive or self._pending_bytes + nbytes > self.cfg.buffer_bytes:
+            dropped = not self.alive or self._pending_bytes + nbytes > self.cfg.buffer_bytes
+            if dropped:
                 self.num_dropped_blocks += len(hashes)
                 logger.warning("NcclConnector: %d blocks not sent (%s)", len(hashes),
                                "link down" if not self.alive else f"over kv_buffer_size={self.cfg.buffer_bytes} "
                                "bytes waiting")
-                return
-            self._pending_bytes += nbytes
-            for h in hashes:
-                self._sent[h] = None
-                if len(self._sent) > _SENT_MEMORY:
-                    self._sent.popitem(last=False)
+            else:
+                self._pending_bytes += nbytes
+                for h in hashes:
+                    self._sent[h] = None
+                    if len(self._sent) > _SENT_MEMORY:
+                        self._sent.popitem(last=False)
+        if dropped:
+            self.withdraw(hashes)
+            return
         ready = None
         if data.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
         if self.wire != data.device:
             data = data.to(self.wire)  # gloo: a host copy (it waits for the step)
-        header = {"kind": "blocks", **self.geometry, "hashes": hashes, "tokens": tokens}
+        self._enqueue_blocks({"kind": "blocks", **self.geometry, "hashes": hashes, "tokens": tokens}, data, ready)
+
+    def _enqueue_blocks(self, header: dict[str, Any], data: torch.Tensor, ready: Any) -> None:
         self._outbox.put((1, next(self._order), header, data, ready))
 
     # ------------------------------------------------------------------ consumer
@@ -269,6 +285,11 @@ class PeerLink:
                 now = time.monotonic()
                 with self._lock:
                     self._announced.update((h, now) for h in header["hashes"])
+            elif kind == "withdraw":
+                with self._lock:
+                    for h in header["hashes"]:
+                        self._announced.pop(h, None)
+                    self._lock.notify_all()
             elif kind == "blocks" and body is not None:
                 self._store(header, body)
 
@@ -352,9 +373,12 @@ class NcclScheduler(PrefixBlockScheduler):
         super().__init__(config, shape, model_id)
         self.link = peer_link(config, shape, model_id, device)
         self._waiting_since: dict[str, float] = {}
+        self._announced: dict[str, list[str]] = {}  # producer: request id -> the blocks it announced
 
     def prefill_started(self, req: Any) -> None:
-        self.link.announce(self.hashes(req, req.num_prompt_tokens // self.block_size))
+        hashes = self.hashes(req, req.num_prompt_tokens // self.block_size)
+        self._announced[req.req_id] = hashes
+        self.link.announce(hashes)
 
     def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
         return self.link.lookup(block_hash, tokens)
@@ -376,6 +400,9 @@ class NcclScheduler(PrefixBlockScheduler):
     def request_finished(self, req: Any) -> None:
         super().request_finished(req)
         self._waiting_since.pop(req.req_id, None)
+        # Ended (or aborted) before all its announced blocks were sent: the consumer stops waiting.
+        announced = self._announced.pop(req.req_id, [])
+        self.link.withdraw([h for h in announced if not self.link.was_sent(h)])
 
 
 class NcclWorker(PrefixBlockWorker):

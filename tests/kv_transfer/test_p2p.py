@@ -92,9 +92,9 @@ def test_consumer_waits_for_announced_blocks(reference, monkeypatch):
     from graphrunner.kv_transfer.base import prefix_hashes
     from graphrunner.kv_transfer.p2p import PeerLink
 
-    held: list = []
-    send_blocks = PeerLink.send_blocks
-    monkeypatch.setattr(PeerLink, "send_blocks", lambda self, *args: held.append((self, args)))
+    held: list = []  # blocks counted as sent but not yet on the wire
+    enqueue = PeerLink._enqueue_blocks
+    monkeypatch.setattr(PeerLink, "_enqueue_blocks", lambda self, *args: held.append((self, args)))
     port = free_port()
     producer, consumer = _llm("kv_producer", port), _llm("kv_consumer", port)
     producer.generate(PROMPTS, _params(), use_tqdm=False)
@@ -107,7 +107,7 @@ def test_consumer_waits_for_announced_blocks(reference, monkeypatch):
     worker.join(1.0)
     assert worker.is_alive() and link.num_received_blocks == 0  # waiting, not computing
     for self, args in held:
-        send_blocks(self, *args)
+        enqueue(self, *args)
     worker.join(60)
     assert not worker.is_alive()
     outs = result[0]
@@ -191,9 +191,9 @@ def test_a_request_aborted_while_others_wait_for_kv_leaves_the_runner(async_sche
     from graphrunner.kv_transfer.p2p import PeerLink
     from graphrunner.protocol import SamplingParams
 
-    held: list = []
-    send_blocks = PeerLink.send_blocks
-    monkeypatch.setattr(PeerLink, "send_blocks", lambda self, *args: held.append((self, args)))
+    held: list = []  # blocks counted as sent but not yet on the wire
+    enqueue = PeerLink._enqueue_blocks
+    monkeypatch.setattr(PeerLink, "_enqueue_blocks", lambda self, *args: held.append((self, args)))
     port = free_port()
     producer = _llm("kv_producer", port)
     consumer = _llm("kv_consumer", port, async_scheduling=async_scheduling)
@@ -209,7 +209,7 @@ def test_a_request_aborted_while_others_wait_for_kv_leaves_the_runner(async_sche
         consumer.step()
     assert "running" not in consumer.runner.state.requests.req_id_to_index
     for self, args in held:
-        send_blocks(self, *args)
+        enqueue(self, *args)
     outs = []
     while consumer.has_unfinished_requests():
         outs += [o for o in consumer.step() if o.finished]
@@ -239,3 +239,51 @@ def test_fp8_blocks_travel_as_bytes_and_another_dtype_is_refused(caplog):
         outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
     assert "'dtype': 'float8_e4m3fn'" in caplog.text
+
+
+def test_blocks_past_the_buffer_are_dropped_and_logged_while_the_consumer_is_away(reference, caplog):
+    """No consumer yet: the producer queues blocks up to kv_buffer_size and drops the rest (logged)
+    and withdraws their announcement; the consumer that connects later gets the queued ones and
+    computes the others at once, without waiting out timeout_s for the dropped ones."""
+    from graphrunner.engine import LLM
+    from tests.kv_transfer.test_connectors import ARGS
+
+    shape = LLM("builtin:tiny-llama", **ARGS).runner.kv_cache_shape
+    block_bytes = shape.num_layers * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * 4
+    port = free_port()
+    extra = {"kv_port": port, "timeout_s": 20.0, "kv_buffer_size": 4 * block_bytes}
+    producer = LLM("builtin:tiny-llama", **ARGS, kv_transfer_config={
+        "kv_connector": "NcclConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra})
+    with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+        _assert_same(_result(producer.generate(PROMPTS, _params(), use_tqdm=False)), reference)
+    link = producer.runner.kv_connector.link
+    assert link.num_dropped_blocks == NUM_BLOCKS - 4 and f"over kv_buffer_size={4 * block_bytes}" in caplog.text
+    consumer = _llm("kv_consumer", port)
+    received = consumer.scheduler.kv_connector.link
+    _wait_for(lambda: received.num_received_blocks == 4, "the queued blocks never arrived")
+    started = time.monotonic()
+    outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
+    assert time.monotonic() - started < 10  # timeout_s is 20
+    _assert_same(_result(outs), reference)
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 0, LOADABLE]
+
+
+def test_a_request_that_ends_before_its_blocks_are_sent_withdraws_them(monkeypatch):
+    """The producer aborts a request after announcing its prompt blocks and before computing them:
+    the consumer, asked for the same prompt, stops waiting for them at once and computes."""
+    from graphrunner.kv_transfer.base import prefix_hashes
+    from graphrunner.protocol import SamplingParams
+
+    port = free_port()
+    producer, consumer = _llm("kv_producer", port, max_num_batched_tokens=16), _llm("kv_consumer", port)
+    producer.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    producer.step()  # the first 16 of 70 prompt tokens: announced, one block computed
+    link = consumer.scheduler.kv_connector.link
+    last = prefix_hashes(PROMPTS[0], 4, 16)[3]
+    _wait_for(lambda: link.in_flight(last), "the announcement never arrived")
+    producer.abort_request("r")
+    producer.step()
+    _wait_for(lambda: not link.in_flight(last), "the announcement was never withdrawn")
+    started = time.monotonic()
+    outs = consumer.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
+    assert time.monotonic() - started < 10 and outs[0].num_cached_tokens == 16
