@@ -234,6 +234,15 @@ class PeerLink:
                 logger.debug("NcclConnector: waiting for the producer at %s:%d (%s)", self.cfg.ip, self.cfg.port, e)
                 time.sleep(0.2)
         prefixed = dist.PrefixStore(_PREFIX, store)
+        # The group's rendezvous times out after timeout_s: the producer builds it only once the
+        # consumer is there, however late that is.
+        if self.rank == 1:
+            prefixed.set("consumer", "here")
+        else:
+            while not prefixed.check(["consumer"]):
+                if not self.alive:
+                    return None
+                time.sleep(0.2)
         if self.cfg.backend == "gloo":
             return dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
         options = dist.ProcessGroupNCCL.Options()
