@@ -74,6 +74,18 @@ if HAS_TRITON:
         return out
 
     @triton.jit
+    def store_kv(dst, stride_c_kv, k, v, scale_ptr, mask, FP8: tl.constexpr):
+        """Key at `dst`, value at `dst + stride_c_kv`, in the cache's dtype: quantized with the layer's
+        (k_scale, v_scale) at `scale_ptr` for an fp8 cache, rounded otherwise."""
+        ty = dst.dtype.element_ty
+        if FP8:
+            tl.store(dst, quantize_fp8_kv(k, tl.load(scale_ptr), ty, FP8), mask=mask)
+            tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), ty, FP8), mask=mask)
+        else:
+            tl.store(dst, k.to(ty), mask=mask)
+            tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr,
         v_ptr,
@@ -110,13 +122,7 @@ if HAS_TRITON:
         k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
         dst = cache_ptr + blk * stride_c_blk + off * stride_c_off + h * stride_c_h + d * stride_c_d
-        ty = cache_ptr.dtype.element_ty
-        if FP8:
-            tl.store(dst, quantize_fp8_kv(k, tl.load(scale_ptr), ty, FP8), mask=mask)
-            tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), ty, FP8), mask=mask)
-        else:
-            tl.store(dst, k.to(ty), mask=mask)
-            tl.store(dst + stride_c_kv, v.to(ty), mask=mask)
+        store_kv(dst, stride_c_kv, k, v, scale_ptr, mask, FP8)
 
     @triton.jit
     def _rope_write_kv_kernel(
@@ -165,24 +171,13 @@ if HAS_TRITON:
         vsrc = v_ptr + t * stride_vt + hk * stride_vh + j[None, :] * stride_vd
         v1 = tl.load(vsrc, mask=kv_mask)
         v2 = tl.load(vsrc + HALF * stride_vd, mask=kv_mask)
-        cty = cache_ptr.dtype.element_ty
         kdst = (cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                 + hk * stride_c_h + j[None, :] * stride_c_d)
         # The rotated key is rounded to the activation dtype first, as the torch rotation returns it.
         k_lo = (k1 * cos - k2 * sin).to(ty)
         k_hi = (k2 * cos + k1 * sin).to(ty)
-        if FP8:
-            k_scale = tl.load(scale_ptr)
-            v_scale = tl.load(scale_ptr + 1)
-            tl.store(kdst, quantize_fp8_kv(k_lo, k_scale, cty, FP8), mask=kv_mask)
-            tl.store(kdst + HALF * stride_c_d, quantize_fp8_kv(k_hi, k_scale, cty, FP8), mask=kv_mask)
-            tl.store(kdst + stride_c_kv, quantize_fp8_kv(v1, v_scale, cty, FP8), mask=kv_mask)
-            tl.store(kdst + stride_c_kv + HALF * stride_c_d, quantize_fp8_kv(v2, v_scale, cty, FP8), mask=kv_mask)
-        else:
-            tl.store(kdst, k_lo.to(cty), mask=kv_mask)
-            tl.store(kdst + HALF * stride_c_d, k_hi.to(cty), mask=kv_mask)
-            tl.store(kdst + stride_c_kv, v1.to(cty), mask=kv_mask)
-            tl.store(kdst + stride_c_kv + HALF * stride_c_d, v2.to(cty), mask=kv_mask)
+        store_kv(kdst, stride_c_kv, k_lo, v1, scale_ptr, kv_mask, FP8)
+        store_kv(kdst + HALF * stride_c_d, stride_c_kv, k_hi, v2, scale_ptr, kv_mask, FP8)
 
 
 def write_kv_triton(

@@ -89,7 +89,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from graphrunner.attention.kv_write import quantize_fp8_kv
+    from graphrunner.attention.kv_write import store_kv
     from graphrunner.kernels.pdl import pdl_wait
 
     _NEG_BIG_C: tl.constexpr = tl.constexpr(_NEG_BIG)
@@ -171,7 +171,6 @@ if HAS_TRITON:
         its tiles read them, and barriers so that its own loads see the stores."""
         kv_lo, kv_end = _split_range(seq_len, seq_len, split, NUM_SPLITS, BLOCK_N, True)
         d = tl.arange(0, D_PAD)[None, :]
-        cty = kv_ptr.dtype.element_ty
         for t0 in range(q_start, q_end, 16):
             tok = t0 + tl.arange(0, 16)  # [16] tokens of the request
             live = tok < q_end
@@ -187,12 +186,7 @@ if HAS_TRITON:
             slot = slot.to(tl.int64)[:, None]
             dst = (kv_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
                    + kvh.to(tl.int64) * stride_c_h + d * stride_c_d)
-            if FP8:
-                tl.store(dst, quantize_fp8_kv(k_rot, tl.load(scale_ptr), cty, FP8), mask=mask)
-                tl.store(dst + stride_c_kv, quantize_fp8_kv(v, tl.load(scale_ptr + 1), cty, FP8), mask=mask)
-            else:
-                tl.store(dst, k_rot.to(cty), mask=mask)
-                tl.store(dst + stride_c_kv, v.to(cty), mask=mask)
+            store_kv(dst, stride_c_kv, k_rot, v, scale_ptr, mask, FP8)
         tl.debug_barrier()
 
     @triton.jit

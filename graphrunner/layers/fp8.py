@@ -117,6 +117,15 @@ if HAS_TRITON:
         return tl.div_rn(s * 0.0 + 1.0, s)
 
     @triton.jit
+    def _tl_row_scale(x_row, K, BLOCK: tl.constexpr):
+        # The per-token scale of the row at x_row (K elements): its amax over BLOCK-wide steps, / 448.
+        cols = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+        return _tl_scale_of(tl.max(amax, axis=0))
+
+    @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, STATIC: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
         # Program (row, g): GROUP > 0 quantizes that row's g-th group of GROUP columns (BLOCK = GROUP);
@@ -134,11 +143,7 @@ if HAS_TRITON:
             if STATIC:
                 s = tl.load(s_ptr)
             else:
-                amax = tl.zeros([BLOCK], tl.float32)
-                for k0 in range(0, K, BLOCK):
-                    amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + cols0, mask=k0 + cols0 < K,
-                                                           other=0.0).to(tl.float32)))
-                s = _tl_scale_of(tl.max(amax, axis=0))
+                s = _tl_row_scale(x_row, K, BLOCK)
                 tl.store(s_ptr + row * stride_s, s)
             inv = _tl_inverse(s)
             for k1 in range(0, K, BLOCK):
@@ -180,12 +185,7 @@ if HAS_TRITON:
             if MODE == 1:
                 xs = tl.load(xs_ptr)
             else:
-                # The row's amax first (x re-read from L2 in the second pass).
-                amax = tl.zeros([BLOCK_K], tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + ks0, mask=k0 + ks0 < K,
-                                                           other=0.0).to(tl.float32)))
-                xs = _tl_scale_of(tl.max(amax, axis=0))
+                xs = _tl_row_scale(x_ptr, K, BLOCK_K)  # a first pass; x is re-read from L2 in the second
             inv = _tl_inverse(xs)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for k1 in range(0, K, BLOCK_K):
