@@ -26,7 +26,7 @@ from graphrunner.cli_args import (
     parse_int_list,
     runner_kwargs,
 )
-from graphrunner_tools.bench import serve_load
+from graphrunner_tools.bench import disagg_bench, serve_load
 
 _DESCRIPTION = __doc__
 
@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_soak(sub)
     _register_spec(sub)
     serve_load.register(sub)  # `bench serve`: its own parser and run (graphrunner_tools/bench/serve_load.py)
+    disagg_bench.register(sub)  # `bench disagg`: its own parser and run, two processes a layout
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:

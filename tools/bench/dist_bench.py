@@ -146,6 +146,25 @@ def _llm(args, layout: Layout, model: str):
     )
 
 
+def skew_router(llm, hot: int, factor: float) -> dict:
+    """Scale the router rows of experts 0..hot-1 by `factor` in every MoE layer, so that they win whenever
+    their logit is positive: the skewed load EPLB exists for. Experts are placed in contiguous ranges, so
+    the hot ones start on EP rank 0. Returns what was done (for the result)."""
+    import torch
+
+    from graphrunner.layers.moe.layer import FusedMoE
+
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        raise ValueError(f"--router-skew {factor} needs a mixture-of-experts model, found no FusedMoE layer")
+    if not 0 < hot < layers[0].num_experts:
+        raise ValueError(f"--hot-experts {hot} must lie in 1..{layers[0].num_experts - 1}")
+    with torch.no_grad():
+        for m in layers:
+            m.gate.weight[:hot].mul_(factor)
+    return {"hot_experts": hot, "factor": factor, "layers": len(layers)}
+
+
 def _synchronize() -> None:
     """Wait for the GPU (a CPU run computes synchronously)."""
     import torch
@@ -376,6 +395,8 @@ def worker(args) -> None:
     llm = _llm(args, layout, model)
     result: dict = {"config": layout.name, "model": model, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                     "startup_s": time.perf_counter() - start}
+    if args.router_skew != 1.0:
+        result["router_skew"] = skew_router(llm, args.hot_experts, args.router_skew)
     batch_sizes, requests = _ints(args.batch_sizes), _ints(args.throughput_requests)
     if layout.mode == "sync":  # the same PP engine resolving every step at once: no batch overlaps another
         llm._keep_in_flight = 0
@@ -418,6 +439,9 @@ def main(argv=None) -> int:
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512, help="dp2lockdbo: other steps split from")
     p.add_argument("--num-redundant-experts", type=int, default=2, help="eplb configs: redundant expert slots")
     p.add_argument("--eplb-step-interval", type=int, default=64, help="eplb configs: steps between rebalances")
+    p.add_argument("--router-skew", type=float, default=1.0,
+                   help="MoE models: scale the router rows of the first --hot-experts experts by this factor")
+    p.add_argument("--hot-experts", type=int, default=8, help="experts --router-skew favours (from expert 0)")
     add_world_args(p)
     args = p.parse_args(argv)
     args.output_len = args.output_len or args.decode_steps
@@ -429,7 +453,7 @@ def main(argv=None) -> int:
                          ("model", "dp_model", "batch_sizes", "decode_steps", "throughput_requests", "prompt_len",
                           "output_len", "max_num_batched_tokens", "num_kv_blocks", "compile_backend", "device",
                           "timeout", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
-                          "num_redundant_experts", "eplb_step_interval")), []),
+                          "num_redundant_experts", "eplb_step_interval", "router_skew", "hot_experts")), []),
                    *(["--throughput"] if args.throughput else [])]
     out = Path(args.out)
     results = run_worlds("graphrunner_tools.bench.dist_bench", list(layouts),
