@@ -28,7 +28,7 @@ compaction (all kept). Tier-1 rows keep open windows, so their seeded draws are 
 
 from __future__ import annotations
 
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import HAS_TRITON, split_pad
 
 __all__ = ["NUM_PIVOTS", "REFINE_PASSES", "TIER_FALLBACK", "TIER_GUESS", "TIER_PIVOTS", "TIER_REFINE",
            "count_and_refine"]
@@ -248,7 +248,7 @@ def count_and_refine(x, temperature, row_args, low, top_k, top_p, piv, cnt, mass
     piv: [R, P] pivots (tier 1's, rewritten for refined rows); cnt, mass: [R, S, P]; flags: [R].
     """
     num_rows, vocab_size = x.shape
-    shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
+    shape = dict(S_PAD=split_pad(num_splits), P=NUM_PIVOTS)
     count_block = min(blk, _PIVOT_TOKENS_PER_WARP * _PIVOT_WARPS)
 
     def count(active: int) -> None:

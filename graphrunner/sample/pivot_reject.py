@@ -55,7 +55,7 @@ tools/bench/sampler_tiers.py shows which tier serves a model's own rows.
 
 from __future__ import annotations
 
-from graphrunner.kernels import HAS_TRITON
+from graphrunner.kernels import HAS_TRITON, split_pad
 from graphrunner.sample.pivot_refine import NUM_PIVOTS
 
 __all__ = ["REJECT_MARGIN", "REJECT_SLACK", "TIER_REJECT", "serve_draws"]
@@ -217,7 +217,7 @@ def serve_draws(x, temperature, keys, row_args, nan, plan, top_k, top_p, flags, 
     """
     num_rows, vocab_size = x.shape
     draw, draw_idx, cnt, mass = scratch
-    shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
+    shape = dict(S_PAD=split_pad(num_splits), P=NUM_PIVOTS)
     grid = (num_rows, num_splits)
     _reject_draw_kernel[grid](x, x.stride(0), temperature, keys, flags, draw, draw_idx, vocab_size, chunk, BLOCK=blk,
                               num_warps=8)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON, check_tensor
+from graphrunner.kernels import HAS_TRITON, check_tensor, split_pad
 from graphrunner.sample import triton_sampling as ts
 from graphrunner.sample.pivot_refine import NUM_PIVOTS, TIER_FALLBACK, TIER_REFINE, count_and_refine
 from graphrunner.sample.pivot_reject import serve_draws
@@ -100,9 +100,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _plan_kernel(max_ptr, sum_ptr, num_ptr, log_min_p_ptr, bmax_ptr, top_k_ptr, top_p_ptr, plan_ptr, piv_ptr,
-                     vocab_size, num_splits, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                     vocab_size, num_splits, nb, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                      USE_MIN_P: tl.constexpr, ONE_PASS: tl.constexpr, S_PAD: tl.constexpr, P: tl.constexpr,
-                     NB: tl.constexpr):
+                     BUCKETS: tl.constexpr):
         # Program row: plan[row] = (g, mode). Kept tokens have s >= t_min_p and >= the k-th largest
         # bucket max (proven bounds: mode 1); top-p-only rows guess g from the buckets' mass (mode 2:
         # the guess pass sums the total mass too); mode 3: no filter, draw all; 0: tier 1 serves it.
@@ -113,9 +113,9 @@ if HAS_TRITON:
         tl.store(piv_ptr + row * P + tl.arange(0, P), piv)
         k, k_on, top_p, p_on = _row_params(row, top_k_ptr, top_p_ptr, vocab_size, USE_TOP_K, USE_TOP_P)
         t_min_p = _at(tl.arange(0, P), 0, piv)
-        j = tl.arange(0, S_PAD * NB)
-        on = j < num_splits * NB
-        bm = tl.load(bmax_ptr + row * num_splits * NB + j, mask=on, other=_NEG_INF)  # [S * NB] bucket maxima
+        j = tl.arange(0, BUCKETS)
+        on = j < num_splits * nb
+        bm = tl.load(bmax_ptr + row * num_splits * nb + j, mask=on, other=_NEG_INF)  # [S * NB] bucket maxima
         key = _ordered_key(bm).to(tl.int64)
         low = _ordered_key(tl.maximum(t_min_p, _NEG_INF)).to(tl.int64)  # g >= t_min_p anyway
         top = _ordered_key(tl.where(ok, m, 0.0)).to(tl.int64) + 1
@@ -415,7 +415,7 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, use, threshold,
                                                                       "cnt", "mass"))
     row_args = (b["max"], b["sum"], b["num"], log_min_p)
     flt = dict(USE_TOP_K=use[0], USE_TOP_P=use[1], USE_MIN_P=use[2])
-    shape = dict(S_PAD=triton.next_power_of_2(num_splits), P=NUM_PIVOTS)
+    shape = dict(S_PAD=split_pad(num_splits), P=NUM_PIVOTS)
     grid = (num_rows, num_splits)
     draws = (b["best"], b["best_idx"])
     select = (temperature, keys, b["arg"], b["nan"], *row_args, top_k, top_p, piv, cnt, mass, b["plan"], b["z"],
@@ -429,7 +429,8 @@ def _launch_tiers(x, temperature, keys, top_k, top_p, log_min_p, use, threshold,
                         ONE_PASS=one_pass, SEGMENT=segment, BLOCK=blk, NB=nb, UNROLL=_STATS_UNROLL,
                         num_warps=_NUM_WARPS)
     _plan_kernel[(num_rows,)](*row_args, b["bucket_max"], top_k, top_p, b["plan"], piv, vocab_size,
-                              num_splits, NB=nb, ONE_PASS=one_pass, num_warps=_NUM_WARPS, **flt, **shape)
+                              num_splits, nb, BUCKETS=triton.next_power_of_2(num_splits * nb), ONE_PASS=one_pass,
+                              num_warps=_NUM_WARPS, **flt, **shape)
     # Tier 0, the guess: every row but one-pass rows; its select writes every row's flag: 0 proven, else 1.
     _guess_kernel[grid](x, x.stride(0), temperature, keys, *row_args, b["plan"], num_cand, cand_s, cand_v, *draws,
                         b["z"], vocab_size, chunk, num_splits, capacity, USE_MIN_P=use[2], ONE_PASS=one_pass,

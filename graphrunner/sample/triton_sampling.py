@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count, use_triton
+from graphrunner.kernels import HAS_TRITON, check_tensor, sm_count, split_pad, use_triton
 from graphrunner.sample import rng
 from graphrunner.sample.filters import filter_threshold
 
@@ -452,7 +452,7 @@ def gumbel_argmax_triton(
     )
     if fast is not None and flags is not None:
         _pick_kernel[(num_rows,)](part_val, part_idx, flags, temperature, fast, out, splits, MIN_FLAG=min_flag,
-                                  S_PAD=triton.next_power_of_2(splits))
+                                  S_PAD=split_pad(splits))
         return
     best_split = part_val.argmax(dim=1, keepdim=True)  # [R, 1]: first split holding the max
     out.copy_(part_idx.gather(1, best_split).squeeze(1))
