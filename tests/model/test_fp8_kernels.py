@@ -525,3 +525,35 @@ def test_gpu_op_under_torch_compile():
     fn = torch.compile(lambda v: fp8_linear(v, w_q, w_scale, b, block=(128, 128), tile=(4, 1024, 4)), fullgraph=True)
     for rows in (8, 1):
         assert torch.equal(fn(x[:rows]), fp8_linear(x[:rows], w_q, w_scale, b, block=(128, 128), tile=(4, 1024, 4)))
+
+
+_PROMOTION_PTX = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from graphrunner.layers.fp8 import _fp8_gemm_kernel
+sig = dict(x_ptr="*fp32", w_ptr="*u8", ws_ptr="*fp32", xs_ptr="*fp32", b_ptr="*fp32", y_ptr="*fp32", M="i32",
+           N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32", stride_wsn="i32", BN_W="i32")
+consts = dict(MODE=0, W_PER_ROW=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, EVEN_K=True)
+src = ASTSource(fn=_fp8_gemm_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+print(len(re.findall(r"wgmma.mma_async", ptx)), len(re.findall(r"\\badd(?:\\.rn)?\\.f32", ptx)))
+"""
+
+
+@needs_triton
+def test_the_gemm_promotes_hopper_fp8_partial_sums_every_k_step():
+    """Compiled for sm_90 without a GPU: a 64 x 128 tile's four fp8 wgmma per 128 columns, then its 64
+    accumulators per thread added into the fp32 sum (Triton's default on sm_90 leaves an fp8 wgmma
+    chain in the tensor core's reduced-precision accumulator over the whole K: no such adds)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PROMOTION_PTX], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr:  # pragma: no cover
+        pytest.skip("this triton has no CUDA toolchain to compile with")
+    assert done.returncode == 0, done.stderr[-2000:]
+    wgmma, adds = map(int, done.stdout.split())
+    assert wgmma == 4 and adds >= 64, done.stdout
