@@ -1,4 +1,5 @@
-"""`graphrunner bench {latency,kernels,capture,throughput,host,sampler,soak,spec}`: argument parsing and output.
+"""`graphrunner bench {latency,kernels,capture,throughput,host,sampler,soak,spec,serve,disagg,offload}`:
+argument parsing and output.
 
 Outputs: a readable table on stdout always; `--json PATH` (or `-` for stdout),
 `--markdown PATH`, and for latency `--png PATH` (needs matplotlib). Exit status 0 when
@@ -26,7 +27,7 @@ from graphrunner.cli_args import (
     parse_int_list,
     runner_kwargs,
 )
-from graphrunner_tools.bench import disagg_bench, serve_load
+from graphrunner_tools.bench import disagg_bench, offload_bench, serve_load
 
 _DESCRIPTION = __doc__
 
@@ -51,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_spec(sub)
     serve_load.register(sub)  # `bench serve`: its own parser and run (graphrunner_tools/bench/serve_load.py)
     disagg_bench.register(sub)  # `bench disagg`: its own parser and run, two processes a layout
+    offload_bench.register(sub)  # `bench offload`: its own parser and run
 
 
 def _common(p: argparse.ArgumentParser, *, model: str = "builtin:qwen2.5-0.5b") -> None:
