@@ -70,3 +70,17 @@ def test_a_pp2_world_on_cpu_reports_throughput_and_idle(tmp_path) -> None:
     for r in ranks:  # every forward timed on both stages; the idle share of a window is a fraction
         assert r["forwards"] > 0 and 0.0 <= r["idle_fraction"] < 1.0 and r["busy_ms"] <= r["window_ms"]
     assert "| pp2 | 6 x 8 in / 4 out |" in _markdown([result])
+
+
+@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 10), st.floats(0, 10))
+def test_overlap_fraction_is_the_shared_share_of_the_span(a: float, b: float, c: float, d: float) -> None:
+    from graphrunner_tools.bench.dist_bench import overlap_fraction
+
+    (s0, e0), (s1, e1) = sorted((a, b)), sorted((c, d))
+    got = overlap_fraction(s0, e0, s1, e1)
+    assert 0.0 <= got <= 1.0 and got == overlap_fraction(s1, e1, s0, e0)
+    if e0 <= s1 or e1 <= s0:  # one after the other
+        assert got == 0.0
+    if (s0, e0) == (s1, e1) and e0 > s0:  # side by side throughout
+        assert got == 1.0
+    assert overlap_fraction(0.0, 2.0, 1.0, 3.0) == pytest.approx(1 / 3)

@@ -31,7 +31,9 @@ adds expert load balancing (--num-redundant-experts, --eplb-step-interval).
   generate); per step the DP decision's executed tokens (padded, plus the idle replica's dummy
   steps) over real tokens. dp2lock and dp2lockdbo also measure throughput over --batch-sizes
   requests with the microbatched step count (DBO: steps every replica agrees to split run their
-  forward as two microbatches on two streams, eagerly; thresholds --dbo-*-token-threshold).
+  forward as two microbatches on two streams, eagerly; thresholds --dbo-*-token-threshold), and how
+  much the two halves overlapped: events around each half on its stream give, per split step, the
+  share of the halves' joint span during which both ran (0: one after the other), averaged.
 * expert parallelism (ep / eplb configs): the lockstep steps run and those split into two
   microbatches (the DBO fraction: `dbo_microbatched_steps` / `lockstep_steps`); with eplb the
   per-rank expert load max/mean of each window before a rebalance (the first: the initial
@@ -340,6 +342,52 @@ class ForwardEvents:
                 "idle_fraction": 1.0 - busy / window if window > 0 else 0.0}
 
 
+class MicrobatchOverlap:
+    """Events around each microbatch's forward, on the stream it runs on (dual batch overlap): per split
+    step, the share of the two halves' joint span during which both ran,
+    (min(e0, e1) - max(s0, s1)) / (max(e0, e1) - min(s0, s1)): 0 when one ran after the other (as on a
+    CPU), 1 when they ran side by side throughout. Installed on the Microbatcher class of this process
+    (each world is a process of its own) until `close`."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        from graphrunner.step.microbatch import Microbatcher
+
+        self._cls, self._orig = Microbatcher, Microbatcher._forward
+        new = (lambda: torch.cuda.Event(enable_timing=True)) if device == "cuda" else _HostMark
+        self.halves: list = []
+        orig, halves = self._orig, self.halves
+
+        def _forward(microbatcher, body, half):
+            start = new()
+            start.record()
+            out = orig(microbatcher, body, half)
+            end = new()
+            end.record()
+            halves.append((start, end))
+            return out
+
+        Microbatcher._forward = _forward  # type: ignore[method-assign]
+
+    def close(self) -> dict:
+        """Restore the class; the split steps and their overlap fractions' mean and median."""
+        self._cls._forward = self._orig  # type: ignore[method-assign]
+        _synchronize()
+        fractions = [overlap_fraction(0.0, s0.elapsed_time(e0), s0.elapsed_time(s1), s0.elapsed_time(e1))
+                     for (s0, e0), (s1, e1) in zip(self.halves[0::2], self.halves[1::2], strict=False)]
+        return {"split_steps": len(fractions),
+                "overlap_mean": statistics.fmean(fractions) if fractions else None,
+                "overlap_median": statistics.median(fractions) if fractions else None}
+
+
+def overlap_fraction(start0: float, end0: float, start1: float, end1: float) -> float:
+    """The share of [min start, max end] during which both intervals run (0 for a zero-length span)."""
+    span = max(end0, end1) - min(start0, start1)
+    both = min(end0, end1) - max(start0, start1)
+    return max(0.0, both) / span if span > 0 else 0.0
+
+
 def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     """`n` requests of `prompt_len` random tokens and `out_len` greedy outputs each: output tokens/s of
     one `generate` (the slowest rank's wall time), each rank's GPU idle fraction over that run, and
@@ -354,21 +402,24 @@ def _throughput_pass(llm, n: int, out_len: int, prompt_len: int) -> dict:
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
     ubatched = _microbatched(llm)
     events = ForwardEvents(llm.runner.graphs, llm.runner.device.type)
+    overlap = MicrobatchOverlap(llm.runner.device.type) if llm.config.parallel.enable_dbo else None
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
     mine = {"rank": llm.groups.rank, "pp_rank": llm.groups.pp_rank, "dp_rank": llm.groups.dp_rank,
-            "wall_s": wall, **events.close()}
+            "wall_s": wall, **events.close(), **({"dbo": overlap.close()} if overlap is not None else {})}
     every: list = [mine]
     if llm.groups.world_size > 1:
         every = [None] * llm.groups.world_size
         dist.all_gather_object(every, mine, group=llm.groups.world_cpu_group)
     wall = max(e["wall_s"] for e in every)
     idle = [e["idle_fraction"] for e in every if "idle_fraction" in e]
+    overlaps = [e["dbo"]["overlap_mean"] for e in every if e.get("dbo", {}).get("overlap_mean") is not None]
     return {"requests": n, "prompt_len": prompt_len, "output_len": out_len, "wall_s": wall,
             "output_tokens_per_s": n * out_len / wall, "max_idle_fraction": max(idle) if idle else None,
             "mean_idle_fraction": statistics.fmean(idle) if idle else None, "ranks": every,
-            "microbatched_steps": _microbatched(llm) - ubatched}
+            "microbatched_steps": _microbatched(llm) - ubatched,
+            "dbo_overlap_mean": statistics.fmean(overlaps) if overlaps else None}
 
 
 def _bubble_pass(llm, args, batch_sizes: list[int]) -> list[dict]:
@@ -470,6 +521,8 @@ def _markdown(results: list[dict]) -> str:
     for r in results:
         for t in r.get("throughput", []):
             ubatched = f", {t['microbatched_steps']} microbatched steps" if r.get("dp", 1) > 1 else ""
+            if t.get("dbo_overlap_mean") is not None:
+                ubatched += f" (halves overlapping {t['dbo_overlap_mean']:.0%} of their span)"
             idle = (f"{t['max_idle_fraction']:.1%} / {t['mean_idle_fraction']:.1%}"
                     if t.get("max_idle_fraction") is not None else "-")
             lines.append(f"| {r['config']} | {t['requests']} x {t.get('prompt_len', PROMPT_LEN)} in / "
