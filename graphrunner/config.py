@@ -142,6 +142,17 @@ class VisionConfig:
         """Placeholder tokens (and embedding rows) per image."""
         return self.num_patches + (self.vision_feature_select_strategy == "full")
 
+    def num_params(self, text_hidden_size: int) -> int:
+        """The tower's and the projector's parameters (CLIP: patch embedding without bias, class and position
+        embeddings, pre / post layer norms, per layer two layer norms, q/k/v/out and fc1/fc2 with biases)."""
+        d, i = self.hidden_size, self.intermediate_size
+        embeddings = self.num_channels * self.patch_size ** 2 * d + d + (self.num_patches + 1) * d
+        layer = 2 * 2 * d + 4 * (d * d + d) + (d * i + i) + (i * d + d)
+        projector = d * text_hidden_size + text_hidden_size * text_hidden_size
+        if self.projector_bias:
+            projector += 2 * text_hidden_size
+        return embeddings + 2 * 2 * d + self.num_hidden_layers * layer + projector
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -326,8 +337,9 @@ class ModelConfig:
         return self.moe is not None and self.moe.is_sparse_layer(index)
 
     def num_params(self, *, active: bool = False) -> int:
-        """Parameter count (embeddings counted once when tied). `active`: what one token reads,
-        counting `num_experts_per_tok` experts (and the router) of each sparse layer."""
+        """Parameter count (embeddings counted once when tied; a vision tower and projector included).
+        `active`: what one decoded token reads, counting `num_experts_per_tok` experts (and the router)
+        of each sparse layer and no vision tower."""
         h, L = self.hidden_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
@@ -338,7 +350,8 @@ class ModelConfig:
         for index in range(L):
             total += attn + 2 * h + self.mlp_params(index, experts=None if not active else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return total + emb + h
+        vision = self.vision.num_params(h) if self.vision is not None and not active else 0
+        return total + emb + h + vision
 
     def mlp_params(self, index: int, experts: int | None = None) -> int:
         """Parameters of layer `index`'s MLP: all of them (`experts=None`), or with `experts`

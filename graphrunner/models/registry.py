@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from graphrunner.config import ModelConfig, MoEConfig
+from graphrunner.config import ModelConfig, MoEConfig, VisionConfig
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -206,6 +206,44 @@ BUILTIN_MODELS: Mapping[str, ModelConfig] = MappingProxyType(
                 num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
                 shared_expert_intermediate_size=5632,
             ),
+        ),
+        # LLaVA-1.5-7B: CLIP ViT-L/14 at 336 px (576 image tokens from the second-last layer) and a
+        # Llama-2-7B decoder.
+        "builtin:llava-1.5-7b": ModelConfig(
+            name="builtin:llava-1.5-7b",
+            architecture="LlavaForConditionalGeneration",
+            vocab_size=32064,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            eos_token_id=(2,),
+            vision=VisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                image_size=336, patch_size=14, image_token_id=32000),
+        ),
+        "builtin:tiny-llava": ModelConfig(
+            name="builtin:tiny-llava",
+            architecture="LlavaForConditionalGeneration",
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            eos_token_id=(2,),
+            vision=VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8, image_token_id=2000),
         ),
     }
 )

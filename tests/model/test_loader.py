@@ -190,6 +190,8 @@ def test_builtins():
     assert l8.rope_scaling["factor"] == 8.0 and not l8.tie_word_embeddings and l8.head_dim == 128
     # ~8.03B parameters, as the real model.
     assert 8.0e9 < l8.num_params() < 8.1e9
+    llava = BUILTIN_MODELS["builtin:llava-1.5-7b"]  # 7.06B: Llama-2-7B, CLIP ViT-L/14-336, the projector
+    assert 7.05e9 < llava.num_params() < 7.07e9 and llava.vision.num_image_tokens == 576
 
 
 # --------------------------------------------------------------------------- weights

@@ -159,6 +159,10 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
                    help="prompt i runs dummy LoRA adapter i mod N (all seven projections); 0: the base model")
     p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in flight (the rest queue)")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the dummy LoRA adapters")
+    p.add_argument("--images", type=int, default=0,
+                   help="images per prompt (a vision-language model, e.g. builtin:llava-1.5-7b): random pixels")
+    p.add_argument("--distinct-images", type=int, default=None,
+                   help="the pool the prompts' images come from (fewer than the images: encoder cache hits)")
     p.add_argument(
         "--peer",
         action="store_true",
@@ -461,6 +465,8 @@ def _run_throughput(args: argparse.Namespace) -> int:
             max_loras=args.max_loras,
             lora_rank=args.lora_rank,
             kv_cache_dtype=args.kv_cache_dtype,
+            images=args.images,
+            distinct_images=args.distinct_images,
         )
         result = run_throughput(spec, log=_log)
     except ValueError as e:

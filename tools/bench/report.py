@@ -243,7 +243,11 @@ def throughput_text(result: ThroughputResult) -> str:
         f"(decode at batch {result.ideal_batch}, each step reading all weights + mean KV)",
         f"fraction of ideal:   {_pct(result.ideal_fraction)}",
         f"GPU busy:            {_busy(result.gpu_busy_fraction)}",
+        f"time to first token: {_ttft(result)}",
     ]
+    if s.images:
+        lines.append(f"images:              {s.images} a prompt, {result.images_encoded} encoded, encoder cache hit "
+                     f"rate {_pct(result.encoder_hit_rate or 0.0)}")
     return "\n".join(lines)
 
 
@@ -253,12 +257,20 @@ def throughput_markdown(result: ThroughputResult) -> str:
         f"### {s.model}: offline throughput\n\n"
         f"- {env_lines(result.env)[0]}\n\n"
         "| prompts | input | output | dist | mode | scheduling | output tok/s | ideal tok/s | % ideal | GPU busy "
-        "| load / compile / capture s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| TTFT median / p99 | load / compile / capture s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         f"| {s.num_prompts} | {s.input_len} | {s.output_len} | {s.dist} | {result.mode} | {result.scheduling} | "
         f"{result.output_tokens_per_s:.1f} | {result.ideal_output_tokens_per_s:.1f} | {_pct(result.ideal_fraction)} | "
-        f"{_busy(result.gpu_busy_fraction)} | {_startup(result.startup_seconds)} |\n"
+        f"{_busy(result.gpu_busy_fraction)} | {_ttft(result)} | {_startup(result.startup_seconds)} |\n"
+        + (f"\n{s.images} image(s) a prompt: {result.images_encoded} encoded, encoder cache hit rate "
+           f"{_pct(result.encoder_hit_rate or 0.0)}\n" if s.images else "")
     )
+
+
+def _ttft(result: ThroughputResult) -> str:
+    if result.ttft_median_ms is None or result.ttft_p99_ms is None:
+        return "-"
+    return f"{result.ttft_median_ms:.1f} / {result.ttft_p99_ms:.1f} ms"
 
 
 def _busy(fraction: float | None) -> str:

@@ -22,6 +22,15 @@ GPU spent on steps, the rest is the host keeping it waiting. On a CPU it is not 
 
 Start-up: the runner's load / compile / capture seconds (`ModelRunner.startup_times`).
 
+Images (`images` > 0, a vision-language model such as builtin:llava-1.5-7b): each prompt starts with
+that many image placeholders, each image random pixels at the tower's size drawn from a pool of
+`distinct_images` (default: one per image, all distinct); the report adds how many images the vision
+tower encoded and the encoder cache's hit rate (1 - encoded / images) over the timed run. Its input
+tokens count each image's placeholder rows.
+
+Time to first token: from each request's arrival (all at once, at the timed `generate`'s start) to its
+first token, median and p99 (`RequestOutput.metrics`).
+
 LoRA (`num_loras` > 0): prompt i runs dummy adapter i mod num_loras (random rank-`lora_rank` PEFT
 adapters on all seven projections, written to a temporary folder), with at most `max_loras` distinct
 adapters in flight (the scheduler queues the rest); compare with a run without `--num-loras`.
@@ -97,9 +106,13 @@ class ThroughputSpec:
     num_loras: int = 0  # > 0: prompt i runs dummy adapter i mod num_loras
     max_loras: int = 8  # distinct adapters in flight (LLM's max_loras), at most num_loras
     lora_rank: int = 16
+    images: int = 0  # images per prompt (a vision-language model)
+    distinct_images: int | None = None  # the pool prompts draw their images from; None: all distinct
 
     def __post_init__(self) -> None:
         CUDAGraphMode.parse(self.mode)
+        if self.images < 0 or (self.distinct_images is not None and self.distinct_images < 1):
+            raise ValueError(f"images={self.images} must be >= 0 and distinct_images={self.distinct_images} >= 1")
         if self.dist not in DISTRIBUTIONS:
             raise ValueError(f"dist={self.dist!r}; allowed: {DISTRIBUTIONS}")
         for name in ("num_prompts", "input_len", "output_len"):
@@ -111,6 +124,8 @@ class ThroughputSpec:
                              f"lora_rank={self.lora_rank} >= 1")
         if self.peer and self.num_loras:
             raise ValueError("peer comparison runs the base model: leave num_loras at 0")
+        if self.peer and self.images:
+            raise ValueError("peer comparison runs token prompts: leave images at 0")
         if self.peer:
             self._check_peer()
 
@@ -150,6 +165,9 @@ class ThroughputResult:
     startup_seconds: dict[str, float] = field(default_factory=dict)  # load / compile / capture
     scheduling: str = "async"
     peer: PeerComparison | None = None
+    ttft_median_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    images_encoded: int | None = None  # vision tower runs in the timed pass (images > 0)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -166,6 +184,12 @@ class ThroughputResult:
     @property
     def ideal_fraction(self) -> float:
         return self.output_tokens_per_s / self.ideal_output_tokens_per_s
+
+    @property
+    def encoder_hit_rate(self) -> float | None:
+        """Images served from the encoder cache over all images of the timed run (None without images)."""
+        images = self.spec.num_prompts * self.spec.images
+        return None if not images or self.images_encoded is None else 1.0 - self.images_encoded / images
 
     def to_dict(self) -> dict:
         return {
@@ -189,6 +213,10 @@ class ThroughputResult:
             "startup_seconds": self.startup_seconds,
             "scheduling": self.scheduling,
             "peer": None if self.peer is None else self.peer.to_dict(),
+            "ttft_median_ms": self.ttft_median_ms,
+            "ttft_p99_ms": self.ttft_p99_ms,
+            "images_encoded": self.images_encoded,
+            "encoder_hit_rate": self.encoder_hit_rate,
         }
 
 
@@ -280,16 +308,20 @@ def _ideal_output_tokens_per_s(
 
 
 def _timed_generate(
-    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], device: torch.device,
-    loras: list[LoRARequest | None] | None = None,
-) -> tuple[list[RequestOutput], float, int, float | None]:
+    llm: LLM, prompts: list, params: list[SamplingParams], device: torch.device,
+    loras: list[LoRARequest | None] | None = None, warm_prompts: list | None = None,
+) -> tuple[list[RequestOutput], float, int, float | None, int]:
     """Generate once briefly (warmup), then timed: (outputs, seconds, preemptions of the timed run,
-    GPU-busy fraction or None on a CPU)."""
+    GPU-busy fraction or None on a CPU, images the vision tower encoded in it). `warm_prompts` (default
+    `prompts`): the warm-up's, of the same shapes (other images, so that the encoder cache does not carry
+    the timed run's into it)."""
     warm = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     # The whole prompt set, briefly: every prefill-chunk and decode shape of the timed run
     # then has its Triton kernels compiled (a JIT compile inside the timed run costs ~1 s).
-    llm.generate(prompts, warm, lora_request=loras)
+    llm.generate(prompts if warm_prompts is None else warm_prompts, warm, lora_request=loras)
     preempt_before = llm.scheduler.num_preemptions
+    embeds = llm.runner.embeds
+    encoded_before = embeds.encoder_cache.num_encoded if embeds is not None else 0
     synchronize(device)
     events = StepEvents(llm.runner) if device.type == "cuda" else None
     start = time.perf_counter()
@@ -299,7 +331,35 @@ def _timed_generate(
         elapsed = time.perf_counter() - start
     finally:
         busy = events.close() if events is not None else None
-    return outputs, elapsed, llm.scheduler.num_preemptions - preempt_before, busy
+    encoded = embeds.encoder_cache.num_encoded - encoded_before if embeds is not None else 0
+    return outputs, elapsed, llm.scheduler.num_preemptions - preempt_before, busy, encoded
+
+
+def _image_rows(spec: ThroughputSpec) -> int:
+    """Placeholder rows per image of the model (0 without images); ValueError for a text-only model."""
+    if not spec.images:
+        return 0
+    from graphrunner.models.loader import load_model_config
+
+    vision = load_model_config(spec.model).vision
+    if vision is None:
+        raise ValueError(f"images={spec.images}: {spec.model!r} is a text-only model (no vision tower)")
+    return vision.num_image_tokens
+
+
+def _with_images(prompts: list[list[int]], spec: ThroughputSpec, vision, rng: np.random.Generator) -> list[dict]:
+    """vLLM's multimodal prompts: `spec.images` image placeholders before each prompt's tokens, each image
+    [3, S, S] uint8 random pixels from a pool of `distinct_images` (prompt i, image j: pool entry
+    (i * images + j) mod pool)."""
+    import torch
+
+    total = len(prompts) * spec.images
+    pool_size = min(total, spec.distinct_images or total)
+    size = vision.image_size
+    pool = [torch.from_numpy(rng.integers(0, 256, size=(3, size, size), dtype=np.uint8)) for _ in range(pool_size)]
+    return [{"prompt_token_ids": [vision.image_token_id] * spec.images + ids,
+             "multi_modal_data": {"image": [pool[(i * spec.images + j) % pool_size] for j in range(spec.images)]}}
+            for i, ids in enumerate(prompts)]
 
 
 def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
@@ -312,12 +372,18 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
     input_lens = sample_lengths(spec.num_prompts, spec.input_len, spec.dist, rng)
     output_lens = sample_lengths(spec.num_prompts, spec.output_len, spec.dist, rng)
     mode = CUDAGraphMode.parse(spec.mode)
-    max_model_len = int((input_lens + output_lens).max())
+    image_rows = _image_rows(spec)
+    max_model_len = int((input_lens + output_lens).max()) + spec.images * image_rows
     llm = _build_llm(spec, device, mode, -(-max_model_len // spec.block_size) * spec.block_size)
     adapters = tempfile.TemporaryDirectory(prefix="graphrunner-lora-") if spec.num_loras else None
     try:
         vocab = llm.vocab_size
-        prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
+        prompts: list = [rng.integers(0, vocab, size=int(n)).tolist() for n in input_lens]
+        warm_prompts = None
+        if spec.images:
+            vision = llm.runner.model_config.vision
+            warm_prompts = _with_images(prompts, spec, vision, np.random.default_rng(spec.seed + 1))
+            prompts = _with_images(prompts, spec, vision, rng)
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
         loras: list[LoRARequest | None] | None = None
         if adapters is not None:
@@ -328,18 +394,21 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
                                                                            spec.lora_rank, seed=i))
                        for i in range(spec.num_loras)]
             loras = [written[i % spec.num_loras] for i in range(spec.num_prompts)]
-        outputs, elapsed, preemptions, busy = _timed_generate(llm, prompts, params, device, loras)
+        outputs, elapsed, preemptions, busy, encoded = _timed_generate(llm, prompts, params, device, loras,
+                                                                       warm_prompts)
         output_tokens = sum(len(o.token_ids) for o in outputs)
+        ttft = np.asarray([o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
+                           if o.metrics is not None and o.metrics.first_token_time is not None], dtype=np.float64)
         concurrency = min(spec.num_prompts, spec.max_num_seqs)
         runner = llm.runner
-        mean_context = float(input_lens.mean() + output_lens.mean() / 2)
+        mean_context = float(input_lens.mean() + spec.images * image_rows + output_lens.mean() / 2)
         ideal = _ideal_output_tokens_per_s(runner, concurrency, mean_context, bandwidth)
         resolved = runner.graphs.mode.name if runner.graphs is not None else mode.name
         # Kept past shutdown (which drops the KV cache and graphs) for the peer's weights.
         model, model_config, dtype = runner.model, runner.model_config, runner.dtype
         result = ThroughputResult(
             spec=spec, env=env_info(device, spec.dtype), mode=resolved, bandwidth=bandwidth,
-            input_tokens=int(input_lens.sum()),
+            input_tokens=int(input_lens.sum()) + spec.num_prompts * spec.images * image_rows,
             output_tokens=output_tokens,
             expected_output_tokens=int(output_lens.sum()),
             elapsed_seconds=elapsed,
@@ -349,6 +418,9 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
             gpu_busy_fraction=busy,
             startup_seconds=runner.startup_times.to_dict(),
             scheduling="async" if llm.async_scheduling else "sync",
+            ttft_median_ms=float(1e3 * np.percentile(ttft, 50)) if ttft.size else None,
+            ttft_p99_ms=float(1e3 * np.percentile(ttft, 99)) if ttft.size else None,
+            images_encoded=encoded if spec.images else None,
         )
     finally:
         llm.runner.shutdown()
