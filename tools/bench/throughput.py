@@ -335,6 +335,16 @@ def _timed_generate(
     return outputs, elapsed, llm.scheduler.num_preemptions - preempt_before, busy, encoded
 
 
+def _ttft_seconds(outputs: list[RequestOutput]) -> list[float]:
+    """Arrival to first token of every request whose metrics hold both times."""
+    times = []
+    for o in outputs:
+        m = o.metrics
+        if m is not None and m.first_token_time is not None and m.arrival_time is not None:
+            times.append(m.first_token_time - m.arrival_time)
+    return times
+
+
 def _image_rows(spec: ThroughputSpec) -> int:
     """Placeholder rows per image of the model (0 without images); ValueError for a text-only model."""
     if not spec.images:
@@ -397,8 +407,7 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         outputs, elapsed, preemptions, busy, encoded = _timed_generate(llm, prompts, params, device, loras,
                                                                        warm_prompts)
         output_tokens = sum(len(o.token_ids) for o in outputs)
-        ttft = np.asarray([o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
-                           if o.metrics is not None and o.metrics.first_token_time is not None], dtype=np.float64)
+        ttft = np.asarray(_ttft_seconds(outputs), dtype=np.float64)
         concurrency = min(spec.num_prompts, spec.max_num_seqs)
         runner = llm.runner
         mean_context = float(input_lens.mean() + spec.images * image_rows + output_lens.mean() / 2)
