@@ -117,12 +117,33 @@ if HAS_TRITON:
         return tl.div_rn(s * 0.0 + 1.0, s)
 
     @triton.jit
-    def _tl_row_scale(x_row, K, BLOCK: tl.constexpr):
+    def _tl_load_k(ptr, ks, K, EVEN_K: tl.constexpr):
+        # [..] elements at columns ks as fp32; unmasked (so vectorized) when K is whole steps.
+        if EVEN_K:
+            v = tl.load(ptr + ks)
+        else:
+            v = tl.load(ptr + ks, mask=ks < K, other=0.0)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _tl_row_values(x_row, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+        # The row's values at columns ks as fp32 (0 past K). SWIGLU: x_row holds [gate (K) | up (K)] and
+        # the values are silu(gate) * up in fp32, rounded once to the row's dtype, as `silu_mul_triton`
+        # stores them (so the fused projection equals SiLU·mul followed by the plain one).
+        if SWIGLU:
+            g = _tl_load_k(x_row, ks, K, EVEN_K)
+            v = (g * tl.sigmoid(g) * _tl_load_k(x_row + K, ks, K, EVEN_K)).to(x_row.dtype.element_ty).to(tl.float32)
+        else:
+            v = _tl_load_k(x_row, ks, K, EVEN_K)
+        return v
+
+    @triton.jit
+    def _tl_row_scale(x_row, K, BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
         # The per-token scale of the row at x_row (K elements): its amax over BLOCK-wide steps, / 448.
         cols = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_tl_row_values(x_row, k0 + cols, K, False, SWIGLU)))
         return _tl_scale_of(tl.max(amax, axis=0))
 
     @triton.jit
@@ -143,7 +164,7 @@ if HAS_TRITON:
             if STATIC:
                 s = tl.load(s_ptr)
             else:
-                s = _tl_row_scale(x_row, K, BLOCK)
+                s = _tl_row_scale(x_row, K, BLOCK, False)
                 tl.store(s_ptr + row * stride_s, s)
             inv = _tl_inverse(s)
             for k1 in range(0, K, BLOCK):
@@ -154,8 +175,10 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_wsn, BN_W,
                          MODE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                         SWIGLU: tl.constexpr):
         # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = the rows' fp8 weights . quantized x, over the full K.
+        # SWIGLU (MODE 0 / 1): x_ptr holds [gate | up] and x = silu(gate) * up (`_tl_row_values`).
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -185,16 +208,15 @@ if HAS_TRITON:
             if MODE == 1:
                 xs = tl.load(xs_ptr)
             else:
-                xs = _tl_row_scale(x_ptr, K, BLOCK_K)  # a first pass; x is re-read from L2 in the second
+                xs = _tl_row_scale(x_ptr, K, BLOCK_K, SWIGLU)  # a first pass; x is re-read from L2 in the second
             inv = _tl_inverse(xs)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for k1 in range(0, K, BLOCK_K):
                 ks = k1 + ks0
+                x = _tl_row_values(x_ptr, ks, K, EVEN_K, SWIGLU)
                 if EVEN_K:
-                    x = tl.load(x_ptr + ks).to(tl.float32)
                     w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0)
                 else:
-                    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
                     w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0)
                 xq = _tl_quantize(x, inv).to(tl.float32)
                 acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * xq[None, :]
@@ -453,13 +475,23 @@ def _scale_args(w_scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[i
 
 def fp8_gemv_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                     tile: Tile, *, block: tuple[int, int] | None = None,
-                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    input_scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [1, K] . w_q [N, K]^T with fp8 weights (+ bias [N]) -> [1, N] in x's dtype; one launch.
 
     Same quantization and scales as `fp8_linear_reference`. `tile` = (BLOCK_N, BLOCK_K, num_warps)
     (`fp8_gemv_plan`); with `block`, BLOCK_K is raised to block[1] where smaller (block[1] must be a
-    power of two). w_scale: [N] / [N, 1] / [1], or [ceil(N/bn), ceil(K/bk)] with `block`."""
-    _check_operands("fp8_gemv_triton", x, w_q)
+    power of two). w_scale: [N] / [N, 1] / [1], or [ceil(N/bn), ceil(K/bk)] with `block`.
+    `swiglu`: x is [1, 2K], [gate | up], and the projection reads silu(gate) * up as `silu_mul_triton`
+    would store it (per-channel, per-tensor or static scales; not the block format)."""
+    if swiglu:
+        if block is not None:
+            raise ValueError("fp8_gemv_triton: swiglu=True takes per-channel, per-tensor or static scales, not block")
+        if x.dim() != 2 or x.shape[1] != 2 * w_q.shape[1]:
+            raise ValueError(f"fp8_gemv_triton: swiglu=True needs x [1, 2K] with K = w_q's {tuple(w_q.shape)}[1], "
+                             f"got {tuple(x.shape)}")
+        _check_operands("fp8_gemv_triton", x[:, : w_q.shape[1]], w_q)
+    else:
+        _check_operands("fp8_gemv_triton", x, w_q)
     if x.shape[0] != 1:
         raise ValueError(f"fp8_gemv_triton: x must be one row, got {tuple(x.shape)}")
     n, k = w_q.shape
@@ -477,7 +509,7 @@ def fp8_gemv_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, b
         x, w_q.view(torch.uint8), w_scale, input_scale if input_scale is not None else w_scale,
         bias if bias is not None else w_scale, y, n, k, w_q.stride(0), stride_wsn, bn_w, MODE=mode, W_PER_ROW=per_row,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, EVEN_K=k % block_k == 0,
-        num_warps=warps)
+        SWIGLU=swiglu, num_warps=warps)
     return y
 
 
@@ -548,10 +580,26 @@ def _scaled_mm_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return torch._scaled_mm(xq, w_q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2K] -> [T, K] silu(gate) * up: `silu_mul_triton` on CUDA (fp32 math, one rounding), torch
+    elsewhere (as the unquantized model computes it)."""
+    if gate_up.is_cuda and HAS_TRITON:
+        from graphrunner.layers.gemv import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _fp8_linear_rows(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                     input_scale: torch.Tensor | None, block: Sequence[int], tile: Sequence[int]) -> torch.Tensor:
-    """The device paths (module docstring), chosen on the real shapes at run time: x [T, K] -> [T, N]."""
+                     input_scale: torch.Tensor | None, block: Sequence[int], tile: Sequence[int],
+                     swiglu: bool = False) -> torch.Tensor:
+    """The device paths (module docstring), chosen on the real shapes at run time: x [T, K] -> [T, N].
+    `swiglu`: x is [T, 2K] and the projection reads silu(gate) * up; one row on CUDA forms it inside
+    the GEMV (one launch), every other case runs `silu_mul` first."""
     blk = _check_block(block) if len(block) else None
+    if swiglu and not (x.is_cuda and HAS_TRITON and blk is None and x.shape[0] == 1):
+        x, swiglu = silu_mul(x), False
     if not (x.is_cuda and HAS_TRITON):  # a CPU step compiled with the op: the exact reference
         return fp8_linear_reference(x, w_q, w_scale, bias, block=blk, input_scale=input_scale)
     if blk is not None and (blk[1] < 16 or blk[1] & (blk[1] - 1)):  # Triton tiles are powers of two
@@ -560,7 +608,7 @@ def _fp8_linear_rows(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
         x = x.contiguous()
     if x.shape[0] == 1:
         return fp8_gemv_triton(x, w_q, w_scale, bias, tuple(tile), block=blk,  # type: ignore[arg-type]
-                               input_scale=input_scale)
+                               input_scale=input_scale, swiglu=swiglu)
     if blk is None and _scaled_mm_fits(x, w_q, bias):
         return _scaled_mm_linear(x, w_q, w_scale, bias, input_scale)
     return fp8_gemm_triton(x, w_q, w_scale, bias, block=blk, input_scale=input_scale)
@@ -570,31 +618,33 @@ fp8_linear_op = torch.library.custom_op("graphrunner::fp8_linear", _fp8_linear_r
 
 
 @fp8_linear_op.register_fake
-def _fp8_linear_fake(x, w_q, w_scale, bias, input_scale, block, tile) -> torch.Tensor:
+def _fp8_linear_fake(x, w_q, w_scale, bias, input_scale, block, tile, swiglu=False) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_q.shape[0])
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                block: tuple[int, int] | None = None, input_scale: torch.Tensor | None = None,
-               tile: Tile | None = None) -> torch.Tensor:
+               tile: Tile | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [..., K] . fp8 w_q [N, K]^T (+ bias [N]) -> [..., N] in x's dtype.
 
     `fp8_linear_reference`'s result up to fp32 summation order and the final rounding. CPU (or no
     Triton): the reference. CUDA: the GEMV for one row, _scaled_mm or the Triton GEMM for several
     (module docstring); under torch.compile through the opaque op `graphrunner::fp8_linear`, so one
     compiled graph serves every row count. `tile`: the GEMV's (`fp8_gemv_plan`), best chosen once
-    where the layer is built; None plans it here (host-side)."""
+    where the layer is built; None plans it here (host-side). `swiglu`: x is [..., 2K], [gate | up],
+    and the projection reads silu(gate) * up (`silu_mul`; folded into the one-row GEMV on CUDA)."""
     compiling = torch.compiler.is_compiling()
     if not (x.is_cuda and HAS_TRITON) and not compiling:
+        x = silu_mul(x) if swiglu else x
         return fp8_linear_reference(x, w_q, w_scale, bias, block=block, input_scale=input_scale)
     n, k = w_q.shape
     # Under torch.compile every device goes through the op: the reference's shape tests on an unbacked
     # token count cannot be traced.
     tile = tile or fp8_gemv_plan(n, k)
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, 2 * k if swiglu else k)
     blk = tuple(block) if block is not None else ()
     if compiling:
-        y = fp8_linear_op(x2, w_q, w_scale, bias, input_scale, blk, tile)
+        y = fp8_linear_op(x2, w_q, w_scale, bias, input_scale, blk, tile, swiglu)
     else:
-        y = _fp8_linear_rows(x2, w_q, w_scale, bias, input_scale, blk, tile)
+        y = _fp8_linear_rows(x2, w_q, w_scale, bias, input_scale, blk, tile, swiglu)
     return y.reshape(*x.shape[:-1], n)

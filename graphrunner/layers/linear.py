@@ -225,7 +225,8 @@ class Fp8LinearMethod(LinearMethod):
     static scale), the product accumulates in fp32 and both scales multiply it. CPU: the exact
     dequantized arithmetic in torch; CUDA: the fp8 GEMV for one row (half the bytes of a bf16
     weight), scaled GEMMs for several. Under torch.compile one opaque op serves every row count.
-    The fused norm and SiLU·mul entries run their torch/Triton form first, then this projection.
+    The fused norm entry runs its torch/Triton form first, then this projection; SiLU·mul folds into
+    the one-row GEMV (`swiglu_linear`).
 
     `weight_scale` [N] per output row, or [ceil(N / block[0]), ceil(K / block[1])] per tile; the
     tensors are the layer's own parameters, bound once they hold their final values."""
@@ -243,6 +244,13 @@ class Fp8LinearMethod(LinearMethod):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, weight, self.weight_scale, bias, block=self.block, input_scale=self.input_scale,
                           tile=self.tile)
+
+    def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up, then this projection; one launch at one row on CUDA (the GEMV forms the product
+        as it loads x), so a decode step's down projection needs no SiLU·mul kernel of its own."""
+        return fp8_linear(gate_up, weight, self.weight_scale, bias, block=self.block, input_scale=self.input_scale,
+                          tile=self.tile, swiglu=True)
 
 
 def _split(size: int, tp_size: int, what: str) -> int:

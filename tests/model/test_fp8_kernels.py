@@ -533,6 +533,19 @@ def test_gpu_gemm_wgmma_tiles_stay_close_at_long_k():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 14336), (1024, 1000)])
+def test_gpu_swiglu_gemv_equals_silu_mul_then_the_gemv(n, k):
+    from graphrunner.layers.gemv import silu_mul_triton
+
+    _, w_q, w_scale, _, _ = _case(1, n, k, None, "channel", False, n, "cuda", torch.bfloat16)
+    gate_up = (_matrix(1, 2 * k, 3, 0, zero_rows=False) * 3).to(torch.bfloat16).cuda()
+    tile = fp8_gemv_plan(n, k)
+    want = fp8_gemv_triton(silu_mul_triton(gate_up), w_q, w_scale, None, tile)
+    assert torch.equal(fp8_gemv_triton(gate_up, w_q, w_scale, None, tile, swiglu=True), want)
+    assert torch.equal(fp8_linear(gate_up, w_q, w_scale, swiglu=True, tile=tile), want)
+
+
+@pytest.mark.gpu
 def test_gpu_op_under_torch_compile():
     x, w_q, w_scale, b, _ = _case(8, 1024, 2048, (128, 128), "block", True, 3, "cuda", torch.bfloat16)
     fn = torch.compile(lambda v: fp8_linear(v, w_q, w_scale, b, block=(128, 128), tile=(4, 1024, 4)), fullgraph=True)
@@ -552,6 +565,27 @@ src = ASTSource(fn=_fp8_gemm_kernel, signature={**sig, **dict.fromkeys(consts, "
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
 print(len(re.findall(r"wgmma.mma_async", ptx)), len(re.findall(r"\\badd(?:\\.rn)?\\.f32", ptx)))
 """
+
+
+@needs_triton
+@given(n=st.integers(1, 40), k=st.integers(1, 100), kind=st.sampled_from(["channel", "tensor", "static"]),
+       tile=st.sampled_from([(2, 16, 4), (4, 32, 4), (8, 64, 2)]), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_swiglu_gemv_equals_silu_mul_then_the_gemv(n, k, kind, tile, bias, dtype, seed):
+    """The one-row GEMV that forms silu(gate) * up while it loads x gives, bit for bit, the SiLU·mul
+    kernel's row (fp32 math, one rounding to the row's dtype) through the plain GEMV."""
+    from graphrunner.layers.gemv import silu_mul_triton
+
+    _, w_q, w_scale, b, input_scale = _case(1, n, k, None, kind, bias, seed)
+    gate_up = (_matrix(1, 2 * k, seed + 5, 0, zero_rows=False) * 3).to(dtype)
+    b = None if b is None else b.to(dtype)
+    want = fp8_gemv_triton(silu_mul_triton(gate_up), w_q, w_scale, b, tile, input_scale=input_scale)
+    got = fp8_gemv_triton(gate_up, w_q, w_scale, b, tile, input_scale=input_scale, swiglu=True)
+    assert got.shape == (1, n) and torch.equal(got, want)
+    # Through the dispatch: CPU takes torch's SiLU·mul and the reference, as the unfused layer does.
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fp8_linear(gate_up, w_q, w_scale, b, input_scale=input_scale, swiglu=True),
+                       fp8_linear(torch.nn.functional.silu(gate) * up, w_q, w_scale, b, input_scale=input_scale))
 
 
 @needs_triton
