@@ -65,7 +65,7 @@ def _nccl_instance(rank: int, world_size: int, port: int, marker_dir: str, devic
     import time
     from pathlib import Path
 
-    # Two instances, not a world: the LLM must not join one from the helper's torchrun variables.
+    # Two instances, not a world: the LLM must not join one from the torchrun variables run_world sets.
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     if device == "cuda":  # before CUDA starts in this process: GPU `rank` becomes its only GPU, cuda:0
