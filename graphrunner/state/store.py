@@ -111,10 +111,11 @@ class StateStore:
     def append_cached_blocks(self, cached: CachedRequestData) -> None:
         """Stage the new KV blocks of running requests (`scheduled_cached_reqs.new_block_ids`)."""
         index = self.requests.req_id_to_index
-        tables = self.tables
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if new_block_ids:
-                tables.append_block_ids(index[req_id], new_block_ids, overwrite=False)
+        grown = [(index[req_id], blocks) for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                 if blocks]
+        if grown:
+            rows, blocks = zip(*grown, strict=True)
+            self.tables.append_to_rows(rows, blocks)
 
     def write_grammar(self, rows: np.ndarray, req_ids: list[str], query_lens: np.ndarray,
                       grammar: GrammarOutput | None) -> None:

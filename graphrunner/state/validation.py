@@ -261,11 +261,12 @@ def _held_after_new_blocks(held: np.ndarray, rows: np.ndarray, new_block_ids: li
                            limits: StepLimits) -> np.ndarray:
     """`held` (a copy) plus each row's new blocks; _Invalid if a block rule fails."""
     held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
-    for i, blocks in enumerate(new_block_ids):
-        if blocks:
-            if block_ids_out_of_range(blocks, num_kv_blocks).any():
-                raise _Invalid
-            held[rows[i]] += len(blocks)
+    counts = np.fromiter((len(b) if b else 0 for b in new_block_ids), dtype=np.int64, count=len(new_block_ids))
+    if counts.any():  # one numpy pass: a block-boundary step adds a block to every running row
+        ids = np.fromiter((x for b in new_block_ids if b for x in b), dtype=np.int64, count=int(counts.sum()))
+        if block_ids_out_of_range(ids, num_kv_blocks).any():
+            raise _Invalid
+        np.add.at(held, rows, counts)
     if len(rows) and bool(too_many_blocks(held[rows], limits).any()):
         raise _Invalid
     return held

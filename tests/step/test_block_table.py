@@ -296,3 +296,51 @@ def test_gpu_staged_writes_pinned_upload():
         for r in range(num_rows):
             n = tables.num_blocks[r]
             assert np.array_equal(table[r, :n], tables.table_np[r, :n])
+
+
+@settings(deadline=None)
+@given(data=st.data(), num_rows=st.integers(1, 8), max_blocks=st.integers(1, 6), num_kv_blocks=st.integers(1, 40))
+def test_appending_to_many_rows_equals_appending_row_by_row(data, num_rows, max_blocks, num_kv_blocks):
+    """`append_to_rows` (a block-boundary step's appends in one numpy pass) leaves the host mirror, the
+    holder counts and the committed device table as `append_block_ids` row by row does, and refuses
+    what it refuses (out-of-range ids, rows past their limit, a repeated row) before staging anything."""
+    valid = st.integers(0, num_kv_blocks - 1)
+    start = data.draw(st.lists(st.lists(valid, max_size=max_blocks // 2), min_size=num_rows, max_size=num_rows))
+    rows = data.draw(st.lists(st.integers(0, num_rows - 1), max_size=num_rows, unique=True))
+    blocks = [data.draw(st.lists(valid, max_size=max_blocks - len(start[r]))) for r in rows]
+    fault = data.draw(st.sampled_from(["none", "none", "none", "id", "row", "repeat", "full"]))
+    if fault == "id" and blocks:
+        blocks[0] = [*blocks[0], data.draw(st.sampled_from([-1, num_kv_blocks]))]
+    elif fault == "row":
+        rows, blocks = [*rows, num_rows], [*blocks, [0]]
+    elif fault == "repeat" and rows:
+        rows, blocks = [*rows, rows[0]], [*blocks, [0]]
+    elif fault == "full" and rows:
+        blocks[0] = [0] * (max_blocks - len(start[rows[0]]) + 1)
+    one, many = (BlockTables(num_rows, max_blocks, 16, num_kv_blocks, "cpu") for _ in range(2))
+    for tables in (one, many):
+        for r, b in enumerate(start):
+            tables.append_block_ids(r, b, overwrite=True)
+        tables.apply_staged_writes()
+    try:
+        for r, b in zip(rows, blocks, strict=True):  # validate all first, as append_to_rows does
+            one._check_row(r)
+            assert all(0 <= x < num_kv_blocks for x in b) or not b, "id"
+            assert len(start[r]) + sum(len(bb) for rr, bb in zip(rows, blocks, strict=True) if rr == r) <= max_blocks
+        assert len(set(rows)) == len(rows), "repeated row"
+    except (ValueError, AssertionError):
+        with pytest.raises(ValueError):
+            many.append_to_rows(rows, blocks)
+        assert not many.has_staged_writes
+        return
+    for r, b in zip(rows, blocks, strict=True):
+        if b:
+            one.append_block_ids(r, b, overwrite=False)
+    many.append_to_rows(rows, blocks)
+    for tables in (one, many):
+        tables.apply_staged_writes()
+    assert np.array_equal(one.num_blocks, many.num_blocks) and np.array_equal(one.holders, many.holders)
+    for r in range(num_rows):
+        n = int(one.num_blocks[r])
+        assert np.array_equal(one.table_np[r, :n], many.table_np[r, :n])
+        assert torch.equal(one.table[r, :n], many.table[r, :n]) and torch.equal(one.num_blocks_dev, many.num_blocks_dev)
