@@ -87,6 +87,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from graphrunner.kernels.fp8_bits import e4m3_bits
+    from graphrunner.layers.gemv import silu_mul_triton, x_tile
 
     _EMULATE_FP8 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
     _MIN_SCALE_C: tl.constexpr = tl.constexpr(_MIN_SCALE)
@@ -117,33 +118,12 @@ if HAS_TRITON:
         return tl.div_rn(s * 0.0 + 1.0, s)
 
     @triton.jit
-    def _tl_load_k(ptr, ks, K, EVEN_K: tl.constexpr):
-        # [..] elements at columns ks as fp32; unmasked (so vectorized) when K is whole steps.
-        if EVEN_K:
-            v = tl.load(ptr + ks)
-        else:
-            v = tl.load(ptr + ks, mask=ks < K, other=0.0)
-        return v.to(tl.float32)
-
-    @triton.jit
-    def _tl_row_values(x_row, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
-        # The row's values at columns ks as fp32 (0 past K). SWIGLU: x_row holds [gate (K) | up (K)] and
-        # the values are silu(gate) * up in fp32, rounded once to the row's dtype, as `silu_mul_triton`
-        # stores them (so the fused projection equals SiLU·mul followed by the plain one).
-        if SWIGLU:
-            g = _tl_load_k(x_row, ks, K, EVEN_K)
-            v = (g * tl.sigmoid(g) * _tl_load_k(x_row + K, ks, K, EVEN_K)).to(x_row.dtype.element_ty).to(tl.float32)
-        else:
-            v = _tl_load_k(x_row, ks, K, EVEN_K)
-        return v
-
-    @triton.jit
     def _tl_row_scale(x_row, K, BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
         # The per-token scale of the row at x_row (K elements): its amax over BLOCK-wide steps, / 448.
         cols = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_tl_row_values(x_row, k0 + cols, K, False, SWIGLU)))
+            amax = tl.maximum(amax, tl.abs(x_tile(x_row, k0 + cols, K, False, SWIGLU)))
         return _tl_scale_of(tl.max(amax, axis=0))
 
     @triton.jit
@@ -178,7 +158,7 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                          SWIGLU: tl.constexpr):
         # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = the rows' fp8 weights . quantized x, over the full K.
-        # SWIGLU (MODE 0 / 1): x_ptr holds [gate | up] and x = silu(gate) * up (`_tl_row_values`).
+        # SWIGLU (MODE 0 / 1): x_ptr holds [gate | up] and x = silu(gate) * up (`gemv.x_tile`).
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -213,7 +193,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for k1 in range(0, K, BLOCK_K):
                 ks = k1 + ks0
-                x = _tl_row_values(x_ptr, ks, K, EVEN_K, SWIGLU)
+                x = x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)
                 if EVEN_K:
                     w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0)
                 else:
@@ -584,8 +564,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2K] -> [T, K] silu(gate) * up: `silu_mul_triton` on CUDA (fp32 math, one rounding), torch
     elsewhere (as the unquantized model computes it)."""
     if gate_up.is_cuda and HAS_TRITON:
-        from graphrunner.layers.gemv import silu_mul_triton
-
         return silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -55,9 +55,10 @@ if HAS_TRITON:
         return v.to(tl.float32)
 
     @triton.jit
-    def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+    def x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
         # x at columns ks as fp32; with SWIGLU x_ptr holds [gate (K) | up (K)] and x = silu(gate) * up,
         # computed in fp32 and rounded once to the input dtype (the unfused SiLU·mul's stored value).
+        # The fp8 GEMV (layers/fp8.py) loads its row through it too.
         if SWIGLU:
             g = _load_k(x_ptr, ks, K, EVEN_K)
             x = (g * tl.sigmoid(g) * _load_k(x_ptr + K, ks, K, EVEN_K)).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -72,7 +73,7 @@ if HAS_TRITON:
             w = tl.load(w_rows + ks[None, :], mask=ok[:, None], other=0.0)
         else:
             w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-        return w.to(tl.float32) * _x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)[None, :]
+        return w.to(tl.float32) * x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)[None, :]
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,7 +93,7 @@ if HAS_TRITON:
             else:
                 w0 = tl.load(w_rows + ks0[None, :], mask=ok[:, None] & (ks0[None, :] < K), other=0.0)
             pdl_wait(GDC)
-            acc += w0.to(tl.float32) * _x_tile(x_ptr, ks0, K, False, SWIGLU)[None, :]
+            acc += w0.to(tl.float32) * x_tile(x_ptr, ks0, K, False, SWIGLU)[None, :]
             k_start = BLOCK_K
         for k0 in range(k_start, K, BLOCK_K):
             acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K, SWIGLU)
