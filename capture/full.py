@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from capture.cuda_driver import CudaDriver
-from capture.pool import GraphPool
+from capture.pool import CAPTURE_MODE, GraphPool
 from capture.report import CaptureRecord, read_graph_dot
 
 StaticTensors = Callable[[], dict[str, torch.Tensor]]
@@ -94,7 +94,7 @@ class FullGraph:
             graph = _new_graph(keep_graph=inspect_nodes)
             if inspect_nodes:
                 graph.enable_debug_mode()
-            with torch.cuda.graph(graph, pool=self._pool.handle, stream=stream):
+            with torch.cuda.graph(graph, pool=self._pool.handle, stream=stream, capture_error_mode=CAPTURE_MODE):
                 self._step()
             if inspect_nodes and hasattr(graph, "instantiate"):
                 graph.instantiate()  # a kept graph instantiates lazily; do it inside capture time

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from capture.pool import CAPTURE_MODE
 from capture.split import compile_pieces, normalize_split_ops, split_at_ops
 
 logger = logging.getLogger("capture.piecewise")
@@ -151,7 +152,7 @@ class _Piece(nn.Module):
             # Warm-up at this size, on the capture stream: lazy initialization (autotuning,
             # the cuBLAS workspace of this stream) must not happen inside the capture.
             self.runnable(*args)
-            graph.capture_begin(pool=rt.pool)
+            graph.capture_begin(pool=rt.pool, capture_error_mode=CAPTURE_MODE)
             try:
                 outputs = self.runnable(*args)
             finally:

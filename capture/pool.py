@@ -10,6 +10,15 @@ from __future__ import annotations
 
 import torch
 
+# cudaStreamCaptureMode of every capture. Under the default "global" a CUDA call that may
+# synchronise (a cudaMalloc, NCCL setting up a communicator) made by *any* thread while a
+# capture runs fails and invalidates that capture. Engines keep such threads running during
+# start-up: a KV-transfer link whose peer arrived while its instance captured graph 103 of 121
+# failed with "operation not permitted when stream is capturing" and took the capture down.
+# "thread_local" still refuses those calls on the capturing thread, the one whose work the
+# graph records; the other threads' work runs on their own streams and is not recorded.
+CAPTURE_MODE = "thread_local"
+
 
 class GraphPool:
     """Owns the CUDA graph memory pool handle and the side stream captures run on."""

@@ -38,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -206,10 +207,13 @@ class PeerLink:
             if group is None:
                 return
             self.connected.set()
-            if self.rank == 0:
-                self._send_loop(group)
-            else:
-                self._receive_loop(group)
+            # The thread's copies and host reads go on a stream of its own: on the legacy default
+            # stream they would order against every blocking stream of the instance's device.
+            with torch.cuda.stream(torch.cuda.Stream(self.wire)) if self.wire.type == "cuda" else nullcontext():
+                if self.rank == 0:
+                    self._send_loop(group)
+                else:
+                    self._receive_loop(group)
         except Exception as e:  # the peer died, timed out or sent garbage: requests compute instead
             logger.warning("NcclConnector (rank %d, %s:%d): link down: %s: %s; requests compute their KV",
                            self.rank, self.cfg.ip, self.cfg.port, type(e).__name__, e)
@@ -318,10 +322,16 @@ class PeerLink:
             return
         data = body.view(s.dtype).reshape(s.num_layers, 2, len(hashes), s.block_size, s.num_kv_heads, s.head_dim)
         with self._lock:
-            for j, h in enumerate(hashes):
+            fresh = [j for j, h in enumerate(hashes) if h not in self._blocks]
+        copies = [(j, data[:, :, j].clone()) for j in fresh]
+        if data.is_cuda:  # a published block is read on the instance's stream: its copy must be done
+            torch.cuda.current_stream(data.device).synchronize()
+        with self._lock:
+            for j, block in copies:
+                h = hashes[j]
                 if h in self._blocks:
                     continue
-                self._blocks[h] = (tuple(int(t) for t in tokens[j]), data[:, :, j].clone())
+                self._blocks[h] = (tuple(int(t) for t in tokens[j]), block)
                 self._block_bytes += per_block
                 self._announced.pop(h, None)
                 self.num_received_blocks += 1

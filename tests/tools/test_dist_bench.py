@@ -84,3 +84,30 @@ def test_overlap_fraction_is_the_shared_share_of_the_span(a: float, b: float, c:
     if (s0, e0) == (s1, e1) and e0 > s0:  # side by side throughout
         assert got == 1.0
     assert overlap_fraction(0.0, 2.0, 1.0, 3.0) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("redundant", [0, 2])
+def test_skewed_experts_are_not_the_ones_replicated_at_start(redundant: int) -> None:
+    """The initial EPLB placement copies experts 0..R-1 onto the last rank: a skew on them would be
+    balanced before EPLB moved anything, so the hot experts start at expert R."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from graphrunner.layers.moe.layer import FusedMoE
+    from graphrunner_tools.bench.dist_bench import skew_router
+
+    moe = object.__new__(FusedMoE)
+    torch.nn.Module.__init__(moe)
+    moe.gate = torch.nn.Linear(4, 8, bias=False)
+    moe.num_experts, moe.num_physical_experts = 8, 8 + redundant
+    before = moe.gate.weight.detach().clone()
+    done = skew_router(SimpleNamespace(runner=SimpleNamespace(model=moe)), 3, 20.0)
+    hot = list(range(redundant, redundant + 3))
+    assert done["hot_experts"] == hot
+    scale = torch.ones(8, 1)
+    scale[hot] = 20.0
+    torch.testing.assert_close(moe.gate.weight.detach(), before * scale)
+    too_many = min(8 - redundant, 7) + 1  # past the last expert, or every expert
+    with pytest.raises(ValueError, match=f"--hot-experts {too_many} must lie in 1..{too_many - 1}"):
+        skew_router(SimpleNamespace(runner=SimpleNamespace(model=moe)), too_many, 20.0)
