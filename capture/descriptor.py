@@ -13,6 +13,11 @@ the padded shape it runs at:
 kernels, one captured without them has none. A batch with adapters fits only a LoRA graph, a batch
 without fits only a plain one, so the plain path never pays for LoRA and a LoRA batch never replays
 a graph that would drop its adapters.
+
+`microbatched` marks the FULL graph of a uniform-decode step run as two microbatches on two
+streams (dual-batch overlap under lockstep DP): the cut is static, after num_reqs // 2 requests,
+so both halves have fixed shapes and the graph holds both streams' work. It is a separate key: a
+step replays it only when every DP rank agreed to microbatch (their collectives must match).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class BatchExecutionDescriptor:
     num_reqs: int | None = None
     uniform_token_count: int | None = None
     has_lora: bool = False
+    microbatched: bool = False
     # The mode tests, as plain attributes: a step reads them several times, and an attribute
     # costs no Python call the way a property does (derived, so not part of the key).
     is_full: bool = field(init=False, repr=False, compare=False)
@@ -74,6 +80,11 @@ class BatchExecutionDescriptor:
                     f"uniform-decode descriptor needs num_tokens == num_reqs * q, got "
                     f"{self.num_tokens} != {self.num_reqs} * {q}"
                 )
+        if not isinstance(self.microbatched, bool):
+            raise ValueError(f"microbatched={self.microbatched!r} must be a bool")
+        if self.microbatched and (q is None or self.num_reqs is None or self.num_reqs < 2):
+            raise ValueError(f"microbatched needs a uniform-decode FULL descriptor of at least 2 requests, got "
+                             f"{self.cg_mode.name}(t={self.num_tokens}, r={self.num_reqs}, q={q})")
         object.__setattr__(self, "is_full", mode is CUDAGraphMode.FULL)
         object.__setattr__(self, "is_piecewise", mode is CUDAGraphMode.PIECEWISE)
         object.__setattr__(self, "is_eager", mode is CUDAGraphMode.NONE)
@@ -132,4 +143,6 @@ class BatchExecutionDescriptor:
             parts.append(f"q={self.uniform_token_count}")
         if self.has_lora:
             parts.append("lora")
+        if self.microbatched:
+            parts.append("ubatch")
         return f"{self.cg_mode.name}({','.join(parts)})"

@@ -297,9 +297,16 @@ class ModelRunner:
         g = self.groups
         lazy = (self.config.compilation.lazy_sampler_variants and self.body.spec is None and g.pp_size == 1
                 and not g.dp_lockstep and self.body.pcp is None and self.config.lora is None)
+        # Dual-batch overlap: uniform-decode steps replay FULL graphs of their two microbatches where the
+        # two streams' collectives cannot share a communicator: DP + EP with the side stream's own
+        # communicators, a model with no collective (TP1, no EP), or a CPU (no second stream).
+        par = self.config.parallel
+        ubatch_graphs = g.dp_lockstep and par.enable_dbo and (
+            self._side_comms is not None or self.device.type != "cuda" or (self.ep is None and g.tp_size == 1))
+        threshold = par.dbo_decode_token_threshold if ubatch_graphs else None
         self.graphs = graphs = StepGraphs(self.config.compilation, self.body, self.device,
                                           num_live=lambda: self.state.requests.num_live, name=self.model_config.name,
-                                          lazy_variants=lazy, lora=self.config.lora)
+                                          lazy_variants=lazy, lora=self.config.lora, microbatch_threshold=threshold)
         if self.groups.dp_lockstep:  # replicas agree on every step's descriptor (one CPU all-reduce)
             self.dp = LockstepDP(self.groups, graphs, self.pp, self.device, ep=self.ep,
                                  side_comms=self._side_comms)

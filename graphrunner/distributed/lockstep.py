@@ -7,8 +7,9 @@ fixed points of the step: `dispatch` (the `DPCoordinator`'s one CPU all-reduce o
 replica's report gives the agreed descriptor) and `idle_step` (a replica with nothing
 scheduled runs a dummy step of the agreed descriptor, so every collective inside the step
 matches). With `enable_dbo` too, each report says whether the rank would split its step;
-when the decision says microbatch, the step runs eagerly and its forward as two
-microbatches on two streams (`graphrunner.step.microbatch`), counted in
+when the decision says microbatch, the step's forward runs as two microbatches on two
+streams (`graphrunner.step.microbatch`): a uniform-decode step replays the microbatched twin
+of the agreed FULL descriptor, any other step runs eagerly; both are counted in
 `num_microbatched_steps`.
 
 With expert parallelism across the replicas (`ep`, the MoE layers' `DPComm`) every MoE layer
@@ -50,19 +51,33 @@ class LockstepDP:
         self.last_dp_decision: DPDecision | None = None
         self.num_dummy_steps = 0  # idle-replica dummy steps run so far
         self.num_steps = 0  # steps this replica ran in lockstep (its own or a dummy)
-        self._ubatch: Microbatcher | None = None  # DBO (built with the first step that wants it)
+        self._ubatch: Microbatcher | None = None  # DBO (its microbatched FULL graphs capture through it)
+        if groups.config.enable_dbo:
+            body = graphs.body
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, device, ep, side_comms)
 
     @property
     def num_microbatched_steps(self) -> int:
         """Steps whose forward actually ran as two microbatches (DBO; 0 without it)."""
         return self._ubatch.num_steps if self._ubatch is not None else 0
 
+    @property
+    def num_microbatched_graph_steps(self) -> int:
+        """Of those, the steps that replayed a microbatched FULL graph."""
+        return self._ubatch.num_graph_steps if self._ubatch is not None else 0
+
     def dispatch(self, num_reqs: int, num_tokens: int, uniform: int | None,
                  force_eager: bool = False) -> BatchExecutionDescriptor:
         """The step's descriptor as every replica agreed it (one all-reduce)."""
         plan = self._coordinate(num_reqs, num_tokens, uniform, force_eager)
         assert plan.descriptor is not None and not plan.dummy, "a busy DP rank got no descriptor"
-        if plan.microbatch:  # two microbatches run eagerly at this rank's real size (step/microbatch.py)
+        if plan.microbatch:
+            twin = self.graphs.microbatch_twin(plan.descriptor)
+            if twin is not None:  # the two microbatches' FULL graph: every rank agreed on the descriptor
+                assert self._ubatch is not None, "built with enable_dbo"
+                self._ubatch.replayed(twin)
+                return twin
+            # two microbatches run eagerly at this rank's real size (step/microbatch.py)
             tokens = plan.descriptor.num_tokens if self.ep is not None else num_tokens  # DP + EP: the agreed one
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, tokens, num_reqs)
         return plan.descriptor
@@ -99,9 +114,6 @@ class LockstepDP:
         config, body = self.groups.config, self.graphs.body
         if not config.enable_dbo:
             return False
-        if self._ubatch is None:
-            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, self.device, self.ep,
-                                                                self.side_comms)
         return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
                                 config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
 

@@ -25,10 +25,16 @@ With LoRA on (`lora`), the table also holds descriptors with `has_lora`: they ar
 the adapters' kernels (the body's LoRA compile, the projections' `active` flag set), the plain
 ones without; a LoRA graph is captured with slot metadata that gives no row an adapter (the
 kernels are recorded all the same; their work is decided at replay by the metadata).
+
+With dual-batch overlap (`microbatch_threshold`: lockstep DP with `enable_dbo`), every uniform-decode
+FULL descriptor of at least that many tokens and two requests has a `microbatched` twin, captured with
+the others: the same step as two microbatches on two streams (step/microbatch.py). A step replays the
+twin when the DP replicas agreed to microbatch it (`microbatch_twin`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -100,7 +106,7 @@ class StepGraphs:
 
     def __init__(self, comp: CompilationConfig, body: StepBody, device: torch.device, *,
                  num_live: Callable[[], int], name: str = "model", lazy_variants: bool = False,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None, microbatch_threshold: int | None = None) -> None:
         self.body = body
         # Variants captured by capture(); the rest on first use (module docstring).
         self.eager_variants: tuple[SamplingFeatures, ...] = (GREEDY, SAMPLED) if lazy_variants else SAMPLING_VARIANTS
@@ -127,6 +133,12 @@ class StepGraphs:
             lora_capture_sizes=lora.lora_capture_sizes if lora is not None else None,
         )
         self.debug = comp.debug_cudagraphs
+        # desc -> its microbatched twin (module docstring); empty without dual-batch overlap
+        self.twins: dict[BatchExecutionDescriptor, BatchExecutionDescriptor] = {} if microbatch_threshold is None else {
+            d: dataclasses.replace(d, microbatched=True) for d in self.table.descriptors
+            if d.is_uniform_decode and not d.has_lora and d.num_reqs is not None and d.num_reqs >= 2
+            and d.num_tokens >= microbatch_threshold
+        }
         self.pool: GraphPool | None = None
         self.full_graphs: dict[tuple[BatchExecutionDescriptor, SamplingFeatures], FullGraph] = {}
         # Structured-output decode steps in two graphs (step/split.py): key (desc, None) is the
@@ -146,6 +158,10 @@ class StepGraphs:
         if force_eager or not self.captured:
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs, has_lora=has_lora)
         return self.table.dispatch(num_reqs, num_tokens, uniform_token_count, has_lora)
+
+    def microbatch_twin(self, desc: BatchExecutionDescriptor) -> BatchExecutionDescriptor | None:
+        """The captured microbatched twin of an agreed FULL descriptor; None: microbatch eagerly."""
+        return self.twins.get(desc) if self.captured else None
 
     def full_graph(self, desc: BatchExecutionDescriptor, features: SamplingFeatures) -> FullGraph | None:
         """The captured FULL graph that serves `desc` for a batch needing `features`; None for a
@@ -207,6 +223,7 @@ class StepGraphs:
             (d, None) for d in descriptors if d.is_piecewise
         ]
         work += [(d, v) for d in descriptors if d.is_full for v in self.eager_variants]
+        work += [(twin, v) for twin in self.twins.values() for v in self.eager_variants]
         if self.split is not None:  # the split pairs last: (desc, None) stands for the pair
             work += [(d, None) for d in descriptors if not d.has_lora and self.split.serves(d)]
         free_before = self.pool.free_bytes()
@@ -393,6 +410,15 @@ class StepGraphs:
         batch = self.body.dummy_batch(self.capture_query_lens(desc), features, desc.num_reqs, desc.num_tokens)
         body = self.body
         self._lora_dummy(batch, desc)
+        if desc.microbatched:
+            ub = body.microbatch
+            assert ub is not None, "a microbatched graph needs the body's Microbatcher (lockstep DP with DBO)"
+
+            def microbatched_step() -> None:
+                ub.arm(desc.num_tokens // 2, static=True)  # uniform: the cut after num_reqs // 2 requests
+                body.run(batch)
+
+            return microbatched_step
 
         def step() -> None:
             body.run(batch)

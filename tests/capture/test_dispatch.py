@@ -232,6 +232,16 @@ def test_descriptor_is_a_hashable_key_with_short_str():
         a.num_tokens = 3  # type: ignore[misc]
 
 
+def test_a_microbatched_twin_is_its_own_key_and_only_for_uniform_decode():
+    twin = Desc(M.FULL, 64, 64, 1, microbatched=True)
+    assert twin != Desc(M.FULL, 64, 64, 1) and str(twin) == "FULL(t=64,r=64,q=1,ubatch)"
+    for args in ((M.FULL, 64, 32), (M.FULL, 1, 1, 1), (M.PIECEWISE, 64)):
+        with pytest.raises(ValueError, match="microbatched needs a uniform-decode FULL descriptor"):
+            Desc(*args, microbatched=True)
+    with pytest.raises(ValueError, match="microbatched=1 must be a bool"):
+        Desc(M.FULL, 4, 4, 1, microbatched=1)  # type: ignore[arg-type]
+
+
 def test_descriptor_predicates_and_padding():
     full = Desc(M.FULL, 18, 6, 3)
     assert full.is_full and full.is_uniform_decode and not full.is_piecewise and not full.is_eager

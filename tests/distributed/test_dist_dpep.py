@@ -56,7 +56,8 @@ def _generate(rank: int, world: int, dp: int, extra: dict, biased: bool) -> dict
     moe = next(m for m in runner.model.modules() if isinstance(m, FusedMoE))
     info.update(local_experts=moe.num_local_experts, dp_ep=moe.dp is not None,
                 dummy_steps=runner.dp.num_dummy_steps if runner.dp is not None else 0,
-                microbatched=runner.dp.num_microbatched_steps if runner.dp is not None else 0)
+                microbatched=runner.dp.num_microbatched_steps if runner.dp is not None else 0,
+                microbatched_graphs=runner.dp.num_microbatched_graph_steps if runner.dp is not None else 0)
     eplb = runner.eplb
     if eplb is not None:
         # The same workload twice (no prefix cache): the window's imbalance under the initial
@@ -100,6 +101,8 @@ def test_dp2_expert_parallel_dbo_matches_one_process(reference) -> None:
     for rank, info in enumerate(infos):
         assert info["tokens"] == ref, f"rank {rank}"
         assert info["microbatched"] > 0, f"rank {rank}: no step ran as two microbatches"
+        # decode steps replayed the microbatched FULL graphs, prefill steps microbatched eagerly
+        assert 0 < info["microbatched_graphs"] < info["microbatched"], f"rank {rank}: {info}"
 
 
 def test_eplb_rebalances_a_biased_router_without_changing_tokens() -> None:

@@ -141,6 +141,13 @@ def test_two_gpu_layouts_match_one_gpu(references, tmp_path, name: str) -> None:
 
 
 @pytest.mark.gpu
+def test_dbo_decode_steps_replay_the_microbatched_graphs(references, tmp_path) -> None:
+    """Both streams' work and the second communicators' collectives inside one FULL graph per decode size."""
+    info = _check(references, tmp_path, TWO_GPU_LAYOUTS["moe-dp2-ep-dbo"])
+    assert 0 < info["microbatched_graphs"] < info["microbatched"], info
+
+
+@pytest.mark.gpu
 def test_eplb_rebalances_without_recapture_and_matches_one_gpu(references, tmp_path) -> None:
     info = _check(references, tmp_path, EPLB_LAYOUT)
     assert info["rearrangements"] > 0, info
@@ -204,6 +211,7 @@ def _worker(layout: dict, out_path: str) -> None:
         "rearrangements": len(llm.runner.eplb.rearrangements) if llm.runner.eplb is not None else 0,
         "captures_after_load": llm.runner.graphs.generation - generation,
         "microbatched": llm.runner.dp.num_microbatched_steps if llm.runner.dp is not None else 0,
+        "microbatched_graphs": llm.runner.dp.num_microbatched_graph_steps if llm.runner.dp is not None else 0,
     }
     rank = llm.groups.rank
     llm.shutdown()  # graphs and pool, then the process groups: must not hang

@@ -472,6 +472,7 @@ def worker(args) -> None:
         result["eplb"] = llm.runner.eplb.report()  # placement: without EPLB) against the later ones
     if llm.runner.dp is not None:
         result["dbo_microbatched_steps"] = _microbatched(llm)
+        result["dbo_microbatched_graph_steps"] = llm.runner.dp.num_microbatched_graph_steps
         result["lockstep_steps"] = llm.runner.dp.num_steps
     write_result(llm, result, args.result)
 
@@ -545,7 +546,9 @@ def _markdown(results: list[dict]) -> str:
         e = r.get("eplb")
         load = "-" if e is None else ", ".join(f"{b:.3f} -> {a:.3f}" for _, b, a, _ in e["rearrangements"]) + \
             f"; {e['balance_now']:.3f}"
-        lines.append(f"| {r['config']} | {steps} | {ub} ({ub / steps if steps else 0:.0%}) | {load} |")
+        graphed = r.get("dbo_microbatched_graph_steps", 0)
+        lines.append(f"| {r['config']} | {steps} | {ub} ({ub / steps if steps else 0:.0%}; {graphed} as FULL graphs) "
+                     f"| {load} |")
     lines += ["", "| config | bs | context | decode step median ms | p90 ms | generate ms per token |",
               "|---|---|---|---|---|---|"]
     for r in results:
