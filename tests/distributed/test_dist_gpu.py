@@ -113,9 +113,10 @@ TWO_GPU_LAYOUTS = {
     # Data-parallel attention with expert parallelism: 4 experts per GPU, every MoE layer's NCCL
     # all-gather / reduce-scatter over the DP group captured in FULL graphs; lockstep with dummy steps.
     "moe-dp2-ep": dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True),
-    "moe-dp2-ep-dbo": dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True,
-                           enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4),
 }
+# The same with dual-batch overlap: decode steps replay FULL graphs of two microbatches on two streams.
+DBO_LAYOUT = dict(model="builtin:tiny-moe", data_parallel_size=2, enable_expert_parallel=True,
+                  enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
 
 # EPLB: (8 + 2) slots over two GPUs, rebalanced every 4 steps while the requests run (weights over NCCL
 # point to point, tables rewritten in place): the tokens stay one GPU's and nothing is recaptured.
@@ -143,7 +144,7 @@ def test_two_gpu_layouts_match_one_gpu(references, tmp_path, name: str) -> None:
 @pytest.mark.gpu
 def test_dbo_decode_steps_replay_the_microbatched_graphs(references, tmp_path) -> None:
     """Both streams' work and the second communicators' collectives inside one FULL graph per decode size."""
-    info = _check(references, tmp_path, TWO_GPU_LAYOUTS["moe-dp2-ep-dbo"])
+    info = _check(references, tmp_path, DBO_LAYOUT)
     assert 0 < info["microbatched_graphs"] < info["microbatched"], info
 
 
