@@ -405,8 +405,11 @@ class ModelRunner:
             if so.total_num_scheduled_tokens == 0:
                 if kv_connector is not None:
                     kv_connector.no_forward(so)
-                if self.dp is not None and self.dp.idle_step() and self.eplb is not None:
-                    self.eplb.step()
+                if self.dp is not None:
+                    # A dummy step writes the per-step output buffers an in-flight copy may still read.
+                    self.output_ring.guard_next_step()
+                    if self.dp.idle_step() and self.eplb is not None:
+                        self.eplb.step()
                 return
 
             # KV connector loads land in the paged cache before any graph of the step replays.

@@ -102,7 +102,7 @@ class LLM(PoolingAPI):
         async_scheduling: schedule and launch step N + 1 before step N's tokens are
             resolved (module docstring); same tokens, less host time on the critical path.
             None (default): on, as in vLLM, unless the layout cannot run the async loop
-            (prefill context parallelism, lockstep DP, PP with speculation), which is logged.
+            (prefill context parallelism, lockstep DP with PP, PP with speculation), which is logged.
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the parallel
             layout; their product must equal WORLD_SIZE (run under torchrun or
             `graphrunner launch`). `device` then names the device type; each rank takes
@@ -785,7 +785,12 @@ class LLM(PoolingAPI):
     def _step_async(self) -> list[SequenceOutput]:
         """Launch the next step, then apply the previous one's output (one step late; before it: grammar drafts)."""
         launched, early = None, self._resolve_in_flight() if self._structured.wants_drafts(self.scheduler) else []
-        if self.scheduler.has_unfinished_requests():
+        # Lockstep DP: every rank calls execute_model once per iteration (its one DP agreement), with an
+        # empty plan when it has nothing to launch: the runner then runs a dummy step if a peer runs one.
+        lockstep = self.groups.dp_lockstep
+        if lockstep and not self.scheduler.has_unfinished_requests():
+            self.runner.execute_model(self.scheduler.schedule())
+        elif self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             self._structured.place_drafts(self.runner, scheduler_output, self.scheduler)
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
@@ -797,7 +802,7 @@ class LLM(PoolingAPI):
                 )
             # An empty plan (every running request waits on an in-flight token) still
             # tells the runner about finished and preempted requests.
-            if scheduled or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+            if scheduled or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or lockstep:
                 self.runner.execute_model(scheduler_output)
             if scheduled:
                 if self.record_batches is not None:

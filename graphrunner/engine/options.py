@@ -55,19 +55,22 @@ def parallel_config(
 
 def check_async_layout(parallel: ParallelConfig, async_scheduling: bool) -> None:
     """The async loop (async scheduling, and pipelined PP, which runs through it) needs every
-    rank of a replica to know its step's tokens on its own (TP, DCP, independent DP, PP through
-    the broadcast FIFO); lockstep DP would need an idle-step protocol for placeholders, PCP exact
-    host counts of decoding rows."""
+    rank of a replica to know its step's tokens on its own (TP, DCP, DP, PP through the broadcast
+    FIFO). Lockstep DP runs it with every rank stepping once per loop iteration, an idle one a
+    dummy step (`LLM._step_async`); not with pipelined PP, whose several batches in flight would
+    each need their own agreement. PCP needs exact host counts of decoding rows."""
+    lockstep = parallel.data_parallel_lockstep and parallel.data_parallel_size > 1
     blockers = [f"{name}={value}" for name, value, bad in (
         ("prefill_context_parallel_size", parallel.prefill_context_parallel_size,
          parallel.prefill_context_parallel_size > 1 and async_scheduling),
-        ("data_parallel_lockstep", True, parallel.data_parallel_lockstep and parallel.data_parallel_size > 1),
+        ("data_parallel_lockstep", True, lockstep and parallel.pipeline_parallel_size > 1),
     ) if bad]
     if blockers:
         what = "async_scheduling=True" if async_scheduling else \
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} (pipelined through the async loop)"
         raise ValueError(f"{what} does not run with {', '.join(blockers)} yet; it runs with tensor, pipeline and "
-                         "decode context parallelism and independent data parallelism")
+                         "decode context parallelism, independent data parallelism, and lockstep data parallelism "
+                         "without pipeline parallelism")
 
 
 def async_scheduling_default(parallel: ParallelConfig, speculative: SpeculativeConfig) -> tuple[bool, str | None]:
@@ -75,8 +78,8 @@ def async_scheduling_default(parallel: ParallelConfig, speculative: SpeculativeC
     (on, the reason it is off or None)."""
     if parallel.prefill_context_parallel_size > 1:
         return False, f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}"
-    if parallel.data_parallel_lockstep and parallel.data_parallel_size > 1:
-        return False, "data_parallel_lockstep=True"
+    if parallel.data_parallel_lockstep and parallel.data_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
+        return False, "data_parallel_lockstep=True with pipeline_parallel_size > 1"
     if parallel.pipeline_parallel_size > 1 and speculative.num_speculative_tokens:
         return False, "pipeline_parallel_size > 1 with speculative decoding"
     return True, None

@@ -107,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
     args.model = model
     if args.max_queued_requests < 0:
         raise SystemExit(f"graphrunner serve: --max-queued-requests={args.max_queued_requests} must be >= 0")
-    if args.async_scheduling and (args.pcp > 1 or (args.data_parallel_lockstep and args.dp > 1)):
+    if args.async_scheduling and (args.pcp > 1 or (args.data_parallel_lockstep and args.dp > 1 and args.pp > 1)):
         # On by this server's default, not by the caller: a layout the async loop cannot run gets the sync one.
-        print("graphrunner serve: async scheduling off: it does not run with -pcp > 1 or --data-parallel-lockstep",
-              file=sys.stderr, flush=True)
+        print("graphrunner serve: async scheduling off: it does not run with -pcp > 1 or with "
+              "--data-parallel-lockstep and -pp > 1", file=sys.stderr, flush=True)
         args.async_scheduling = False
     served_model_name = args.served_model_name or model
     if args.lora_modules:

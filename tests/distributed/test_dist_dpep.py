@@ -101,8 +101,8 @@ def test_dp2_expert_parallel_dbo_matches_one_process(reference) -> None:
     for rank, info in enumerate(infos):
         assert info["tokens"] == ref, f"rank {rank}"
         assert info["microbatched"] > 0, f"rank {rank}: no step ran as two microbatches"
-        # decode steps replayed the microbatched FULL graphs, prefill steps microbatched eagerly
-        assert 0 < info["microbatched_graphs"] < info["microbatched"], f"rank {rank}: {info}"
+        # decode steps replayed the microbatched FULL graphs (the eager split: tests/step/test_microbatch.py)
+        assert 0 < info["microbatched_graphs"] <= info["microbatched"], f"rank {rank}: {info}"
 
 
 def test_eplb_rebalances_a_biased_router_without_changing_tokens() -> None:

@@ -50,6 +50,7 @@ def _generate(rank: int, world: int, tp: int, pp: int, dp: int, extra: dict) -> 
         "tokens": [o.token_ids for o in outs],
         "dummy_steps": _dummy_steps(llm),
         "mode": llm.runner.graphs.mode.name,
+        "async": llm.async_scheduling,
     }
     llm.shutdown()
     return info
@@ -130,14 +131,18 @@ def test_single_process_needs_no_process_group(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "tp,pp,dp,lockstep",
-    [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (1, 1, 2, True)],
-    ids=["tp2", "pp2", "dp2", "dp2-lockstep"],
+    "tp,pp,dp,lockstep,sync",
+    [(2, 1, 1, False, False), (1, 2, 1, False, False), (1, 1, 2, False, False), (1, 1, 2, True, False),
+     (1, 1, 2, True, True)],
+    ids=["tp2", "pp2", "dp2", "dp2-lockstep", "dp2-lockstep-sync"],
 )
-def test_two_ranks_match_one_process_eager(reference, tp: int, pp: int, dp: int, lockstep: bool) -> None:
-    infos = run_world(2, _generate, tp, pp, dp, {"data_parallel_lockstep": lockstep}, timeout_s=90)
+def test_two_ranks_match_one_process_eager(reference, tp: int, pp: int, dp: int, lockstep: bool, sync: bool) -> None:
+    """Each layout in its default loop (async scheduling, lockstep DP included), and lockstep DP in the sync one."""
+    extra = {"data_parallel_lockstep": lockstep, **({"async_scheduling": False} if sync else {})}
+    infos = run_world(2, _generate, tp, pp, dp, extra, timeout_s=90)
     for rank, info in enumerate(infos):
         assert info["tokens"] == reference, f"rank {rank} (tp={tp} pp={pp} dp={dp})"
+        assert info["async"] == (not sync), info
     # Lockstep: the replica that finished first kept stepping with dummy steps; independent: never.
     assert (sum(i["dummy_steps"] for i in infos) > 0) == (dp == 2 and lockstep)
 
@@ -154,8 +159,7 @@ def test_async_scheduling_refuses_what_it_does_not_run() -> None:
 
     with pytest.raises(ValueError, match="prefill_context_parallel_size=2"):
         parallel_config(1, 1, 1, 60.0, True, prefill_context_parallel_size=2)
-    with pytest.raises(ValueError, match="async_scheduling=True does not run with data_parallel_lockstep=True"):
-        parallel_config(1, 1, 2, 60.0, True, data_parallel_lockstep=True)
+    assert parallel_config(1, 1, 2, 60.0, True, data_parallel_lockstep=True).data_parallel_lockstep
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 .pipelined through the async loop. does not run "
                                          "with data_parallel_lockstep=True"):
         parallel_config(1, 2, 2, 60.0, False, data_parallel_lockstep=True)

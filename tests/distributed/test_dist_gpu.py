@@ -145,7 +145,7 @@ def test_two_gpu_layouts_match_one_gpu(references, tmp_path, name: str) -> None:
 def test_dbo_decode_steps_replay_the_microbatched_graphs(references, tmp_path) -> None:
     """Both streams' work and the second communicators' collectives inside one FULL graph per decode size."""
     info = _check(references, tmp_path, DBO_LAYOUT)
-    assert 0 < info["microbatched_graphs"] < info["microbatched"], info
+    assert 0 < info["microbatched_graphs"] <= info["microbatched"], info
 
 
 @pytest.mark.gpu

@@ -41,7 +41,9 @@ def pairs():
 
 @pytest.mark.parametrize("layout, reason", [
     (dict(prefill_context_parallel_size=2), "prefill_context_parallel_size=2"),
-    (dict(data_parallel_size=2, data_parallel_lockstep=True), "data_parallel_lockstep=True"),
+    (dict(data_parallel_size=2, data_parallel_lockstep=True), None),
+    (dict(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_lockstep=True),
+     "data_parallel_lockstep=True with pipeline_parallel_size > 1"),
     (dict(pipeline_parallel_size=2, spec=2), "pipeline_parallel_size > 1 with speculative decoding"),
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2), None),
     (dict(data_parallel_size=2), None),

@@ -18,7 +18,7 @@ def test_vllm_flag_names_parse():
     assert args.enforce_eager is True and args.async_scheduling is True and args.api_key == "k"
 
 
-@pytest.mark.parametrize("layout", [["-pcp", "2"], ["-dp", "2", "--data-parallel-lockstep"]])
+@pytest.mark.parametrize("layout", [["-pcp", "2"], ["-dp", "2", "-pp", "2", "--data-parallel-lockstep"]])
 def test_serve_turns_its_async_default_off_for_layouts_that_cannot_run_it(monkeypatch, capsys, layout):
     import graphrunner.engine.llm as llm_module
     from graphrunner.engine import serve_cli

@@ -208,7 +208,8 @@ def _params():
             for i, n in enumerate(MAX_TOKENS)]
 
 
-# Graph modes (emulated on CPU): steps agreed to split leave their FULL / PIECEWISE descriptor for eager.
+# Graph modes (emulated on CPU): a uniform-decode step agreed to split replays its descriptor's
+# microbatched FULL graph; any other step agreed to split leaves its descriptor for eager.
 GRAPH_ARGS = dict(enforce_eager=False, compile_backend="eager", cudagraph_mode="FULL_DECODE_ONLY",
                   cudagraph_capture_sizes=[4, 8])
 
@@ -244,6 +245,7 @@ def _generate(rank: int, world: int, dp: int, dbo: bool) -> dict:
     outs = llm.generate(PROMPTS, _params())
     ubatched = hooks.num_microbatched_steps if hooks is not None else 0
     info = {"tokens": [o.token_ids for o in outs], "ubatched": ubatched, "steps": steps,
+            "ubatched_graphs": hooks.num_microbatched_graph_steps if hooks is not None else 0,
             "mode": llm.runner.graphs.mode.name}
     llm.shutdown()
     return info
@@ -265,6 +267,8 @@ def test_dp2_lockstep_dbo_matches_without_and_one_process(reference):
     assert dbo[0]["mode"] == "FULL_DECODE_ONLY"
     # Every rank split the same steps, and some.
     assert dbo[0]["ubatched"] == dbo[1]["ubatched"] > 0
+    # both kinds: microbatched FULL graphs (uniform decode) and eager splits (the rest)
+    assert 0 < dbo[0]["ubatched_graphs"] < dbo[0]["ubatched"], dbo[0]
     steps0, steps1 = dbo[0]["steps"], dbo[1]["steps"]
     assert len(steps0) == len(steps1)
     counters = [s[2] for s in steps0] + [dbo[0]["ubatched"]]
