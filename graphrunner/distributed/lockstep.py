@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from capture.descriptor import BatchExecutionDescriptor
 from capture.modes import CUDAGraphMode
@@ -54,7 +55,8 @@ class LockstepDP:
         self._ubatch: Microbatcher | None = None  # DBO (its microbatched FULL graphs capture through it)
         if groups.config.enable_dbo:
             body = graphs.body
-            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, device, ep, side_comms)
+            self._ubatch = body.microbatch = Microbatcher(body.limits.max_num_reqs, device, ep, side_comms,
+                                                          self._agree_sizes if ep is not None else None)
 
     @property
     def num_microbatched_steps(self) -> int:
@@ -116,6 +118,14 @@ class LockstepDP:
             return False
         return wants_microbatch(num_reqs, num_tokens, uniform, body.limits.uniform_decode_query_len,
                                 config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+
+    def _agree_sizes(self, first: int, second: int) -> tuple[int, int]:
+        """An eager microbatched step under DP + EP: the largest first and second microbatch over the
+        replicas (their cuts differ), which each microbatch's MoE layers pad to (one CPU all-reduce)."""
+        sizes = torch.tensor([first, second], dtype=torch.int64)
+        with self.groups.exchange("DBO microbatch sizes (all-reduce over the data-parallel replicas)"):
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.groups.dp.cpu_group)
+        return int(sizes[0]), int(sizes[1])
 
     def _dummy_step(self, desc: BatchExecutionDescriptor) -> None:
         """The agreed descriptor over scratch entries only: the same graph / compiled / eager

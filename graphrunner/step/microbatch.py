@@ -46,9 +46,11 @@ are refused with DBO (`ParallelConfig`).
 Under expert parallelism across the replicas (DP + EP) every MoE layer all-gathers its tokens
 over the DP group, which needs the same count on every replica, while the cut point is each
 rank's own. The whole step is padded to the agreed token count T_pad (the coordinator's
-`pad_eager`), and each microbatch's MoE layers pad their tokens to T_pad (`DPComm.pad_tokens`):
-both halves are shorter than T_pad, so that size fits every rank's cut. Such microbatches run
-the model's eager modules (the padding target is a host value a compiled piece would bake in).
+`pad_eager`), and each microbatch's MoE layers pad their tokens to the largest size that
+microbatch has on any rank (`DPComm.pad_tokens`, agreed in one more CPU all-reduce of the two
+sizes, `agree_sizes`): padding both to T_pad would gather and compute every expert over twice the
+step's tokens. Such microbatches run the model's eager modules (the padding target is a host value
+a compiled piece would bake in).
 On CUDA microbatch 1's collectives (the DP all-gather / reduce-scatter and the TP all-reduce)
 go over a second set of communicators, so that they overlap microbatch 0's attention and expert
 GEMMs without two streams sharing one NCCL communicator.
@@ -57,6 +59,7 @@ GEMMs without two streams sharing one NCCL communicator.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -130,9 +133,12 @@ class Microbatcher:
     `StepBody.forward_and_sample` calls `forward` instead of its whole-batch forward while armed.
     """
 
-    def __init__(self, max_num_reqs: int, device: torch.device, ep: Any = None, side_comms: Any = None) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, ep: Any = None, side_comms: Any = None,
+                 agree_sizes: Callable[[int, int], tuple[int, int]] | None = None) -> None:
         self.device = device
         self.ep = ep  # DP + EP: the MoE layers' DPComm, whose pad_tokens each microbatch sets
+        # DP + EP: (this rank's two microbatch sizes) -> the largest of each over the DP replicas
+        self.agree_sizes = agree_sizes
         # DP + EP on CUDA: a context manager giving the side stream's microbatch its own communicators
         # (comm.second_communicators): one NCCL communicator must not run on two streams at once.
         self.side_comms = side_comms
@@ -175,13 +181,15 @@ class Microbatcher:
         if cut is None or batch.pcp is not None or not body.is_last_stage or body.buffers.stage.hidden_in is not None:
             return body.forward(batch)
         first, second = split_batch(batch, *cut, self.qsl)
-        if self.ep is not None and not static:  # static halves: the same token counts on every rank
-            self.ep.pad_tokens = batch.num_tokens_padded
+        pads: tuple[int | None, int | None] = (None, None)  # static halves: the same sizes on every rank
+        if self.ep is not None and not static:
+            sizes = first.num_tokens_padded, second.num_tokens_padded
+            pads = self.agree_sizes(*sizes) if self.agree_sizes is not None else sizes
         try:
             if self.stream is None:  # CPU: one after the other
-                out = (self._forward(body, first), self._forward(body, second))
+                out = (self._forward(body, first, pads[0]), self._forward(body, second, pads[1]))
             else:
-                out = self._two_streams(body, first, second)
+                out = self._two_streams(body, first, second, pads)
         finally:
             if self.ep is not None:
                 self.ep.pad_tokens = None
@@ -190,18 +198,22 @@ class Microbatcher:
             self.last_cut = cut
         return torch.cat(out)  # [T_pad, H]
 
-    def _forward(self, body: Any, half: InputBatch) -> Any:
-        return body.forward(half, modules=True) if self.ep is not None else body.forward(half)
+    def _forward(self, body: Any, half: InputBatch, pad: int | None) -> Any:
+        if self.ep is None:
+            return body.forward(half)
+        self.ep.pad_tokens = pad  # read while the layers are issued, before the other half's
+        return body.forward(half, modules=True)
 
-    def _two_streams(self, body: Any, first: InputBatch, second: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _two_streams(self, body: Any, first: InputBatch, second: InputBatch,
+                     pads: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Microbatch 0 on the current stream, 1 on the side stream; the current stream waits for both."""
         assert self.stream is not None and self.forked is not None and self.joined is not None
         main = torch.cuda.current_stream(self.device)
         self.forked.record(main)  # the prepared inputs (and microbatch 1's query_start_loc) are ready
-        out0 = self._forward(body, first)
+        out0 = self._forward(body, first, pads[0])
         self.stream.wait_event(self.forked)
         with torch.cuda.stream(self.stream), (self.side_comms() if self.side_comms is not None else nullcontext()):
-            out1 = self._forward(body, second)
+            out1 = self._forward(body, second, pads[1])
             self.joined.record(self.stream)
         main.wait_event(self.joined)
         out1.record_stream(main)  # allocated on the side stream, read on the current one

@@ -139,3 +139,45 @@ def test_balanced_placement_covers_replicates_and_is_stable(num_experts, redunda
     per_rank = physical // ranks
     rank_load = [sum(spread[r * per_rank : (r + 1) * per_rank]) for r in range(ranks)]
     assert max(rank_load) <= sum(spread) / ranks + max(spread) + 1e-6
+
+
+# Two prefills of near-equal size whose request boundaries differ (lengths 6, 10, 8 on replica 0 and
+# 12, 4, 9 on replica 1, dealt round-robin): both split eagerly, at different cuts (14 and 13 tokens).
+SPLIT_PROMPTS = [[(11 * i + 3 * j) % 400 + 4 for j in range(n)] for i, n in enumerate([6, 12, 10, 4, 8, 9])]
+
+
+def _split_prefill(rank: int, world: int, extra: dict) -> dict:
+    from graphrunner.engine.llm import LLM
+    from graphrunner.protocol import SamplingParams
+
+    llm = LLM("builtin:tiny-moe", data_parallel_size=world, **LLM_ARGS, **extra)
+    agreed: list = []
+    ub = llm.runner.dp._ubatch if llm.runner.dp is not None else None
+    if ub is not None:
+        sizes = ub.agree_sizes
+
+        def record(first: int, second: int) -> tuple[int, int]:
+            agreed.append(((first, second), sizes(first, second)))
+            return agreed[-1][1]
+
+        ub.agree_sizes = record
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True) for i in range(len(SPLIT_PROMPTS))]
+    info = {"tokens": [o.token_ids for o in llm.generate(SPLIT_PROMPTS, params)], "agreed": agreed,
+            "eager_microbatched": ub.num_steps - ub.num_graph_steps if ub is not None else 0}
+    llm.shutdown()
+    return info
+
+
+def test_eager_microbatches_pad_to_the_largest_half_over_the_replicas() -> None:
+    (one,) = run_world(1, _split_prefill, {}, timeout_s=60)
+    dbo = dict(enable_expert_parallel=True, enable_dbo=True, dbo_decode_token_threshold=2,
+               dbo_prefill_token_threshold=4, **GRAPH_ARGS)
+    infos = run_world(2, _split_prefill, dbo, timeout_s=120)
+    for rank, info in enumerate(infos):
+        assert info["tokens"] == one["tokens"], f"rank {rank}"
+        assert info["eager_microbatched"] > 0, info
+    # Each replica's cut is its own; both pad each microbatch to the larger of the two replicas' sizes
+    # (the prefill of 24 and 25 tokens: 26 rows over both microbatches), not each to the step's 25.
+    first = [infos[0]["agreed"][0], infos[1]["agreed"][0]]
+    assert first[0][1] == first[1][1] == tuple(max(s) for s in zip(first[0][0], first[1][0], strict=True))
+    assert sum(first[0][1]) < 2 * max(sum(f[0]) for f in first), first
