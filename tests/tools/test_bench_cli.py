@@ -208,6 +208,9 @@ def test_kernels_refuses_a_cpu_by_name(capsys):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="bench kernels needs a CUDA device"):
         main(["bench", "kernels", "--model", "builtin:tiny-llama"])
+    # the fp8 weights and KV cache of `bench latency` are taken too (and checked before the device)
+    with pytest.raises(SystemExit, match="bench kernels needs a CUDA device"):
+        main(["bench", "kernels", "--model", "builtin:tiny-llama", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
 
 
 def test_throughput_counts_every_output_token(tmp_path, capsys):

@@ -104,6 +104,8 @@ def add_kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables here")
     p.add_argument("--pdl", action="store_true",
                    help="launch with programmatic dependent launch (off by default: kernels then overlap)")
+    add_quantization_arg(p)
+    add_kv_cache_dtype_arg(p)
 
 
 def _run_kernels(args: argparse.Namespace) -> int:

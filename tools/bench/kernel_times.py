@@ -112,11 +112,14 @@ def run_args(args: argparse.Namespace) -> int:
     """Profile what `args` asks for, print the tables, write the markdown file if asked."""
     spec = latency.LatencySpec(model=args.model, batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                                context=args.context, modes=tuple(args.modes.split(",")), steps=args.steps,
-                               warmup=2, kernel=KernelConfig(pdl=args.pdl))
+                               warmup=2, kernel=KernelConfig(pdl=args.pdl), quantization=args.quantization,
+                               kv_cache_dtype=args.kv_cache_dtype)
     results = run(spec, args.top)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"# Kernel time per decode step: {args.model}, context {args.context}\n\n")
+            extras = "".join(f", {name} {v}" for name, v in (("quantization", args.quantization),
+                                                              ("KV", args.kv_cache_dtype)) if v not in (None, "auto"))
+            f.write(f"# Kernel time per decode step: {args.model}, context {args.context}{extras}\n\n")
             f.write(f"device: {torch.cuda.get_device_name()}\n\n")
             f.writelines(r.markdown(args.top) + "\n" for r in results)
     return 0
