@@ -93,8 +93,9 @@ def cache_filled_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
             continue
         # The last known token's KV is computed by the step after it was sampled (maybe still in flight).
         full = min(req.num_computed_tokens, req.num_tokens - 1, len(req.block_ids) * bs) // bs
-        if full > sched.cached_blocks.get(req_id, 0):
-            alloc.register(req.block_key_tokens, req.block_ids, full, req.cache_salt)
+        known = sched.cached_blocks.get(req_id, 0)
+        if full > known:
+            alloc.register(req.block_key_tokens, req.block_ids, full, req.cache_salt, known)
             sched.cached_blocks[req_id] = full
             if sched.kv_connector is not None:
                 sched.kv_connector.blocks_cached(req, full)

@@ -38,6 +38,9 @@ class PrefixCachingAllocator(BlockAllocator):
         self._key_of: dict[int, Key] = {}
         self._block_of: dict[Key, int] = {}
         self._key_ids: dict[Key, int] = {}  # keyed blocks' key -> a unique id (the parent part of child keys)
+        # Every block `register` walked -> its key's id (a block whose content another block caches: that
+        # one's), so that a later call resumes a request's chain where it stopped instead of from block 0.
+        self._id_of_block: dict[int, int] = {}
         self._next_key_id = 0
         self.num_queries = self.num_hit_tokens = self.num_query_tokens = 0
         # Called with a cached block's id as `allocate` hands it out again (its content still intact until
@@ -62,6 +65,7 @@ class PrefixCachingAllocator(BlockAllocator):
         ids = []
         for _ in range(n):
             block, _ = self._lru.popitem(last=False)
+            self._id_of_block.pop(block, None)
             key = self._key_of.pop(block, None)
             if key is not None:  # its children's keys become unreachable: they are evicted in turn
                 del self._block_of[key]
@@ -119,26 +123,34 @@ class PrefixCachingAllocator(BlockAllocator):
             self._refs[block] += 1
         self.num_hit_tokens += len(blocks) * self.block_size
 
-    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full: int, salt: int = 0) -> None:
+    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full: int, salt: int = 0,
+                 start: int = 0) -> None:
         """Key a request's first `num_full` blocks by their content under `salt` (blocks already keyed, or
-        whose content another block already caches, are left as they are)."""
-        parent, bs = -1 - salt, self.block_size
-        for i, block in enumerate(block_ids[:num_full]):
+        whose content another block already caches, are left as they are). `start`: blocks the request
+        registered before (a call per filled block then walks only the new ones: a whole walk each time
+        was a quarter of the engine's host time at 256 requests of 281-843 + 281-843 tokens)."""
+        bs, ids = self.block_size, self._id_of_block
+        parent = ids.get(block_ids[start - 1]) if 0 < start <= len(block_ids) else None
+        if parent is None:
+            start, parent = 0, -1 - salt
+        for i in range(start, num_full):
+            block = block_ids[i]
             key = self._key_of.get(block)
             if key is None:
                 key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
                 if key in self._block_of:  # another block caches this content: it stays the one
-                    parent = self._key_ids[key]
+                    parent = ids[block] = self._key_ids[key]
                     continue
                 self._key_of[block], self._block_of[key] = key, block
                 self._key_ids[key], self._next_key_id = self._next_key_id, self._next_key_id + 1
-            parent = self._key_ids[key]
+            parent = ids[block] = self._key_ids[key]
 
     def reset(self) -> None:
         """Drop every key (a later lookup hits nothing) and the hit counters."""
         self._key_of.clear()
         self._block_of.clear()
         self._key_ids.clear()
+        self._id_of_block.clear()
         self.num_queries = self.num_hit_tokens = self.num_query_tokens = 0
 
     @property

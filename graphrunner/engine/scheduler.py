@@ -909,7 +909,7 @@ class Scheduler:
         assert isinstance(alloc, PrefixCachingAllocator)
         for i in np.flatnonzero(full > known).tolist():
             req = reqs[i]
-            alloc.register(req.block_key_tokens, req.block_ids, int(full[i]), req.cache_salt)
+            alloc.register(req.block_key_tokens, req.block_ids, int(full[i]), req.cache_salt, int(known[i]))
             self.cached_blocks[ids[i]] = int(full[i])
 
     def _append_sampled(

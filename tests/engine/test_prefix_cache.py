@@ -53,6 +53,39 @@ def test_pool_hits_hold_the_prefix_they_are_keyed_by(ops) -> None:
         pool.free([0])
 
 
+@given(reqs=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=20),
+                               st.lists(st.integers(1, 3), min_size=1, max_size=6), st.booleans()), max_size=12))
+def test_registering_a_filled_block_at_a_time_keys_what_one_whole_walk_keys(reqs) -> None:
+    """`register(..., start)` resumes a request's chain where its last call stopped: the pool's keys and
+    hits equal those of a pool that walks every block from the first on each call."""
+    whole, resumed = PrefixCachingAllocator(16, BS), PrefixCachingAllocator(16, BS)
+    held: list[list[int]] = []
+    for tokens, steps, free_first in reqs:
+        if free_first and held:
+            blocks = held.pop(0)
+            whole.free(blocks)
+            resumed.free(blocks)
+        hit = whole.lookup(tokens, (len(tokens) - 1) // BS)
+        assert resumed.lookup(tokens, (len(tokens) - 1) // BS) == hit
+        need = -(-len(tokens) // BS) - len(hit)
+        if not whole.can_allocate(need + sum(not whole.is_allocated(b) for b in hit)):
+            continue
+        for pool in (whole, resumed):
+            pool.touch(hit)
+        blocks = hit + whole.allocate(need)
+        assert resumed.allocate(need) == blocks[len(hit):]
+        full, done = len(tokens) // BS, 0
+        for step in steps:  # the blocks fill a few at a time, as decoding fills them
+            upto = min(full, done + step)
+            whole.register(tokens, blocks, upto)
+            resumed.register(tokens, blocks, upto, start=done)
+            done = upto
+        whole.register(tokens, blocks, full)
+        resumed.register(tokens, blocks, full, start=done)
+        assert resumed._key_of == whole._key_of and resumed._block_of == whole._block_of
+        held.append(blocks)
+
+
 ARGS = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=4, seed=3)
 GRAPHS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32])
 SHARED = [(5 * j) % 97 + 1 for j in range(27)]
