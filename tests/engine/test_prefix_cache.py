@@ -127,3 +127,15 @@ def test_reset_forgets_every_prefix() -> None:
     assert pool.lookup(tokens, 2) == [] and pool.num_hit_tokens == 0
     pool.free(blocks)
     assert pool.num_free == 8
+
+
+@given(head=st.lists(st.integers(0, 9), max_size=8), tail=st.lists(st.integers(0, 9), max_size=8),
+       start=st.integers(-10, 12), stop=st.integers(-10, 12), step=st.sampled_from([None, 1, 2, -1]))
+def test_the_token_view_the_cache_slices_is_prompt_plus_output(head, tail, start, stop, step) -> None:
+    from graphrunner.engine.request import TokenChain
+
+    chain, joined = TokenChain(head, tail), head + tail
+    assert len(chain) == len(joined) and list(chain) == joined
+    assert chain[start:stop:step] == joined[start:stop:step]
+    if joined:
+        assert chain[start % len(joined)] == joined[start % len(joined)] and chain[-1] == joined[-1]
