@@ -19,6 +19,7 @@ the runner runs them before it reads any field to look for a steady-decode plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -261,12 +262,14 @@ def _held_after_new_blocks(held: np.ndarray, rows: np.ndarray, new_block_ids: li
                            limits: StepLimits) -> np.ndarray:
     """`held` (a copy) plus each row's new blocks; _Invalid if a block rule fails."""
     held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
-    counts = np.fromiter((len(b) if b else 0 for b in new_block_ids), dtype=np.int64, count=len(new_block_ids))
-    if counts.any():  # one numpy pass: a block-boundary step adds a block to every running row
-        ids = np.fromiter((x for b in new_block_ids if b for x in b), dtype=np.int64, count=int(counts.sum()))
+    grown = _rows_with_blocks(new_block_ids)
+    if grown.size:  # one numpy pass: a block-boundary step adds a block to every running row
+        lists = [new_block_ids[i] for i in grown.tolist()]
+        counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        ids = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(counts.sum()))
         if block_ids_out_of_range(ids, num_kv_blocks).any():
             raise _Invalid
-        np.add.at(held, rows, counts)
+        np.add.at(held, rows[grown], counts)
     if len(rows) and bool(too_many_blocks(held[rows], limits).any()):
         raise _Invalid
     return held
@@ -293,6 +296,8 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         new_blocks = any(cached.new_block_ids)
     limit = hint.limit
     if new_blocks:
+        if len(cached.new_block_ids) != len(rows):  # the columns' lengths: the reference words it
+            raise _Invalid
         held_before = state.tables.num_blocks
         held = _held_after_new_blocks(held_before, rows, cached.new_block_ids, state.tables.num_kv_blocks, limits)
         limit = token_limit(held[rows], limits)
@@ -324,12 +329,19 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
             raise _Invalid
 
 
+def _rows_with_blocks(new_block_ids: list) -> np.ndarray:
+    """Indices of the non-empty entries of `new_block_ids` (a C-level pass: most entries of a decode step
+    are None, and a generator over them cost 15-40 us a step at 256 requests)."""
+    return np.flatnonzero(np.fromiter(map(bool, new_block_ids), dtype=bool, count=len(new_block_ids)))
+
+
 def _cached_claims(cached: CachedRequestData, rows: np.ndarray, computed: np.ndarray, held: np.ndarray,
                    limits: StepLimits) -> list[BlockClaim]:
     """The blocks running requests add this step. computed: [R] their num_computed_tokens (in
     `cached` order); rows: [R] their state rows; held: blocks per state row before the step."""
-    return [BlockClaim(rid, list(blocks), first_written_block(int(computed[i]), int(held[rows[i]]), limits))
-            for i, (rid, blocks) in enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True)) if blocks]
+    ids, blocks = cached.req_ids, cached.new_block_ids
+    return [BlockClaim(ids[i], list(blocks[i]), first_written_block(int(computed[i]), int(held[rows[i]]), limits))
+            for i in _rows_with_blocks(blocks).tolist()]
 
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:

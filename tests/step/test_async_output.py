@@ -222,6 +222,8 @@ def test_steady_decode_validation_agrees_with_the_reference(small_runner, data):
                 so.scheduled_cached_reqs.num_computed_tokens.append(
                     computed[rid] + (data.draw(st.integers(0, 19), label="skew") == 0))
                 so.num_scheduled_tokens[rid] = 1
+            if data.draw(st.integers(0, 19), label="a new_block_ids entry too many") == 0:
+                so.scheduled_cached_reqs.new_block_ids.append([free[-1]])
             try:
                 validate_reference(runner.state, runner.limits, so)
                 reference_ok = True
