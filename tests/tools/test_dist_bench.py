@@ -111,3 +111,27 @@ def test_skewed_experts_are_not_the_ones_replicated_at_start(redundant: int) -> 
     too_many = min(8 - redundant, 7) + 1  # past the last expert, or every expert
     with pytest.raises(ValueError, match=f"--hot-experts {too_many} must lie in 1..{too_many - 1}"):
         skew_router(SimpleNamespace(runner=SimpleNamespace(model=moe)), too_many, 20.0)
+
+
+def test_the_microbatch_timer_wraps_the_forward_with_its_arguments() -> None:
+    """MicrobatchOverlap replaces Microbatcher._forward for a run: the forward gets what it was called
+    with, each call is timed, and close() puts the original back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from graphrunner.step.microbatch import Microbatcher
+    from graphrunner_tools.bench.dist_bench import MicrobatchOverlap
+
+    original = Microbatcher._forward
+    calls: list = []
+    body = SimpleNamespace(forward=lambda half, **kw: calls.append((half, kw)) or torch.zeros(1))
+    timer = MicrobatchOverlap("cpu")
+    try:
+        ub = Microbatcher(4, torch.device("cpu"))
+        ub._forward(body, "first", None)
+        ub._forward(body, "second", None)
+    finally:
+        summary = timer.close()
+    assert Microbatcher._forward is original
+    assert calls == [("first", {}), ("second", {})] and len(timer.halves) == 2, summary

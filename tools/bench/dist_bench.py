@@ -366,10 +366,10 @@ class MicrobatchOverlap:
         self.halves: list = []
         orig, halves = self._orig, self.halves
 
-        def _forward(microbatcher, body, half):
+        def _forward(microbatcher, body, half, pad):
             start = new()
             start.record()
-            out = orig(microbatcher, body, half)
+            out = orig(microbatcher, body, half, pad)
             end = new()
             end.record()
             halves.append((start, end))
