@@ -370,3 +370,14 @@ def test_speculative_decoding_under_tp_and_pp_matches_one_process(reference, tp,
     infos = run_world(tp * pp, _generate, tp, pp, 1, {"speculative_config": spec}, timeout_s=120)
     for info in infos:
         assert info["tokens"] == reference
+
+
+def test_speculative_decoding_under_lockstep_dp_in_the_async_loop_matches_one_process(reference) -> None:
+    """Lockstep DP replicas in the async loop with n-gram drafts: every rank steps once per iteration,
+    the idle one through dummy steps, and the greedy tokens equal plain decoding."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    infos = run_world(2, _generate, 1, 1, 2, {"data_parallel_lockstep": True, "speculative_config": spec},
+                      timeout_s=120)
+    for info in infos:
+        assert info["tokens"] == reference and info["async"]
+    assert sum(i["dummy_steps"] for i in infos) > 0
