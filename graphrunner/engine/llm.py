@@ -788,9 +788,7 @@ class LLM(PoolingAPI):
         # Lockstep DP: every rank calls execute_model once per iteration (its one DP agreement), with an
         # empty plan when it has nothing to launch: the runner then runs a dummy step if a peer runs one.
         lockstep = self.groups.dp_lockstep
-        if lockstep and not self.scheduler.has_unfinished_requests():
-            self.runner.execute_model(self.scheduler.schedule())
-        elif self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             self._structured.place_drafts(self.runner, scheduler_output, self.scheduler)
             scheduled = scheduler_output.total_num_scheduled_tokens > 0
@@ -810,6 +808,8 @@ class LLM(PoolingAPI):
                 if self._structured.constrains(scheduler_output):  # its masks need every earlier token
                     early += self._resolve_in_flight()
                 launched = (scheduler_output, self._structured.sample(self.runner, scheduler_output, True))
+        elif lockstep:
+            self.runner.execute_model(self.scheduler.schedule())
         if launched is not None:
             self._in_flight.append(launched)
         # Resolve the oldest steps beyond the depth (all but the newest P - 1 under pipelined PP),

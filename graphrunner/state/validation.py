@@ -258,11 +258,11 @@ def _rows_of(ids, index: dict[str, int], removed: set[str], new_rows: dict[str, 
     return np.asarray(rows, dtype=np.int64)
 
 
-def _held_after_new_blocks(held: np.ndarray, rows: np.ndarray, new_block_ids: list, num_kv_blocks: int,
-                           limits: StepLimits) -> np.ndarray:
-    """`held` (a copy) plus each row's new blocks; _Invalid if a block rule fails."""
+def _held_after_new_blocks(held: np.ndarray, rows: np.ndarray, new_block_ids: list, grown: np.ndarray,
+                           num_kv_blocks: int, limits: StepLimits) -> np.ndarray:
+    """`held` (a copy) plus each row's new blocks (`grown`: the entries that have some, `_rows_with_blocks`);
+    _Invalid if a block rule fails."""
     held = held.astype(np.int64)  # a copy: the added blocks are hypothetical until the step applies
-    grown = _rows_with_blocks(new_block_ids)
     if grown.size:  # one numpy pass: a block-boundary step adds a block to every running row
         lists = [new_block_ids[i] for i in grown.tolist()]
         counts = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
@@ -299,9 +299,11 @@ def _validate_steady_decode(state: StateStore, limits: StepLimits, so: Scheduler
         if len(cached.new_block_ids) != len(rows):  # the columns' lengths: the reference words it
             raise _Invalid
         held_before = state.tables.num_blocks
-        held = _held_after_new_blocks(held_before, rows, cached.new_block_ids, state.tables.num_kv_blocks, limits)
+        grown = _rows_with_blocks(cached.new_block_ids)
+        held = _held_after_new_blocks(held_before, rows, cached.new_block_ids, grown, state.tables.num_kv_blocks,
+                                      limits)
         limit = token_limit(held[rows], limits)
-        if _sharing_error(state, limits, _cached_claims(cached, rows, computed, held_before, limits), []):
+        if _sharing_error(state, limits, _cached_claims(cached, grown, rows, computed, held_before, limits), []):
             raise _Invalid
     # The max_model_len and blocks_held rules, as room left under `rules.token_limit`.
     # With speculation rows advance by their accepted counts, not by q each: no shortcut.
@@ -335,13 +337,14 @@ def _rows_with_blocks(new_block_ids: list) -> np.ndarray:
     return np.flatnonzero(np.fromiter(map(bool, new_block_ids), dtype=bool, count=len(new_block_ids)))
 
 
-def _cached_claims(cached: CachedRequestData, rows: np.ndarray, computed: np.ndarray, held: np.ndarray,
-                   limits: StepLimits) -> list[BlockClaim]:
-    """The blocks running requests add this step. computed: [R] their num_computed_tokens (in
-    `cached` order); rows: [R] their state rows; held: blocks per state row before the step."""
+def _cached_claims(cached: CachedRequestData, grown: np.ndarray, rows: np.ndarray, computed: np.ndarray,
+                   held: np.ndarray, limits: StepLimits) -> list[BlockClaim]:
+    """The blocks running requests add this step. grown: the entries with new blocks
+    (`_rows_with_blocks`); computed: [R] their num_computed_tokens (in `cached` order); rows: [R]
+    their state rows; held: blocks per state row before the step."""
     ids, blocks = cached.req_ids, cached.new_block_ids
     return [BlockClaim(ids[i], list(blocks[i]), first_written_block(int(computed[i]), int(held[rows[i]]), limits))
-            for i in _rows_with_blocks(blocks).tolist()]
+            for i in grown.tolist()]
 
 
 def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOutput) -> None:
@@ -398,8 +401,9 @@ def _validate_vectorized(state: StateStore, limits: StepLimits, so: SchedulerOut
         if not np.array_equal(nc, computed[crows]):
             raise _Invalid
         if any(cached.new_block_ids):
-            claims += _cached_claims(cached, crows, nc, held, limits)
-            held = _held_after_new_blocks(held, crows, cached.new_block_ids, tables.num_kv_blocks, limits)
+            grown = _rows_with_blocks(cached.new_block_ids)
+            claims += _cached_claims(cached, grown, crows, nc, held, limits)
+            held = _held_after_new_blocks(held, crows, cached.new_block_ids, grown, tables.num_kv_blocks, limits)
     if claims:
         removed_rows = [index[rid] for rid in removed if rid in index]
         if _sharing_error(state, limits, claims, removed_rows):
