@@ -5,6 +5,12 @@ fp32 buffer and gathered by `positions` at run time: no host sync, and the same 
 read by every captured graph. The model applies the rotation inside the attention op,
 fused with the KV-cache write (graphrunner.attention.base.rope_attention); `RotaryEmbedding` owns the
 table, and its `forward` is Hugging Face's formula, the reference the tests hold it to.
+
+M-RoPE (Qwen2.5-VL, `rope_type: "mrope"`) gives each token three positions, temporal, height and
+width, and splits the rotated half-dimension into `mrope_section` parts, each rotated by one of them.
+`MRotaryEmbedding` keeps the same table and, once per forward, gathers each token's cos | sin row from
+its three positions (`per_token`); the layers then read that [T, D] table by token index, through the
+same fused rotary + KV-write path. Models with one position per token never call it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ ROPE_TYPES: Mapping[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "mrope": ("mrope_section",),  # default frequencies, three position axes
 }
 
 
@@ -67,7 +74,7 @@ def compute_inv_freq(
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; allowed: {sorted(ROPE_TYPES)}")
     if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
+        inv_freq = inv_freq / float(scaling["factor"])  # mrope keeps the default frequencies
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     return inv_freq
@@ -132,3 +139,46 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def make_rotary(head_dim: int, max_position_embeddings: int, rope_theta: float,
+                rope_scaling: Mapping[str, Any] | None = None, *,
+                device: torch.device | str | None = None) -> RotaryEmbedding:
+    """The rotary embedding a config names: `MRotaryEmbedding` for rope_type "mrope", else `RotaryEmbedding`."""
+    if (rope_scaling or {}).get("rope_type") == "mrope":
+        assert rope_scaling is not None
+        return MRotaryEmbedding(head_dim, max_position_embeddings, rope_theta, rope_scaling, device=device)
+    return RotaryEmbedding(head_dim, max_position_embeddings, rope_theta, rope_scaling, device=device)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE: the rotated pairs split into `mrope_section` (t, h, w) parts (module docstring).
+
+    `section` is a [1, 1, D] int64 buffer naming, for each column of a cos | sin row, which of a
+    token's three positions rotates it (the sin half repeats the cos half's sections)."""
+
+    section: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position_embeddings: int, rope_theta: float,
+                 rope_scaling: Mapping[str, Any], *, device: torch.device | str | None = None) -> None:
+        super().__init__(head_dim, max_position_embeddings, rope_theta, rope_scaling, device=device)
+        sections = check_mrope_section(rope_scaling.get("mrope_section"), head_dim)
+        half = torch.repeat_interleave(torch.arange(3, device=device), torch.tensor(sections, device=device))
+        self.register_buffer("section", torch.cat([half, half]).view(1, 1, head_dim), persistent=False)
+
+    def per_token(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T, 3] (t, h, w) int64 -> (index [T] int64, table [T, D] float32): token i's cos | sin row
+        is table[index[i]], what the attention's rotary reads in place of (positions, cos_sin_cache)."""
+        rows = self.cos_sin_cache[positions]  # [T, 3, D]: each position's full row
+        table = rows.gather(1, self.section.expand(rows.shape[0], 1, self.head_dim)).squeeze(1)  # [T, D]
+        return torch.arange(rows.shape[0], device=positions.device), table
+
+
+def check_mrope_section(value: Any, head_dim: int) -> tuple[int, int, int]:
+    """`mrope_section` as three ints >= 0 summing to head_dim / 2; ValueError naming the value otherwise."""
+    ok = (isinstance(value, (list, tuple)) and len(value) == 3
+          and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+    if not ok or sum(value) != head_dim // 2:
+        raise ValueError(f"mrope_section={value!r} must be three ints >= 0 (t, h, w) summing to head_dim / 2 = "
+                         f"{head_dim // 2}")
+    return (int(value[0]), int(value[1]), int(value[2]))

@@ -38,7 +38,7 @@ from graphrunner.layers.embedding import LMHead, VocabEmbedding
 from graphrunner.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from graphrunner.layers.moe.layer import DOWN, GATE, UP, FusedMoE
 from graphrunner.layers.norm import RMSNorm
-from graphrunner.layers.rotary import RotaryEmbedding
+from graphrunner.layers.rotary import MRotaryEmbedding, RotaryEmbedding, make_rotary
 from graphrunner.models.registry import check_architecture
 from graphrunner.models.stages import MissingLayer, pp_layer_range
 
@@ -100,7 +100,8 @@ class Attention(nn.Module):
         # Heads of this TP rank.
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         # HF Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2's bias is on q/k/v only.
-        o_bias = config.attention_bias and config.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        o_bias = config.attention_bias and config.architecture not in (
+            "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration")
         self.o_proj = RowLinear(
             config.q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
             tp_size=tp.size, tp_rank=tp.rank, all_reduce=tp.all_reduce if tp.size > 1 else None, kernel=kernel,
@@ -137,11 +138,12 @@ class Attention(nn.Module):
         qkv: torch.Tensor,  # [T, (H + 2 Hkv) D]: qkv_proj's output (DecoderLayer fuses the norm into it)
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
+        rope_table: torch.Tensor | None = None,  # M-RoPE: [T, D] per-token cos | sin, read at `positions`
     ) -> torch.Tensor:  # [T, hidden]
         q, k, v = self.qkv_proj.split_qkv(qkv)  # q: [T, H, D]; k, v: [T, Hkv, D] (views)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attend(positions, q, k, v, kv_cache, metadata)  # [T, H, D]
+        out = self.attend(positions, q, k, v, kv_cache, metadata, rope_table)  # [T, H, D]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
     def attend(
@@ -152,6 +154,7 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
+        rope_table: torch.Tensor | None = None,  # M-RoPE: [T, D] per-token cos | sin instead of the model's table
     ) -> torch.Tensor:  # [T, H, D]
         """Rotary embedding, KV write and attention: the torch.compile split point.
 
@@ -161,7 +164,7 @@ class Attention(nn.Module):
         that under PIECEWISE graphs it belongs to the preceding compiled piece and has a
         stable address.
         """
-        cos_sin = self._rotary[0].cos_sin_cache  # [max_positions, D] float32
+        cos_sin = self._rotary[0].cos_sin_cache if rope_table is None else rope_table  # [rows, D] float32
         if self.attention_op_mode:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous for the reshape
             torch.ops.graphrunner.unified_attention(q, k, v, positions, cos_sin, out, self.layer_index, self.scale,
@@ -239,6 +242,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        rope_table: torch.Tensor | None = None,  # M-RoPE: [T, D] per-token cos | sin (LlamaModel.forward)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (block output, residual), both [T, hidden]
         # Each half enters through its first projection's add_norm_forward: residual add, RMSNorm
         # and the projection, one launch at one row on CUDA (layers/linear.py).
@@ -247,7 +251,7 @@ class DecoderLayer(nn.Module):
             residual, qkv = hidden, attn.qkv_proj(self.input_layernorm(hidden))
         else:
             qkv, residual = attn.qkv_proj.add_norm_forward(self.input_layernorm, hidden, residual)
-        hidden = attn.forward_qkv(positions, qkv, kv_cache, metadata)
+        hidden = attn.forward_qkv(positions, qkv, kv_cache, metadata, rope_table)
         mlp = self.mlp
         if isinstance(mlp, FusedMoE):
             hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
@@ -281,7 +285,7 @@ class LlamaModel(nn.Module):
             VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp, kernel=kernel)
             if needs_embed else None
         )
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = make_rotary(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
@@ -318,7 +322,7 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int32
-        positions: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64; M-RoPE: [T, 3] (t, h, w)
         kv_caches: list[torch.Tensor],  # this stage's layers only
         attn_metadata: AttentionMetadata,
         hidden_in: torch.Tensor | None = None,  # [T, hidden]: from the previous stage (non-first stages)
@@ -347,15 +351,19 @@ class LlamaModel(nn.Module):
             if hidden_in is None or residual_in is None:
                 raise ValueError("a non-first pipeline stage needs hidden_in and residual_in")
             hidden, residual = hidden_in, residual_in
+        rope_table = None
+        if positions.dim() == 2:  # M-RoPE: each token's cos | sin row gathered once, read by every layer
+            assert isinstance(self.rotary_emb, MRotaryEmbedding), "[T, 3] positions need rope_type 'mrope'"
+            positions, rope_table = self.rotary_emb.per_token(positions)
         aux: list[torch.Tensor] = []
         if not self.aux_hidden_state_layers:  # the plain loop: no per-layer test when no features are read
             for layer, kv_cache in zip(local_layers, caches, strict=True):
-                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, rope_table)
         else:
             for i, (layer, kv_cache) in enumerate(zip(local_layers, caches, strict=True), start=self.start_layer):
                 if i in self.aux_hidden_state_layers:  # the residual stream entering layer i
                     aux.append(hidden if residual is None else hidden + residual)
-                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, rope_table)
         assert residual is not None, "every stage runs at least one layer"
         if not self.is_last_stage:
             return (hidden, residual, *aux)
