@@ -155,6 +155,74 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class Qwen2_5_VisionConfig:
+    """Qwen2.5-VL's vision tower and patch merger.
+
+    Images arrive as patches of `temporal_patch_size` x `patch_size`² pixels per channel, in blocks of
+    `spatial_merge_size`² neighbours; the merger turns each block into one decoder embedding of
+    `out_hidden_size`, so an image of grid (t, h, w) patches fills t·h·w / merge² `image_token_id`
+    placeholders: a count per image, at most `max_image_tokens` (the processor's `max_pixels`). Blocks
+    attend within windows of `window_size` pixels, except `fullatt_block_indexes`, which see the whole
+    image."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    image_token_id: int
+    vision_start_token_id: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    in_channels: int = 3
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    max_image_tokens: int = 16384  # Qwen2.5-VL's max_pixels, 12845056, over (14 * 2)² pixels per token
+
+    def __post_init__(self) -> None:
+        _check_ints(self, ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+                           "temporal_patch_size", "spatial_merge_size", "window_size", "in_channels",
+                           "max_image_tokens"), 1)
+        _check_ints(self, ("image_token_id", "vision_start_token_id"), 0)
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a head size "
+                             "divisible by 4 (the 2D rotary splits it into h and w halves of cos | sin pairs)")
+        if self.window_size < self.patch_size * self.spatial_merge_size:
+            raise ValueError(f"window_size={self.window_size} must be >= patch_size * spatial_merge_size = "
+                             f"{self.patch_size * self.spatial_merge_size}")
+        bad = [i for i in self.fullatt_block_indexes if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"fullatt_block_indexes={list(self.fullatt_block_indexes)} names blocks outside "
+                             f"[0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_image_tokens(self) -> int:
+        """The most placeholder tokens (and embedding rows) one image takes: the encoder budget's unit."""
+        return self.max_image_tokens
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: in_channels x temporal_patch_size x patch_size²."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def num_params(self, text_hidden_size: int) -> int:
+        """The tower's and the merger's parameters (patch embedding without bias; per block two RMSNorms,
+        qkv and proj with biases, gate / up / down with biases; the merger's RMSNorm and two linears)."""
+        d, i, m = self.hidden_size, self.intermediate_size, self.spatial_merge_size ** 2
+        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (d * i + i) + (i * d + d)
+        merger = d + (m * d) * (m * d) + m * d + (m * d) * self.out_hidden_size + self.out_hidden_size
+        return self.patch_dim * d + self.depth * block + merger
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
@@ -289,8 +357,9 @@ class ModelConfig:
     # Requests may carry prompt embeddings instead of token ids (vLLM's name): the first stage then
     # reads a persistent inputs_embeds buffer (graphrunner.multimodal.embeds).
     enable_prompt_embeds: bool = False
-    # A vision-language model's vision tower and projector (None: text only).
-    vision: VisionConfig | None = None
+    # A vision-language model's vision tower and projector (None: text only): LLaVA's CLIP tower or
+    # Qwen2.5-VL's.
+    vision: VisionConfig | Qwen2_5_VisionConfig | None = None
     # fp8 weights (a pre-quantized checkpoint's `quantization_config`, or `LLM(quantization="fp8")`).
     quant: QuantConfig | None = None
 

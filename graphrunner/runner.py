@@ -195,8 +195,9 @@ class ModelRunner:
         )
         self.body.model = model
         self.embeds = make_embed_inputs(self.model_config, self.limits.max_num_tokens, model, self.device, self.dtype,
-                                        pipeline_parallel=g.pp_size > 1)
+                                        pipeline_parallel=g.pp_size > 1, num_rows=self.state.requests.num_rows)
         self.buffers.embeds = self.embeds.buffers if self.embeds is not None else None
+        self.buffers.mrope = self.embeds.mrope.buffers if self.embeds is not None and self.embeds.mrope else None
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
         if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
             from graphrunner.distributed.comm import second_communicators

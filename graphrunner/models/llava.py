@@ -94,10 +94,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype, device,
                  tp: TPComm | None = None, pp_rank: int = 0, pp_size: int = 1,
                  kernel: KernelConfig | None = None) -> None:
-        if config.vision is None:
-            raise ValueError(f"{config.name!r}: LlavaForConditionalGeneration needs a vision config")
+        if not isinstance(config.vision, VisionConfig):
+            raise ValueError(f"{config.name!r}: LlavaForConditionalGeneration needs a CLIP vision config")
         super().__init__(config, attn_backend, dtype=dtype, device=device, tp=tp, pp_rank=pp_rank, pp_size=pp_size,
                          kernel=kernel)
+        self.vision: VisionConfig = config.vision
         self.vision_tower = CLIPVisionTower(config.vision, dtype=dtype, device=device)
         self.multi_modal_projector = LlavaMultiModalProjector(config.vision, config.hidden_size, dtype=dtype,
                                                               device=device)
@@ -108,7 +109,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         device = self.vision_tower.pre_layrnorm.weight.device
         pixels = torch.stack([x["pixel_values"] for x in inputs]).to(device)  # [N, C, S, S]
         features = self.vision_tower(pixels)  # [N, 1 + P, D]
-        if self.config.vision is not None and self.config.vision.vision_feature_select_strategy == "default":
+        if self.vision.vision_feature_select_strategy == "default":
             features = features[:, 1:]  # the class token is not an image token
         return list(self.multi_modal_projector(features).unbind(0))
 

@@ -69,6 +69,7 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 # HF class defaults that differ per architecture (used when a key is absent).
@@ -131,6 +132,10 @@ def model_config_from_dict(raw: dict[str, Any], *, name: str = "model") -> Model
         from graphrunner.models.llava import llava_model_config
 
         return llava_model_config(raw, name=name, text_config=model_config_from_dict)
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        from graphrunner.models.qwen2_5_vl import qwen2_5_vl_model_config
+
+        return qwen2_5_vl_model_config(raw, name=name, text_config=model_config_from_dict)
     # A pooling checkpoint (`Qwen3Model`, `Qwen3ForSequenceClassification`) has its decoder's fields.
     arch = decoder_architecture(architecture)
     defaults = _ARCH_DEFAULTS[arch]
@@ -645,6 +650,10 @@ def generative_model_class(architecture: str) -> Callable[..., LlamaForCausalLM]
         from graphrunner.models.llava import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        from graphrunner.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
     from graphrunner.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from graphrunner.config import ModelConfig, MoEConfig, VisionConfig
+from graphrunner.config import ModelConfig, MoEConfig, Qwen2_5_VisionConfig, VisionConfig
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -28,7 +28,8 @@ POOLING_ARCHITECTURES: frozenset[str] = frozenset(
     {f"{f}Model" for f in _DENSE_FAMILIES} | {f"{f}ForSequenceClassification" for f in _DENSE_FAMILIES}
 )
 # Vision-language models: a vision tower and projector in front of a Llama-family decoder.
-MULTIMODAL_ARCHITECTURES: frozenset[str] = frozenset({"LlavaForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES: frozenset[str] = frozenset(
+    {"LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
 SUPPORTED_ARCHITECTURES: frozenset[str] = CAUSAL_ARCHITECTURES | POOLING_ARCHITECTURES | MULTIMODAL_ARCHITECTURES
 RUNNER_KINDS = ("generate", "pooling")
 
@@ -244,6 +245,29 @@ BUILTIN_MODELS: Mapping[str, ModelConfig] = MappingProxyType(
             eos_token_id=(2,),
             vision=VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=32, patch_size=8, image_token_id=2000),
+        ),
+        # Qwen2.5-VL-7B-Instruct: a 32-block windowed ViT (1280 wide, full attention in blocks 7, 15, 23, 31)
+        # merging 2 x 2 patches of 14 px into the Qwen2-7B-shaped decoder's 3584, M-RoPE over 16 / 24 / 24
+        # rotary pairs.
+        "builtin:qwen2.5-vl-7b": ModelConfig(
+            name="builtin:qwen2.5-vl-7b",
+            architecture="Qwen2_5_VLForConditionalGeneration",
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling={"rope_type": "mrope", "mrope_section": [16, 24, 24]},
+            max_position_embeddings=128000,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            eos_token_id=(151645,),
+            vision=Qwen2_5_VisionConfig(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                        out_hidden_size=3584, image_token_id=151655, vision_start_token_id=151652),
         ),
     }
 )

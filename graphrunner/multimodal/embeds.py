@@ -20,6 +20,7 @@ import torch
 
 from graphrunner.multimodal.cache import EncoderCache
 from graphrunner.multimodal.features import MultiModalFeatureSpec
+from graphrunner.multimodal.mrope import MRopeBuffers, MRopeInputs, uses_mrope
 from graphrunner.protocol import SchedulerOutput
 from graphrunner.step.inputs import InputBatch
 
@@ -75,8 +76,9 @@ class EmbedInputs:
     """
 
     def __init__(self, buffers: EmbedBuffers, model: Any, hidden_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, mrope: MRopeInputs | None = None) -> None:
         self.buffers = buffers
+        self.mrope = mrope  # M-RoPE models: each prompt's (t, h, w) positions, staged with its embeddings
         self.model = model
         self.hidden_size = hidden_size
         self.device, self.dtype = device, dtype
@@ -123,6 +125,8 @@ class EmbedInputs:
                 self._prompt_embeds[new.req_id] = new.prompt_embeds.to(self.device, self.dtype)
             if new.mm_features:
                 self._features[new.req_id] = list(new.mm_features)
+        if self.mrope is not None:
+            self.mrope.update(so)
         self.encoder_cache.free(so.free_encoder_mm_hashes)
         if so.scheduled_encoder_inputs:
             self._encode(so.scheduled_encoder_inputs)
@@ -149,6 +153,8 @@ class EmbedInputs:
         """Copy the rows this batch's tokens take from prompt embeddings and encoder outputs into
         `inputs_embeds` and flag them; clear the flags of the last staged step. num_computed: [rows]
         host mirror of each row's computed tokens (the batch's chunks start there)."""
+        if self.mrope is not None:
+            self.mrope.stage(batch, num_computed)
         b = self.buffers
         if self._flagged:
             b.is_embed[: self._flagged].zero_()
@@ -182,12 +188,17 @@ def _overlaps(a0: int, a1: int, b0: int, b1: int) -> bool:
 
 
 def make_embed_inputs(model_config: Any, max_num_tokens: int, model: Any, device: torch.device,
-                      dtype: torch.dtype, *, pipeline_parallel: bool) -> EmbedInputs | None:
-    """The runner's `EmbedInputs` when the model takes prompt embeddings or multimodal inputs, else None."""
+                      dtype: torch.dtype, *, pipeline_parallel: bool, num_rows: int = 0) -> EmbedInputs | None:
+    """The runner's `EmbedInputs` when the model takes prompt embeddings or multimodal inputs, else None;
+    with M-RoPE positions (`num_rows`: the request state's rows) when the model's rotary is M-RoPE."""
     if not (model_config.enable_prompt_embeds or model_config.vision is not None):
         return None
     if pipeline_parallel:
         raise ValueError("prompt embeddings and multimodal inputs need pipeline_parallel_size=1 (the first stage "
                          "reads them and the last pools or samples)")
     buffers = EmbedBuffers.allocate(max_num_tokens, model_config.hidden_size, dtype, device)
-    return EmbedInputs(buffers, model, model_config.hidden_size, device, dtype)
+    mrope = None
+    if uses_mrope(model_config):
+        mrope = MRopeInputs(MRopeBuffers.allocate(max_num_tokens, num_rows, device),
+                            model_config.vision.spatial_merge_size, device)
+    return EmbedInputs(buffers, model, model_config.hidden_size, device, dtype, mrope)

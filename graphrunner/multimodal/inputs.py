@@ -4,21 +4,22 @@
     {"prompt": text, "multi_modal_data": {"image": img | [img, ...]}}
     {"prompt_token_ids": ids, "multi_modal_data": {"image": ...}}
 
-Each image must have one image placeholder token in the prompt (LLaVA's `<image>`, the config's
-`image_token_id`); the processor expands it to the image's `num_image_tokens` placeholders (a prompt
-already expanded is taken as it is), preprocesses the pixels with the checkpoint's processor config
+Each image must have one image placeholder token in the prompt (LLaVA's `<image>`, Qwen2.5-VL's
+`<|image_pad|>`: the config's `image_token_id`); the processor expands it to the image's placeholder
+count (LLaVA: `num_image_tokens`; Qwen2.5-VL: its resized grid's patches / merge²; a prompt already
+expanded is taken as it is), preprocesses the pixels with the checkpoint's processor config
 and hashes them. A bad input raises ValueError naming the prompt, the value and the limit.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from graphrunner.config import ModelConfig
+from graphrunner.config import ModelConfig, Qwen2_5_VisionConfig
 from graphrunner.engine.request import RequestExtras
 from graphrunner.multimodal.features import MultiModalFeatureSpec, PlaceholderRange
 
@@ -39,11 +40,16 @@ class InputProcessor:
 
     def __init__(self, model_config: ModelConfig, model: str) -> None:
         self.model_config = model_config
-        self.image_processor = None
-        if model_config.vision is not None:
+        self.image_processor: Any = None
+        vision = model_config.vision
+        if isinstance(vision, Qwen2_5_VisionConfig):
+            from graphrunner.multimodal.qwen2_vl_processor import Qwen2VLImageProcessor
+
+            self.image_processor = Qwen2VLImageProcessor.from_folder(model, vision)
+        elif vision is not None:
             from graphrunner.multimodal.processor import ImageProcessor
 
-            self.image_processor = ImageProcessor.from_folder(model, model_config.vision.image_size)
+            self.image_processor = ImageProcessor.from_folder(model, vision.image_size)
 
     def __call__(self, i: int, prompt: Mapping, token_ids: list[int]) -> tuple[list[int], RequestExtras]:
         if "prompt_embeds" in prompt:
@@ -79,21 +85,34 @@ class InputProcessor:
             raise ValueError(f"prompt {i}: multi_modal_data keys {unknown} are not supported; allowed: ['image']")
         images = data["image"]
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        token, n = vision.image_token_id, vision.num_image_tokens
-        ids, ranges = expand_placeholders(i, token_ids, token, n, len(images))
-        features = []
-        for image, pos in zip(images, ranges, strict=True):
-            pixels = self.image_processor(image)
-            features.append(MultiModalFeatureSpec({"pixel_values": pixels}, "image", content_hash(pixels), pos))
-        return ids, RequestExtras(mm_features=tuple(features))
+        encoder_inputs = [self._encoder_input(image) for image in images]  # (data, tokens, hash) each
+        ids, ranges = expand_placeholders(i, token_ids, vision.image_token_id, [n for _, n, _ in encoder_inputs],
+                                          len(images))
+        features = tuple(MultiModalFeatureSpec(data, "image", h, pos)
+                         for (data, _, h), pos in zip(encoder_inputs, ranges, strict=True))
+        return ids, RequestExtras(mm_features=features)
+
+    def _encoder_input(self, image: Any) -> tuple[dict[str, torch.Tensor], int, str]:
+        """(what the encoder reads, the image's placeholder count, its content hash)."""
+        vision = self.model_config.vision
+        assert vision is not None and self.image_processor is not None
+        out = self.image_processor(image)
+        if isinstance(out, torch.Tensor):  # CLIP: [3, S, S] pixels, a fixed count per image
+            return {"pixel_values": out}, vision.num_image_tokens, content_hash(out)
+        # Qwen2-VL: patches and their grid; two grids may hold the same patches, so both key the image.
+        grid = out["image_grid_thw"]
+        digest = hashlib.sha256((content_hash(out["pixel_values"]) + str(grid.tolist())).encode()).hexdigest()
+        return out, self.image_processor.num_tokens(grid), digest
 
 
-def expand_placeholders(i: int, token_ids: list[int], token: int, per_image: int,
+def expand_placeholders(i: int, token_ids: list[int], token: int, per_image: int | Sequence[int],
                         num_images: int) -> tuple[list[int], list[PlaceholderRange]]:
-    """(token ids with each image placeholder expanded to `per_image` copies, each image's range).
+    """(token ids with each image placeholder expanded to its image's count of copies, each image's range).
 
-    One placeholder per image is expanded; runs of exactly `per_image` placeholders (an expanded
-    prompt) are kept. ValueError naming the counts when images and placeholders do not match."""
+    `per_image`: one count for every image (LLaVA) or each image's own (Qwen2-VL: its grid's). One
+    placeholder per image is expanded; runs of exactly the image's count (an expanded prompt) are kept.
+    ValueError naming the counts when images and placeholders do not match."""
+    counts = [per_image] * num_images if isinstance(per_image, int) else list(per_image)
     positions = [p for p, t in enumerate(token_ids) if t == token]
     runs: list[tuple[int, int]] = []  # (start, length)
     for p in positions:
@@ -101,18 +120,19 @@ def expand_placeholders(i: int, token_ids: list[int], token: int, per_image: int
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((p, 1))
-    expanded = all(length == per_image for _, length in runs)
+    expanded = len(runs) == len(counts) and all(length == n for (_, length), n in zip(runs, counts, strict=True))
     singles = all(length == 1 for _, length in runs)
     if len(runs) != num_images or not (expanded or singles):
+        run = counts[0] if len(set(counts)) == 1 else f"its image's count {counts}"
         raise ValueError(f"prompt {i}: {num_images} image(s) given for {len(runs)} image placeholder(s) (token id "
-                         f"{token}); each image needs one placeholder, or a run of {per_image}")
+                         f"{token}); each image needs one placeholder, or a run of {run}")
     out: list[int] = []
     ranges: list[PlaceholderRange] = []
     last = 0
-    for start, length in runs:
+    for (start, length), n in zip(runs, counts, strict=True):
         out.extend(token_ids[last:start])
-        ranges.append(PlaceholderRange(len(out), per_image))
-        out.extend([token] * per_image)
+        ranges.append(PlaceholderRange(len(out), n))
+        out.extend([token] * n)
         last = start + length
     out.extend(token_ids[last:])
     return out, ranges

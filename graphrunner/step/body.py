@@ -102,6 +102,8 @@ class StepBody:
             compute_logits_indices(batch.query_start_loc, batch.logits_indices)
         if batch.pcp is not None:  # a PCP split step: this rank's rows of the global batch
             self.pcp.localize(batch)
+        if self.buffers.mrope is not None:  # M-RoPE: staged prompt rows, position + delta elsewhere
+            self.buffers.mrope.fill(batch)
         if self.buffers.embeds is not None:  # staged prompt / multimodal rows, token embeddings elsewhere
             self.buffers.embeds.merge(self.model, batch.input_ids)
         self.refresh_counts(batch)
@@ -191,7 +193,8 @@ class StepBody:
     def model_args(self, batch: InputBatch) -> tuple:
         """The model's forward arguments (plus the received stage inputs off the first stage)."""
         Tp = batch.num_tokens_padded
-        args: tuple = (batch.input_ids, batch.positions, self.buffers.kv_caches, batch.attn_metadata)
+        positions = batch.positions if self.buffers.mrope is None else self.buffers.mrope.view(Tp)  # [T] / [T, 3]
+        args: tuple = (batch.input_ids, positions, self.buffers.kv_caches, batch.attn_metadata)
         if batch.pcp is not None:  # a PCP split step runs this rank's rows
             p = batch.pcp
             Tp, args = p.num_local_padded, (p.input_ids, p.positions, self.buffers.kv_caches, p.metadata)

@@ -83,6 +83,7 @@ class StepBuffers:
     lora: LoraBuffers | None = None  # the per-step LoRA slot metadata (LoRA on)
     pool: Any = None  # a pooling runner's pooled rows (pool.runner.PoolBuffers)
     embeds: Any = None  # prompt / multimodal embeddings the first stage reads (multimodal.embeds.EmbedBuffers)
+    mrope: Any = None  # M-RoPE models' (t, h, w) positions the first stage reads (multimodal.mrope.MRopeBuffers)
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor of every holder, by `holder.attribute` name (debug address checks).
