@@ -198,6 +198,8 @@ class ModelRunner:
                                         pipeline_parallel=g.pp_size > 1, num_rows=self.state.requests.num_rows)
         self.buffers.embeds = self.embeds.buffers if self.embeds is not None else None
         self.buffers.mrope = self.embeds.mrope.buffers if self.embeds is not None and self.embeds.mrope else None
+        if self.buffers.mrope is not None and self.body.pcp is not None:
+            raise ValueError("M-RoPE models (Qwen2.5-VL) do not support prefill context parallelism")
         self.ep = tp.dp  # DP + EP: the MoE layers' DP group (lockstep pads every step to the agreed size)
         if self.ep is not None and par.enable_dbo and self.device.type == "cuda":
             from graphrunner.distributed.comm import second_communicators

@@ -190,6 +190,7 @@ def test_greedy_tokens_match_transformers_with_0_1_2_images(qwen, expected, mode
     assert cache.num_encoded == 2  # IMAGES[0] shows in two requests of one step: encoded once
     again = llm.generate(_requests(), GREEDY, use_tqdm=False)
     assert _tokens(again) == expected and cache.num_encoded == 2
+    assert again[2].num_cached_tokens > 0  # prompt chunks start inside the prompt: staged from there
     if mode != "NONE":
         assert not llm.runner.last_descriptor.is_eager
 
@@ -211,6 +212,7 @@ def test_bad_multimodal_input_raises(qwen, tmp_path):
     assert not llm.scheduler.has_unfinished_requests()
     text_only = LLM("builtin:tiny-llama", device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16,
                     enforce_eager=True)
+    assert text_only.runner.buffers.mrope is None  # one position per token: no M-RoPE buffers, no fill
     with pytest.raises(ValueError, match="is text-only"):
         text_only.generate([{"prompt_token_ids": [5, 6], "multi_modal_data": {"image": IMAGES[0]}}], GREEDY)
 
