@@ -274,6 +274,26 @@ def test_field_types_are_checked_on_the_steady_path(steady):
         assert str(exc.value) == message
 
 
+def test_a_bool_equal_to_a_low_counter_is_refused_on_the_steady_path():
+    """True == 1: a prompt prefilled one token a step has counter 1 on its second step, which
+    reuses the first step's decode plan; there only the type tells the bool from the count."""
+    runner = _small_runner()
+    first = SchedulerOutput(scheduled_new_reqs=[NewRequestData("p", [5, 6, 7, 8], GREEDY, [0, 1])],
+                            num_scheduled_tokens={"p": 1}, total_num_scheduled_tokens=1)
+    runner.execute_model(first)
+    runner.sample_tokens()
+    assert runner.planner.plan is not None
+    hostile = _decode({"p": True})
+    message = field_type_violation(hostile)
+    assert message
+    with pytest.raises(ValueError) as exc:
+        runner.execute_model(hostile)
+    assert str(exc.value) == message
+    runner.execute_model(_decode({"p": 1}))  # refused without a trace: the count still reads 1
+    runner.sample_tokens()
+    assert runner.state.requests.num_computed_np[runner.state.requests.req_id_to_index["p"]] == 2
+
+
 @pytest.mark.parametrize("bad", [2**63, 2**64, -(2**63) - 1])
 def test_integers_past_int64_are_value_errors(live, bad):
     runner, computed = live
