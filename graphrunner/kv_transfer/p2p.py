@@ -26,6 +26,16 @@ silent (the producer sends a heartbeat every third of `timeout_s`) ends the link
 every request computes what has not arrived. A message is one int64 pair (header bytes, payload
 bytes), a JSON header, then the payload: the blocks' K and V of every layer, [num_layers, 2, n,
 block_size, kv_heads, head_dim] in the cache's dtype, sent as bytes.
+
+The pair and the header travel on a gloo group (host memory), only the payload on the NCCL group.
+A receive posted on the GPU before a message is known to come would sit there until the producer's
+next message (a heartbeat: up to a third of `timeout_s`, 20 s by default), and every device-wide wait
+of the instance meanwhile (`torch.cuda.synchronize` as each FULL graph capture begins, `empty_cache`,
+memory profiling) would wait with it: a consumer capturing its graphs before the producer had sent
+anything took minutes to start. Now both ends post a payload's NCCL calls only once its header has
+passed, so a device-wide wait waits at most for a transfer under way; the NCCL communicator itself
+is created by both link threads at the first payload. Every wait of the link threads is bounded by
+`timeout_s` and fails naming the peer, the message and its request (`LinkTimeout`), which ends the link.
 """
 
 from __future__ import annotations
@@ -55,6 +65,24 @@ _EXTRA_KEYS = ("kv_ip", "kv_port", "backend", "timeout_s", "kv_buffer_size")
 _BACKENDS = ("nccl", "gloo")
 _PREFIX = "graphrunner_kv_p2p"
 _SENT_MEMORY = 1 << 20  # block hashes a producer remembers as sent (not sent again)
+_POLL_S = 0.001  # between checks of an NCCL transfer's completion (a block transfer takes ~1 ms or more)
+
+
+class LinkError(RuntimeError):
+    """The link failed; the message names the peer, the message under way and its request."""
+
+
+class LinkTimeout(LinkError, TimeoutError):
+    """A wait of the link past `timeout_s` (same naming)."""
+
+
+@dataclass(frozen=True)
+class LinkGroups:
+    """The link's two groups: `control` (gloo: sizes, headers, heartbeats) and `payload` (the blocks:
+    NCCL between GPUs, else gloo)."""
+
+    control: Any
+    payload: Any
 
 
 @dataclass(frozen=True)
@@ -132,12 +160,12 @@ class PeerLink:
         with self._lock:
             return block_hash in self._sent
 
-    def announce(self, hashes: Sequence[str]) -> None:
+    def announce(self, hashes: Sequence[str], req_id: str = "") -> None:
         """Tell the consumer these blocks are coming (those not sent before)."""
         with self._lock:
             todo = [h for h in hashes if h not in self._sent]
         if todo and self.alive:
-            self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo}, None, None))
+            self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo, "req_id": req_id}, None, None))
 
     def withdraw(self, hashes: Sequence[str]) -> None:
         """Tell the consumer these announced blocks will not come (dropped, or their request ended
@@ -145,7 +173,7 @@ class PeerLink:
         if hashes and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "withdraw", "hashes": list(hashes)}, None, None))
 
-    def send_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+    def send_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
         """Queue `data` [num_layers, 2, n, block_size, kv_heads, head_dim] (gathered by the step's
         stream) for sending; dropped (logged, counted) past `kv_buffer_size` bytes waiting or with the
         link down: the consumer then computes those blocks."""
@@ -172,7 +200,8 @@ class PeerLink:
             ready.record(torch.cuda.current_stream(data.device))
         if self.wire != data.device:
             data = data.to(self.wire)  # gloo: a host copy (it waits for the step)
-        self._enqueue_blocks({"kind": "blocks", **self.geometry, "hashes": hashes, "tokens": tokens}, data, ready)
+        self._enqueue_blocks({"kind": "blocks", **self.geometry, "hashes": hashes, "tokens": tokens,
+                              "req_id": req_id}, data, ready)
 
     def _enqueue_blocks(self, header: dict[str, Any], data: torch.Tensor, ready: Any) -> None:
         self._outbox.put((1, next(self._order), header, data, ready))
@@ -203,17 +232,17 @@ class PeerLink:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         try:
-            group = self._connect()
-            if group is None:
+            groups = self._connect()
+            if groups is None:
                 return
             self.connected.set()
             # The thread's copies and host reads go on a stream of its own: on the legacy default
             # stream they would order against every blocking stream of the instance's device.
             with torch.cuda.stream(torch.cuda.Stream(self.wire)) if self.wire.type == "cuda" else nullcontext():
                 if self.rank == 0:
-                    self._send_loop(group)
+                    self._send_loop(groups)
                 else:
-                    self._receive_loop(group)
+                    self._receive_loop(groups)
         except Exception as e:  # the peer died, timed out or sent garbage: requests compute instead
             logger.warning("NcclConnector (rank %d, %s:%d): link down: %s: %s; requests compute their KV",
                            self.rank, self.cfg.ip, self.cfg.port, type(e).__name__, e)
@@ -223,7 +252,33 @@ class PeerLink:
                 self._announced.clear()
                 self._lock.notify_all()
 
-    def _connect(self) -> Any:
+    @property
+    def peer(self) -> str:
+        """The other end, for messages: 'the consumer at 10.0.0.1:14579'."""
+        return f"the {'consumer' if self.rank == 0 else 'producer'} at {self.cfg.ip}:{self.cfg.port}"
+
+    def _complete(self, work: Any, what: str, on_gpu: bool = False) -> None:
+        """Wait for a send or receive, at most `timeout_s`: LinkTimeout (or LinkError when the peer is gone)
+        naming the peer and `what`."""
+        timeout = self.cfg.timeout_s
+        if not on_gpu:  # gloo: wait() blocks up to the timeout, then raises
+            try:
+                work.wait(timedelta(seconds=timeout))
+            except RuntimeError as e:
+                cls = LinkTimeout if "timed out" in str(e).lower() else LinkError
+                raise cls(f"NcclConnector (rank {self.rank}): {what}: failed with {self.peer} within "
+                          f"timeout_s={timeout:g} s: {e}") from e
+            return
+        # NCCL: wait() only orders the current stream after the transfer; the host polls for it instead.
+        deadline = time.monotonic() + timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise LinkTimeout(f"NcclConnector (rank {self.rank}): {what}: not done with {self.peer} within "
+                                  f"timeout_s={timeout:g} s")
+            time.sleep(_POLL_S)
+        work.wait()
+
+    def _connect(self) -> LinkGroups | None:
         timeout = timedelta(seconds=self.cfg.timeout_s)
         while True:  # the consumer may start much earlier than the producer it connects to
             try:
@@ -247,49 +302,76 @@ class PeerLink:
                 if not self.alive:
                     return None
                 time.sleep(0.2)
+        # Both ranks build the gloo group here (its constructor meets the peer within `timeout`); the
+        # NCCL group's communicator comes up lazily, in both link threads, at the first payload.
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", prefixed), self.rank, 2, timeout)
         if self.cfg.backend == "gloo":
-            return dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+            return LinkGroups(control, dist.ProcessGroupGloo(dist.PrefixStore("payload", prefixed), self.rank, 2,
+                                                             timeout))
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        torch.cuda.set_device(self.wire)
-        return dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+        torch.cuda.set_device(self.wire)  # per thread: this one makes every NCCL call of the link
+        return LinkGroups(control, dist.ProcessGroupNCCL(dist.PrefixStore("payload", prefixed), self.rank, 2, options))
 
-    def _send_message(self, group: Any, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+    @staticmethod
+    def _describe(header: dict[str, Any]) -> str:
+        kind, hashes = header.get("kind"), header.get("hashes") or []
+        what = f"a {kind} message"
+        if hashes:
+            what += f" of {len(hashes)} blocks from {hashes[0][:12]}"
+        if header.get("req_id"):
+            what += f" (request {header['req_id']!r})"
+        return what
+
+    def _send_message(self, groups: LinkGroups, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        what = "sending " + self._describe(header)
         head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
         body = None if payload is None else payload.contiguous().view(torch.uint8).reshape(-1)
         sizes = torch.tensor([head.numel(), 0 if body is None else body.numel()], dtype=torch.int64)
-        for t in (sizes, head) if body is None else (sizes, head, body):
-            group.send([t.to(self.wire)], 1, 0).wait()
+        self._complete(groups.control.send([sizes], 1, 0), what)
+        self._complete(groups.control.send([head], 1, 0), what)
+        if body is not None:  # the consumer posts its receive once the header has passed
+            body = body.to(self.wire)
+            self._complete(groups.payload.send([body], 1, 0), what, body.is_cuda)
 
-    def _send_loop(self, group: Any) -> None:
+    def _send_loop(self, groups: LinkGroups) -> None:
         beat = self.cfg.timeout_s / 3
         while True:
             try:
                 _, _, header, payload, ready = self._outbox.get(timeout=beat)
             except queue.Empty:
-                self._send_message(group, {"kind": "heartbeat"}, None)
+                self._send_message(groups, {"kind": "heartbeat"}, None)
                 continue
             if header["kind"] == "close":
-                self._send_message(group, header, None)
+                self._send_message(groups, header, None)
                 return
-            if ready is not None:
-                ready.synchronize()
-            self._send_message(group, header, payload)
+            if ready is not None:  # the step that gathered the blocks
+                deadline = time.monotonic() + self.cfg.timeout_s
+                while not ready.query():
+                    if time.monotonic() > deadline:
+                        raise LinkTimeout(f"NcclConnector: the step gathering {self._describe(header)} for "
+                                          f"{self.peer} did not finish within timeout_s={self.cfg.timeout_s:g} s")
+                    time.sleep(_POLL_S)
+            self._send_message(groups, header, payload)
             if payload is not None:
                 with self._lock:
                     self._pending_bytes -= payload.numel() * payload.element_size()
                 self.num_sent_blocks += len(header["hashes"])
 
-    def _recv(self, group: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype, device=self.wire)
-        group.recv([t], 0, 0).wait()
+    def _recv(self, group: Any, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self._complete(group.recv([t], 0, 0), what, t.is_cuda)
         return t
 
-    def _receive_loop(self, group: Any) -> None:
+    def _receive_loop(self, groups: LinkGroups) -> None:
+        cpu = torch.device("cpu")
         while True:
-            head_len, body_len = self._recv(group, 2, torch.int64).tolist()
-            header = json.loads(bytes(self._recv(group, head_len, torch.uint8).cpu().numpy()))
-            body = self._recv(group, body_len, torch.uint8) if body_len else None
+            # The producer's heartbeat comes every third of timeout_s: a silence of timeout_s ends the link.
+            head_len, body_len = self._recv(groups.control, 2, torch.int64, cpu, "waiting for a message").tolist()
+            header = json.loads(bytes(self._recv(groups.control, head_len, torch.uint8, cpu,
+                                                 "receiving a message header").numpy()))
+            body = (self._recv(groups.payload, body_len, torch.uint8, self.wire, "receiving " + self._describe(header))
+                    if body_len else None)
             kind = header.get("kind")
             if kind == "close":
                 logger.info("NcclConnector: the producer closed the link")
@@ -397,7 +479,7 @@ class NcclScheduler(PrefixBlockScheduler):
     def prefill_started(self, req: Any) -> None:
         hashes = self.hashes(req, req.num_prompt_tokens // self.block_size)
         self._announced[req.req_id] = hashes
-        self.link.announce(hashes)
+        self.link.announce(hashes, req.req_id)
 
     def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
         return self.link.lookup(block_hash, tokens)
@@ -434,9 +516,10 @@ class NcclWorker(PrefixBlockWorker):
     def stored(self, block_hash: str) -> bool:
         return self.link.was_sent(block_hash)
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
-        self.link.send_blocks(hashes, tokens, data)
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+        self.link.send_blocks(hashes, tokens, data, req_id)
         self.num_saved_blocks += len(hashes)
 
 
-__all__ = ["LinkConfig", "NcclScheduler", "NcclWorker", "PeerLink", "link_config", "peer_link"]
+__all__ = ["LinkConfig", "LinkError", "LinkGroups", "LinkTimeout", "NcclScheduler", "NcclWorker", "PeerLink",
+           "link_config", "peer_link"]

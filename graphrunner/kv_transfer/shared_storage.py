@@ -269,15 +269,16 @@ class PrefixBlockWorker(KVConnectorWorker):
             todo = [i for i, h in enumerate(entry.hashes) if not self.stored(h)]
             if todo:
                 data = gather_blocks(self.kv_caches, [entry.block_ids[i] for i in todo])
-                self.store_blocks([entry.hashes[i] for i in todo], [entry.tokens[i] for i in todo], data)
+                self.store_blocks([entry.hashes[i] for i in todo], [entry.tokens[i] for i in todo], data,
+                                  req_id=entry.req_id)
 
     def stored(self, block_hash: str) -> bool:
         """Whether the store holds `block_hash` already (it is not saved again)."""
         return False
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
-        """Save blocks; `data` [num_layers, 2, n, block_size, kv_heads, head_dim] on the cache's device,
-        gathered by the step's stream."""
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+        """Save blocks of request `req_id`; `data` [num_layers, 2, n, block_size, kv_heads, head_dim] on the
+        cache's device, gathered by the step's stream."""
         raise NotImplementedError
 
 
@@ -292,7 +293,7 @@ class SharedStorageWorker(PrefixBlockWorker):
     def stored(self, block_hash: str) -> bool:
         return block_file(self.root, block_hash).exists()
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor) -> None:
+    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
         data = data.cpu()  # waits for the step
         for j, block_hash in enumerate(hashes):
             raw = encode_block(self.shape, self.model_id, block_hash, tokens[j], data[:, :, j])

@@ -123,14 +123,14 @@ def _dying_producer(rank: int, world_size: int, port: int, hashes: list[str]) ->
     from graphrunner.kv_transfer.p2p import LinkConfig, PeerLink
 
     class Dying(PeerLink):
-        def _send_loop(self, group):
-            self._send_message(group, {"kind": "announce", "hashes": hashes}, None)
+        def _send_loop(self, groups):
+            self._send_message(groups, {"kind": "announce", "hashes": hashes}, None)
             time.sleep(1.0)  # the consumer's requests are waiting now
             import torch
 
             head = torch.frombuffer(bytearray(b'{"kind": "blocks"}'), dtype=torch.uint8)
-            group.send([torch.tensor([head.numel(), 1 << 20], dtype=torch.int64)], 1, 0).wait()
-            group.send([head], 1, 0).wait()
+            groups.control.send([torch.tensor([head.numel(), 1 << 20], dtype=torch.int64)], 1, 0).wait()
+            groups.control.send([head], 1, 0).wait()
             os._exit(1)
 
     import torch

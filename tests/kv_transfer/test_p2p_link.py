@@ -1,0 +1,144 @@
+"""NcclConnector's link on a CPU (gloo), the parts that decide whether two GPUs can hang: the consumer
+posts a payload receive only once a header has promised one (a receive waiting on the GPU would hold up
+every device-wide wait of the instance until the producer's next message), every wait is bounded and
+names the peer and the request, and a hung test rank shows its threads' stacks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from graphrunner.kv_shape import KVCacheShape
+from graphrunner.kv_transfer.p2p import LinkConfig, LinkGroups, PeerLink
+from tests.dist_utils import free_port
+
+SHAPE = KVCacheShape(1, 2, 1, 2, torch.float32)
+
+
+class _Spy:
+    """A process group whose sends and receives are recorded (name, time) before they are posted."""
+
+    def __init__(self, group, calls: list) -> None:
+        self.group, self.calls = group, calls
+
+    def send(self, tensors, dst, tag):
+        self.calls.append(("send", time.monotonic()))
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        self.calls.append(("recv", time.monotonic()))
+        return self.group.recv(tensors, src, tag)
+
+
+def _link(rank: int, port: int, timeout_s: float, spy: list | None = None, cls=PeerLink) -> PeerLink:
+    if spy is None:
+        return cls(LinkConfig("127.0.0.1", port, "gloo", timeout_s, 1 << 20), rank, SHAPE, "m", torch.device("cpu"))
+
+    class Spied(cls):
+        def _connect(self):
+            groups = super()._connect()
+            return None if groups is None else LinkGroups(groups.control, _Spy(groups.payload, spy))
+
+    return Spied(LinkConfig("127.0.0.1", port, "gloo", timeout_s, 1 << 20), rank, SHAPE, "m", torch.device("cpu"))
+
+
+def _wait_for(predicate, what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_the_consumer_posts_a_payload_receive_only_after_its_header():
+    """Heartbeats and announcements pass on the control group alone; the payload group sees one send and
+    one receive per blocks message, posted once its header has passed."""
+    port = free_port()
+    sent: list = []
+    received: list = []
+    producer = _link(0, port, 0.6, sent)
+    consumer = _link(1, port, 0.6, received)
+    try:
+        _wait_for(lambda: producer.connected.is_set() and consumer.connected.is_set(), "never connected")
+        producer.announce(["h0"], "r0")
+        _wait_for(lambda: consumer.in_flight("h0"), "the announcement never arrived")
+        time.sleep(0.7)  # three heartbeats (every 0.2 s)
+        assert consumer.alive and sent == [] and received == []  # no payload call is waiting
+        data = torch.arange(8, dtype=torch.float32).reshape(1, 2, 1, 2, 1, 2)
+        queued = time.monotonic()
+        producer.send_blocks(["h0"], [[5, 6]], data, "r0")
+        _wait_for(lambda: consumer.num_received_blocks == 1, "the block never arrived")
+        assert [c for c, _ in sent] == ["send"] and [c for c, _ in received] == ["recv"]
+        assert received[0][1] >= queued  # posted for this message's header, not waiting ahead of it
+        assert torch.equal(consumer.lookup("h0", [5, 6]).flatten(), data[:, :, 0].flatten())
+    finally:
+        producer.close()
+        producer.join(5)
+        consumer.join(5)
+
+
+class _Stalling(PeerLink):
+    """A producer that announces, sends the header of a blocks message promising a payload, then stays
+    connected and silent (no payload, no heartbeat) until released."""
+
+    release = threading.Event()
+
+    def _send_loop(self, groups):
+        self._send_message(groups, {"kind": "announce", "hashes": ["h0"], "req_id": "chat-7"}, None)
+        head = torch.frombuffer(bytearray(b'{"kind": "blocks", "hashes": ["h0"], "req_id": "chat-7"}'),
+                                dtype=torch.uint8)
+        groups.control.send([torch.tensor([head.numel(), 64], dtype=torch.int64)], 1, 0).wait()
+        groups.control.send([head], 1, 0).wait()
+        self.release.wait(30)
+
+
+def test_a_payload_that_never_comes_ends_the_link_naming_the_peer_and_the_request(caplog):
+    port = free_port()
+    producer = _link(0, port, 1.0, cls=_Stalling)
+    with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+        consumer = _link(1, port, 1.0)
+        _wait_for(lambda: consumer.connected.is_set(), "never connected")
+        started = time.monotonic()
+        _wait_for(lambda: not consumer.alive, "the consumer waited past timeout_s for the payload")
+    assert time.monotonic() - started < 10
+    assert not consumer.in_flight("h0")  # its requests compute instead of waiting
+    assert "LinkTimeout" in caplog.text or "LinkError" in caplog.text
+    assert f"the producer at 127.0.0.1:{port}" in caplog.text
+    assert "receiving a blocks message of 1 blocks from h0 (request 'chat-7')" in caplog.text
+    _Stalling.release.set()
+    producer.join(5)
+
+
+def test_a_silent_producer_ends_the_link_after_timeout_s(caplog):
+    """Connected, then nothing, not even a heartbeat: the consumer gives up after timeout_s."""
+
+    class Silent(PeerLink):
+        def _send_loop(self, groups):
+            _Stalling.release.wait(30)
+
+    port = free_port()
+    producer = _link(0, port, 1.0, cls=Silent)
+    with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+        consumer = _link(1, port, 1.0)
+        _wait_for(lambda: not consumer.alive, "the consumer waited past timeout_s")
+    assert "waiting for a message" in caplog.text and f"the producer at 127.0.0.1:{port}" in caplog.text
+    _Stalling.release.set()
+    producer.join(5)
+
+
+def _hang_in_a_named_function(rank: int, world_size: int) -> None:
+    if rank == 1:
+        threading.Thread(target=time.sleep, args=(60,), name="side-thread", daemon=True).start()
+        time.sleep(60)
+
+
+def test_a_hung_rank_reports_the_stacks_of_its_threads():
+    from tests.dist_utils import WorldError, run_world
+
+    with pytest.raises(WorldError) as err:
+        run_world(2, _hang_in_a_named_function, timeout_s=5, init_pg=False)
+    text = str(err.value)
+    assert "rank(s) failed: [1]" in text and "(hung)" in text
+    assert "_hang_in_a_named_function" in text and text.count("most recent call first") >= 2
