@@ -9,8 +9,11 @@ port with `init_process_group` (unless init_pg=False), calls `fn(rank, world_siz
 *args)`, and sends back its return value (picklable) or its formatted traceback. The
 parent raises `WorldError` naming each failed rank with its traceback, and kills (by
 pid: only processes it started) any rank that has not reported within `timeout_s`,
-naming it as hung. Children leave through `os._exit` after reporting, so a stalled peer
-can never hang the teardown of the process group.
+naming it as hung, with the Python stacks of all its threads: each child registers
+faulthandler on SIGUSR1 into a file of its own, and the parent signals a hung rank and
+puts what it wrote into the `WorldError` (a rank stuck in C code, even holding the GIL,
+still dumps). Children leave through `os._exit` after reporting, so a stalled peer can
+never hang the teardown of the process group.
 
 Children are forked (torch is already imported; fork costs milliseconds where spawn
 costs an interpreter and a torch import per rank). Set GRAPHRUNNER_TEST_START=spawn
@@ -19,10 +22,14 @@ to use spawn, then `fn` must be importable (a module-level function).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -48,10 +55,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_STACK_WAIT_S = 3.0  # for a hung rank's faulthandler dump after the signal
+
+
 def _child(
-    rank: int, world_size: int, port: int, pg_timeout_s: float, init_pg: bool, conn: Any, fn: Callable, args: tuple
+    rank: int, world_size: int, port: int, pg_timeout_s: float, init_pg: bool, conn: Any, fn: Callable, args: tuple,
+    stack_path: str | None = None,
 ) -> None:
     code = 0
+    stacks = open(stack_path, "w") if stack_path else None  # noqa: SIM115 - open until os._exit
+    if stacks is not None:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         # torchrun's variables, so code under test can also join the world itself (init_pg=False).
         os.environ.update(
@@ -124,24 +138,45 @@ def start_world(
     ctx = mp.get_context(method)
     port = free_port()
     procs, conns = [], []
+    stack_dir = tempfile.mkdtemp(prefix="world-stacks-")
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        child_args = (rank, world_size, port, pg_timeout_s, init_pg, child_end, fn, args)
+        stack_path = os.path.join(stack_dir, f"rank{rank}.txt")
+        child_args = (rank, world_size, port, pg_timeout_s, init_pg, child_end, fn, args, stack_path)
         p = ctx.Process(target=_child, args=child_args, daemon=True)
         p.start()
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
-    return World(procs, conns, timeout_s, allow_hang, time.monotonic() + timeout_s)
+    return World(procs, conns, timeout_s, allow_hang, time.monotonic() + timeout_s, stack_dir)
 
 
 class World:
     """The ranks of a started world (`start_world`)."""
 
     def __init__(self, procs: list, conns: list, timeout_s: float, allow_hang: frozenset[int],
-                 deadline: float) -> None:
+                 deadline: float, stack_dir: str | None = None) -> None:
         self.procs, self.conns, self.timeout_s = procs, conns, timeout_s
-        self.allow_hang, self.deadline = allow_hang, deadline
+        self.allow_hang, self.deadline, self.stack_dir = allow_hang, deadline, stack_dir
+
+    def _stacks(self, ranks: set[int]) -> dict[int, str]:
+        """The Python stacks of every thread of `ranks` (still running), dumped by faulthandler on SIGUSR1."""
+        if self.stack_dir is None or not ranks:
+            return {}
+        paths = {r: os.path.join(self.stack_dir, f"rank{r}.txt") for r in ranks}
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)  # this child's pid only
+        deadline = time.monotonic() + _STACK_WAIT_S
+        dumps: dict[int, str] = {}
+        while time.monotonic() < deadline and len(dumps) < len(ranks):
+            time.sleep(0.1)
+            for r, path in paths.items():
+                text = open(path).read() if os.path.exists(path) else ""
+                if "most recent call first" in text and r not in dumps:
+                    time.sleep(0.2)  # the other threads' stacks follow the first one's
+                    dumps[r] = open(path).read()
+        return dumps
 
     def wait(self) -> list[Any]:
         """The ranks' return values; `WorldError` naming each rank that failed or hung."""
@@ -166,8 +201,10 @@ class World:
                         results[rank] = payload
                     else:
                         failures[rank] = payload
+            stacks = self._stacks(pending)
             for rank in pending:
-                failures[rank] = f"no result within timeout_s={self.timeout_s} (hung); killed"
+                failures[rank] = (f"no result within timeout_s={self.timeout_s} (hung); killed; its threads' stacks:\n"
+                                  + stacks.get(rank, "(no faulthandler dump)"))
         finally:
             for rank, p in enumerate(procs):
                 # Ranks that reported are on their way out; give them a moment, then kill.
@@ -178,6 +215,8 @@ class World:
                 p.join(5)
             for c in conns:
                 c.close()
+            if self.stack_dir is not None:
+                shutil.rmtree(self.stack_dir, ignore_errors=True)
         if failures:
             raise WorldError(failures)
         return results
