@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.distributed.eplb import balanced_placement
+from graphrunner.distributed.eplb import MIN_BALANCE_GAIN, balanced_placement, load_balance, replacement
 from tests.dist_utils import run_world
 
 PROMPTS = [[1 + i, 5, 9, 13 + i, 100 + i] for i in range(4)] + [[7] * 20, [3, 4]]
@@ -181,3 +181,15 @@ def test_eager_microbatches_pad_to_the_largest_half_over_the_replicas() -> None:
     first = [infos[0]["agreed"][0], infos[1]["agreed"][0]]
     assert first[0][1] == first[1][1] == tuple(max(s) for s in zip(first[0][0], first[1][0], strict=True))
     assert sum(first[0][1]) < 2 * max(sum(f[0]) for f in first), first
+
+
+def test_a_layer_moves_experts_only_for_a_real_gain():
+    """A balanced window keeps the placement (a fresh one would reshuffle the ranks for nothing);
+    a skewed one takes the balanced placement and reports its gain."""
+    current = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]  # 8 experts + 2 redundant slots over 2 ranks of 5
+    even = [10.0] * 10
+    assert balanced_placement([20, 20, 10, 10, 10, 10, 10, 10], 10, 2, current) != current  # what it would do
+    assert replacement(even, current, 8, 2) == (current, 1.0, 1.0)
+    skewed = [90.0, 90.0, 90.0, 90.0, 10.0, 10.0, 10.0, 10.0, 90.0, 90.0]  # rank 0 holds every hot expert
+    new, before, after = replacement(skewed, current, 8, 2)
+    assert before == load_balance(skewed, 2) and before - after > MIN_BALANCE_GAIN and new != current
