@@ -15,14 +15,16 @@ The runner side moves the bytes at three fixed points of the step:
 A runner without a connector holds None and pays one `is None` test per step. Dummy steps (profile,
 capture) do not pass through `execute_model`, so they never reach a connector.
 
-Blocks are named by the chained hash of their prefix (`prefix_hashes`): equal hashes mean equal
-tokens from the first one on (and the same adapter), so a block of one instance is a block of
-another for the same prompt.
+Blocks are named by the chained hash of their prefix (`prefix_hashes`) over the keys the engine's
+prefix cache uses (`request_keys`: token ids, with each image's or prompt embeddings' content hash at
+the positions it fills): equal hashes mean equal tokens and inputs from the first one on (and the same
+adapter), so a block of one instance is a block of another for the same prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -47,18 +49,39 @@ def connector_extra(config: KVTransferConfig, allowed: Sequence[str]) -> dict[st
     return dict(extra)
 
 
-def prefix_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int, salt: int = 0,
+def prefix_hashes(keys: Sequence[Any], num_blocks: int, block_size: int, salt: int = 0,
                   known: list[str] | None = None) -> list[str]:
-    """The hex digests of the first `num_blocks` full blocks of `token_ids`: each covers its parent's
-    digest and its own tokens, so it names the whole prefix. `known`: digests already computed for a
+    """The hex digests of the first `num_blocks` full blocks of `keys`: each covers its parent's digest
+    and its own keys, so it names the whole prefix. `keys`: token ids, or a request's
+    `block_key_tokens` (the prefix cache's keys: positions an image or prompt embeddings fill hold its
+    content hash, a str, in place of the placeholder id). `known`: digests already computed for a
     prefix of these blocks (extended, and returned)."""
     hashes = known if known is not None else []
     parent = hashes[-1] if hashes else f"salt:{salt}"
     for i in range(len(hashes), num_blocks):
-        block = np.asarray(token_ids[i * block_size:(i + 1) * block_size], dtype=np.int64)
-        parent = hashlib.sha256(parent.encode() + block.tobytes()).hexdigest()
+        parent = hashlib.sha256(parent.encode() + _block_bytes(keys[i * block_size:(i + 1) * block_size])).hexdigest()
         hashes.append(parent)
     return hashes
+
+
+def _block_bytes(block: Sequence[Any]) -> bytes:
+    """A block's keys as bytes: token ids as int64 (every token's top byte is 0), a block holding a content
+    hash as JSON, which has no 0 byte, so the two never read alike."""
+    if any(isinstance(k, str) for k in block):
+        return json.dumps(block_keys(block), separators=(",", ":")).encode()
+    return np.asarray(block, dtype=np.int64).tobytes()
+
+
+def block_keys(block: Sequence[Any]) -> list[int | str]:
+    """A block's keys as plain ints and strs (as stored beside a block, and compared on load)."""
+    return [k if isinstance(k, str) else int(k) for k in block]
+
+
+def request_keys(req: Any) -> Sequence[Any]:
+    """What `req`'s blocks are keyed by: the engine's prefix-cache keys (`Request.block_key_tokens`), so a
+    connector shares KV exactly where the prefix cache would (never between two images, or two prompt
+    embeddings, behind equal placeholder ids)."""
+    return req.block_key_tokens
 
 
 def model_identity(config: RunnerConfig) -> str:
@@ -103,7 +126,7 @@ class KVConnectorScheduler:
         """The digests of `req`'s first `num_blocks` full blocks (computed once per request)."""
         known = self._hashes.setdefault(req.req_id, [])
         if len(known) < num_blocks:
-            prefix_hashes(req.all_token_ids, num_blocks, self.block_size, req.cache_salt, known)
+            prefix_hashes(request_keys(req), num_blocks, self.block_size, req.cache_salt, known)
         return known[:num_blocks]
 
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
@@ -187,5 +210,5 @@ class KVConnectorWorker:
         raise NotImplementedError
 
 
-__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "gather_blocks", "model_identity", "prefix_hashes",
-           "scatter_blocks"]
+__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "block_keys", "gather_blocks", "model_identity",
+           "prefix_hashes", "request_keys", "scatter_blocks"]

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from graphrunner.config import KVTransferConfig
 from graphrunner.kv_shape import KVCacheShape
-from graphrunner.kv_transfer.base import connector_extra, logger
+from graphrunner.kv_transfer.base import block_keys, connector_extra, logger
 from graphrunner.kv_transfer.shared_storage import PrefixBlockScheduler, PrefixBlockWorker
 
 _EXTRA_KEYS = ("kv_ip", "kv_port", "backend", "timeout_s", "kv_buffer_size")
@@ -148,7 +148,7 @@ class PeerLink:
         self._order = itertools.count()
         self._pending_bytes = 0
         self._sent: OrderedDict[str, None] = OrderedDict()
-        self._blocks: OrderedDict[str, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
+        self._blocks: OrderedDict[str, tuple[tuple[int | str, ...], torch.Tensor]] = OrderedDict()
         self._block_bytes = 0
         self._announced: dict[str, float] = {}
         self.num_sent_blocks = self.num_received_blocks = self.num_refused_blocks = self.num_dropped_blocks = 0
@@ -173,7 +173,8 @@ class PeerLink:
         if hashes and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "withdraw", "hashes": list(hashes)}, None, None))
 
-    def send_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+    def send_blocks(self, hashes: list[str], tokens: list[list[int | str]], data: torch.Tensor,
+                    req_id: str = "") -> None:
         """Queue `data` [num_layers, 2, n, block_size, kv_heads, head_dim] (gathered by the step's
         stream) for sending; dropped (logged, counted) past `kv_buffer_size` bytes waiting or with the
         link down: the consumer then computes those blocks."""
@@ -207,14 +208,14 @@ class PeerLink:
         self._outbox.put((1, next(self._order), header, data, ready))
 
     # ------------------------------------------------------------------ consumer
-    def lookup(self, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+    def lookup(self, block_hash: str, tokens: Sequence[int | str]) -> torch.Tensor | None:
         """The block received as `block_hash` for exactly `tokens`, else None."""
         with self._lock:
             entry = self._blocks.get(block_hash)
             if entry is None:
                 return None
             self._blocks.move_to_end(block_hash)
-        if entry[0] != tuple(int(t) for t in tokens):
+        if entry[0] != tuple(block_keys(tokens)):
             logger.warning("NcclConnector: block %s arrived for other tokens; refused", block_hash[:12])
             return None
         return entry[1]
@@ -413,7 +414,7 @@ class PeerLink:
                 h = hashes[j]
                 if h in self._blocks:
                     continue
-                self._blocks[h] = (tuple(int(t) for t in tokens[j]), block)
+                self._blocks[h] = (tuple(block_keys(tokens[j])), block)
                 self._block_bytes += per_block
                 self._announced.pop(h, None)
                 self.num_received_blocks += 1
@@ -481,7 +482,7 @@ class NcclScheduler(PrefixBlockScheduler):
         self._announced[req.req_id] = hashes
         self.link.announce(hashes, req.req_id)
 
-    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int | str]) -> torch.Tensor | None:
         return self.link.lookup(block_hash, tokens)
 
     def in_flight(self, req: Any, block_hash: str) -> bool:
@@ -516,7 +517,8 @@ class NcclWorker(PrefixBlockWorker):
     def stored(self, block_hash: str) -> bool:
         return self.link.was_sent(block_hash)
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+    def store_blocks(self, hashes: list[str], tokens: list[list[int | str]], data: torch.Tensor,
+                     req_id: str = "") -> None:
         self.link.send_blocks(hashes, tokens, data, req_id)
         self.num_saved_blocks += len(hashes)
 

@@ -9,7 +9,8 @@ the prompt is prefilled. Two processes, or two machines sharing a file system, s
 A block file is `MAGIC`, an 8-byte little-endian header length, a JSON header, then the payload:
 the block's K and V of every layer, [num_layers, 2, block_size, kv_heads, head_dim] in the cache's
 dtype. The header names the model (`base.model_identity`), the geometry, the dtype, the block's
-hash and tokens, and the payload's length and sha256. A file that is missing, truncated, corrupt
+hash and keys (its token ids, with an image's or prompt embeddings' content hash at the positions
+it fills: `base.request_keys`), and the payload's length and sha256. A file that is missing, truncated, corrupt
 (checksum), written for other tokens or another model, or of another geometry or dtype is not
 loaded: the chain stops before it (logged), and the request computes the rest of its prompt.
 A different block size names different blocks (their tokens differ), so it simply misses.
@@ -37,9 +38,11 @@ from graphrunner.kv_shape import KVCacheShape
 from graphrunner.kv_transfer.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
+    block_keys,
     connector_extra,
     gather_blocks,
     logger,
+    request_keys,
     scatter_blocks,
 )
 
@@ -71,11 +74,11 @@ def _header(shape: KVCacheShape, model_id: str) -> dict[str, Any]:
             "head_dim": shape.head_dim}
 
 
-def encode_block(shape: KVCacheShape, model_id: str, block_hash: str, tokens: Sequence[int],
+def encode_block(shape: KVCacheShape, model_id: str, block_hash: str, tokens: Sequence[int | str],
                  data: torch.Tensor) -> bytes:
     """A block file's bytes; `data`: [num_layers, 2, block_size, kv_heads, head_dim] on the host."""
     payload = data.contiguous().view(torch.uint8).numpy().tobytes()
-    header = _header(shape, model_id) | {"hash": block_hash, "tokens": [int(t) for t in tokens],
+    header = _header(shape, model_id) | {"hash": block_hash, "tokens": block_keys(tokens),
                                           "payload_bytes": len(payload),
                                           "sha256": hashlib.sha256(payload).hexdigest()}
     head = json.dumps(header, sort_keys=True).encode()
@@ -83,7 +86,7 @@ def encode_block(shape: KVCacheShape, model_id: str, block_hash: str, tokens: Se
 
 
 def decode_block(raw: bytes, shape: KVCacheShape, model_id: str, block_hash: str,
-                 tokens: Sequence[int]) -> torch.Tensor:
+                 tokens: Sequence[int | str]) -> torch.Tensor:
     """The payload of a block file, [num_layers, 2, block_size, kv_heads, head_dim]; ValueError saying
     why when the file is not this block of this model in this geometry."""
     if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + _LEN.size:
@@ -98,7 +101,7 @@ def decode_block(raw: bytes, shape: KVCacheShape, model_id: str, block_hash: str
     for key, want in expected.items():
         if header.get(key) != want:
             raise ValueError(f"{key}={header.get(key)!r} does not match this instance's {want!r}")
-    if header.get("hash") != block_hash or header.get("tokens") != [int(t) for t in tokens]:
+    if header.get("hash") != block_hash or header.get("tokens") != block_keys(tokens):
         raise ValueError("written for other tokens (foreign file)")
     payload = raw[start + head_len:]
     if len(payload) != header.get("payload_bytes"):
@@ -122,7 +125,7 @@ class _Save:
     req_id: str
     block_ids: list[int]
     hashes: list[str]
-    tokens: list[list[int]]
+    tokens: list[list[int | str]]  # each block's keys (`base.block_keys`)
 
 
 @dataclass
@@ -147,7 +150,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         self._asked: set[str] = set()  # waiting request ids already counted in the hit rate
         self.num_rejected_blocks = 0  # store entries found but refused (logged)
 
-    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int | str]) -> torch.Tensor | None:
         """Block `index` of `req` ([num_layers, 2, block_size, kv_heads, head_dim]), verified, or None
         where the chain stops (missing or refused: logged, counted in `num_rejected_blocks`)."""
         raise NotImplementedError
@@ -169,7 +172,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         if first >= last:
             return 0
         hashes = self.hashes(req, last)
-        tokens = req.all_token_ids
+        tokens = request_keys(req)
         blocks = []
         for i in range(first, last):
             block = self.fetch_block(req, i, hashes[i], tokens[i * bs:(i + 1) * bs])
@@ -206,9 +209,9 @@ class PrefixBlockScheduler(KVConnectorScheduler):
                 done = self._saved[req_id]
                 if full > done:
                     hashes = self.hashes(req, full)
-                    tokens = req.all_token_ids
+                    tokens = request_keys(req)
                     meta.saves.append(_Save(req_id, list(req.block_ids[done:full]), hashes[done:full],
-                                            [list(tokens[i * bs:(i + 1) * bs]) for i in range(done, full)]))
+                                            [block_keys(tokens[i * bs:(i + 1) * bs]) for i in range(done, full)]))
                 if full >= last:
                     del self._saved[req_id]
                 else:
@@ -237,7 +240,7 @@ class SharedStorageScheduler(PrefixBlockScheduler):
         super().__init__(config, shape, model_id)
         self.root = storage_path(config)
 
-    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int]) -> torch.Tensor | None:
+    def fetch_block(self, req: Any, index: int, block_hash: str, tokens: Sequence[int | str]) -> torch.Tensor | None:
         path = block_file(self.root, block_hash)
         try:
             raw = path.read_bytes()
@@ -276,7 +279,8 @@ class PrefixBlockWorker(KVConnectorWorker):
         """Whether the store holds `block_hash` already (it is not saved again)."""
         return False
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+    def store_blocks(self, hashes: list[str], tokens: list[list[int | str]], data: torch.Tensor,
+                     req_id: str = "") -> None:
         """Save blocks of request `req_id`; `data` [num_layers, 2, n, block_size, kv_heads, head_dim] on the
         cache's device, gathered by the step's stream."""
         raise NotImplementedError
@@ -293,7 +297,8 @@ class SharedStorageWorker(PrefixBlockWorker):
     def stored(self, block_hash: str) -> bool:
         return block_file(self.root, block_hash).exists()
 
-    def store_blocks(self, hashes: list[str], tokens: list[list[int]], data: torch.Tensor, req_id: str = "") -> None:
+    def store_blocks(self, hashes: list[str], tokens: list[list[int | str]], data: torch.Tensor,
+                     req_id: str = "") -> None:
         data = data.cpu()  # waits for the step
         for j, block_hash in enumerate(hashes):
             raw = encode_block(self.shape, self.model_id, block_hash, tokens[j], data[:, :, j])

@@ -253,6 +253,7 @@ def test_cpu_offload_lru_is_bounded_and_keeps_recent_prefixes():
     class Req:
         def __init__(self, rid, tokens, blocks):
             self.req_id, self.all_token_ids, self.block_ids, self.cache_salt = rid, tokens, blocks, 0
+            self.block_key_tokens = tokens
             self.num_tokens = len(tokens)
 
     reqs = [Req(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], [i]) for i in range(3)]

@@ -21,6 +21,7 @@ ENGINE = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=256, max_mode
 class _Req:
     def __init__(self, rid: str, tokens: list[int], blocks: list[int]) -> None:
         self.req_id, self.all_token_ids, self.block_ids, self.cache_salt = rid, tokens, blocks, 0
+        self.block_key_tokens = tokens
         self.num_tokens, self.num_computed_tokens = len(tokens), 0
 
 
