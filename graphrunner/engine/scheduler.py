@@ -76,6 +76,9 @@ if TYPE_CHECKING:
     from graphrunner.kv_transfer.base import KVConnectorScheduler
 
 
+FAST_DECODE_MIN_REQUESTS = 16  # see Scheduler._fast_decode_min
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -279,10 +282,12 @@ class Scheduler:
         if kv_connector is not None and isinstance(self.block_allocator, PrefixCachingAllocator):
             self.block_allocator.on_evict = kv_connector.block_evicted
         # Steady decode (every running request decodes, nothing waits): plans and outputs as array
-        # operations over the batch instead of ~10 Python calls per request and step. 256 decoding
-        # requests, schedule + update on a CPU: 600 -> 130 us per step sync, 770 -> 190 us async.
-        # False: always the general path.
-        self._fast_decode = True
+        # operations over the batch instead of ~10 Python calls per request and step, from this
+        # many running requests on (None: always the general path). 256 decoding requests, schedule +
+        # update on a CPU: 600 -> 130 us per step sync, 770 -> 190 us async. The arrays' fixed cost
+        # loses below 16 (engine loop with a no-op step, 2-core CPU, fast / general path, sync: 56.6 /
+        # 26.5 us at 1 request, 61.4 / 47.1 at 8, 64.7 / 66.1 at 16, 83.1 / 184.0 at 64).
+        self._fast_decode_min: int | None = FAST_DECODE_MIN_REQUESTS
         self._batch: _DecodeBatch | None = None  # the running requests as of the last fast plan
         self._fast_plan: tuple[SchedulerOutput, _DecodeBatch] | None = None  # sync: the latest fast plan
 
@@ -444,7 +449,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
         self.waiting_for_kv = False  # set by admission when the connector says a request's KV is arriving
-        fast = self._plan_decodes() if self._fast_decode else None
+        fast_min = self._fast_decode_min
+        fast = self._plan_decodes() if fast_min is not None and len(self.running) >= fast_min else None
         if fast is not None:
             batch, cached, num_scheduled, budget, counts = fast
         else:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner.engine.request import SequenceOutput
-from graphrunner.engine.scheduler import Scheduler
+from graphrunner.engine.scheduler import FAST_DECODE_MIN_REQUESTS, Scheduler
 from graphrunner.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 VOCAB = 40
@@ -63,7 +63,7 @@ def _drive(config: dict, events: list[tuple[int, int, int]], fast: bool) -> tupl
                       max_model_len=40, block_size=4, num_blocks=config["num_blocks"], eos_token_ids=[EOS],
                       async_scheduling=config["async"], enable_prefix_caching=config["prefix"],
                       num_speculative_tokens=k)
-    sched._fast_decode = fast
+    sched._fast_decode_min = 1 if fast else None
     plans, finished, in_flight, num_fast = [], [], [], 0
     next_id = 0
     for step, (arrivals, abort, prompt_len) in enumerate(events):
@@ -132,3 +132,18 @@ def test_steady_decode_takes_the_fast_path() -> None:
         plans, finished, _ = _drive(config, events, fast=False)
         assert num_fast >= 3
         assert (fast_plans, fast_finished) == (plans, finished)
+
+
+def test_the_fast_path_starts_at_its_batch_size():
+    """Below FAST_DECODE_MIN_REQUESTS decoding requests the general path plans (its per-request
+    Python is cheaper than the arrays' fixed cost there); from it on, the fast path."""
+    for n, fast in ((FAST_DECODE_MIN_REQUESTS - 1, False), (FAST_DECODE_MIN_REQUESTS, True)):
+        sched = Scheduler(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=40, block_size=4,
+                          num_blocks=256, eos_token_ids=[EOS])
+        for i in range(n):
+            sched.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+        so = sched.schedule()  # the prefills
+        sched.update_from_output(so, _run_step(sched, so, 0, 0))
+        so = sched.schedule()
+        assert len(so.num_scheduled_tokens) == n and not so.scheduled_new_reqs
+        assert (sched._batch is not None) == fast, n
