@@ -162,9 +162,12 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in flight (the rest queue)")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the dummy LoRA adapters")
     p.add_argument("--images", type=int, default=0,
-                   help="images per prompt (a vision-language model, e.g. builtin:llava-1.5-7b): random pixels")
+                   help="images per prompt (a vision-language model, e.g. builtin:llava-1.5-7b or "
+                   "builtin:qwen2.5-vl-7b): random pixels")
     p.add_argument("--distinct-images", type=int, default=None,
                    help="the pool the prompts' images come from (fewer than the images: encoder cache hits)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="side of the square random images in px (default: LLaVA's tower size; Qwen2.5-VL: 336)")
     p.add_argument(
         "--peer",
         action="store_true",
@@ -469,6 +472,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             images=args.images,
             distinct_images=args.distinct_images,
+            image_size=args.image_size,
         )
         result = run_throughput(spec, log=_log)
     except ValueError as e:

@@ -246,8 +246,9 @@ def throughput_text(result: ThroughputResult) -> str:
         f"time to first token: {_ttft(result)}",
     ]
     if s.images:
-        lines.append(f"images:              {s.images} a prompt, {result.images_encoded} encoded, encoder cache hit "
-                     f"rate {_pct(result.encoder_hit_rate or 0.0)}")
+        lines.append(f"images:              {s.images} a prompt of {result.image_size} px, "
+                     f"{result.image_tokens} tokens each, {result.images_encoded} encoded, encoder cache hit rate "
+                     f"{_pct(result.encoder_hit_rate or 0.0)}")
     return "\n".join(lines)
 
 
@@ -262,8 +263,9 @@ def throughput_markdown(result: ThroughputResult) -> str:
         f"| {s.num_prompts} | {s.input_len} | {s.output_len} | {s.dist} | {result.mode} | {result.scheduling} | "
         f"{result.output_tokens_per_s:.1f} | {result.ideal_output_tokens_per_s:.1f} | {_pct(result.ideal_fraction)} | "
         f"{_busy(result.gpu_busy_fraction)} | {_ttft(result)} | {_startup(result.startup_seconds)} |\n"
-        + (f"\n{s.images} image(s) a prompt: {result.images_encoded} encoded, encoder cache hit rate "
-           f"{_pct(result.encoder_hit_rate or 0.0)}\n" if s.images else "")
+        + (f"\n{s.images} image(s) a prompt, {result.image_size} px, {result.image_tokens} tokens each: "
+           f"{result.images_encoded} encoded, encoder cache hit rate {_pct(result.encoder_hit_rate or 0.0)}\n"
+           if s.images else "")
     )
 
 

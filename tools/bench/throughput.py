@@ -22,11 +22,14 @@ GPU spent on steps, the rest is the host keeping it waiting. On a CPU it is not 
 
 Start-up: the runner's load / compile / capture seconds (`ModelRunner.startup_times`).
 
-Images (`images` > 0, a vision-language model such as builtin:llava-1.5-7b): each prompt starts with
-that many image placeholders, each image random pixels at the tower's size drawn from a pool of
-`distinct_images` (default: one per image, all distinct); the report adds how many images the vision
-tower encoded and the encoder cache's hit rate (1 - encoded / images) over the timed run. Its input
-tokens count each image's placeholder rows.
+Images (`images` > 0, a vision-language model such as builtin:llava-1.5-7b or builtin:qwen2.5-vl-7b):
+each prompt starts with that many image placeholders (one prompt token after each but the last, so that
+each is a placeholder of its own), each image `image_size` px square random pixels drawn from a pool of
+`distinct_images` (default: one per image, all distinct). `image_size` defaults to the model's: LLaVA's
+tower size; Qwen2.5-VL, which resizes every image to its own grid, 336 px (LLaVA-1.5's, so the two
+compare on the same pixels: 144 tokens an image). The report adds the placeholder tokens an image takes,
+how many images the vision tower encoded and the encoder cache's hit rate (1 - encoded / images) over
+the timed run. Its input tokens count each image's placeholder rows.
 
 Time to first token: from each request's arrival (all at once, at the timed `generate`'s start) to its
 first token, median and p99 (`RequestOutput.metrics`).
@@ -75,6 +78,8 @@ if TYPE_CHECKING:
 
 DISTRIBUTIONS = ("fixed", "uniform")
 _WARMUP_TOKENS = 4
+# Qwen2.5-VL's synthetic images: LLaVA-1.5's 336 px, so that both models' runs encode the same pixels.
+QWEN_VL_IMAGE_SIZE = 336
 
 
 @dataclass(frozen=True)
@@ -108,16 +113,25 @@ class ThroughputSpec:
     lora_rank: int = 16
     images: int = 0  # images per prompt (a vision-language model)
     distinct_images: int | None = None  # the pool prompts draw their images from; None: all distinct
+    image_size: int | None = None  # the images' side in px; None: the model's (module docstring)
 
     def __post_init__(self) -> None:
         CUDAGraphMode.parse(self.mode)
         if self.images < 0 or (self.distinct_images is not None and self.distinct_images < 1):
             raise ValueError(f"images={self.images} must be >= 0 and distinct_images={self.distinct_images} >= 1")
+        if self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"image_size={self.image_size} must be >= 1 (pixels)")
         if self.dist not in DISTRIBUTIONS:
             raise ValueError(f"dist={self.dist!r}; allowed: {DISTRIBUTIONS}")
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        shortest = self.input_len if self.dist == "fixed" else max(1, self.input_len // 2)
+        if self.images > 1 and shortest < self.images - 1:
+            # Adjacent placeholders would read as one run (one image's, expanded); a prompt token parts them.
+            raise ValueError(f"images={self.images}: a prompt token follows each image but the last, so every "
+                             f"prompt needs at least {self.images - 1} tokens; input_len={self.input_len} "
+                             f"(dist {self.dist!r}) gives {shortest}")
         object.__setattr__(self, "peer_variants", tuple(self.peer_variants))
         if self.num_loras < 0 or self.max_loras < 1 or self.lora_rank < 1:
             raise ValueError(f"num_loras={self.num_loras} must be >= 0, max_loras={self.max_loras} and "
@@ -168,6 +182,8 @@ class ThroughputResult:
     ttft_median_ms: float | None = None
     ttft_p99_ms: float | None = None
     images_encoded: int | None = None  # vision tower runs in the timed pass (images > 0)
+    image_tokens: int | None = None  # placeholder tokens (decoder rows) one image takes (images > 0)
+    image_size: int | None = None  # the synthetic images' side in px (images > 0)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -216,6 +232,8 @@ class ThroughputResult:
             "ttft_median_ms": self.ttft_median_ms,
             "ttft_p99_ms": self.ttft_p99_ms,
             "images_encoded": self.images_encoded,
+            "image_tokens": self.image_tokens,
+            "image_size": self.image_size,
             "encoder_hit_rate": self.encoder_hit_rate,
         }
 
@@ -345,31 +363,50 @@ def _ttft_seconds(outputs: list[RequestOutput]) -> list[float]:
     return times
 
 
-def _image_rows(spec: ThroughputSpec) -> int:
-    """Placeholder rows per image of the model (0 without images); ValueError for a text-only model."""
+def _image_geometry(spec: ThroughputSpec) -> tuple[int, int]:
+    """(the synthetic images' side in px, placeholder rows per image), (0, 0) without images; ValueError for
+    a text-only model. Qwen2.5-VL's count is what its own processor (the engine's, from the model's folder)
+    makes of an image of that size."""
     if not spec.images:
-        return 0
+        return 0, 0
+    from graphrunner.config import Qwen2_5_VisionConfig
     from graphrunner.models.loader import load_model_config
 
     vision = load_model_config(spec.model).vision
     if vision is None:
         raise ValueError(f"images={spec.images}: {spec.model!r} is a text-only model (no vision tower)")
-    return vision.num_image_tokens
+    if isinstance(vision, Qwen2_5_VisionConfig):
+        from graphrunner.multimodal.qwen2_vl_processor import Qwen2VLImageProcessor
+
+        size = spec.image_size or QWEN_VL_IMAGE_SIZE
+        processor = Qwen2VLImageProcessor.from_folder(spec.model, vision)
+        grid = processor(np.zeros((size, size, 3), dtype=np.uint8))["image_grid_thw"]
+        return size, processor.num_tokens(grid)
+    # CLIP resizes and crops any image to the tower's size: a fixed count.
+    return spec.image_size or vision.image_size, vision.num_image_tokens
 
 
-def _with_images(prompts: list[list[int]], spec: ThroughputSpec, vision, rng: np.random.Generator) -> list[dict]:
-    """vLLM's multimodal prompts: `spec.images` image placeholders before each prompt's tokens, each image
-    [3, S, S] uint8 random pixels from a pool of `distinct_images` (prompt i, image j: pool entry
-    (i * images + j) mod pool)."""
+def _with_images(prompts: list[list[int]], spec: ThroughputSpec, vision, size: int,
+                 rng: np.random.Generator) -> list[dict]:
+    """vLLM's multimodal prompts: `spec.images` image placeholders at the start of each prompt, one of its
+    tokens after each but the last, each image [3, size, size] uint8 random pixels from a pool of
+    `distinct_images` (prompt i, image j: pool entry (i * images + j) mod pool). A random token equal to
+    the placeholder id becomes its neighbour: it would read as one more image."""
     import torch
 
     total = len(prompts) * spec.images
     pool_size = min(total, spec.distinct_images or total)
-    size = vision.image_size
     pool = [torch.from_numpy(rng.integers(0, 256, size=(3, size, size), dtype=np.uint8)) for _ in range(pool_size)]
-    return [{"prompt_token_ids": [vision.image_token_id] * spec.images + ids,
-             "multi_modal_data": {"image": [pool[(i * spec.images + j) % pool_size] for j in range(spec.images)]}}
-            for i, ids in enumerate(prompts)]
+    image, other = vision.image_token_id, max(vision.image_token_id - 1, 1)
+    out = []
+    for i, ids in enumerate(prompts):
+        ids = [other if t == image else t for t in ids]
+        k = spec.images - 1
+        head = [t for j in range(k) for t in (image, ids[j])] + [image]
+        out.append({"prompt_token_ids": head + ids[k:],
+                    "multi_modal_data": {"image": [pool[(i * spec.images + j) % pool_size]
+                                                   for j in range(spec.images)]}})
+    return out
 
 
 def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = None) -> ThroughputResult:
@@ -382,7 +419,7 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
     input_lens = sample_lengths(spec.num_prompts, spec.input_len, spec.dist, rng)
     output_lens = sample_lengths(spec.num_prompts, spec.output_len, spec.dist, rng)
     mode = CUDAGraphMode.parse(spec.mode)
-    image_rows = _image_rows(spec)
+    image_size, image_rows = _image_geometry(spec)
     max_model_len = int((input_lens + output_lens).max()) + spec.images * image_rows
     llm = _build_llm(spec, device, mode, -(-max_model_len // spec.block_size) * spec.block_size)
     adapters = tempfile.TemporaryDirectory(prefix="graphrunner-lora-") if spec.num_loras else None
@@ -392,8 +429,8 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
         warm_prompts = None
         if spec.images:
             vision = llm.runner.model_config.vision
-            warm_prompts = _with_images(prompts, spec, vision, np.random.default_rng(spec.seed + 1))
-            prompts = _with_images(prompts, spec, vision, rng)
+            warm_prompts = _with_images(prompts, spec, vision, image_size, np.random.default_rng(spec.seed + 1))
+            prompts = _with_images(prompts, spec, vision, image_size, rng)
         params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
         loras: list[LoRARequest | None] | None = None
         if adapters is not None:
@@ -430,6 +467,8 @@ def run_throughput(spec: ThroughputSpec, log: Callable[[str], None] | None = Non
             ttft_median_ms=float(1e3 * np.percentile(ttft, 50)) if ttft.size else None,
             ttft_p99_ms=float(1e3 * np.percentile(ttft, 99)) if ttft.size else None,
             images_encoded=encoded if spec.images else None,
+            image_tokens=image_rows if spec.images else None,
+            image_size=image_size if spec.images else None,
         )
     finally:
         llm.runner.shutdown()
