@@ -38,7 +38,7 @@ from graphrunner.layers.moe.layer import FusedMoE
 __all__ = ["MIN_BALANCE_GAIN", "EplbController", "balanced_placement", "load_balance", "rank_loads", "replacement"]
 
 
-def balanced_placement(load: Sequence[int], num_physical: int, num_ranks: int,
+def balanced_placement(load: Sequence[float], num_physical: int, num_ranks: int,
                        current: Sequence[int] | None = None) -> list[int]:
     """The logical expert of each of `num_physical` slots (slots [r S, (r+1) S) on rank r) for
     per-expert `load` [E] (pure, deterministic).
