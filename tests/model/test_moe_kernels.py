@@ -455,3 +455,37 @@ def test_gpu_decode_reads_only_the_active_experts():
     active_bytes = shape["top_k"] * (w13[0].numel() + w2[0].numel()) * 2
     rate = active_bytes / seconds
     assert rate > 1.0e12, f"{seconds * 1e6:.1f} us per layer, {rate / 1e12:.2f} TB/s of the active experts"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_gpu_pdl_chain_equals_plain_launches(num_tokens):
+    """Routing and the four expert launches with programmatic dependent launch (each starting while
+    the one before drains) give bitwise the plain launches' output, eagerly and replayed from a CUDA
+    graph over a shared workspace, with a slow producer of the router logits just before them."""
+    from tests.cuda_graphs import capture_cuda_graph
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    shape = QWEN3_30B_A3B
+    x, w13, w2, logits = _gpu_case(num_tokens, **shape, dtype=torch.bfloat16, seed=7)
+    workspace = MoEWorkspace(8, shape["top_k"], shape["num_experts"], shape["hidden"], shape["inter"],
+                             torch.bfloat16, "cuda")
+    source = logits.clone()
+
+    def step(pdl_rows):
+        logits.copy_(source * 1.0)  # an ATen producer of what the first PDL launch reads
+        weights, ids = route(logits, shape["top_k"], True, pdl_rows)
+        return fused_moe(x, w13, w2, weights, ids, None, workspace, pdl_rows=pdl_rows)
+
+    plain = step(0).clone()
+    assert torch.equal(step(8), plain)
+    result = {}
+    graph = capture_cuda_graph(lambda: result.__setitem__("out", step(8)))
+    for seed in range(3):
+        source.copy_(torch.randn(source.shape, generator=torch.Generator(device="cuda").manual_seed(seed),
+                                 device="cuda").to(source.dtype))
+        graph.replay()
+        expected = step(0)
+        torch.cuda.synchronize()
+        assert torch.equal(result["out"], expected)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner.kernels import HAS_TRITON, check_tensor
+from graphrunner.kernels.pdl import pdl_launch
 
 __all__ = [
     "MOE_DTYPES",
@@ -216,11 +217,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from graphrunner.kernels.pdl import pdl_wait
+
     @triton.jit
     def _moe_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, T, E, TOP_K: tl.constexpr,
                       RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, GDC: tl.constexpr):
         # Rows [pid * BLOCK_T, +BLOCK_T): softmax in fp32, then TOP_K rounds of take-the-max-and-mask.
+        pdl_wait(GDC)  # launched with PDL: wait for the kernels before (graphrunner.kernels.pdl)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
         r_ok, c_ok = rows < T, cols < E
@@ -259,7 +263,9 @@ if HAS_TRITON:
     @triton.jit
     def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_global,
                       num_local, num_blocks, blocks_per_program, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SCAN: tl.constexpr, BLOCKS: tl.constexpr):
+                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SCAN: tl.constexpr, BLOCKS: tl.constexpr,
+                      GDC: tl.constexpr):
+        pdl_wait(GDC)
         pid = tl.program_id(0)
         first = pid * CHUNK  # this program's slots: [first, first + CHUNK)
         experts = tl.arange(0, BLOCK_E)
@@ -322,7 +328,10 @@ if HAS_TRITON:
     def _moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_slots, num_blocks,
                         inter, H, stride_xt, stride_we, stride_wn, stride_wk, stride_wse, stride_as,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr,
+                        GDC: tl.constexpr):
+        # The expert of a block is data (the alignment's output), so no weight can load before the wait.
+        pdl_wait(GDC)
         pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, inter, BLOCK_N, GROUP_M)
         expert = tl.load(block_experts_ptr + pid_m)
         if expert < 0:  # past the used blocks: no weight is read
@@ -369,7 +378,9 @@ if HAS_TRITON:
     def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, topk_weights_ptr, out_ptr, sorted_ptr, block_experts_ptr,
                      num_slots, num_blocks, H, inter, stride_as, stride_we, stride_wn, stride_wk, stride_wse,
                      stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8_W: tl.constexpr,
+                     GDC: tl.constexpr):
+        pdl_wait(GDC)
         pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, H, BLOCK_N, GROUP_M)
         expert = tl.load(block_experts_ptr + pid_m)
         if expert < 0:
@@ -404,7 +415,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_sum_kernel(slot_out_ptr, ids_ptr, map_ptr, out_ptr, T, H, num_global, num_local, stride_os, stride_ot,
-                    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                    GDC: tl.constexpr):
+        pdl_wait(GDC)
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         t_ok, c_ok = tokens < T, cols < H
@@ -423,13 +436,15 @@ def _require_triton(name: str) -> None:
         raise RuntimeError(f"{name} needs triton, which failed to import; use graphrunner.layers.moe.reference")
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype, unit stride along E) -> (weights [T, k] fp32, ids [T, k] int32).
 
     `route_reference` in one launch: softmax over the experts in fp32, the k largest probabilities in
     descending order, renormalised to sum 1 when `renormalize`. Ties go to the lowest expert index
     (torch.topk agrees wherever the probabilities are distinct). NaN logits give an unspecified
-    routing with ids still in [0, E)."""
+    routing with ids still in [0, E). `pdl_rows`: the largest token count launched with PDL
+    (`graphrunner.kernels.pdl`; 0: none)."""
     _require_triton("route")
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits {tuple(router_logits.shape)} (strides {router_logits.stride()}) "
@@ -445,9 +460,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if num_tokens:
         block_e = _next_pow2(num_experts)
         block_t = min(_next_pow2(num_tokens), max(1, _ROUTE_ELEMENTS // block_e))
+        launch = pdl_launch(num_tokens, pdl_rows)
         _moe_route_kernel[(_cdiv(num_tokens, block_t),)](
             router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts, TOP_K=top_k,
-            RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(top_k), num_warps=4)
+            RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(top_k),
+            GDC=bool(launch), num_warps=4, **launch)
     return weights, ids
 
 
@@ -464,7 +481,7 @@ def _check_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> N
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                          expert_map: torch.Tensor | None = None, *,
-                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl_rows: int = 0
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int32 (global ids) -> (sorted_slots, block_experts, num_padded), one launch.
 
@@ -499,19 +516,20 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         num_padded.zero_()
         return out
     programs = _cdiv(num_slots, _ALIGN_CHUNK)
+    launch = pdl_launch(num_tokens, pdl_rows)
     _moe_align_kernel[(programs,)](
         topk_ids, expert_map if expert_map is not None else topk_ids, sorted_slots, block_experts, num_padded,
         num_slots, expert_map.shape[0] if expert_map is not None else num_experts, num_experts, num_blocks,
         _cdiv(num_blocks, programs), HAS_MAP=expert_map is not None, BLOCK_M=block_m,
         BLOCK_E=max(16, _next_pow2(num_experts)), CHUNK=_ALIGN_CHUNK, SCAN=_ALIGN_SCAN, BLOCKS=_ALIGN_BLOCKS,
-        num_warps=_ALIGN_WARPS)
+        GDC=bool(launch), num_warps=_ALIGN_WARPS, **launch)
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
               workspace: MoEWorkspace | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """`fused_moe_reference` in four launches (alignment, gate|up, down, top-k sum): x [T, H] -> [T, H].
 
     w13 [E_local, 2I, H], w2 [E_local, H, I] in x's dtype (bf16, fp16, fp32); topk_weights [T, k] fp32 and
@@ -522,7 +540,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     fp8 experts (weight-only): w13 / w2 in float8_e4m3fn with per-output-row fp32 scales w13_scale
     [E_local, 2I] and w2_scale [E_local, H]; each tile's codes convert exactly to x's dtype on load
-    and the row scales multiply the fp32 accumulators (`fused_moe_reference` with the scales)."""
+    and the row scales multiply the fp32 accumulators (`fused_moe_reference` with the scales).
+
+    `pdl_rows`: up to that many tokens the four launches use programmatic dependent launch
+    (`graphrunner.kernels.pdl`): each starts while the one before drains and waits for it before
+    reading anything, so a batch-1 layer's chain of small kernels does not pay each launch in full."""
     _require_triton("fused_moe")
     _check_routing(topk_ids, expert_map)
     num_tokens, hidden = x.shape
@@ -558,7 +580,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     workspace.check(num_tokens, top_k, num_experts, hidden, inter, x.dtype, x.device)
     sorted_slots, block_experts, num_padded, act, slot_out = workspace.views(num_tokens, config.block_m)
     moe_align_block_size(topk_ids, num_experts, config.block_m, expert_map,
-                         out=(sorted_slots, block_experts, num_padded))
+                         out=(sorted_slots, block_experts, num_padded), pdl_rows=pdl_rows)
+    launch = pdl_launch(num_tokens, pdl_rows)
+    gdc = bool(launch)
 
     num_slots, num_blocks = num_tokens * top_k, block_experts.shape[0]
     bm, gm = config.block_m, config.group_m
@@ -572,17 +596,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x, w13_k, s13, act, sorted_slots, block_experts, num_slots, num_blocks, inter, hidden, x.stride(0),
         w13.stride(0), w13.stride(1), w13.stride(2), s13.stride(0) if fp8 else 0, act.stride(0), TOP_K=top_k,
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=hidden % t.block_k == 0,
-        PRECISION=precision, FP8_W=fp8, num_warps=t.num_warps, num_stages=t.num_stages)
+        PRECISION=precision, FP8_W=fp8, GDC=gdc, num_warps=t.num_warps, num_stages=t.num_stages, **launch)
     t = config.down
     _moe_down_kernel[(num_blocks * _cdiv(hidden, t.block_n),)](
         act, w2_k, s2, topk_weights, slot_out, sorted_slots, block_experts, num_slots, num_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2.stride(0) if fp8 else 0, slot_out.stride(0),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=gm, EVEN_K=inter % t.block_k == 0,
-        PRECISION=precision, FP8_W=fp8, num_warps=t.num_warps, num_stages=t.num_stages)
+        PRECISION=precision, FP8_W=fp8, GDC=gdc, num_warps=t.num_warps, num_stages=t.num_stages, **launch)
     block_h = min(_SUM_BLOCK_H, _next_pow2(hidden))
     block_t = min(_next_pow2(num_tokens), max(1, 2048 // block_h))
     _moe_sum_kernel[(_cdiv(num_tokens, block_t), _cdiv(hidden, block_h))](
         slot_out, topk_ids, expert_map if expert_map is not None else topk_ids, out, num_tokens, hidden,
         expert_map.shape[0] if expert_map is not None else num_experts, num_experts, slot_out.stride(0),
-        out.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+        out.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_T=block_t, BLOCK_H=block_h, GDC=gdc,
+        num_warps=4, **launch)
     return out

@@ -43,6 +43,8 @@ from torch import nn
 
 from graphrunner.config import KernelConfig, ModelConfig
 from graphrunner.distributed.comm import TPComm
+from graphrunner.kernels.device import device_properties
+from graphrunner.kernels.pdl import pdl_max_rows
 from graphrunner.layers.linear import MergedColumnLinear, RowLinear
 from graphrunner.layers.moe import kernels
 from graphrunner.layers.moe.reference import fused_moe_reference, route_reference
@@ -60,16 +62,18 @@ def _partial(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("graphrunner::fused_moe", mutates_args=())
 def fused_moe_op(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  expert_map: torch.Tensor | None, top_k: int, renormalize: bool, w13_scale: torch.Tensor | None,
-                 w2_scale: torch.Tensor | None) -> torch.Tensor:
+                 w2_scale: torch.Tensor | None, pdl_rows: int) -> torch.Tensor:
     """Routing and the routed experts (`kernels.route`, `kernels.fused_moe`) as one op that
     torch.compile does not look into: its grids and tiles depend on the token count, which a
     compiled piece knows only at run time."""
-    weights, ids = kernels.route(router_logits, top_k, renormalize)
-    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map, w13_scale=w13_scale, w2_scale=w2_scale)
+    weights, ids = kernels.route(router_logits, top_k, renormalize, pdl_rows)
+    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map, w13_scale=w13_scale, w2_scale=w2_scale,
+                             pdl_rows=pdl_rows)
 
 
 @fused_moe_op.register_fake
-def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize, w13_scale, w2_scale) -> torch.Tensor:
+def _fused_moe_fake(x, router_logits, w13, w2, expert_map, top_k, renormalize, w13_scale, w2_scale,
+                    pdl_rows) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -104,16 +108,16 @@ def to_physical(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.T
 @torch.library.custom_op("graphrunner::fused_moe_placed", mutates_args=("expert_load",))
 def fused_moe_placed_op(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         expert_map: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
-                        expert_load: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+                        expert_load: torch.Tensor, top_k: int, renormalize: bool, pdl_rows: int) -> torch.Tensor:
     """`graphrunner::fused_moe` through an EPLB placement (`to_physical`), counting the load."""
-    weights, ids = kernels.route(router_logits, top_k, renormalize)
+    weights, ids = kernels.route(router_logits, top_k, renormalize, pdl_rows)
     ids = to_physical(ids, log2phy, replica_count, expert_load)
-    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map)
+    return kernels.fused_moe(x, w13, w2, weights, ids, expert_map, pdl_rows=pdl_rows)
 
 
 @fused_moe_placed_op.register_fake
 def _fused_moe_placed_fake(x, router_logits, w13, w2, expert_map, log2phy, replica_count, expert_load, top_k,
-                           renormalize) -> torch.Tensor:
+                           renormalize, pdl_rows) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -218,6 +222,9 @@ class FusedMoE(nn.Module):
         for name in ("w13_scale", "w2_scale"):
             self.register_buffer(name, None, persistent=False)
         self.use_kernels = kernels.fused_moe_available(device) and dtype in kernels.MOE_DTYPES
+        # Up to this many tokens the routing and expert kernels launch with PDL (graphrunner.kernels.pdl).
+        self.pdl_rows = pdl_max_rows(kernel or KernelConfig(), device_properties(self.w13.device)) \
+            if self.use_kernels else 0
         self.op_mode = False  # set by LlamaForCausalLM.use_attention_op: traced by torch.compile
         self.workspace: kernels.MoEWorkspace | None = None  # shared by the model's sparse layers
 
@@ -243,11 +250,11 @@ class FusedMoE(nn.Module):
                                       self.w2_scale)
         elif self.op_mode:
             out = torch.ops.graphrunner.fused_moe(xs, logits, self.w13, self.w2, self.expert_map, self.top_k,
-                                                  self.renormalize, self.w13_scale, self.w2_scale)
+                                                  self.renormalize, self.w13_scale, self.w2_scale, self.pdl_rows)
         else:
-            weights, ids = kernels.route(logits, self.top_k, self.renormalize)
+            weights, ids = kernels.route(logits, self.top_k, self.renormalize, self.pdl_rows)
             out = kernels.fused_moe(xs, self.w13, self.w2, weights, ids, self.expert_map, self.workspace,
-                                    self.w13_scale, self.w2_scale)
+                                    self.w13_scale, self.w2_scale, self.pdl_rows)
         if self.dp is not None:
             out = self.dp.scatter_tokens(out, num_tokens)
         if self.shared_gate_up is not None:
@@ -262,14 +269,15 @@ class FusedMoE(nn.Module):
         if self.use_kernels and self.op_mode:
             return torch.ops.graphrunner.fused_moe_placed(x, logits, self.w13, self.w2, self.expert_map,
                                                           self.log2phy, self.replica_count, self.expert_load,
-                                                          self.top_k, self.renormalize)
+                                                          self.top_k, self.renormalize, self.pdl_rows)
         if self.use_kernels:
-            weights, ids = kernels.route(logits, self.top_k, self.renormalize)
+            weights, ids = kernels.route(logits, self.top_k, self.renormalize, self.pdl_rows)
         else:
             weights, ids = route_reference(logits, self.top_k, self.renormalize)
         ids = to_physical(ids, self.log2phy, self.replica_count, self.expert_load)
         if self.use_kernels:
-            return kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.workspace)
+            return kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.workspace,
+                                     pdl_rows=self.pdl_rows)
         return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.expert_map)
 
     # ------------------------------------------------------------------ weights
