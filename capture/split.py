@@ -4,7 +4,10 @@
 of its own; `compile_pieces` propagates dynamo's fake tensors (symbolic token count)
 through the split module and compiles every other piece with them: one compile per
 piece serves every size (the eager backend keeps the pieces as they are: nothing to
-propagate). capture/piecewise.py wraps the result in graph-capturing pieces.
+propagate). Pieces of the same structure (the decoder layers between two attention calls:
+the same nodes over inputs of the same shapes, weights among the inputs) share one compiled
+callable, so a model of L layers compiles a handful of pieces, not L + 1.
+capture/piecewise.py wraps the result in graph-capturing pieces.
 """
 
 from __future__ import annotations
@@ -51,6 +54,32 @@ def compile_piece(gm: fx.GraphModule, example_args: list[Any], backend: str | Ca
     return lambda *args: compiled(*args)[0]
 
 
+def _arg_meta(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return ("tensor", tuple(map(str, arg.shape)), tuple(map(str, arg.stride())), arg.dtype, arg.device.type,
+                arg.requires_grad)
+    if isinstance(arg, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("sym", str(arg))
+    return ("value", repr(arg))
+
+
+def structure_key(gm: fx.GraphModule, example_args: list[Any]) -> tuple | None:
+    """What makes two pieces interchangeable: their nodes (op, target, arguments as node positions)
+    and their inputs' metadata. None when the piece reads module state (get_attr): its compiled
+    form would carry that module's tensors."""
+    position: dict[fx.Node, int] = {}
+    nodes = []
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "get_attr":
+            return None
+        position[node] = i
+        args = fx.node.map_arg(node.args, lambda n: ("%", position[n]))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: ("%", position[n]))
+        target = node.target if node.op in ("call_function", "call_method") else None
+        nodes.append((node.op, target, repr(args), repr(kwargs)))
+    return tuple(nodes), tuple(_arg_meta(a) for a in example_args)
+
+
 def split_at_ops(gm: fx.GraphModule, targets: frozenset) -> tuple[fx.GraphModule, list[str], dict[str, bool]]:
     """`gm` cut at every call of a split op: (split module, piece names in run order,
     name -> whether the piece is a split op alone)."""
@@ -92,6 +121,7 @@ class _CompileEachPiece(fx.Interpreter):
         self.is_split = is_split
         self.backend = backend
         self.compiled: dict[str, Callable] = {}
+        self.by_structure: dict[tuple, Callable] = {}  # `structure_key` -> the compiled piece
 
     def run_fake(self, fake_mode: Any, fake_args: list[Any]) -> dict[str, Callable]:
         if fake_mode is None:
@@ -106,5 +136,12 @@ class _CompileEachPiece(fx.Interpreter):
         assert not kwargs, "split_module passes piece inputs positionally"
         out = super().call_module(target, args, kwargs)
         if not self.is_split[target]:
-            self.compiled[target] = compile_piece(getattr(self.module, target), list(args), self.backend)
+            piece = getattr(self.module, target)
+            key = structure_key(piece, list(args))
+            compiled = self.by_structure.get(key) if key is not None else None
+            if compiled is None:
+                compiled = compile_piece(piece, list(args), self.backend)
+                if key is not None:
+                    self.by_structure[key] = compiled
+            self.compiled[target] = compiled
         return out

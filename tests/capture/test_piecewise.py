@@ -283,6 +283,26 @@ def test_aot_eager_backend(cpu_harness):
     assert compiled.num_graphs_compiled == 1
 
 
+def test_pieces_of_one_structure_share_one_compile(monkeypatch):
+    """Three layers cut at attention: the two pieces between attention calls are the same nodes over
+    inputs of the same shapes (the weights are inputs), so they are compiled once and share it; the
+    step still equals the uncompiled model."""
+    import capture.split as split
+
+    compiles = []
+    real = split.compile_piece
+    monkeypatch.setattr(split, "compile_piece", lambda *a: compiles.append(1) or real(*a))
+    h = make_harness(3, torch.float32, "cpu", TorchReferenceBackend())
+    compiled = piecewise(h, "aot_eager")
+    step = make_step([(3, 4), (6, 1)], 3, vocab=h.config.vocab_size, seed=31)
+    ref_caches, caches = make_caches(h.config, h.dtype, "cpu", 0), make_caches(h.config, h.dtype, "cpu", 0)
+    with torch.inference_mode():
+        ref = h.reference(step, ref_caches)
+        out = h.run(compiled, step, caches)
+    assert_step_matches(h, step, out, caches, ref, ref_caches, tol=FP32_TOL)
+    assert len(compiled.pieces) == 7 and len(compiles) == 3  # first, the two alike (one compile), last
+
+
 @pytest.mark.slow
 def test_inductor_backend():
     """The one inductor test (a cold compile costs ~25 s on 2 cores): 2 layers, T = 1, 8, 16."""
