@@ -171,7 +171,7 @@ def run_engine(args: argparse.Namespace, engine: str, device: str) -> dict[str, 
     connector = getattr(llm.scheduler, "kv_connector", None)
     loaded = getattr(connector, "num_external_hit_tokens", None)
     worker = getattr(getattr(llm, "runner", None), "kv_connector", None)
-    kv_verify = worker.verify_report() if getattr(worker, "verify", False) else None
+    kv_verify = worker.verify_report() if worker is not None and getattr(worker, "verify", False) else None
     llm.shutdown()
     return {"engine": engine, "setup_s": setup_s, "turns": turns, "external_hit_tokens": loaded,
             "kv_verify": kv_verify}
