@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -394,6 +394,28 @@ class _WeightTarget:
     shape: tuple[int, ...]
     load: Callable[[torch.Tensor], object]
     covers: tuple[str, ...] = ()
+
+
+Renames = Sequence[tuple[str, str]]  # (a checkpoint layout's prefix, this model's prefix)
+
+
+def renamed_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                    renames: Renames) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with each name's first matching old prefix replaced by this model's."""
+    for name, tensor in weights:
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
+
+def names_in_every_layout(names: set[str], renames: Renames) -> set[str]:
+    """`names` (this model's) plus each under every old prefix that maps onto it."""
+    out = set(names)
+    for old, new in renames:
+        out |= {old + n[len(new):] for n in names if n.startswith(new)}
+    return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -13,7 +13,7 @@ Checkpoints name tensors in either transformers layout: `language_model.model.*`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from graphrunner.attention.base import AttentionBackend
 from graphrunner.config import KernelConfig, ModelConfig, VisionConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.models.clip import CLIPVisionTower, activation
-from graphrunner.models.llama import LlamaForCausalLM, _WeightTarget
+from graphrunner.models.llama import LlamaForCausalLM, _WeightTarget, names_in_every_layout, renamed_weights
 
 # Checkpoint prefixes -> the names this model uses (first match wins).
 _RENAMES = (
@@ -114,7 +114,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return list(self.multi_modal_projector(features).unbind(0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(weights))
+        super().load_weights(renamed_weights(weights, _RENAMES))
 
     def _weight_targets(self) -> tuple[dict[str, _WeightTarget], dict[str, _WeightTarget]]:
         targets, alternates = super()._weight_targets()
@@ -127,17 +127,5 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def checkpoint_names(self) -> set[str]:
         """Every tensor name a LLaVA checkpoint may hold, in either layout."""
         targets, alternates = self._weight_targets()
-        names = set(targets) | set(alternates)
-        out = set(names)
-        for old, new in _RENAMES:
-            out |= {old + n[len(new):] for n in names if n.startswith(new)}
-        return out
+        return names_in_every_layout(set(targets) | set(alternates), _RENAMES)
 
-
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, tensor

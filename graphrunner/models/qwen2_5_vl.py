@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from graphrunner.attention.base import AttentionBackend
 from graphrunner.config import KernelConfig, ModelConfig, Qwen2_5_VisionConfig
 from graphrunner.distributed.comm import TPComm
 from graphrunner.layers.rotary import check_mrope_section
-from graphrunner.models.llama import LlamaForCausalLM, _WeightTarget
+from graphrunner.models.llama import LlamaForCausalLM, _WeightTarget, names_in_every_layout, renamed_weights
 from graphrunner.models.qwen2_5_vision import _ACTIVATIONS, Qwen2_5_VisionTower
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
@@ -163,7 +163,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return list(out.split([t * h * w // merge for t, h, w in grids]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(weights))
+        super().load_weights(renamed_weights(weights, _RENAMES))
 
     def _weight_targets(self) -> tuple[dict[str, _WeightTarget], dict[str, _WeightTarget]]:
         targets, alternates = super()._weight_targets()
@@ -174,17 +174,5 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def checkpoint_names(self) -> set[str]:
         """Every tensor name a Qwen2.5-VL checkpoint may hold, in either layout."""
         targets, alternates = self._weight_targets()
-        names = set(targets) | set(alternates)
-        out = set(names)
-        for old, new in _RENAMES:
-            out |= {old + n[len(new):] for n in names if n.startswith(new)}
-        return out
+        return names_in_every_layout(set(targets) | set(alternates), _RENAMES)
 
-
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, tensor

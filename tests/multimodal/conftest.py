@@ -14,6 +14,29 @@ IMAGE_SIZE = 28
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 
 
+def engine_requests(prompts) -> list[dict]:
+    """vLLM-style prompt dicts of (token ids, images) pairs: images under multi_modal_data when any."""
+    return [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} if imgs else {"prompt_token_ids": ids}
+            for ids, imgs in prompts]
+
+
+def small_llm(path, mode: str = "NONE", **kw):
+    """An fp32 CPU engine over a tiny checkpoint folder: eager, or `mode`'s graphs with the eager backend."""
+    from graphrunner import LLM
+
+    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                block_size=4, num_kv_blocks=128)
+    args.update(kw)
+    if mode == "NONE":
+        return LLM(str(path), enforce_eager=True, **args)
+    return LLM(str(path), enforce_eager=False, cudagraph_mode=mode, compile_backend="eager",
+               cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64), debug_cudagraphs=True, **args)
+
+
+def first_tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @torch.no_grad()
 def make_llava(path, seed: int = 0):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration

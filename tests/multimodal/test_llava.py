@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from graphrunner import LLM, SamplingParams
-from tests.multimodal.conftest import IMAGE_TOKEN, random_image, reference_pixels
+from tests.multimodal.conftest import (
+    IMAGE_TOKEN,
+    engine_requests,
+    first_tokens,
+    random_image,
+    reference_pixels,
+    small_llm,
+)
 
 pytest.importorskip("PIL")
 
@@ -39,18 +46,9 @@ def _hf_greedy(hf, ids: list[int], images: list, n: int = 8) -> list[int]:
 
 
 def _requests(prompts=PROMPTS):
-    return [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} if imgs else {"prompt_token_ids": ids}
-            for ids, imgs in prompts]
+    return engine_requests(prompts)
 
 
-def _llm(path, mode: str = "NONE", **kw) -> LLM:
-    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                block_size=4, num_kv_blocks=128)
-    args.update(kw)
-    if mode == "NONE":
-        return LLM(str(path), enforce_eager=True, **args)
-    return LLM(str(path), enforce_eager=False, cudagraph_mode=mode, compile_backend="eager",
-               cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64), debug_cudagraphs=True, **args)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +57,17 @@ def expected(llava):
     return [_hf_greedy(hf, ids, imgs) for ids, imgs in PROMPTS]
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
 def test_greedy_tokens_match_transformers_with_0_1_2_images(llava, expected, mode):
-    llm = _llm(llava[0], mode)
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    llm = small_llm(llava[0], mode)
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
     cache = llm.runner.embeds.encoder_cache
     assert cache.num_encoded == 2  # IMAGES[0] shows in two requests of one step: encoded once
     # The same images in a later call come from the encoder cache, and their blocks from the prefix cache.
     again = llm.generate(_requests(), GREEDY, use_tqdm=False)
-    assert _tokens(again) == expected and cache.num_encoded == 2
+    assert first_tokens(again) == expected and cache.num_encoded == 2
     assert again[1].num_cached_tokens > 0
     if mode != "NONE":
         assert not llm.runner.last_descriptor.is_eager
@@ -80,14 +76,14 @@ def test_greedy_tokens_match_transformers_with_0_1_2_images(llava, expected, mod
 def test_chunks_inside_and_before_images(llava, expected):
     """A 12-token budget cuts prompts inside the placeholders; an encoder budget of one image (16
     tokens) per step makes the two-image prompt wait for its second image; tokens are unchanged."""
-    llm = _llm(llava[0], max_num_batched_tokens=12, max_num_seqs=2)
+    llm = small_llm(llava[0], max_num_batched_tokens=12, max_num_seqs=2)
     assert llm.scheduler.encoder.budget == N
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
 
 
 def test_prefix_cache_tells_images_apart(llava):
-    llm = _llm(llava[0])
+    llm = small_llm(llava[0])
     a = {"prompt_token_ids": [5, IMAGE_TOKEN, 9, 10], "multi_modal_data": {"image": IMAGES[0]}}
     b = {"prompt_token_ids": [5, IMAGE_TOKEN, 9, 10], "multi_modal_data": {"image": IMAGES[1]}}
     first = llm.generate([a], GREEDY, use_tqdm=False)[0]
@@ -112,7 +108,7 @@ def test_processor_reads_the_checkpoint_config(llava):
 
 
 def test_bad_multimodal_input_raises_and_leaves_others_alone(llava, expected):
-    llm = _llm(llava[0])
+    llm = small_llm(llava[0])
     good = _requests()
     with pytest.raises(ValueError, match=r"2 image\(s\) given for 1 image placeholder"):
         llm.generate([good[0], {"prompt_token_ids": [5, IMAGE_TOKEN], "multi_modal_data": {"image": IMAGES}}],
@@ -122,7 +118,7 @@ def test_bad_multimodal_input_raises_and_leaves_others_alone(llava, expected):
     with pytest.raises(ValueError, match=r"image tensor must be \[3, H, W\] or \[H, W, 3\]"):
         llm.generate([{"prompt_token_ids": [IMAGE_TOKEN], "multi_modal_data": {"image": torch.zeros(2, 5)}}], GREEDY)
     assert not llm.scheduler.has_unfinished_requests()
-    assert _tokens(llm.generate(good, GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(good, GREEDY, use_tqdm=False)) == expected
     with pytest.raises(ValueError, match="vision-language model"):
         LLM(str(llava[0]), runner="pooling", device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
 
@@ -132,6 +128,6 @@ def test_gpu_llava_matches_transformers_from_cuda_graphs(llava, expected):
     """CUDA, fp32: decoder from real FULL / PIECEWISE graphs, the vision tower eager; same tokens."""
     llm = LLM(str(llava[0]), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=128, block_size=16, num_kv_blocks=32)
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
     llm.shutdown()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphrunner import LLM, SamplingParams
+from tests.multimodal.conftest import engine_requests, first_tokens, small_llm
 
 pytest.importorskip("PIL")
 
@@ -108,18 +109,9 @@ def _hf_greedy(hf, ids: list[int], images: list, n: int = 8) -> list[int]:
 
 
 def _requests(prompts=PROMPTS):
-    return [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} if imgs else {"prompt_token_ids": ids}
-            for ids, imgs in prompts]
+    return engine_requests(prompts)
 
 
-def _llm(path, mode: str = "NONE", **kw) -> LLM:
-    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                block_size=4, num_kv_blocks=128)
-    args.update(kw)
-    if mode == "NONE":
-        return LLM(str(path), enforce_eager=True, **args)
-    return LLM(str(path), enforce_eager=False, cudagraph_mode=mode, compile_backend="eager",
-               cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64), debug_cudagraphs=True, **args)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +120,6 @@ def expected(qwen):
     return [_hf_greedy(hf, ids, imgs) for ids, imgs in PROMPTS]
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_processor_matches_transformers(qwen):
@@ -184,12 +174,12 @@ def test_mrope_positions_match_get_rope_index(qwen):
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
 def test_greedy_tokens_match_transformers_with_0_1_2_images(qwen, expected, mode):
-    llm = _llm(qwen[0], mode)
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    llm = small_llm(qwen[0], mode)
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
     cache = llm.runner.embeds.encoder_cache
     assert cache.num_encoded == 2  # IMAGES[0] shows in two requests of one step: encoded once
     again = llm.generate(_requests(), GREEDY, use_tqdm=False)
-    assert _tokens(again) == expected and cache.num_encoded == 2
+    assert first_tokens(again) == expected and cache.num_encoded == 2
     assert again[2].num_cached_tokens > 0  # prompt chunks start inside the prompt: staged from there
     if mode != "NONE":
         assert not llm.runner.last_descriptor.is_eager
@@ -197,12 +187,12 @@ def test_greedy_tokens_match_transformers_with_0_1_2_images(qwen, expected, mode
 
 def test_chunked_prompts_keep_positions(qwen, expected):
     """A 10-token budget cuts the prompts inside the images' placeholders; tokens are unchanged."""
-    llm = _llm(qwen[0], max_num_batched_tokens=10, max_num_seqs=2)
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    llm = small_llm(qwen[0], max_num_batched_tokens=10, max_num_seqs=2)
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
 
 
 def test_bad_multimodal_input_raises(qwen, tmp_path):
-    llm = _llm(qwen[0])
+    llm = small_llm(qwen[0])
     with pytest.raises(ValueError, match=r"2 image\(s\) given for 1 image placeholder"):
         llm.generate([{"prompt_token_ids": [5, IMAGE_TOKEN], "multi_modal_data": {"image": IMAGES}}], GREEDY,
                      use_tqdm=False)
@@ -274,7 +264,7 @@ def test_gpu_qwen2_5_vl_matches_transformers_from_cuda_graphs(qwen, expected):
     vision tower eager; same tokens as transformers on the CPU."""
     llm = LLM(str(qwen[0]), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=128, block_size=16, num_kv_blocks=32)
-    assert _tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
     assert not llm.runner.last_descriptor.is_eager
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
     llm.shutdown()
