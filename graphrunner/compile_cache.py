@@ -17,6 +17,13 @@ An entry is trusted only as a whole: after a scope ends, `manifest.json` records
 file's size and SHA-256; a scope that finds a file missing, changed, or not in the manifest
 (a run killed mid-compile) deletes the entry and compiles afresh.
 
+Processes of one configuration share its entry. A scope holds a shared lock on `<key>.lock`
+beside the entry for its whole length, and checks (and may delete) the entry only when it can
+take that lock exclusively: with another process inside, the files it has not yet put in the
+manifest are its work in progress, not the leftovers of a killed run. Without the lock, a second
+engine starting on one machine deleted the entry under the first, whose Triton then failed to
+read a kernel it had just compiled (FileNotFoundError on two H200s).
+
 The folders are set for the length of a scope through torch's and Triton's own APIs, so the
 user exports nothing.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -160,13 +168,36 @@ class CompileCache:
         tmp.write_text(json.dumps({"files": files}))
         tmp.replace(self.path / MANIFEST)  # atomic: a reader sees the old manifest or the new one
 
+    @contextlib.contextmanager
+    def _checked_and_shared(self) -> Iterator[None]:
+        """The entry prepared when no other process is inside it (else taken as it is), then held
+        under a shared lock (module docstring)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.parent / f"{self.key}.lock", "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except BlockingIOError:
+                alone = False
+            if alone:
+                self.prepare()
+            # Waits only while another process checks the entry (it holds the lock exclusively then).
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if not alone:
+                self.path.mkdir(parents=True, exist_ok=True)
+                logger.info("compile cache %s: in use by another process; shared as it is", self.path)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     # ---- use --------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[Path]:
         """Compile into (and load from) this entry for the length of the block; the manifest is
         written when the block ends without an error."""
-        self.prepare()
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._checked_and_shared())
             stack.enter_context(_inductor_cache_dir(str(self.path / "inductor")))
             stack.enter_context(_triton_cache_dir(str(self.path / "triton")))
             yield self.path

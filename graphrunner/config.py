@@ -717,7 +717,6 @@ class SpeculativeConfig:
 
 
 MAX_KV_SPLITS = 32  # the paged attention kernel's limit on key splits (graphrunner.attention.triton_attn)
-ROWS_GEMM_MAX_ROWS = 16  # one tensor-core M tile: the most rows of x the rows GEMM takes (graphrunner.layers.gemv)
 
 
 @dataclass(frozen=True)
@@ -752,11 +751,6 @@ class KernelConfig:
       pdl_max_rows           the largest launch, in rows, that uses PDL. H100, qwen2.5-0.5b: batch 1 0.959 ->
                              0.883 ms with PDL, but batch 8 1.218 -> 1.259 and 256 2.820 -> 3.052 (past one row
                              the projections are cuBLAS GEMMs, and early Triton kernels only hold SM slots)
-      rows_gemm_max_rows     projections of 2 up to this many token rows (at most 16) run as one Triton launch
-                             that reads each weight tile once for all rows (`gemv.rows_gemm_triton`), SiLU·mul
-                             folded in where `swiglu_gemv_max_k` allows; 0: cuBLAS. Off until measured against
-                             cuBLAS on a GPU (H200: llama-3.1-8b batch 8 5.057 ms against batch 1's 4.18,
-                             qwen2.5-0.5b 1.070 against 0.65 with cuBLAS and unfused SiLU·mul)
     Sampling:
       greedy_head            all-greedy batches take the argmax inside the LM head's GEMM
     """
@@ -769,7 +763,6 @@ class KernelConfig:
     attention_max_kv_splits: int = 16
     pdl: bool = True
     pdl_max_rows: int = 1
-    rows_gemm_max_rows: int = 0
     # sampling
     greedy_head: bool = True
 
@@ -778,9 +771,6 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KernelConfig.{name}={value!r} must be an int >= 0")
-        rows = self.rows_gemm_max_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= ROWS_GEMM_MAX_ROWS:
-            raise ValueError(f"KernelConfig.rows_gemm_max_rows={rows!r} must be an int in [0, {ROWS_GEMM_MAX_ROWS}]")
         splits = self.attention_max_kv_splits
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_KV_SPLITS:
             raise ValueError(f"KernelConfig.attention_max_kv_splits={splits!r} must be an int in [1, {MAX_KV_SPLITS}]")

@@ -144,7 +144,8 @@ class PrefixBlockScheduler(KVConnectorScheduler):
 
     def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
         super().__init__(config, shape, model_id)
-        self._matched: dict[str, torch.Tensor] = {}  # request id -> verified blocks, until admitted
+        # request id -> its verified blocks and their hashes, until admitted
+        self._matched: dict[str, tuple[torch.Tensor, list[str]]] = {}
         self._loads: list[_Load] = []
         self._saved: dict[str, int] = {}  # prefilling request id -> prompt blocks planned for saving so far
         self._asked: set[str] = set()  # waiting request ids already counted in the hit rate
@@ -160,6 +161,10 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         `get_num_new_matched_tokens` returns None). False: the request computes the rest."""
         return False
 
+    def blocks_admitted(self, hashes: Sequence[str]) -> None:
+        """The blocks `hashes` are on their way into the paged cache (the local prefix cache holds them
+        from now on): a bounded store may let them go first."""
+
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         self._matched.pop(req.req_id, None)
         if not self.config.is_consumer:
@@ -173,7 +178,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
             return 0
         hashes = self.hashes(req, last)
         tokens = request_keys(req)
-        blocks = []
+        blocks: list[torch.Tensor] = []
         for i in range(first, last):
             block = self.fetch_block(req, i, hashes[i], tokens[i * bs:(i + 1) * bs])
             if block is None:
@@ -183,12 +188,14 @@ class PrefixBlockScheduler(KVConnectorScheduler):
             blocks.append(block)
         if not blocks:
             return 0
-        self._matched[req.req_id] = torch.stack(blocks, dim=2)  # [L, 2, n, bs, h, d]
+        # [L, 2, n, bs, h, d]
+        self._matched[req.req_id] = (torch.stack(blocks, dim=2), hashes[first:first + len(blocks)])
         return len(blocks) * bs
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        data = self._matched.pop(req.req_id)
+        data, hashes = self._matched.pop(req.req_id)
         n = num_external_tokens // self.block_size
+        self.blocks_admitted(hashes[:n])
         first = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
         self._loads.append(_Load(req.req_id, list(block_ids[first:first + n]), data[:, :, :n]))
         self.num_external_hit_tokens += num_external_tokens

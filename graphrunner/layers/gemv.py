@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.config import ROWS_GEMM_MAX_ROWS
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.device import DeviceProperties
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["GEMV_DTYPES", "ROWS_GEMM_MAX_ROWS", "RowsTile", "Tile", "gemv_plan", "gemv_triton", "norm_gemv_plan",
-           "norm_gemv_triton", "rows_gemm_plan", "rows_gemm_triton", "silu_mul_triton"]
+__all__ = ["GEMV_DTYPES", "Tile", "gemv_plan", "gemv_triton", "norm_gemv_plan", "norm_gemv_triton", "silu_mul_triton"]
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Tile = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
-RowsTile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages) of `rows_gemm_triton`
 _VOCAB_HEAD_ROWS = 32768  # N from here on is an LM head (vocabularies), not a layer projection
 _SILU_BLOCK = 1024  # elements of one row per SiLU·mul program
 
@@ -165,47 +162,6 @@ if HAS_TRITON:
         u = tl.load(gu_ptr + row * gu_stride + half + cols, mask=on, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_stride + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=on)
 
-    @triton.jit
-    def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          SWIGLU: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr):
-        # Program j: y[:M, j*BLOCK_N : (j+1)*BLOCK_N] = x[:M] . W[those rows]^T over the full K, x's
-        # rows padded to one 16-row tensor-core tile (masked: no bytes read past M). Each W tile is
-        # read once for all the rows; with SWIGLU x holds [gate (K) | up (K)] per row and the tile
-        # is silu(gate) * up, rounded once to x's dtype as the unfused SiLU·mul stores it.
-        BLOCK_M: tl.constexpr = 16
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_M)
-        r_ok = rows < M
-        # Columns past N wrap to valid rows of W (dropped at the store), so weight loads need no row mask.
-        w_cols = w_ptr + (cols % N).to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-        ks = tl.arange(0, BLOCK_K)
-        pdl_wait(GDC)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            if EVEN_K:
-                x_mask = r_ok[:, None]
-                w = tl.load(w_cols + kk[:, None])  # [BLOCK_K, BLOCK_N]
-            else:
-                x_mask = r_ok[:, None] & (kk[None, :] < K)
-                w = tl.load(w_cols + kk[:, None], mask=(kk < K)[:, None], other=0.0)
-            if SWIGLU:
-                g = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                u = tl.load(x_rows + K + kk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-            else:
-                x = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
-            if IEEE:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & (cols[None, :] < N))
-
 
 def _wide_memory(device: DeviceProperties | None) -> bool:
     return device is not None and device.wide_memory
@@ -302,38 +258,6 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GDC=bool(launch),
         num_warps=warps, **launch)
     return y, res_out
-
-
-def rows_gemm_plan(N: int, K: int) -> RowsTile:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `rows_gemm_triton` for W [N, K]: 16 columns a
-    program where N is small enough that wider tiles would leave SMs without a program (llama-3.1-8b's
-    o projection: 4096 / 32 = 128 programs on 132 SMs), 32 above; 256-wide K steps, 4 stages of
-    loads in flight. A starting point, not yet swept on a GPU."""
-    return (16 if N <= 8192 else 32), 256, 4, 4
-
-
-def rows_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: RowsTile, *,
-                     swiglu: bool = False, pdl_rows: int = 0) -> torch.Tensor:
-    """x [M, K] (M <= ROWS_GEMM_MAX_ROWS, unit stride along K) . weight [N, K]^T (+ bias [N]) -> [M, N] in
-    x's dtype, one launch reading each weight tile once for all M rows (tensor-core dots, fp32
-    accumulation, rounded once). With `swiglu`, x is [M, 2K] = [gate | up] and the product is with
-    silu(gate) * up as `silu_mul_triton` would store it. `tile` (`rows_gemm_plan`)."""
-    (m, k_x), (n, k) = x.shape, weight.shape
-    if not 1 <= m <= ROWS_GEMM_MAX_ROWS or k_x != (2 * k if swiglu else k):
-        want = "[M, 2K] (gate | up)" if swiglu else "[M, K]"
-        raise ValueError(f"rows_gemm_triton: x {tuple(x.shape)} must be {want} with 1 <= M <= {ROWS_GEMM_MAX_ROWS} "
-                         f"and K = weight's {k}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"rows_gemm_triton: x and weight need unit stride along K, got {x.stride()}, "
-                         f"{weight.stride()}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tile
-    launch = pdl_launch(m, pdl_rows)
-    _rows_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SWIGLU=swiglu,
-        IEEE=x.dtype == torch.float32, GDC=bool(launch), num_warps=warps, num_stages=stages, **launch)
-    return y
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

@@ -14,15 +14,13 @@ and `logits` for the LM head (fp32 out). The methods:
                  `decode_gemv` off.
   GemvMethod     CUDA with Triton: a single token row (decode at batch 1) runs as one GEMV launch
                  (layers/gemv.py), with the residual add + RMSNorm (`norm_gemv_max_k`) or SiLU·mul
-                 (`swiglu_gemv_max_k`) folded in; several rows run cuBLAS (F.linear), or up to
-                 `rows_gemm_max_rows` rows one Triton launch reading each weight tile once (SiLU·mul
-                 folded in as for one row), after the Triton add + RMSNorm or SiLU·mul kernel.
-                 The row count is known only at run time under torch.compile (the compiled step's
-                 token count is an unbacked size), so the choice is made inside opaque custom ops
-                 (`graphrunner::decode_linear`, `graphrunner::add_norm_linear`,
-                 `graphrunner::swiglu_linear`) whose tiles are baked in at construction: one
-                 compiled graph serves every size. Eagerly the same functions run without the op
-                 dispatch.
+                 (`swiglu_gemv_max_k`) folded in; several rows run cuBLAS (F.linear), after the
+                 Triton add + RMSNorm or SiLU·mul kernel. The row count is known only at run time
+                 under torch.compile (the compiled step's token count is an unbacked size), so the
+                 choice is made inside opaque custom ops (`graphrunner::decode_linear`,
+                 `graphrunner::add_norm_linear`, `graphrunner::swiglu_linear`) whose tiles are baked
+                 in at construction: one compiled graph serves every size. Eagerly the same
+                 functions run without the op dispatch.
 
 Quantized weights attach here as further methods. LoRA adapters attach as `lora` (layers/lora/):
 while its `active` flag is set (a forward run or captured for a batch with adapters), a projection
@@ -62,8 +60,6 @@ from graphrunner.layers.gemv import (
     gemv_triton,
     norm_gemv_plan,
     norm_gemv_triton,
-    rows_gemm_plan,
-    rows_gemm_triton,
     silu_mul_triton,
 )
 from graphrunner.layers.norm import add_rms_norm_triton
@@ -116,39 +112,26 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
 
 
-def _rows_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_tile: Sequence[int]) -> bool:
-    """Several rows, up to `rows_tile`'s last entry (the runner's `rows_gemm_max_rows`; empty: never)."""
-    return (bool(rows_tile) and x.dim() == 2 and 1 < x.shape[0] <= rows_tile[-1] and x.dtype == weight.dtype
-            and x.dtype in GEMV_DTYPES and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype))
-
-
 def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Sequence[int],
-                 pdl_rows: int, rows_tile: Sequence[int]) -> torch.Tensor:
-    """F.linear, `gemv_triton` with `tile` for a single row, or `rows_gemm_triton` for a few
-    (`rows_tile` = its tile + the most rows; empty: cuBLAS): chosen on the real shapes at run time."""
+                 pdl_rows: int) -> torch.Tensor:
+    """F.linear, or `gemv_triton` with `tile` for a single row: chosen on the real shapes at run time."""
     if _gemv_fits(x, weight, bias):
         return gemv_triton(x, weight, bias, tuple(tile), pdl_rows=pdl_rows)  # type: ignore[arg-type]
-    if _rows_fit(x, weight, bias, rows_tile):
-        return rows_gemm_triton(x, weight, bias, tuple(rows_tile[:4]), pdl_rows=pdl_rows)  # type: ignore[arg-type]
     return F.linear(x, weight, bias)
 
 
 def _swiglu_rows(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Sequence[int],
-                 fused: bool, pdl_rows: int, rows_tile: Sequence[int]) -> torch.Tensor:
-    """One row, or a few with a `rows_tile` (with `fused`): the GEMV or the rows GEMM forms
-    silu(gate) * up while it loads x. Otherwise the Triton SiLU·mul kernel, then `_linear_rows`."""
+                 fused: bool, pdl_rows: int) -> torch.Tensor:
+    """One row (with `fused`): the GEMV forms silu(gate) * up while it loads x. Otherwise the Triton
+    SiLU·mul kernel, then `_linear_rows`."""
     if fused and _gemv_fits(gate_up, weight, bias):
         return gemv_triton(gate_up, weight, bias, tuple(tile), swiglu=True, pdl_rows=pdl_rows)  # type: ignore[arg-type]
-    if fused and _rows_fit(gate_up, weight, bias, rows_tile):
-        return rows_gemm_triton(gate_up, weight, bias, tuple(rows_tile[:4]),  # type: ignore[arg-type]
-                                swiglu=True, pdl_rows=pdl_rows)
-    return _linear_rows(silu_mul_triton(gate_up), weight, bias, tile, pdl_rows, rows_tile)
+    return _linear_rows(silu_mul_triton(gate_up), weight, bias, tile, pdl_rows)
 
 
 def _add_norm_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    weight: torch.Tensor, bias: torch.Tensor | None, norm_tile: Sequence[int], tile: Sequence[int],
-                   pdl_rows: int, rows_tile: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                   pdl_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One row (with a `norm_tile`): `norm_gemv_triton`, one launch. Otherwise the Triton add + RMSNorm
     kernel, then `_linear_rows`. The normalized row is bit-identical either way."""
     if (norm_tile and _gemv_fits(x, weight, bias) and residual.dtype == norm_weight.dtype == x.dtype
@@ -156,7 +139,7 @@ def _add_norm_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
         return norm_gemv_triton(x, residual, norm_weight, eps, weight, bias, tuple(norm_tile),  # type: ignore[arg-type]
                                 pdl_rows=pdl_rows)
     normed, residual = add_rms_norm_triton(x, residual, norm_weight, eps, pdl_rows)
-    return _linear_rows(normed, weight, bias, tile, pdl_rows, rows_tile), residual
+    return _linear_rows(normed, weight, bias, tile, pdl_rows), residual
 
 
 decode_linear = torch.library.custom_op("graphrunner::decode_linear", _linear_rows, mutates_args=())
@@ -165,18 +148,18 @@ add_norm_linear = torch.library.custom_op("graphrunner::add_norm_linear", _add_n
 
 
 @decode_linear.register_fake
-def _decode_linear_fake(x, weight, bias, tile, pdl_rows, rows_tile) -> torch.Tensor:
+def _decode_linear_fake(x, weight, bias, tile, pdl_rows) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @swiglu_linear.register_fake
-def _swiglu_linear_fake(gate_up, weight, bias, tile, fused, pdl_rows, rows_tile) -> torch.Tensor:
+def _swiglu_linear_fake(gate_up, weight, bias, tile, fused, pdl_rows) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
 
 
 @add_norm_linear.register_fake
 def _add_norm_linear_fake(x, residual, norm_weight, eps, weight, bias, norm_tile, tile,
-                          pdl_rows, rows_tile) -> tuple[torch.Tensor, torch.Tensor]:
+                          pdl_rows) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape[0], weight.shape[0]), torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -186,35 +169,32 @@ class GemvMethod(LinearMethod):
     `tile` is the GEMV's (BLOCK_N, BLOCK_K, num_warps) (`gemv_plan`; the SwiGLU GEMV uses it too),
     `norm_tile` the fused add + RMSNorm GEMV's (`norm_gemv_plan`; empty: that entry runs the norm
     kernel, then the projection), `fuse_swiglu` whether SiLU·mul folds into the single-row GEMV,
-    `pdl_rows` the largest launch that uses PDL, `rows_tile` the rows GEMM's tile and the most rows it
-    serves (`rows_gemm_plan` + `KernelConfig.rows_gemm_max_rows`; empty: several rows run cuBLAS)."""
+    `pdl_rows` the largest launch that uses PDL."""
 
     name = "gemv"
 
-    def __init__(self, tile: Tile, norm_tile: Tile | tuple[()], fuse_swiglu: bool, pdl_rows: int,
-                 rows_tile: tuple[int, ...] = ()) -> None:
+    def __init__(self, tile: Tile, norm_tile: Tile | tuple[()], fuse_swiglu: bool, pdl_rows: int) -> None:
         self.tile, self.norm_tile, self.fuse_swiglu, self.pdl_rows = tile, norm_tile, fuse_swiglu, pdl_rows
-        self.rows_tile = rows_tile
 
     def __repr__(self) -> str:
         return (f"GemvMethod(tile={self.tile}, norm_tile={self.norm_tile}, fuse_swiglu={self.fuse_swiglu}, "
-                f"pdl_rows={self.pdl_rows}, rows_tile={self.rows_tile})")
+                f"pdl_rows={self.pdl_rows})")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return decode_linear(x, weight, bias, self.tile, self.pdl_rows, self.rows_tile)
-        return _linear_rows(x, weight, bias, self.tile, self.pdl_rows, self.rows_tile)
+            return decode_linear(x, weight, bias, self.tile, self.pdl_rows)
+        return _linear_rows(x, weight, bias, self.tile, self.pdl_rows)
 
     def add_norm_linear(self, norm: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return add_norm_linear(x, residual, norm.weight, norm.eps, weight, bias, self.norm_tile, self.tile,
-                               self.pdl_rows, self.rows_tile)
+                               self.pdl_rows)
 
     def swiglu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return swiglu_linear(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows, self.rows_tile)
-        return _swiglu_rows(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows, self.rows_tile)
+            return swiglu_linear(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
+        return _swiglu_rows(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One half-precision row: the GEMV writing fp32 (its accumulator, no cast kernel), so batch 1
@@ -236,10 +216,7 @@ def choose_linear_method(kernel: KernelConfig, device: DeviceProperties | None, 
     if not (kernel.decode_gemv and HAS_TRITON and device is not None):
         return TORCH_LINEAR
     norm_tile = norm_gemv_plan(n, k, device) if k <= kernel.norm_gemv_max_k else ()
-    rows = kernel.rows_gemm_max_rows
-    rows_tile = (*rows_gemm_plan(n, k), rows) if rows > 1 else ()
-    return GemvMethod(gemv_plan(n, k, device), norm_tile, k <= kernel.swiglu_gemv_max_k, pdl_max_rows(kernel, device),
-                      rows_tile)
+    return GemvMethod(gemv_plan(n, k, device), norm_tile, k <= kernel.swiglu_gemv_max_k, pdl_max_rows(kernel, device))
 
 
 class Fp8LinearMethod(LinearMethod):

@@ -142,3 +142,37 @@ def test_a_hung_rank_reports_the_stacks_of_its_threads():
     text = str(err.value)
     assert "rank(s) failed: [1]" in text and "(hung)" in text
     assert "_hang_in_a_named_function" in text and text.count("most recent call first") >= 2
+
+
+def test_blocks_loaded_into_the_cache_are_let_go_before_blocks_still_waiting_for_their_request(caplog):
+    """A consumer's store full of blocks: those already loaded into the paged cache go first, so a prompt
+    whose blocks arrived while an earlier one was loaded still finds them; a block let go unused is
+    counted and logged."""
+    s = SHAPE
+    per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * 4
+    link = PeerLink(LinkConfig("127.0.0.1", free_port(), "gloo", 5.0, 3 * per_block), 1, s, "m",
+                    torch.device("cpu"))
+    try:
+        tokens = {name: [i] * s.block_size for i, name in enumerate(["a1", "a2", "b1", "b2", "c1", "d1"])}
+
+        def arrive(*names: str) -> None:
+            body = torch.arange(len(names) * per_block // 4, dtype=torch.float32).view(torch.uint8)
+            link._store({**link.geometry, "hashes": list(names), "tokens": [tokens[n] for n in names]}, body)
+
+        def held() -> set[str]:  # without lookup(), which counts as a use
+            return set(link._blocks)
+
+        arrive("a1", "a2", "b1")  # request a whole, request b's first block (its prefill goes on)
+        assert link.lookup("a1", tokens["a1"]) is not None and link.lookup("a2", tokens["a2"]) is not None
+        link.release(["a1", "a2"])  # request a is admitted: its blocks are loaded
+        arrive("b2")
+        assert held() == {"a2", "b1", "b2"}
+        arrive("c1")
+        assert held() == {"b1", "b2", "c1"} and link.num_evicted_unused_blocks == 0
+        with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
+            arrive("d1")  # nothing loaded left: the oldest waiting block goes, counted and logged
+        assert link.num_evicted_unused_blocks == 1
+        assert "1 received blocks let go before any request loaded them" in caplog.text
+    finally:
+        link.close()
+        link.join(5.0)

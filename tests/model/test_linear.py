@@ -20,15 +20,7 @@ from hypothesis import strategies as st
 from graphrunner.config import KernelConfig
 from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.device import DeviceProperties, device_properties
-from graphrunner.layers.gemv import (
-    gemv_plan,
-    gemv_triton,
-    norm_gemv_plan,
-    norm_gemv_triton,
-    rows_gemm_plan,
-    rows_gemm_triton,
-    silu_mul_triton,
-)
+from graphrunner.layers.gemv import gemv_plan, gemv_triton, norm_gemv_plan, norm_gemv_triton, silu_mul_triton
 from graphrunner.layers.linear import (
     TORCH_LINEAR,
     ColumnLinear,
@@ -78,56 +70,6 @@ def test_gemv_equals_f_linear(n, k, seed, block, with_bias):
 
 
 @needs_triton
-@given(m=st.integers(1, 16), n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31),
-       block=st.sampled_from([(16, 32, 4, 2), (16, 64, 4, 1), (32, 16, 2, 3)]), with_bias=st.booleans(),
-       swiglu=st.booleans())
-def test_rows_gemm_equals_f_linear(m, n, k, seed, block, with_bias, swiglu):
-    """A few rows through one launch (fp32 under the interpreter: the sum's order only), SiLU·mul folded
-    in as stored unfused; rows past M of the 16-row tile are neither read nor written."""
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(m, 2 * k if swiglu else k, generator=g), torch.randn(n, k, generator=g)
-    bias = torch.randn(n, generator=g) if with_bias else None
-    got = rows_gemm_triton(x, w, bias, block, swiglu=swiglu)
-    assert got.shape == (m, n) and got.dtype == x.dtype
-    want = F.linear(_silu_mul(x) if swiglu else x, w, bias)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
-
-
-@needs_triton
-def test_rows_gemm_rejects_what_it_cannot_serve():
-    with pytest.raises(ValueError, match=r"1 <= M <= 16"):
-        rows_gemm_triton(torch.zeros(17, 8), torch.zeros(4, 8), None, (16, 32, 4, 2))
-    with pytest.raises(ValueError, match=r"\[M, 2K\]"):
-        rows_gemm_triton(torch.zeros(2, 9), torch.zeros(4, 8), None, (16, 32, 4, 2), swiglu=True)
-    with pytest.raises(ValueError, match="unit stride"):
-        rows_gemm_triton(torch.zeros(2, 8), torch.zeros(8, 4).t(), None, (16, 32, 4, 2))
-
-
-@needs_triton
-def test_the_gemv_method_routes_rows_by_count():
-    """One row: the GEMV; 2 .. rows_gemm_max_rows: the rows GEMM; more: F.linear (each equal to F.linear)."""
-    from graphrunner.layers import linear as lin
-
-    w, b = torch.randn(24, 40), torch.randn(24)
-    method = GemvMethod((2, 16, 4), (), True, 0, (16, 16, 4, 1, 4))
-    calls: list[str] = []
-    real = {name: getattr(lin, name) for name in ("gemv_triton", "rows_gemm_triton")}
-    try:
-        for name, fn in real.items():
-            setattr(lin, name, lambda *a, _n=name, _f=fn, **k: calls.append(_n) or _f(*a, **k))
-        for rows in (1, 3, 4, 5):
-            x = torch.randn(rows, 40)
-            torch.testing.assert_close(method.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-            gate_up = torch.randn(rows, 80)
-            torch.testing.assert_close(method.swiglu_linear(gate_up, w[:, :40], None),
-                                       F.linear(_silu_mul(gate_up), w[:, :40]), rtol=1e-5, atol=1e-4)
-    finally:
-        for name, fn in real.items():
-            setattr(lin, name, fn)
-    assert calls == ["gemv_triton"] * 2 + ["rows_gemm_triton"] * 4  # 5 rows > 4: cuBLAS (F.linear)
-
-
-@needs_triton
 def test_gemv_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"must be \[1, K\]"):
         gemv_triton(torch.zeros(2, 8), torch.zeros(4, 8), None, (1, 64, 4))
@@ -160,7 +102,7 @@ def test_swiglu_gemv_equals_silu_mul_then_f_linear(n, k, seed, block, half):
 def test_swiglu_custom_op_under_compile_serves_every_row_count(fused):
     """One compiled graph, dynamic rows (the step's unbacked token count): the op chooses at run time."""
     w = torch.randn(8, 16)
-    compiled = torch.compile(lambda gu: swiglu_linear(gu, w, None, (2, 16, 4), fused, 0, ()), backend="aot_eager",
+    compiled = torch.compile(lambda gu: swiglu_linear(gu, w, None, (2, 16, 4), fused, 0), backend="aot_eager",
                              dynamic=True, fullgraph=True)
     for rows in (1, 3, 1):
         gu = torch.randn(rows, 32)
@@ -245,11 +187,6 @@ def test_method_follows_kernel_config_and_device():
     assert choose_linear_method(KernelConfig(pdl_max_rows=4), H100, *qwen_gate_up).pdl_rows == 4
     ampere = DeviceProperties((8, 0), 108, 85_000_000_000, 41_943_040, 2.0e12)
     assert choose_linear_method(KernelConfig(), ampere, *qwen_gate_up).pdl_rows == 0  # PDL needs 9.0
-    assert m.rows_tile == () and down.rows_tile == ()  # several rows: cuBLAS unless asked
-    rows = choose_linear_method(KernelConfig(rows_gemm_max_rows=8), H200, *llama8b_qkv)
-    assert rows.rows_tile == (*rows_gemm_plan(*llama8b_qkv), 8)
-    with pytest.raises(ValueError, match=r"rows_gemm_max_rows=17 must be an int in \[0, 16\]"):
-        KernelConfig(rows_gemm_max_rows=17)
 
 
 def test_cpu_layers_take_the_torch_method():
@@ -284,7 +221,7 @@ def test_cpu_add_norm_forward_is_add_norm_then_the_projection():
 @needs_triton
 def test_custom_op_under_compile_serves_every_row_count():
     w, b = torch.randn(8, 16), torch.randn(8)
-    compiled = torch.compile(lambda x: decode_linear(x, w, b, (2, 16, 4), 0, ()), backend="aot_eager", dynamic=True,
+    compiled = torch.compile(lambda x: decode_linear(x, w, b, (2, 16, 4), 0), backend="aot_eager", dynamic=True,
                              fullgraph=True)
     for rows in (1, 3, 1):
         x = torch.randn(rows, 16)
@@ -443,7 +380,7 @@ def test_norm_gemv_rejects_what_it_cannot_serve():
 @pytest.mark.parametrize("norm_tile", [(2, 16, 4), ()])
 def test_add_norm_custom_op_under_compile_serves_every_row_count(norm_tile):
     nw, w, b = torch.randn(16), torch.randn(8, 16), torch.randn(8)
-    compiled = torch.compile(lambda x, r: add_norm_linear(x, r, nw, 1e-6, w, b, norm_tile, (2, 16, 4), 0, ()),
+    compiled = torch.compile(lambda x, r: add_norm_linear(x, r, nw, 1e-6, w, b, norm_tile, (2, 16, 4), 0),
                              backend="aot_eager",
                              dynamic=True, fullgraph=True)
     for rows in (1, 3, 1):
@@ -521,26 +458,3 @@ def test_gpu_this_part_is_in_the_class_its_bandwidth_says():
         assert not props.wide_memory, props
     if "H200" in name:
         assert props.wide_memory, props
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 5, 8, 16])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (1152, 896)])
-def test_gpu_bf16_rows_gemm_matches_f_linear_and_replays(rows, n, k):
-    """bf16 on CUDA, the plan's tile: within bf16 rounding of cuBLAS (both accumulate in fp32), the
-    SwiGLU form against SiLU·mul then cuBLAS, and a CUDA graph replays the same bits."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, k, generator=g, device="cuda").bfloat16()
-    gate_up = torch.randn(rows, 2 * k, generator=g, device="cuda").bfloat16()
-    w = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).bfloat16()
-    tile = rows_gemm_plan(n, k)
-    got = rows_gemm_triton(x, w, None, tile)
-    torch.testing.assert_close(got, F.linear(x, w), rtol=2e-2, atol=2e-2)
-    fused = rows_gemm_triton(gate_up, w, None, tile, swiglu=True)
-    torch.testing.assert_close(fused, F.linear(silu_mul_triton(gate_up), w), rtol=2e-2, atol=2e-2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = rows_gemm_triton(x, w, None, tile)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, got)

@@ -153,3 +153,22 @@ def test_warm_start_compiles_nothing_with_inductor(tmp_path):
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
     assert counters["inductor"]["fxgraph_cache_hit"] > 0
     assert warm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids == want
+
+
+def test_an_entry_another_process_is_compiling_into_is_not_deleted(tmp_path):
+    """A second scope of the same configuration (another engine on the machine) finds files the first has
+    not yet put in a manifest: they are its work in progress, kept; the last scope to end writes a
+    manifest that vouches for all of them."""
+    first, second = CompileCache(tmp_path, _fields()), CompileCache(tmp_path, _fields())
+    with first.scope() as path:
+        (path / "triton").mkdir(exist_ok=True)
+        (path / "triton" / "kernel.source").write_bytes(b"just compiled")
+        assert first.verify() is not None  # not in the manifest yet
+        with second.scope():
+            assert (path / "triton" / "kernel.source").read_bytes() == b"just compiled"
+            (path / "triton" / "other.cubin").write_bytes(b"\x00")
+    assert first.verify() is None
+    alone = CompileCache(tmp_path, _fields())
+    (alone.path / "stray").write_bytes(b"...")
+    with alone.scope():  # nobody else inside: a stray file means a killed run, and the entry is rebuilt
+        assert not (alone.path / "triton").exists()

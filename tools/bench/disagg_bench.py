@@ -337,6 +337,7 @@ def worker(args: argparse.Namespace) -> None:
         result = _run_prefill(llm, store, ids, prompts, offsets, t0)
     elif role == "decode":
         result = _run_decode(llm, _HandedOn(store), len(ids), prompts, offsets, t0, args.output_len)
+        result["evicted_unused_blocks"] = llm.scheduler.kv_connector.link.num_evicted_unused_blocks
     else:
         mine = ids[rank::2]
         result = _run_decode(llm, _Arrivals(mine, offsets, t0), len(mine), prompts, offsets, t0, args.output_len)
@@ -379,7 +380,8 @@ def summarize(layout: str, ranks: Sequence[dict[str, Any]], output_len: int) -> 
         done = prefill[0]["prefill_done_s"]
         summary.update(prefill_done_median_ms=_ms(_percentile(done, 50)),
                        prefill_done_p99_ms=_ms(_percentile(done, 99)), sent_blocks=prefill[0]["sent_blocks"],
-                       dropped_blocks=prefill[0]["dropped_blocks"])
+                       dropped_blocks=prefill[0]["dropped_blocks"],
+                       evicted_unused_blocks=sum(r.get("evicted_unused_blocks", 0) for r in decode))
     return summary
 
 
@@ -412,6 +414,11 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str
                      f"| {num(r['itl_p99_over_median'], '.2f')} | {num(r['ttft_median_ms'], '.1f')} "
                      f"| {num(r['ttft_p99_ms'], '.1f')} | {num(r['output_tokens_per_s'], '.0f')} "
                      f"| {num(r['cached_fraction'], '.3f')} | {r['wall_s']:.2f} |")
+    for r in results:
+        if "sent_blocks" in r:
+            lines += ["", f"{r['layout']}: {r['sent_blocks']} blocks sent, {r['dropped_blocks']} dropped by the "
+                      f"producer (over its buffer), {r['evicted_unused_blocks']} let go unused by the consumer "
+                      "(over its buffer)."]
     return "\n".join([*lines, "", target_line(results)]) + "\n"
 
 
