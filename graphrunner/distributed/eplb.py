@@ -10,13 +10,13 @@ controller:
     step()        moves the step's counts into a window of the last `eplb_window_size` steps;
     every `eplb_step_interval` steps:
       rearrange() the window's logical load per layer -> a placement (`balanced_placement`:
-                  replicate the hottest experts; starting from the current placement, keep
-                  every replica that may stay, put the new ones on the least-loaded ranks and
-                  swap replicas between the heaviest rank and a lighter one while that helps,
-                  until the balance is within `PLACEMENT_TOLERANCE` of packing every replica
-                  afresh (heaviest first onto the least-loaded rank), which is taken when it is
-                  not; experts that stay on a rank keep their slot; a layer whose balance would
-                  improve by no more than `MIN_BALANCE_GAIN` keeps its own) -> the weights of
+                  replicate the hottest experts; from the current placement, keep every
+                  replica that may stay, put the new ones on the least-loaded ranks, then swap
+                  replicas between the heaviest rank and a lighter one until the balance is
+                  within `PLACEMENT_TOLERANCE` of packing every replica afresh (heaviest first
+                  onto the least-loaded rank), or take that packing when swaps cannot get
+                  there; experts that stay on a rank keep their slot; a layer whose balance
+                  would improve by no more than `MIN_BALANCE_GAIN` keeps its own) -> the weights of
                   every slot whose expert changes, sent between ranks with point-to-point
                   NCCL / gloo -> `log2phy` / `replica_count` rewritten in place.
 

@@ -76,13 +76,10 @@ if HAS_TRITON:
         return w.to(tl.float32) * x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)[None, :]
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, act_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr,
-                     SWIGLU: tl.constexpr, ACT_OUT: tl.constexpr):
-        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K. With ACT_OUT
-        # (SWIGLU) program 0 also stores the activation silu(gate) * up, which a LoRA adapter reads.
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr, SWIGLU: tl.constexpr):
+        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K.
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         ks0 = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -98,11 +95,6 @@ if HAS_TRITON:
             pdl_wait(GDC)
             acc += w0.to(tl.float32) * x_tile(x_ptr, ks0, K, False, SWIGLU)[None, :]
             k_start = BLOCK_K
-        if ACT_OUT:  # after any PDL wait: the previous kernels may still read what it overwrites
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + ks0
-                tl.store(act_ptr + ks, x_tile(x_ptr, ks, K, False, SWIGLU).to(act_ptr.dtype.element_ty),
-                         mask=(ks < K) & (pid == 0))
         for k0 in range(k_start, K, BLOCK_K):
             acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K, SWIGLU)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
@@ -129,11 +121,9 @@ if HAS_TRITON:
         return ((s * inv).to(ty).to(tl.float32) * nw).to(ty).to(tl.float32)
 
     @triton.jit
-    def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, K, eps,
-                          stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GDC: tl.constexpr, NORMED_OUT: tl.constexpr):
-        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . rms_norm(x + residual) * nw. With
-        # NORMED_OUT program 0 also stores the normalized row, which a LoRA adapter reads.
+    def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, N, K, eps, stride_wn,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . rms_norm(x + residual) * nw.
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
@@ -151,11 +141,6 @@ if HAS_TRITON:
             tl.store(res_out_ptr + ks, s.to(res_out_ptr.dtype.element_ty), mask=km & (pid == 0))
             sq += s * s
         inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        if NORMED_OUT:
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + ks0
-                tl.store(normed_ptr + ks, _normed_tile(x_ptr, res_ptr, nw_ptr, ks, K, inv).to(
-                    normed_ptr.dtype.element_ty), mask=(ks < K) & (pid == 0))
         # Pass 2: the products with the normalized row (re-read from L1/L2 tile by tile).
         acc = w0.to(tl.float32) * _normed_tile(x_ptr, res_ptr, nw_ptr, ks0, K, inv)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -228,18 +213,14 @@ def norm_gemv_plan(N: int, K: int, device: DeviceProperties | None = None) -> Ti
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
-                out_dtype: torch.dtype | None = None, swiglu: bool = False, pdl_rows: int = 0,
-                act_out: torch.Tensor | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, swiglu: bool = False, pdl_rows: int = 0) -> torch.Tensor:
     """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's; one launch).
 
     The fp32 sum is rounded once, to `out_dtype`: the LM head asks for float32 and gets the
     accumulator itself, with no cast kernel after. With `swiglu`, x is [1, 2K] = [gate | up] and
     the product is with silu(gate) * up. `tile` = (BLOCK_N, BLOCK_K, num_warps) (`gemv_plan`);
-    `pdl_rows` >= 1 launches it with PDL (graphrunner.kernels.pdl). With `swiglu`, `act_out` [1, K]
-    receives silu(gate) * up as `silu_mul_triton` stores it."""
+    `pdl_rows` >= 1 launches it with PDL (graphrunner.kernels.pdl)."""
     (m, k_x), (n, k) = x.shape, weight.shape
-    if act_out is not None and (not swiglu or act_out.shape != (1, k) or act_out.stride(1) != 1):
-        raise ValueError(f"gemv_triton: act_out {tuple(act_out.shape)} needs swiglu and shape [1, {k}], unit stride")
     if m != 1 or k_x != (2 * k if swiglu else k):
         want = "[1, 2K] (gate | up)" if swiglu else "[1, K]"
         raise ValueError(f"gemv_triton: x {tuple(x.shape)} must be {want} with K = weight's {k}")
@@ -249,19 +230,18 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_n, block_k, warps = tile
     launch = pdl_launch(1, pdl_rows)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, act_out if act_out is not None else y, n, k,
-        weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        GDC=bool(launch), SWIGLU=swiglu, ACT_OUT=act_out is not None, num_warps=warps, **launch)
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch), SWIGLU=swiglu,
+        num_warps=warps, **launch)
     return y
 
 
 def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
-                     pdl_rows: int = 0, normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [1, K] -> (rms_norm(x + residual) * norm_weight . weight^T (+ bias) [1, N], x + residual [1, K]).
 
-    One launch; the outputs in x's dtype. `tile` = (BLOCK_N, BLOCK_K, num_warps) (`norm_gemv_plan`).
-    `normed_out` [1, K] receives the normalized row, bit-identical to `add_rms_norm_triton`'s."""
+    One launch; the outputs in x's dtype. `tile` = (BLOCK_N, BLOCK_K, num_warps) (`norm_gemv_plan`)."""
     (m, k), (n, k_w) = x.shape, weight.shape
     if m != 1 or k != k_w or residual.shape != x.shape or norm_weight.shape != (k,):
         raise ValueError(f"norm_gemv_triton: x {tuple(x.shape)} and residual {tuple(residual.shape)} must be [1, K] "
@@ -269,17 +249,14 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     if x.stride(1) != 1 or residual.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"norm_gemv_triton: x, residual and weight need unit stride along K, got {x.stride()}, "
                          f"{residual.stride()}, {weight.stride()}")
-    if normed_out is not None and (normed_out.shape != (1, k) or normed_out.stride(1) != 1):
-        raise ValueError(f"norm_gemv_triton: normed_out {tuple(normed_out.shape)} must be [1, {k}], unit stride")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)  # [1, N]
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device)  # [1, K]
     block_n, block_k, warps = tile
     launch = pdl_launch(1, pdl_rows)
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, residual, norm_weight, weight, bias if bias is not None else weight, y, res_out,
-        normed_out if normed_out is not None else res_out, n, k, eps, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, GDC=bool(launch), NORMED_OUT=normed_out is not None, num_warps=warps,
-        **launch)
+        x, residual, norm_weight, weight, bias if bias is not None else weight, y, res_out, n, k, eps,
+        weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, GDC=bool(launch),
+        num_warps=warps, **launch)
     return y, res_out
 
 

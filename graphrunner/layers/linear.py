@@ -89,21 +89,6 @@ class LinearMethod:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, weight, bias)
 
-    # A LoRA adapter reads the projection's input: the entries below also return it, so an adapter
-    # keeps the fused single-row entries instead of running the norm or SiLU·mul kernel first.
-    def add_norm_linear_with_input(self, norm: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`add_norm_linear`'s two results and the normalized rows [T, K]."""
-        normed, residual = norm.add_norm(x, residual)
-        return self.linear(normed, weight, bias), residual, normed
-
-    def swiglu_linear_with_input(self, gate_up: torch.Tensor, weight: torch.Tensor,
-                                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`swiglu_linear`'s result and the activation silu(gate) * up [T, K]."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        return self.linear(act, weight, bias), act
-
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [R, H] x [V, H] -> [R, V] fp32
         """The sampler's fp32 logits.
 
@@ -157,40 +142,9 @@ def _add_norm_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     return _linear_rows(normed, weight, bias, tile, pdl_rows), residual
 
 
-def _add_norm_rows_with_input(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                              weight: torch.Tensor, bias: torch.Tensor | None, norm_tile: Sequence[int],
-                              tile: Sequence[int], pdl_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_add_norm_rows` and the normalized rows: one row (with a `norm_tile`) still one launch, which
-    stores the row as the norm kernel would."""
-    if (norm_tile and _gemv_fits(x, weight, bias) and residual.dtype == norm_weight.dtype == x.dtype
-            and residual.stride(-1) == 1):
-        normed = torch.empty_like(x)
-        y, residual = norm_gemv_triton(x, residual, norm_weight, eps, weight, bias,
-                                       tuple(norm_tile), pdl_rows=pdl_rows, normed_out=normed)  # type: ignore[arg-type]
-        return y, residual, normed
-    normed, residual = add_rms_norm_triton(x, residual, norm_weight, eps, pdl_rows)
-    return _linear_rows(normed, weight, bias, tile, pdl_rows), residual, normed
-
-
-def _swiglu_rows_with_input(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            tile: Sequence[int], fused: bool, pdl_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_swiglu_rows` and the activation: one row (with `fused`) still one launch, which stores it."""
-    if fused and _gemv_fits(gate_up, weight, bias):
-        act = gate_up.new_empty(1, weight.shape[1])
-        y = gemv_triton(gate_up, weight, bias, tuple(tile), swiglu=True, pdl_rows=pdl_rows,  # type: ignore[arg-type]
-                        act_out=act)
-        return y, act
-    act = silu_mul_triton(gate_up)
-    return _linear_rows(act, weight, bias, tile, pdl_rows), act
-
-
 decode_linear = torch.library.custom_op("graphrunner::decode_linear", _linear_rows, mutates_args=())
 swiglu_linear = torch.library.custom_op("graphrunner::swiglu_linear", _swiglu_rows, mutates_args=())
 add_norm_linear = torch.library.custom_op("graphrunner::add_norm_linear", _add_norm_rows, mutates_args=())
-add_norm_linear_with_input = torch.library.custom_op("graphrunner::add_norm_linear_with_input",
-                                                     _add_norm_rows_with_input, mutates_args=())
-swiglu_linear_with_input = torch.library.custom_op("graphrunner::swiglu_linear_with_input", _swiglu_rows_with_input,
-                                                   mutates_args=())
 
 
 @decode_linear.register_fake
@@ -207,17 +161,6 @@ def _swiglu_linear_fake(gate_up, weight, bias, tile, fused, pdl_rows) -> torch.T
 def _add_norm_linear_fake(x, residual, norm_weight, eps, weight, bias, norm_tile, tile,
                           pdl_rows) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape[0], weight.shape[0]), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@add_norm_linear_with_input.register_fake
-def _add_norm_linear_with_input_fake(x, residual, norm_weight, eps, weight, bias, norm_tile, tile,
-                                     pdl_rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape[0], weight.shape[0]), torch.empty_like(x), torch.empty_like(x)
-
-
-@swiglu_linear_with_input.register_fake
-def _swiglu_linear_with_input_fake(gate_up, weight, bias, tile, fused, pdl_rows) -> tuple[torch.Tensor, torch.Tensor]:
-    return gate_up.new_empty(gate_up.shape[0], weight.shape[0]), gate_up.new_empty(gate_up.shape[0], weight.shape[1])
 
 
 class GemvMethod(LinearMethod):
@@ -252,17 +195,6 @@ class GemvMethod(LinearMethod):
         if torch.compiler.is_compiling():
             return swiglu_linear(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
         return _swiglu_rows(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
-
-    def add_norm_linear_with_input(self, norm: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return add_norm_linear_with_input(x, residual, norm.weight, norm.eps, weight, bias, self.norm_tile,
-                                          self.tile, self.pdl_rows)
-
-    def swiglu_linear_with_input(self, gate_up: torch.Tensor, weight: torch.Tensor,
-                                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            return swiglu_linear_with_input(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
-        return _swiglu_rows_with_input(gate_up, weight, bias, self.tile, self.fuse_swiglu, self.pdl_rows)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One half-precision row: the GEMV writing fp32 (its accumulator, no cast kernel), so batch 1
@@ -506,9 +438,8 @@ class ColumnLinear(_LinearBase):
         half's entry (`norm` an RMSNorm); one launch at one row on CUDA (`GemvMethod`)."""
         lora = self.lora
         if lora is not None and lora.active:  # the adapter reads the normed rows
-            out, residual, normed = self.method.add_norm_linear_with_input(norm, x, residual, self.weight, self.bias)
-            lora.apply(normed, out)
-            return out, residual
+            normed, residual = norm.add_norm(x, residual)
+            return self(normed), residual
         return self.method.add_norm_linear(norm, x, residual, self.weight, self.bias)
 
     def _shard_rank(self, shard_id) -> int:
@@ -661,9 +592,8 @@ class RowLinear(_LinearBase):
         GEMV launch for a single row on CUDA, else one SiLU·mul kernel and the GEMM)."""
         lora = self.lora
         if lora is not None and lora.active:  # the adapter reads the activation
-            out, act = self.method.swiglu_linear_with_input(gate_up, self.weight,
-                                                            self.bias if self.tp_size == 1 else None)
-            return self._reduced_lora(out, act, lora)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self._reduced(self.method.linear, F.silu(gate) * up)
         return self._reduced(self.method.swiglu_linear, gate_up)
 
     def _reduced(self, project: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -671,18 +601,14 @@ class RowLinear(_LinearBase):
         An active adapter adds its share to this rank's partial sum, before the reduction."""
         lora = self.lora
         if lora is not None and lora.active:
-            return self._reduced_lora(project(x, self.weight, self.bias if self.tp_size == 1 else None), x, lora)
-        if self.tp_size == 1:
+            out = project(x, self.weight, self.bias if self.tp_size == 1 else None)
+            lora.apply(x, out)
+            if self.tp_size == 1:
+                return out
+        elif self.tp_size == 1:
             return project(x, self.weight, self.bias)
-        return self._all_reduced(project(x, self.weight))
-
-    def _reduced_lora(self, out: torch.Tensor, x: torch.Tensor, lora: Any) -> torch.Tensor:
-        """The adapter's share of input `x` added to this rank's partial `out` (the bias in it at TP 1),
-        then the reduction."""
-        lora.apply(x, out)
-        return out if self.tp_size == 1 else self._all_reduced(out)
-
-    def _all_reduced(self, out: torch.Tensor) -> torch.Tensor:
+        else:
+            out = project(x, self.weight)
         assert self.all_reduce is not None, "checked in __init__: tp_size > 1 needs all_reduce"
         out = self.all_reduce(out)
         return out if self.bias is None else out + self.bias

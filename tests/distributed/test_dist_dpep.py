@@ -188,7 +188,7 @@ def test_a_layer_moves_experts_only_for_a_real_gain():
     a skewed one takes the balanced placement and reports its gain."""
     current = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]  # 8 experts + 2 redundant slots over 2 ranks of 5
     even = [10.0] * 10
-    assert balanced_placement([20, 20, 10, 10, 10, 10, 10, 10], 10, 2, current) != current  # what it would do
+    assert balanced_placement([20, 20, 10, 10, 10, 10, 10, 10], 10, 2) != current  # what packing afresh would do
     assert replacement(even, current, 8, 2) == (current, 1.0, 1.0)
     skewed = [90.0, 90.0, 90.0, 90.0, 10.0, 10.0, 10.0, 10.0, 90.0, 90.0]  # rank 0 holds every hot expert
     new, before, after = replacement(skewed, current, 8, 2)

@@ -27,11 +27,9 @@ from graphrunner.layers.linear import (
     GemvMethod,
     RowLinear,
     add_norm_linear,
-    add_norm_linear_with_input,
     choose_linear_method,
     decode_linear,
     swiglu_linear,
-    swiglu_linear_with_input,
 )
 from graphrunner.layers.norm import RMSNorm, add_rms_norm_torch
 from tests.cuda_graphs import capture_cuda_graph
@@ -391,91 +389,6 @@ def test_add_norm_custom_op_under_compile_serves_every_row_count(norm_tile):
         normed, ref_res = add_rms_norm_torch(x, r, nw, 1e-6)
         torch.testing.assert_close(y, F.linear(normed, w, b), rtol=1e-5, atol=1e-5)
         assert torch.equal(res, ref_res)
-
-
-@needs_triton
-@given(n=st.integers(1, 24), k=st.integers(1, 200), seed=st.integers(0, 2**31), block=st.sampled_from(BLOCKS))
-def test_the_fused_entries_also_store_the_adapters_input(n, k, seed, block):
-    """A LoRA adapter reads a projection's input: the one-row norm GEMV stores the normalized row and the
-    SwiGLU GEMV the activation, each bit-equal to the kernel it replaces, the projection unchanged (fp16:
-    the roundings are visible)."""
-    x, res, nw, w, bias = _inputs(n, k, seed, torch.float16, True)
-    normed = torch.full_like(x, float("nan"))
-    y, res_out = norm_gemv_triton(x, res, nw, 1e-6, w, bias, block, normed_out=normed)
-    ref_y, ref_res = norm_gemv_triton(x, res, nw, 1e-6, w, bias, block)
-    assert torch.equal(y, ref_y) and torch.equal(res_out, ref_res)
-    assert torch.equal(normed, add_rms_norm_torch(x, res, nw, 1e-6)[0])
-    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(seed)) * 3).half()
-    act = torch.full((1, k), float("nan"), dtype=torch.float16)
-    y = gemv_triton(gate_up, w, bias, block, swiglu=True, act_out=act)
-    assert torch.equal(y, gemv_triton(gate_up, w, bias, block, swiglu=True))
-    assert torch.equal(act, silu_mul_triton(gate_up))
-    with pytest.raises(ValueError, match="act_out"):
-        gemv_triton(gate_up[:, :k], w, bias, block, act_out=act)
-
-
-@needs_triton
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_entries_with_input_under_compile_serve_every_row_count(one_launch):
-    """The adapters' entries: one compiled graph over dynamic rows, each result equal to the torch path."""
-    nw, w, b = torch.randn(16), torch.randn(8, 16), torch.randn(8)
-    norm_tile = (2, 16, 4) if one_launch else ()
-    entry = torch.compile(lambda x, r: add_norm_linear_with_input(x, r, nw, 1e-6, w, b, norm_tile, (2, 16, 4), 0),
-                          backend="aot_eager", dynamic=True, fullgraph=True)
-    swiglu = torch.compile(lambda gu: swiglu_linear_with_input(gu, w, None, (2, 16, 4), one_launch, 0),
-                           backend="aot_eager", dynamic=True, fullgraph=True)
-    for rows in (1, 3, 1):
-        x, r = torch.randn(rows, 16), torch.randn(rows, 16)
-        y, res, normed = entry(x, r)
-        ref_normed, ref_res = add_rms_norm_torch(x, r, nw, 1e-6)
-        torch.testing.assert_close(normed, ref_normed, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(y, F.linear(ref_normed, w, b), rtol=1e-5, atol=1e-5)
-        assert torch.equal(res, ref_res)
-        gu = torch.randn(rows, 32)
-        y, act = swiglu(gu)
-        torch.testing.assert_close(act, _silu_mul(gu), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(y, F.linear(_silu_mul(gu), w), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-def test_gpu_bf16_entries_with_input_match_the_unfused_kernels_and_replay(n, k):
-    """What a LoRA adapter reads from the one-launch entries equals what the norm and SiLU·mul kernels
-    store, eager and replayed from a graph under PDL."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from graphrunner.layers.norm import add_rms_norm_triton
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    method = _gpu_method(n, k)
-    norm = RMSNorm(k, 1e-6, dtype=torch.bfloat16, device="cuda")
-    norm.weight.data.copy_(nw)
-
-    def both():
-        y, r, normed = method.add_norm_linear_with_input(norm, x, res, w, None)
-        y2, act = method.swiglu_linear_with_input(gate_up, w[:, :k], None)
-        return y, r, normed, y2, act
-
-    def check(got):
-        y, r, normed, y2, act = got
-        ref_normed, ref_res = add_rms_norm_triton(x, res, nw, 1e-6)
-        assert torch.equal(normed, ref_normed) and torch.equal(r, ref_res)
-        assert torch.equal(act, silu_mul_triton(gate_up))
-        torch.testing.assert_close(y.float(), F.linear(ref_normed.float(), w.float()), rtol=8e-3, atol=2e-3)
-        torch.testing.assert_close(y2.float(), F.linear(act.float(), w.float()), rtol=8e-3, atol=2e-3)
-
-    check(both())
-    outs = [torch.empty_like(t) for t in both()]
-    graph = capture_cuda_graph(lambda: [o.copy_(t) for o, t in zip(outs, both(), strict=True)])
-    x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g))
-    gate_up.copy_(torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(outs)
 
 
 @pytest.mark.gpu

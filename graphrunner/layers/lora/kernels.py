@@ -42,7 +42,6 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.kernels import HAS_TRITON
-from graphrunner.kernels.pdl import pdl_launch
 
 __all__ = ["LORA_DTYPES", "lora_expand", "lora_k_splits", "lora_reference", "lora_shrink", "lora_shrink_expand",
            "lora_tiles"]
@@ -89,15 +88,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from graphrunner.kernels.pdl import pdl_wait
-
     @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, k_chunk, stride_sorted,
                        stride_xm, stride_as, stride_ai, stride_ar, stride_hc, stride_hi, stride_hm,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       IEEE: tl.constexpr, GDC: tl.constexpr):
-        # Under PDL the slot ranges are the step's own data: nothing is read before the wait.
-        pdl_wait(GDC)
+                       IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         i = tl.program_id(1) // SPLITS
         c = tl.program_id(1) % SPLITS
@@ -131,9 +126,7 @@ if HAS_TRITON:
     @triton.jit
     def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice, stride_sorted,
                        stride_hc, stride_hi, stride_hm, stride_bs, stride_bn, stride_om, SPLITS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                       GDC: tl.constexpr):
-        pdl_wait(GDC)
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         slot = tl.program_id(2)
@@ -181,48 +174,44 @@ def _check(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, starts: torch.Tensor,
-                h: torch.Tensor, pdl_rows: int = 0) -> None:
+                h: torch.Tensor) -> None:
     """h[c, i, t] = x[t, chunk c] A[s, i, :, chunk c]^T for every token row t of slot s's range (fp32 h
     [C, S, T, R], C = `lora_k_splits(T, K)`: summed over c, x[t] A[s, i]^T); other rows of h are left
-    as they were. Launched with PDL up to `pdl_rows` rows (graphrunner.kernels.pdl)."""
+    as they were."""
     T, K = x.shape
     L, S, R, _ = a.shape
     splits = h.shape[0]
     block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1, x.element_size())
     k_chunk = _cdiv(_cdiv(K, splits), block_k) * block_k  # whole BLOCK_K steps per chunk
-    launch = pdl_launch(T, pdl_rows)
     _shrink_kernel[(_cdiv(T, block_m), S * splits, L)](
         x, a, h, sorted_tokens, starts, K, R, k_chunk, sorted_tokens.stride(0), x.stride(0), a.stride(0),
         a.stride(1), a.stride(2), h.stride(0), h.stride(1), h.stride(2), SPLITS=splits, BLOCK_M=block_m,
-        BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, GDC=bool(launch), **launch)
+        BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
-                starts: torch.Tensor, slices: torch.Tensor, max_slice: int, pdl_rows: int = 0) -> None:
-    """out[t, slice i] += (sum over c of h[c, i, t]) B[s, slice i]^T for every token row t of slot s's range
-    (PDL up to `pdl_rows` rows)."""
+                starts: torch.Tensor, slices: torch.Tensor, max_slice: int) -> None:
+    """out[t, slice i] += (sum over c of h[c, i, t]) B[s, slice i]^T for every token row t of slot s's range."""
     C, S, T, R = h.shape
     L = b.shape[0]
     block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice, b.element_size())
     tiles = _cdiv(max_slice, block_n)
-    launch = pdl_launch(T, pdl_rows)
     _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
         h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
         h.stride(2), b.stride(0), b.stride(1), out.stride(0), SPLITS=C, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_N=block_n, IEEE=b.dtype == torch.float32, GDC=bool(launch), **launch)
+        BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
 
 
 def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        sorted_tokens: torch.Tensor, starts: torch.Tensor, slices: torch.Tensor,
-                       max_slice: int, pdl_rows: int = 0) -> None:
-    """out += LoRA(x), in place: the shrink and the expand (module docstring), two launches, with PDL
-    up to `pdl_rows` rows (the projection's own limit)."""
+                       max_slice: int) -> None:
+    """out += LoRA(x), in place: the shrink and the expand (module docstring), two launches."""
     _check(x, out, a, b)
     S, R = a.shape[1], a.shape[2]
     splits = lora_k_splits(x.shape[0], x.shape[1])
     h = torch.empty(splits, S, x.shape[0], R, dtype=torch.float32, device=x.device)
-    lora_shrink(x, a, sorted_tokens, starts, h, pdl_rows)
-    lora_expand(h, b, out, sorted_tokens, starts, slices, max_slice, pdl_rows)
+    lora_shrink(x, a, sorted_tokens, starts, h)
+    lora_expand(h, b, out, sorted_tokens, starts, slices, max_slice)
 
 
 def lora_reference(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

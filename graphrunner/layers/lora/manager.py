@@ -44,8 +44,7 @@ def attach_lora(model: Any, buffers: LoraBuffers, max_rank: int, dtype: torch.dt
 
     def attach(index: int, name: str, layer: Any, slices: list[LoraSlice], row_parallel: bool) -> None:
         weights = LoraWeights(buffers, slices, layer.weight.shape[1], max_rank=max_rank, row_parallel=row_parallel,
-                              tp_rank=layer.tp_rank, dtype=dtype, device=device,
-                              pdl_rows=getattr(layer.method, "pdl_rows", 0))
+                              tp_rank=layer.tp_rank, dtype=dtype, device=device)
         layer.lora = weights
         found[(index, name)] = weights
 

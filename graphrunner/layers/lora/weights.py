@@ -103,10 +103,8 @@ class LoraWeights:
     slice (`slices`). `in_features` is this rank's input width."""
 
     def __init__(self, buffers: LoraBuffers, slices: Sequence[LoraSlice], in_features: int, *, max_rank: int,
-                 row_parallel: bool, tp_rank: int, dtype: torch.dtype, device: torch.device,
-                 pdl_rows: int = 0) -> None:
+                 row_parallel: bool, tp_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffers = buffers
-        self.pdl_rows = pdl_rows  # the projection's PDL limit: the adapter's launches chain as its GEMVs do
         self.slices = tuple(slices)
         self.row_parallel, self.tp_rank = row_parallel, tp_rank
         self.in_features = in_features
@@ -130,7 +128,7 @@ class LoraWeights:
             # The whole buffer, not `[:T]`: the kernels read rows below starts[L] <= T only, and a slice
             # by the traced token count is a new unbacked size that inductor's pieces refuse.
             torch.ops.graphrunner.lora_shrink_expand(x, out, self.a, self.b, buf.sorted_tokens, buf.starts,
-                                                     self.slice_table, self.max_slice, self.pdl_rows)
+                                                     self.slice_table, self.max_slice)
         else:
             lora_reference(x, out, self.a, self.b, buf.token_slot[:T], self.slice_bounds)
 
@@ -160,8 +158,8 @@ class LoraWeights:
 
 
 def _op_impl(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_tokens: torch.Tensor,
-             starts: torch.Tensor, slices: torch.Tensor, max_slice: int, pdl_rows: int) -> None:
-    lora_shrink_expand(x, out, a, b, sorted_tokens, starts, slices, max_slice, pdl_rows)
+             starts: torch.Tensor, slices: torch.Tensor, max_slice: int) -> None:
+    lora_shrink_expand(x, out, a, b, sorted_tokens, starts, slices, max_slice)
 
 
 # Opaque to torch.compile (as the other Triton kernels of the model): traced once, the launches run as is.
@@ -170,5 +168,5 @@ lora_shrink_expand_op = torch.library.custom_op("graphrunner::lora_shrink_expand
 
 
 @lora_shrink_expand_op.register_fake
-def _lora_shrink_expand_fake(x, out, a, b, sorted_tokens, starts, slices, max_slice, pdl_rows) -> None:
+def _lora_shrink_expand_fake(x, out, a, b, sorted_tokens, starts, slices, max_slice) -> None:
     return None
