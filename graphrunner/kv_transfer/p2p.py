@@ -13,10 +13,19 @@ sends them (outside the graphs, on the process group's own stream under NCCL) wh
 goes on. A receiver thread on the consumer keeps what arrives in a bounded LRU store
 (`kv_buffer_size` bytes, on the device the group moves tensors on).
 
+The consumer's store is also the link's flow control: the consumer publishes its size at connect
+and, as blocks leave it (loaded into the paged cache, refused, or arrived twice), the bytes freed; the
+producer sends a payload only while the bytes it has sent and the consumer has not freed leave room
+for it, and meanwhile keeps sending announcements and heartbeats. Without it, a producer ahead of the
+consumer's admissions overflowed the store: on two H200s (8k-token prompts, a 4 GiB store) the consumer
+let 4,525 received blocks go before any request loaded them, and prefilled those prompts itself. A
+payload that finds no room within `timeout_s` is dropped (logged) and its announcement withdrawn.
+
 The consumer's scheduler side matches a waiting request's blocks in that store, chained from its
 local prefix-cache hit. When the first block it misses has been announced and not yet arrived, the
 request waits (`get_num_new_matched_tokens` returns None) while running requests go on; it is
-admitted once its blocks are there, or after `timeout_s` without them, computing what is missing.
+admitted once its blocks are there, or after `timeout_s` without them, or at once when the store is
+full (its blocks cannot come before others leave), computing what is missing.
 The producer withdraws an announcement it cannot keep (blocks dropped past the buffer, a request
 ended before its blocks were computed), so nothing waits for blocks that will not come.
 
@@ -66,6 +75,7 @@ _BACKENDS = ("nccl", "gloo")
 _PREFIX = "graphrunner_kv_p2p"
 _SENT_MEMORY = 1 << 20  # block hashes a producer remembers as sent (not sent again)
 _POLL_S = 0.001  # between checks of an NCCL transfer's completion (a block transfer takes ~1 ms or more)
+_CREDIT_POLL_S = 0.002  # between a waiting producer's reads of the bytes the consumer has freed
 
 
 class LinkError(RuntimeError):
@@ -148,9 +158,18 @@ class PeerLink:
         self._order = itertools.count()
         self._pending_bytes = 0
         self._sent: OrderedDict[str, None] = OrderedDict()
-        self._blocks: OrderedDict[str, tuple[tuple[int | str, ...], torch.Tensor]] = OrderedDict()
+        # hash -> (the tokens it was sent for, the block, when it arrived or was last looked up)
+        self._blocks: OrderedDict[str, tuple[tuple[int | str, ...], torch.Tensor, float]] = OrderedDict()
         self._block_bytes = 0
-        self._admitted: set[str] = set()  # stored blocks already loaded into the paged cache
+        self._per_block = (shape.num_layers * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
+                           * shape.dtype.itemsize)
+        # Flow control (module docstring): the store both ends reach, the consumer's size as it
+        # published it (None: no flow control), bytes sent, and the consumer's freed bytes as last read.
+        self._unwanted: OrderedDict[str, None] = OrderedDict()  # announced blocks let go as they arrive
+        self._kv_store: Any = None
+        self._credit_lock = threading.Lock()
+        self.peer_capacity: int | None = None
+        self._sent_bytes = self._freed_seen = 0
         self._announced: dict[str, float] = {}
         self.num_sent_blocks = self.num_received_blocks = self.num_refused_blocks = self.num_dropped_blocks = 0
         self.num_evicted_unused_blocks = 0  # received, then let go before any request loaded them
@@ -216,23 +235,45 @@ class PeerLink:
             entry = self._blocks.get(block_hash)
             if entry is None:
                 return None
+            self._blocks[block_hash] = (entry[0], entry[1], time.monotonic())
             self._blocks.move_to_end(block_hash)
         if entry[0] != tuple(block_keys(tokens)):
             logger.warning("NcclConnector: block %s arrived for other tokens; refused", block_hash[:12])
             return None
         return entry[1]
 
-    def release(self, hashes: Sequence[str]) -> None:
-        """These blocks are loaded into the paged cache (its prefix cache holds them now): the store lets
-        them go before any block still waiting for its request. Kept last-used-first instead, a long
-        prompt's loaded blocks outlived the next prompts' unloaded ones: with 8k-token prompts and a
-        4 GiB store on two H200s only 60% of the prompt tokens were loaded, the rest prefilled again on
-        the decode instance (p99 inter-token latency 17.8x its median)."""
+    def release(self, hashes: Sequence[str], unwanted: Sequence[str] = ()) -> None:
+        """These blocks are loaded into the paged cache (its prefix cache holds them now): they leave
+        the store, and the producer may send as many bytes more. Kept as a cache, last used first, a
+        long prompt's loaded blocks outlived the next prompts' unloaded ones: with 8k-token prompts and
+        a 4 GiB store on two H200s only 60% of the prompt tokens were loaded, the rest prefilled again
+        on the decode instance (p99 inter-token latency 17.8x its median). `unwanted`: blocks of the
+        same prompt no request will load (computed, or hit locally): let go now, or as they arrive."""
         with self._lock:
-            for h in reversed(hashes):  # the request's first block goes first
-                if h in self._blocks:
-                    self._blocks.move_to_end(h, last=False)
-                    self._admitted.add(h)
+            gone = sum(self._blocks.pop(h, None) is not None for h in (*hashes, *unwanted))
+            for h in unwanted:
+                if self._announced.pop(h, None) is not None:
+                    self._unwanted[h] = None
+            while len(self._unwanted) > _SENT_MEMORY:
+                self._unwanted.popitem(last=False)
+            self._block_bytes -= gone * self._per_block
+            self._lock.notify_all()
+        self._free(gone * self._per_block)
+
+    def _free(self, nbytes: int) -> None:
+        """Tell the producer `nbytes` more of the store are free (consumer; flow control)."""
+        if nbytes and self._kv_store is not None:
+            with self._credit_lock:
+                try:
+                    self._kv_store.add("freed", nbytes)
+                except Exception as e:  # the producer is gone: its sends end the link anyway
+                    logger.debug("NcclConnector: cannot publish freed bytes: %s", e)
+
+    def store_full(self) -> bool:
+        """No room in the consumer's store for one more block: blocks on their way come only after
+        others leave it, so a waiting request takes what is there."""
+        with self._lock:
+            return self._block_bytes + self._per_block > self.cfg.buffer_bytes
 
     def in_flight(self, block_hash: str) -> bool:
         """Announced, not arrived, and the link is up."""
@@ -311,12 +352,15 @@ class PeerLink:
         # The group's rendezvous times out after timeout_s: the producer builds it only once the
         # consumer is there, however late that is.
         if self.rank == 1:
+            prefixed.set("capacity", str(self.cfg.buffer_bytes))  # before "consumer": the producer reads both
             prefixed.set("consumer", "here")
         else:
             while not prefixed.check(["consumer"]):
                 if not self.alive:
                     return None
                 time.sleep(0.2)
+            self.peer_capacity = int(prefixed.get("capacity").decode())
+        self._kv_store = prefixed
         # Both ranks build the gloo group here (its constructor meets the peer within `timeout`); the
         # NCCL group's communicator comes up lazily, in both link threads, at the first payload.
         control = dist.ProcessGroupGloo(dist.PrefixStore("control", prefixed), self.rank, 2, timeout)
@@ -367,11 +411,60 @@ class PeerLink:
                         raise LinkTimeout(f"NcclConnector: the step gathering {self._describe(header)} for "
                                           f"{self.peer} did not finish within timeout_s={self.cfg.timeout_s:g} s")
                     time.sleep(_POLL_S)
-            self._send_message(groups, header, payload)
+            nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+            room = payload is None or self._await_room(groups, nbytes)
+            if room:
+                self._send_message(groups, header, payload)
             if payload is not None:
                 with self._lock:
-                    self._pending_bytes -= payload.numel() * payload.element_size()
-                self.num_sent_blocks += len(header["hashes"])
+                    self._pending_bytes -= nbytes
+                if room:
+                    self._sent_bytes += nbytes
+                    self.num_sent_blocks += len(header["hashes"])
+                else:
+                    self.num_dropped_blocks += len(header["hashes"])
+                    self._send_message(groups, {"kind": "withdraw", "hashes": header["hashes"]}, None)
+
+    def _await_room(self, groups: LinkGroups, nbytes: int) -> bool:
+        """Whether the consumer's store has room for `nbytes` more (flow control, module docstring):
+        waits up to `timeout_s` for it to free bytes, sending announcements and heartbeats meanwhile.
+        False (logged): the payload is dropped."""
+        capacity = self.peer_capacity
+        if capacity is None or self._kv_store is None:
+            return True
+        if nbytes > capacity:
+            logger.warning("NcclConnector: a payload of %d bytes never fits the consumer's kv_buffer_size=%d; "
+                           "dropped", nbytes, capacity)
+            return False
+        deadline = time.monotonic() + self.cfg.timeout_s
+        beat = time.monotonic() + self.cfg.timeout_s / 3
+        while self._sent_bytes - self._freed_seen + nbytes > capacity:
+            self._freed_seen = self._kv_store.add("freed", 0)
+            if self._sent_bytes - self._freed_seen + nbytes <= capacity:
+                break
+            now = time.monotonic()
+            if now > deadline:
+                logger.warning("NcclConnector: the consumer's store had no room for %d bytes within timeout_s=%g s; "
+                               "dropped", nbytes, self.cfg.timeout_s)
+                return False
+            self._send_control(groups)
+            if now > beat:
+                self._send_message(groups, {"kind": "heartbeat"}, None)
+                beat = now + self.cfg.timeout_s / 3
+            time.sleep(_CREDIT_POLL_S)
+        return True
+
+    def _send_control(self, groups: LinkGroups) -> None:
+        """Send the announcements and withdrawals queued meanwhile (they go before queued payloads)."""
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] != 0:
+                self._outbox.put(item)
+                return
+            self._send_message(groups, item[2], None)
 
     def _recv(self, group: Any, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype, device=device)
@@ -402,12 +495,28 @@ class PeerLink:
                     self._lock.notify_all()
             elif kind == "blocks" and body is not None:
                 self._store(header, body)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Let go the blocks no request has looked up for `timeout_s` (their requests went elsewhere,
+        ended, or computed them): under flow control they would hold the producer's sends back for good."""
+        stale = time.monotonic() - self.cfg.timeout_s
+        gone = 0
+        with self._lock:
+            while self._blocks and next(iter(self._blocks.values()))[2] < stale:
+                self._blocks.popitem(last=False)
+                gone += 1
+            self._block_bytes -= gone * self._per_block
+            self.num_evicted_unused_blocks += gone
+        if gone:
+            logger.warning("NcclConnector: %d received blocks unused for timeout_s=%g s let go", gone,
+                           self.cfg.timeout_s)
+            self._free(gone * self._per_block)
 
     def _store(self, header: dict[str, Any], body: torch.Tensor) -> None:
         hashes, tokens = header["hashes"], header["tokens"]
         wrong = {k: header.get(k) for k, v in self.geometry.items() if header.get(k) != v}
-        s = self.shape
-        per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+        s, per_block = self.shape, self._per_block
         if wrong or body.numel() != per_block * len(hashes) or len(tokens) != len(hashes):
             self.num_refused_blocks += len(hashes)
             logger.warning("NcclConnector: %d blocks refused: %s", len(hashes),
@@ -416,32 +525,36 @@ class PeerLink:
                 for h in hashes:
                     self._announced.pop(h, None)
                 self._lock.notify_all()
+            self._free(body.numel())
             return
         data = body.view(s.dtype).reshape(s.num_layers, 2, len(hashes), s.block_size, s.num_kv_heads, s.head_dim)
         with self._lock:
-            fresh = [j for j, h in enumerate(hashes) if h not in self._blocks]
+            fresh = [j for j, h in enumerate(hashes) if h not in self._blocks and h not in self._unwanted]
+            for h in hashes:
+                self._unwanted.pop(h, None)
         copies = [(j, data[:, :, j].clone()) for j in fresh]
         if data.is_cuda:  # a published block is read on the instance's stream: its copy must be done
             torch.cuda.current_stream(data.device).synchronize()
+        kept = unused = 0
         with self._lock:
             for j, block in copies:
                 h = hashes[j]
                 if h in self._blocks:
                     continue
-                self._blocks[h] = (tuple(block_keys(tokens[j])), block)
+                self._blocks[h] = (tuple(block_keys(tokens[j])), block, time.monotonic())
                 self._block_bytes += per_block
                 self._announced.pop(h, None)
                 self.num_received_blocks += 1
-            unused = 0
+                kept += 1
+            # Under flow control the producer sends only what fits; a producer without it (or a
+            # store smaller than one message) can still overflow it: the oldest blocks go.
             while self._block_bytes > self.cfg.buffer_bytes and self._blocks:
-                h, _ = self._blocks.popitem(last=False)
+                self._blocks.popitem(last=False)
                 self._block_bytes -= per_block
-                if h in self._admitted:
-                    self._admitted.discard(h)
-                else:
-                    unused += 1
+                unused += 1
             self.num_evicted_unused_blocks += unused
             self._lock.notify_all()
+        self._free((len(hashes) - kept + unused) * per_block)  # blocks arrived twice, and those let go
         if unused:
             logger.warning("NcclConnector: %d received blocks let go before any request loaded them (over "
                            "kv_buffer_size=%d bytes); their requests compute that KV", unused, self.cfg.buffer_bytes)
@@ -509,7 +622,7 @@ class NcclScheduler(PrefixBlockScheduler):
         return self.link.lookup(block_hash, tokens)
 
     def in_flight(self, req: Any, block_hash: str) -> bool:
-        if not self.link.in_flight(block_hash):
+        if not self.link.in_flight(block_hash) or self.link.store_full():
             self._waiting_since.pop(req.req_id, None)
             return False
         since = self._waiting_since.setdefault(req.req_id, time.monotonic())
@@ -522,8 +635,10 @@ class NcclScheduler(PrefixBlockScheduler):
     def wait_for_kv(self, timeout: float) -> None:
         self.link.wait(timeout)
 
-    def blocks_admitted(self, hashes: Sequence[str]) -> None:
-        self.link.release(hashes)
+    def blocks_admitted(self, req: Any, hashes: Sequence[str]) -> None:
+        loaded = set(hashes)
+        prompt = self.hashes(req, (req.num_tokens - 1) // self.block_size)
+        self.link.release(hashes, [h for h in prompt if h not in loaded])
 
     def request_finished(self, req: Any) -> None:
         super().request_finished(req)

@@ -161,9 +161,10 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         `get_num_new_matched_tokens` returns None). False: the request computes the rest."""
         return False
 
-    def blocks_admitted(self, hashes: Sequence[str]) -> None:
-        """The blocks `hashes` are on their way into the paged cache (the local prefix cache holds them
-        from now on): a bounded store may let them go first."""
+    def blocks_admitted(self, req: Any, hashes: Sequence[str]) -> None:
+        """`req` was admitted with the blocks `hashes` loaded into the paged cache (the local prefix
+        cache holds them from now on): a bounded store may let them go, and whatever else of `req`'s
+        prompt it holds or receives later."""
 
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         self._matched.pop(req.req_id, None)
@@ -195,7 +196,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         data, hashes = self._matched.pop(req.req_id)
         n = num_external_tokens // self.block_size
-        self.blocks_admitted(hashes[:n])
+        self.blocks_admitted(req, hashes[:n])
         first = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
         self._loads.append(_Load(req.req_id, list(block_ids[first:first + n]), data[:, :, :n]))
         self.num_external_hit_tokens += num_external_tokens

@@ -144,16 +144,16 @@ def test_a_hung_rank_reports_the_stacks_of_its_threads():
     assert "_hang_in_a_named_function" in text and text.count("most recent call first") >= 2
 
 
-def test_blocks_loaded_into_the_cache_are_let_go_before_blocks_still_waiting_for_their_request(caplog):
-    """A consumer's store full of blocks: those already loaded into the paged cache go first, so a prompt
-    whose blocks arrived while an earlier one was loaded still finds them; a block let go unused is
-    counted and logged."""
+def test_the_consumers_store_lets_go_loaded_and_unwanted_blocks_and_counts_the_unused(caplog):
+    """Blocks loaded into the paged cache leave the store at once, and so do the prompt's blocks no request
+    will load (also those still on their way, as they arrive); past the store's size the oldest block goes,
+    counted and logged as unused."""
     s = SHAPE
     per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * 4
     link = PeerLink(LinkConfig("127.0.0.1", free_port(), "gloo", 5.0, 3 * per_block), 1, s, "m",
                     torch.device("cpu"))
     try:
-        tokens = {name: [i] * s.block_size for i, name in enumerate(["a1", "a2", "b1", "b2", "c1", "d1"])}
+        tokens = {name: [i] * s.block_size for i, name in enumerate(["a1", "a2", "a3", "b1", "b2", "c1", "d1"])}
 
         def arrive(*names: str) -> None:
             body = torch.arange(len(names) * per_block // 4, dtype=torch.float32).view(torch.uint8)
@@ -162,17 +162,45 @@ def test_blocks_loaded_into_the_cache_are_let_go_before_blocks_still_waiting_for
         def held() -> set[str]:  # without lookup(), which counts as a use
             return set(link._blocks)
 
-        arrive("a1", "a2", "b1")  # request a whole, request b's first block (its prefill goes on)
-        assert link.lookup("a1", tokens["a1"]) is not None and link.lookup("a2", tokens["a2"]) is not None
-        link.release(["a1", "a2"])  # request a is admitted: its blocks are loaded
-        arrive("b2")
-        assert held() == {"a2", "b1", "b2"}
-        arrive("c1")
-        assert held() == {"b1", "b2", "c1"} and link.num_evicted_unused_blocks == 0
+        link._announced["a3"] = 0.0  # announced, on its way
+        arrive("a1", "a2", "b1")  # request a's first blocks, request b's first (its prefill goes on)
+        link.release(["a1"], unwanted=["a2", "a3"])  # a admitted with a1 loaded, the rest computed
+        assert held() == {"b1"} and not link.in_flight("a3")
+        arrive("a3", "b2", "c1")  # a3 is let go as it arrives
+        assert held() == {"b1", "b2", "c1"} and link.num_evicted_unused_blocks == 0 and link.store_full()
         with caplog.at_level("WARNING", logger="graphrunner.kv_transfer"):
-            arrive("d1")  # nothing loaded left: the oldest waiting block goes, counted and logged
-        assert link.num_evicted_unused_blocks == 1
+            arrive("d1")  # over the store's size: the oldest waiting block goes, counted and logged
+        assert held() == {"b2", "c1", "d1"} and link.num_evicted_unused_blocks == 1
         assert "1 received blocks let go before any request loaded them" in caplog.text
     finally:
         link.close()
         link.join(5.0)
+
+
+def test_the_producer_sends_only_what_the_consumers_store_has_room_for():
+    """Flow control over gloo: a consumer with room for 3 blocks gets 3 of 5 single-block messages; each
+    block it loads lets one more come; nothing is let go unused and nothing dropped."""
+    s = SHAPE
+    per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * 4
+    port = free_port()
+    consumer = PeerLink(LinkConfig("127.0.0.1", port, "gloo", 10.0, 3 * per_block), 1, s, "m", torch.device("cpu"))
+    producer = PeerLink(LinkConfig("127.0.0.1", port, "gloo", 10.0, 1 << 20), 0, s, "m", torch.device("cpu"))
+    try:
+        names = [f"h{i}" for i in range(5)]
+        for i, h in enumerate(names):
+            data = torch.full((s.num_layers, 2, 1, s.block_size, s.num_kv_heads, s.head_dim), float(i))
+            producer.send_blocks([h], [[i] * s.block_size], data)
+        _wait_for(lambda: consumer.num_received_blocks == 3, "the first three blocks")
+        time.sleep(0.3)  # the producer waits for room instead of sending the fourth
+        assert consumer.num_received_blocks == 3 and producer.peer_capacity == 3 * per_block
+        for done in range(2):
+            consumer.release([names[done]])
+            _wait_for(lambda done=done: consumer.num_received_blocks == 4 + done, f"block {4 + done}")
+        assert set(consumer._blocks) == set(names[2:])
+        assert consumer.num_evicted_unused_blocks == 0 and producer.num_dropped_blocks == 0
+        assert producer.num_sent_blocks == 5
+    finally:
+        producer.close()
+        producer.join(5.0)
+        consumer.close()
+        consumer.join(5.0)
