@@ -14,12 +14,13 @@ goes on. A receiver thread on the consumer keeps what arrives in a bounded LRU s
 (`kv_buffer_size` bytes, on the device the group moves tensors on).
 
 The consumer's store is also the link's flow control: the consumer publishes its size at connect
-and, as blocks leave it (loaded into the paged cache, refused, or arrived twice), the bytes freed; the
-producer sends a payload only while the bytes it has sent and the consumer has not freed leave room
-for it, and meanwhile keeps sending announcements and heartbeats. Without it, a producer ahead of the
-consumer's admissions overflowed the store: on two H200s (8k-token prompts, a 4 GiB store) the consumer
-let 4,525 received blocks go before any request loaded them, and prefilled those prompts itself. A
-payload that finds no room within `timeout_s` is dropped (logged) and its announcement withdrawn.
+and, as blocks leave it (loaded into the paged cache, unwanted, stale, refused, or arrived twice),
+the bytes freed; the producer sends blocks only while the bytes it has sent and the consumer has not
+freed leave room for them (a message larger than the room goes in parts), and meanwhile keeps sending
+announcements and heartbeats. Without it, a producer ahead of the consumer's admissions overflowed
+the store: on two H200s (8k-token prompts, a 4 GiB store) the consumer let 4,525 received blocks go
+before any request loaded them, and prefilled those prompts itself. Blocks that find no room within
+`timeout_s` are dropped (logged) and their announcement withdrawn.
 
 The consumer's scheduler side matches a waiting request's blocks in that store, chained from its
 local prefix-cache hit. When the first block it misses has been announced and not yet arrived, the
@@ -411,48 +412,65 @@ class PeerLink:
                         raise LinkTimeout(f"NcclConnector: the step gathering {self._describe(header)} for "
                                           f"{self.peer} did not finish within timeout_s={self.cfg.timeout_s:g} s")
                     time.sleep(_POLL_S)
-            nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-            room = payload is None or self._await_room(groups, nbytes)
-            if room:
-                self._send_message(groups, header, payload)
-            if payload is not None:
-                with self._lock:
-                    self._pending_bytes -= nbytes
-                if room:
-                    self._sent_bytes += nbytes
-                    self.num_sent_blocks += len(header["hashes"])
-                else:
-                    self.num_dropped_blocks += len(header["hashes"])
-                    self._send_message(groups, {"kind": "withdraw", "hashes": header["hashes"]}, None)
+            if payload is None:
+                self._send_message(groups, header, None)
+            else:
+                self._send_payload(groups, header, payload)
 
-    def _await_room(self, groups: LinkGroups, nbytes: int) -> bool:
-        """Whether the consumer's store has room for `nbytes` more (flow control, module docstring):
-        waits up to `timeout_s` for it to free bytes, sending announcements and heartbeats meanwhile.
-        False (logged): the payload is dropped."""
+    def _send_payload(self, groups: LinkGroups, header: dict[str, Any], payload: torch.Tensor) -> None:
+        """Send a blocks message as the consumer's store makes room (flow control, module docstring), in
+        parts of the blocks that fit: a message larger than the room left would otherwise wait while the
+        consumer waits for it. What finds no room within `timeout_s` is dropped (logged) and withdrawn."""
+        hashes, tokens = header["hashes"], header["tokens"]
+        n = len(hashes)
+        nbytes = payload.numel() * payload.element_size()
+        per_block = nbytes // n
+        i = 0
+        while i < n:
+            k = self._await_room(groups, per_block, n - i)
+            if not k:
+                self.num_dropped_blocks += n - i
+                self._send_message(groups, {"kind": "withdraw", "hashes": hashes[i:]}, None)
+                break
+            part = payload if k == n else payload[:, :, i:i + k]  # [L, 2, k, block_size, kv_heads, head_dim]
+            self._send_message(groups, {**header, "hashes": hashes[i:i + k], "tokens": tokens[i:i + k]}, part)
+            self._sent_bytes += k * per_block
+            self.num_sent_blocks += k
+            i += k
+        with self._lock:
+            self._pending_bytes -= nbytes
+
+    def _await_room(self, groups: LinkGroups, per_block: int, want: int) -> int:
+        """How many of `want` blocks of `per_block` bytes the consumer's store has room for, at least one:
+        waits up to `timeout_s` for the room of one, sending announcements and heartbeats meanwhile.
+        All of them without flow control; 0 (logged) when no room came."""
         capacity = self.peer_capacity
         if capacity is None or self._kv_store is None:
-            return True
-        if nbytes > capacity:
-            logger.warning("NcclConnector: a payload of %d bytes never fits the consumer's kv_buffer_size=%d; "
-                           "dropped", nbytes, capacity)
-            return False
+            return want
+        if per_block > capacity:
+            logger.warning("NcclConnector: a block of %d bytes never fits the consumer's kv_buffer_size=%d; "
+                           "dropped", per_block, capacity)
+            return 0
         deadline = time.monotonic() + self.cfg.timeout_s
         beat = time.monotonic() + self.cfg.timeout_s / 3
-        while self._sent_bytes - self._freed_seen + nbytes > capacity:
+        while True:
+            room = (capacity - (self._sent_bytes - self._freed_seen)) // per_block
+            if room >= want:
+                return want
             self._freed_seen = self._kv_store.add("freed", 0)
-            if self._sent_bytes - self._freed_seen + nbytes <= capacity:
-                break
+            room = (capacity - (self._sent_bytes - self._freed_seen)) // per_block
+            if room >= 1:
+                return min(room, want)
             now = time.monotonic()
             if now > deadline:
-                logger.warning("NcclConnector: the consumer's store had no room for %d bytes within timeout_s=%g s; "
-                               "dropped", nbytes, self.cfg.timeout_s)
-                return False
+                logger.warning("NcclConnector: the consumer's store had no room for a block within timeout_s=%g s; "
+                               "%d blocks dropped", self.cfg.timeout_s, want)
+                return 0
             self._send_control(groups)
             if now > beat:
                 self._send_message(groups, {"kind": "heartbeat"}, None)
                 beat = now + self.cfg.timeout_s / 3
             time.sleep(_CREDIT_POLL_S)
-        return True
 
     def _send_control(self, groups: LinkGroups) -> None:
         """Send the announcements and withdrawals queued meanwhile (they go before queued payloads)."""

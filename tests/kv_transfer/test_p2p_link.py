@@ -199,6 +199,18 @@ def test_the_producer_sends_only_what_the_consumers_store_has_room_for():
         assert set(consumer._blocks) == set(names[2:])
         assert consumer.num_evicted_unused_blocks == 0 and producer.num_dropped_blocks == 0
         assert producer.num_sent_blocks == 5
+        # One message of three blocks with room for two: the two go, the third once a block is loaded.
+        data = torch.arange(3.0).view(1, 1, 3, 1, 1, 1).expand(s.num_layers, 2, 3, s.block_size, s.num_kv_heads,
+                                                                 s.head_dim).contiguous()
+        consumer.release(names[2:4])
+        producer.send_blocks(["m0", "m1", "m2"], [[10 + j] * s.block_size for j in range(3)], data)
+        _wait_for(lambda: consumer.num_received_blocks == 7, "the message's first two blocks")
+        time.sleep(0.3)
+        assert consumer.num_received_blocks == 7 and "m2" not in consumer._blocks
+        consumer.release(["m0"])
+        _wait_for(lambda: consumer.num_received_blocks == 8, "the message's last block")
+        assert torch.equal(consumer.lookup("m2", [12] * s.block_size), data[:, :, 2])
+        assert consumer.num_evicted_unused_blocks == 0 and producer.num_dropped_blocks == 0
     finally:
         producer.close()
         producer.join(5.0)
