@@ -179,6 +179,12 @@ class CompileCache:
                 alone = True
             except BlockingIOError:
                 alone = False
+            except OSError as e:  # a file system without locks: checked as before the lock existed
+                logger.warning("compile cache %s: cannot lock %s (%s); not shared safely between processes",
+                               self.path, lock.name, e)
+                self.prepare()
+                yield
+                return
             if alone:
                 self.prepare()
             # Waits only while another process checks the entry (it holds the lock exclusively then).

@@ -172,3 +172,18 @@ def test_an_entry_another_process_is_compiling_into_is_not_deleted(tmp_path):
     (alone.path / "stray").write_bytes(b"...")
     with alone.scope():  # nobody else inside: a stray file means a killed run, and the entry is rebuilt
         assert not (alone.path / "triton").exists()
+
+
+def test_a_file_system_without_locks_still_gets_a_checked_entry(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    cache = _entry(tmp_path)
+    (cache.path / "stray").write_bytes(b"...")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with cache.scope():  # checked (and rebuilt) as without the lock
+        assert not (cache.path / "stray").exists()
+    assert "cannot lock" in caplog.text and cache.verify() is None
