@@ -150,7 +150,8 @@ def test_the_consumers_store_lets_go_loaded_and_unwanted_blocks_and_counts_the_u
     counted and logged as unused."""
     s = SHAPE
     per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * 4
-    link = PeerLink(LinkConfig("127.0.0.1", free_port(), "gloo", 5.0, 3 * per_block), 1, s, "m",
+    # No producer comes: a short timeout_s ends the link thread's connection attempts soon after close().
+    link = PeerLink(LinkConfig("127.0.0.1", free_port(), "gloo", 0.5, 3 * per_block), 1, s, "m",
                     torch.device("cpu"))
     try:
         tokens = {name: [i] * s.block_size for i, name in enumerate(["a1", "a2", "a3", "b1", "b2", "c1", "d1"])}
