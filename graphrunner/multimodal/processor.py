@@ -57,12 +57,7 @@ class ImageProcessor:
             crop_hw = (int(crop["height"]), int(crop["width"]))
         elif isinstance(crop, int):
             crop_hw = (crop, crop)
-        return cls(
-            shortest_edge=shortest, resize_hw=resize_hw, crop_hw=crop_hw, resample=int(raw.get("resample", 3)),
-            rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-            mean=tuple(raw.get("image_mean", _CLIP_MEAN)) if raw.get("do_normalize", True) else None,
-            std=tuple(raw.get("image_std", _CLIP_STD)) if raw.get("do_normalize", True) else None,
-        )
+        return cls(shortest_edge=shortest, resize_hw=resize_hw, crop_hw=crop_hw, **value_options(raw))
 
     def __call__(self, image: Any) -> torch.Tensor:  # -> [3, H, W] float32
         pil = to_pil_image(image)
@@ -77,13 +72,30 @@ class ImageProcessor:
         pixels = np.asarray(pil, dtype=np.uint8)  # [H, W, 3]
         if self.crop_hw is not None:
             pixels = _center_crop(pixels, *self.crop_hw)
-        values = pixels.astype(np.float32)
-        if self.rescale_factor is not None:
-            values *= np.float32(self.rescale_factor)
-        if self.mean is not None and self.std is not None:
-            values -= np.asarray(self.mean, dtype=np.float32)
-            values /= np.asarray(self.std, dtype=np.float32)
+        values = rescale_normalize(pixels, self.rescale_factor, self.mean, self.std)
         return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
+
+
+def value_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """The pixel-value steps of a preprocessor_config.json (resample, rescale, normalize), as the
+    processors' fields; a step the config turns off is None."""
+    normalize = raw.get("do_normalize", True)
+    return dict(resample=int(raw.get("resample", 3)),
+                rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
+                mean=tuple(raw.get("image_mean", _CLIP_MEAN)) if normalize else None,
+                std=tuple(raw.get("image_std", _CLIP_STD)) if normalize else None)
+
+
+def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None, mean: tuple[float, ...] | None,
+                      std: tuple[float, ...] | None) -> np.ndarray:
+    """uint8 [H, W, C] -> float32 values: times `rescale_factor`, then (x - mean) / std, each when set."""
+    values = pixels.astype(np.float32)
+    if rescale_factor is not None:
+        values *= np.float32(rescale_factor)
+    if mean is not None and std is not None:
+        values -= np.asarray(mean, dtype=np.float32)
+        values /= np.asarray(std, dtype=np.float32)
+    return values
 
 
 def to_pil_image(image: Any) -> Any:

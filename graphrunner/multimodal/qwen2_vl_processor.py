@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from graphrunner.config import Qwen2_5_VisionConfig
-from graphrunner.multimodal.processor import _CLIP_MEAN, _CLIP_STD, CONFIG_FILE, to_pil_image
+from graphrunner.multimodal.processor import (
+    _CLIP_MEAN,
+    _CLIP_STD,
+    CONFIG_FILE,
+    rescale_normalize,
+    to_pil_image,
+    value_options,
+)
 
 _MAX_ASPECT_RATIO = 200
 # Qwen2-VL's processor defaults: 56² to 28² · 1280 pixels per image (Qwen2.5-VL's folders raise the top).
@@ -95,13 +102,7 @@ class Qwen2VLImageProcessor:
                           ("merge_size", vision.spatial_merge_size)):
             if raw.get(key, ours) != ours:
                 raise ValueError(f"{str(path)!r}: {key}={raw[key]!r} differs from the vision tower's {ours}")
-        normalize = raw.get("do_normalize", True)
-        return cls(
-            **geometry, resample=int(raw.get("resample", 3)),
-            rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-            mean=tuple(raw.get("image_mean", _CLIP_MEAN)) if normalize else None,
-            std=tuple(raw.get("image_std", _CLIP_STD)) if normalize else None,
-        )
+        return cls(**geometry, **value_options(raw))
 
     def __call__(self, image: Any) -> dict[str, torch.Tensor]:
         pil = to_pil_image(image)
@@ -110,12 +111,7 @@ class Qwen2VLImageProcessor:
         rh, rw = smart_resize(h, w, cell, self.min_pixels, self.max_pixels)
         if (rh, rw) != (h, w):
             pil = pil.resize((rw, rh), resample=self.resample)
-        values = np.asarray(pil, dtype=np.uint8).astype(np.float32)  # [H, W, C]
-        if self.rescale_factor is not None:
-            values *= np.float32(self.rescale_factor)
-        if self.mean is not None and self.std is not None:
-            values -= np.asarray(self.mean, dtype=np.float32)
-            values /= np.asarray(self.std, dtype=np.float32)
+        values = rescale_normalize(np.asarray(pil, dtype=np.uint8), self.rescale_factor, self.mean, self.std)
         return {"pixel_values": torch.from_numpy(self.patchify(values.transpose(2, 0, 1))),
                 "image_grid_thw": torch.tensor([1, rh // self.patch_size, rw // self.patch_size])}
 

@@ -33,6 +33,19 @@ def small_llm(path, mode: str = "NONE", **kw):
                cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64), debug_cudagraphs=True, **args)
 
 
+@torch.no_grad()
+def hf_greedy(step, ids: list[int], n: int = 8) -> list[int]:
+    """`n` greedy tokens after the expanded prompt `ids`; `step(x)` is a transformers model's logits for
+    the token ids x [1, L] (its image inputs bound in)."""
+    x = torch.tensor([ids])
+    out = []
+    for _ in range(n):
+        token = step(x)[0, -1].argmax()
+        out.append(int(token))
+        x = torch.cat([x, token.view(1, 1)], dim=1)
+    return out
+
+
 def first_tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 

@@ -12,6 +12,7 @@ from tests.multimodal.conftest import (
     IMAGE_TOKEN,
     engine_requests,
     first_tokens,
+    hf_greedy,
     random_image,
     reference_pixels,
     small_llm,
@@ -35,20 +36,8 @@ def _expanded(ids: list[int]) -> list[int]:
 
 @torch.no_grad()
 def _hf_greedy(hf, ids: list[int], images: list, n: int = 8) -> list[int]:
-    x = torch.tensor([_expanded(ids)])
     pixels = torch.stack([reference_pixels(i) for i in images]) if images else None
-    out = []
-    for _ in range(n):
-        token = hf(input_ids=x, pixel_values=pixels).logits[0, -1].argmax()
-        out.append(int(token))
-        x = torch.cat([x, token.view(1, 1)], dim=1)
-    return out
-
-
-def _requests(prompts=PROMPTS):
-    return engine_requests(prompts)
-
-
+    return hf_greedy(lambda x: hf(input_ids=x, pixel_values=pixels).logits, _expanded(ids), n)
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +51,11 @@ def expected(llava):
 @pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
 def test_greedy_tokens_match_transformers_with_0_1_2_images(llava, expected, mode):
     llm = small_llm(llava[0], mode)
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
     cache = llm.runner.embeds.encoder_cache
     assert cache.num_encoded == 2  # IMAGES[0] shows in two requests of one step: encoded once
     # The same images in a later call come from the encoder cache, and their blocks from the prefix cache.
-    again = llm.generate(_requests(), GREEDY, use_tqdm=False)
+    again = llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)
     assert first_tokens(again) == expected and cache.num_encoded == 2
     assert again[1].num_cached_tokens > 0
     if mode != "NONE":
@@ -78,7 +67,7 @@ def test_chunks_inside_and_before_images(llava, expected):
     tokens) per step makes the two-image prompt wait for its second image; tokens are unchanged."""
     llm = small_llm(llava[0], max_num_batched_tokens=12, max_num_seqs=2)
     assert llm.scheduler.encoder.budget == N
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
 
 
@@ -109,7 +98,7 @@ def test_processor_reads_the_checkpoint_config(llava):
 
 def test_bad_multimodal_input_raises_and_leaves_others_alone(llava, expected):
     llm = small_llm(llava[0])
-    good = _requests()
+    good = engine_requests(PROMPTS)
     with pytest.raises(ValueError, match=r"2 image\(s\) given for 1 image placeholder"):
         llm.generate([good[0], {"prompt_token_ids": [5, IMAGE_TOKEN], "multi_modal_data": {"image": IMAGES}}],
                      GREEDY, use_tqdm=False)
@@ -128,6 +117,6 @@ def test_gpu_llava_matches_transformers_from_cuda_graphs(llava, expected):
     """CUDA, fp32: decoder from real FULL / PIECEWISE graphs, the vision tower eager; same tokens."""
     llm = LLM(str(llava[0]), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=128, block_size=16, num_kv_blocks=32)
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
     llm.shutdown()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphrunner import LLM, SamplingParams
-from tests.multimodal.conftest import engine_requests, first_tokens, small_llm
+from tests.multimodal.conftest import engine_requests, first_tokens, hf_greedy, small_llm
 
 pytest.importorskip("PIL")
 
@@ -98,20 +98,8 @@ def _hf_greedy(hf, ids: list[int], images: list, n: int = 8) -> list[int]:
         inputs = hf_processor()(images, return_tensors="pt")
         kw = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
         counts = (inputs["image_grid_thw"].prod(-1) // 4).tolist()
-    x = torch.tensor([_expanded(ids, counts)])
-    out = []
-    for _ in range(n):
-        types = (x == IMAGE_TOKEN).int()
-        token = hf(input_ids=x, mm_token_type_ids=types, **kw).logits[0, -1].argmax()
-        out.append(int(token))
-        x = torch.cat([x, token.view(1, 1)], dim=1)
-    return out
-
-
-def _requests(prompts=PROMPTS):
-    return engine_requests(prompts)
-
-
+    return hf_greedy(lambda x: hf(input_ids=x, mm_token_type_ids=(x == IMAGE_TOKEN).int(), **kw).logits,
+                     _expanded(ids, counts), n)
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +163,10 @@ def test_mrope_positions_match_get_rope_index(qwen):
 @pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
 def test_greedy_tokens_match_transformers_with_0_1_2_images(qwen, expected, mode):
     llm = small_llm(qwen[0], mode)
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
     cache = llm.runner.embeds.encoder_cache
     assert cache.num_encoded == 2  # IMAGES[0] shows in two requests of one step: encoded once
-    again = llm.generate(_requests(), GREEDY, use_tqdm=False)
+    again = llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)
     assert first_tokens(again) == expected and cache.num_encoded == 2
     assert again[2].num_cached_tokens > 0  # prompt chunks start inside the prompt: staged from there
     if mode != "NONE":
@@ -188,7 +176,7 @@ def test_greedy_tokens_match_transformers_with_0_1_2_images(qwen, expected, mode
 def test_chunked_prompts_keep_positions(qwen, expected):
     """A 10-token budget cuts the prompts inside the images' placeholders; tokens are unchanged."""
     llm = small_llm(qwen[0], max_num_batched_tokens=10, max_num_seqs=2)
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
 
 
 def test_bad_multimodal_input_raises(qwen, tmp_path):
@@ -264,7 +252,7 @@ def test_gpu_qwen2_5_vl_matches_transformers_from_cuda_graphs(qwen, expected):
     vision tower eager; same tokens as transformers on the CPU."""
     llm = LLM(str(qwen[0]), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=128, block_size=16, num_kv_blocks=32)
-    assert first_tokens(llm.generate(_requests(), GREEDY, use_tqdm=False)) == expected
+    assert first_tokens(llm.generate(engine_requests(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert not llm.runner.last_descriptor.is_eager
     assert llm.runner.embeds.encoder_cache.num_encoded == 2
     llm.shutdown()
