@@ -121,7 +121,7 @@ class CompileCache:
     # ---- trust ------------------------------------------------------------------------
     def _files(self) -> dict[str, Path]:
         return {str(p.relative_to(self.path)): p for p in self.path.rglob("*")
-                if p.is_file() and p.name != MANIFEST and p.parent.name != "locks"}
+                if p.is_file() and not p.name.startswith(MANIFEST) and p.parent.name != "locks"}
 
     @staticmethod
     def _sha256(path: Path) -> str:
@@ -163,8 +163,15 @@ class CompileCache:
         (self.path / "fields.json").write_text(json.dumps(self.fields, indent=1, sort_keys=True, default=str))
 
     def write_manifest(self) -> None:
-        files = {name: [p.stat().st_size, self._sha256(p)] for name, p in sorted(self._files().items())}
-        tmp = self.path / f"{MANIFEST}.tmp"
+        files = {}
+        for name, p in sorted(self._files().items()):
+            try:
+                files[name] = [p.stat().st_size, self._sha256(p)]
+            except FileNotFoundError:  # another process's temporary file, renamed or removed meanwhile
+                continue
+        # One temporary name per process: ranks sharing the entry write their manifests at once, and
+        # a shared name let one rank rename the other's file away (FileNotFoundError at start-up).
+        tmp = self.path / f"{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"files": files}))
         tmp.replace(self.path / MANIFEST)  # atomic: a reader sees the old manifest or the new one
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -187,3 +188,25 @@ def test_a_file_system_without_locks_still_gets_a_checked_entry(tmp_path, monkey
     with cache.scope():  # checked (and rebuilt) as without the lock
         assert not (cache.path / "stray").exists()
     assert "cannot lock" in caplog.text and cache.verify() is None
+
+
+def test_ranks_writing_their_manifests_at_once_do_not_collide(tmp_path, monkeypatch):
+    """Two ranks sharing an entry end their scopes together: each writes its manifest under its own
+    temporary name, another rank's half-written manifest is not a file of the entry, and a file renamed
+    away while the manifest is hashed is left out rather than failing the start."""
+    cache = _entry(tmp_path)
+    (cache.path / "manifest.json.4242.tmp").write_text("{}")  # another rank's, about to be renamed
+    (cache.path / "triton" / "tmp.pid_4242").write_bytes(b"moving")
+    real = CompileCache._sha256
+
+    def renamed_meanwhile(path):
+        if path.name == "tmp.pid_4242":
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(CompileCache, "_sha256", staticmethod(renamed_meanwhile))
+    cache.write_manifest()
+    files = json.loads((cache.path / "manifest.json").read_text())["files"]
+    assert "triton/tmp.pid_4242" not in files and not any(name.startswith("manifest") for name in files)
+    assert "triton/kernel.cubin" in files
+    assert not list(cache.path.glob(f"manifest.json.{os.getpid()}.tmp"))
