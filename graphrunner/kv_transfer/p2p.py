@@ -158,6 +158,7 @@ class PeerLink:
             queue.PriorityQueue()
         self._order = itertools.count()
         self._pending_bytes = 0
+        self._expected: set[str] = set()  # producer: announced blocks not yet handed to the sender
         self._sent: OrderedDict[str, None] = OrderedDict()
         # hash -> (the tokens it was sent for, the block, when it arrived or was last looked up)
         self._blocks: OrderedDict[str, tuple[tuple[int | str, ...], torch.Tensor, float]] = OrderedDict()
@@ -186,12 +187,25 @@ class PeerLink:
         """Tell the consumer these blocks are coming (those not sent before)."""
         with self._lock:
             todo = [h for h in hashes if h not in self._sent]
+            self._expected.update(todo)
         if todo and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo, "req_id": req_id}, None, None))
+
+    def has_room(self, num_blocks: int) -> bool:
+        """Whether a prefill of `num_blocks` more blocks fits in `kv_buffer_size` beside the blocks waiting
+        to be sent and those announced and not yet computed; always when nothing waits (a prompt larger
+        than the buffer goes alone), and when the link is down (nothing will be sent)."""
+        with self._lock:
+            outstanding = self._pending_bytes + len(self._expected) * self._per_block
+            return (not self.alive or outstanding == 0
+                    or outstanding + num_blocks * self._per_block <= self.cfg.buffer_bytes)
 
     def withdraw(self, hashes: Sequence[str]) -> None:
         """Tell the consumer these announced blocks will not come (dropped, or their request ended
         first), so no request waits for them."""
+        with self._lock:
+            self._expected.difference_update(hashes)
+            self._lock.notify_all()
         if hashes and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "withdraw", "hashes": list(hashes)}, None, None))
 
@@ -210,6 +224,7 @@ class PeerLink:
                                "bytes waiting")
             else:
                 self._pending_bytes += nbytes
+                self._expected.difference_update(hashes)
                 for h in hashes:
                     self._sent[h] = None
                     if len(self._sent) > _SENT_MEMORY:
@@ -241,6 +256,10 @@ class PeerLink:
         if entry[0] != tuple(block_keys(tokens)):
             logger.warning("NcclConnector: block %s arrived for other tokens; refused", block_hash[:12])
             return None
+        if entry[1].is_cuda:
+            # Read on the caller's stream after the store lets it go: its memory, allocated on the
+            # link's stream, must not be reused before that read.
+            entry[1].record_stream(torch.cuda.current_stream(entry[1].device))
         return entry[1]
 
     def release(self, hashes: Sequence[str], unwanted: Sequence[str] = ()) -> None:
@@ -439,6 +458,7 @@ class PeerLink:
             i += k
         with self._lock:
             self._pending_bytes -= nbytes
+            self._lock.notify_all()  # a prefill held back for room may start (`has_room`)
 
     def _await_room(self, groups: LinkGroups, per_block: int, want: int) -> int:
         """How many of `want` blocks of `per_block` bytes the consumer's store has room for, at least one:
@@ -550,12 +570,11 @@ class PeerLink:
             fresh = [j for j, h in enumerate(hashes) if h not in self._blocks and h not in self._unwanted]
             for h in hashes:
                 self._unwanted.pop(h, None)
-        copies = [(j, data[:, :, j].clone()) for j in fresh]
-        if data.is_cuda:  # a published block is read on the instance's stream: its copy must be done
-            torch.cuda.current_stream(data.device).synchronize()
+        # Blocks are kept as views of the message (the transfer has completed on the device): a copy
+        # per block doubled each message's memory on the device, 1 GiB more per 8k-token prompt.
         kept = unused = 0
         with self._lock:
-            for j, block in copies:
+            for j, block in ((j, data[:, :, j]) for j in fresh):
                 h = hashes[j]
                 if h in self._blocks:
                     continue
@@ -630,6 +649,23 @@ class NcclScheduler(PrefixBlockScheduler):
         self.link = peer_link(config, shape, model_id, device)
         self._waiting_since: dict[str, float] = {}
         self._announced: dict[str, list[str]] = {}  # producer: request id -> the blocks it announced
+
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
+        if self.config.is_consumer:
+            return super().get_num_new_matched_tokens(req, num_computed_tokens)
+        # The producer starts a prefill only when its blocks will fit in the link's buffer: past it they
+        # were dropped and the decode instance prefilled those prompts again (on two H200s, 992 blocks
+        # of 8k-token prompts with a 4 GiB buffer).
+        if self.link.has_room(req.num_prompt_tokens // self.block_size):
+            self._waiting_since.pop(req.req_id, None)
+            return 0
+        since = self._waiting_since.setdefault(req.req_id, time.monotonic())
+        if time.monotonic() - since <= self.link.cfg.timeout_s:
+            return None
+        logger.warning("NcclConnector: request %r waited %.1f s for room in kv_buffer_size=%d bytes; prefilled "
+                       "now, its blocks may not all be sent", req.req_id, self.link.cfg.timeout_s,
+                       self.link.cfg.buffer_bytes)
+        return 0
 
     def prefill_started(self, req: Any) -> None:
         hashes = self.hashes(req, req.num_prompt_tokens // self.block_size)

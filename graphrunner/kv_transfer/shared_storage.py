@@ -41,6 +41,7 @@ from graphrunner.kv_transfer.base import (
     block_keys,
     connector_extra,
     gather_blocks,
+    join_blocks,
     logger,
     request_keys,
     scatter_blocks,
@@ -190,7 +191,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         if not blocks:
             return 0
         # [L, 2, n, bs, h, d]
-        self._matched[req.req_id] = (torch.stack(blocks, dim=2), hashes[first:first + len(blocks)])
+        self._matched[req.req_id] = (join_blocks(blocks), hashes[first:first + len(blocks)])
         return len(blocks) * bs
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:

@@ -328,3 +328,24 @@ def test_cpu_offload_moves_fp8_blocks_unchanged():
     again = llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
     _assert_same(_result(again), want[:1])
     assert again[0].num_cached_tokens == LOADABLE
+
+
+@pytest.mark.parametrize("pick", [[0, 1, 2, 3], [1, 2], [2], [0, 2, 3], [3, 2, 1], "two messages", "copies"])
+def test_joined_blocks_are_the_stacked_blocks_and_a_view_only_of_consecutive_ones(pick):
+    """A message's consecutive blocks join as a view of it (no copy), anything else as a stack; both
+    equal the stacked blocks."""
+    import torch
+
+    from graphrunner.kv_transfer.base import join_blocks
+
+    messages = [torch.randn(3, 2, 4, 4, 2, 8) for _ in range(2)]  # [L, 2, n, bs, h, d]
+    if pick == "two messages":
+        blocks = [messages[0][:, :, 3], messages[1][:, :, 0]]
+    elif pick == "copies":
+        blocks = [messages[0][:, :, j].clone() for j in (0, 1)]
+    else:
+        blocks = [messages[0][:, :, j] for j in pick]
+    joined = join_blocks(blocks)
+    assert torch.equal(joined, torch.stack(blocks, dim=2))
+    view = isinstance(pick, list) and pick == list(range(pick[0], pick[0] + len(pick)))
+    assert (joined.untyped_storage().data_ptr() == messages[0].untyped_storage().data_ptr()) == view

@@ -217,3 +217,48 @@ def test_the_producer_sends_only_what_the_consumers_store_has_room_for():
         producer.join(5.0)
         consumer.close()
         consumer.join(5.0)
+
+
+def test_a_prefill_starts_only_when_its_blocks_fit_the_producers_buffer():
+    """The producer counts the blocks waiting to be sent and those announced and not yet computed: a
+    prefill whose blocks would overflow kv_buffer_size waits (its scheduler returns None) until blocks
+    leave, and starts anyway after timeout_s (its blocks may then be dropped, never waited for)."""
+    from types import SimpleNamespace
+
+    from graphrunner.config import KVTransferConfig
+    from graphrunner.kv_transfer.p2p import NcclScheduler
+
+    s = SHAPE
+    per_block = s.num_layers * 2 * s.block_size * s.num_kv_heads * s.head_dim * 4
+    config = KVTransferConfig("NcclConnector", "kv_producer",
+                              {"kv_port": free_port(), "timeout_s": 0.5, "kv_buffer_size": 4 * per_block})
+    sched = NcclScheduler(config, s, "m")
+    link = sched.link
+    try:
+        def req(name: str, blocks: int):
+            tokens = [hash(name) % 97 + i for i in range(blocks * s.block_size + 1)]
+            return SimpleNamespace(req_id=name, num_prompt_tokens=len(tokens), num_tokens=len(tokens),
+                                   block_key_tokens=tokens, prompt_token_ids=tokens, cache_salt=None,
+                                   lora_request=None)
+
+        big = req("big", 6)
+        assert link.has_room(6) and sched.get_num_new_matched_tokens(big, 0) == 0  # alone: goes, however large
+        first = req("a", 3)
+        assert sched.get_num_new_matched_tokens(first, 0) == 0
+        sched.prefill_started(first)  # 3 blocks announced, none computed
+        second = req("b", 2)
+        assert not link.has_room(2) and sched.get_num_new_matched_tokens(second, 0) is None
+        assert link.has_room(1)
+        hashes = sched.hashes(first, 3)
+        data = torch.zeros(s.num_layers, 2, 3, s.block_size, s.num_kv_heads, s.head_dim)
+        link.send_blocks(hashes, [[0] * s.block_size] * 3, data)  # computed: now waiting to be sent
+        assert not link.has_room(2)
+        sched.request_finished(first)
+        time.sleep(0.6)  # past timeout_s the waiting prefill starts, its blocks maybe dropped
+        assert sched.get_num_new_matched_tokens(second, 0) == 0
+        link.withdraw(hashes)
+        link._pending_bytes = 0  # what the sender does once the blocks are out
+        assert link.has_room(6)  # nothing outstanding again
+    finally:
+        link.close()
+        link.join(5.0)

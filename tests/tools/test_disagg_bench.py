@@ -43,6 +43,10 @@ def test_both_layouts_on_cpu_report_finite_latencies_and_loaded_prompts(tmp_path
     assert disagg["sent_blocks"] > 0 and disagg["dropped_blocks"] == 0
     text = (tmp_path / "disagg_bench.md").read_text()
     assert "| disagg |" in text and f"Target: disagg p99 ITL <= {ITL_TARGET}x its median" in text
+    for r in (colocated, disagg):  # the tail's steps, slowest first, each named by its descriptor
+        durations = [step[0] for step in r["slowest_steps"]]
+        assert durations and durations == sorted(durations, reverse=True)
+        assert f"{r['layout']} slow step: {durations[0] * 1e3:.1f} ms" in text
 
 
 def test_a_missing_layout_or_gpu_is_named_in_the_table() -> None:

@@ -23,8 +23,9 @@ On each decode instance every step's new tokens are stamped with the step's wall
 inter-token latencies (ITL) are the gaps between its consecutive tokens after its first, its time
 to first token (TTFT) the time from its arrival to its first token. Reported per layout: median and
 p99 ITL over every gap, median and p99 TTFT, output tokens/s over the run (to the end of the slowest
-process), and the share of prompt tokens the decode instances loaded rather than computed. The
-target: disagg p99 ITL <= 1.3 x its median.
+process), and the share of prompt tokens the decode instances loaded rather than computed; and what
+the tail is made of: the slowest decode steps with the runner's descriptor of each, and the caching
+allocator's retries (CUDA). The target: disagg p99 ITL <= 1.3 x its median.
 
 Results: OUT_DIR/disagg_bench.json and OUT_DIR/disagg_bench.md (each process's raw figures beside
 them, disagg_bench_LAYOUT_rankR.json). `--device cpu` runs the same processes over gloo (with
@@ -53,6 +54,7 @@ _START_DELAY_S = 0.2  # both processes read the start time before it comes
 _IDLE_S = 5e-4  # poll interval of an instance with nothing to run yet
 _LINK_TIMEOUT_S = 60.0  # the connector's timeout_s: a decode request waits this long for announced blocks
 _STEM = "disagg_bench"
+_SLOWEST = 8  # the decode steps listed by duration: what the ITL tail is made of
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -288,14 +290,17 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
     tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     gaps: list[float] = []
+    steps: list[tuple[float, float, str]] = []  # (seconds, ended at, the runner's descriptor)
     while len(cached) < n:
         for i in source.due():
             llm.add_request(_request_id(i), prompts[i], params, stream=True)
         if not llm.has_unfinished_requests():
             time.sleep(_IDLE_S)
             continue
+        began = time.monotonic()
         finals, deltas = llm.step_outputs()
         now = time.monotonic()
+        steps.append((now - began, now - t0, str(llm.runner.last_descriptor)))
         for delta in deltas:
             i = _index(delta.request_id)
             for _ in (t for completion in delta.outputs for t in completion.token_ids):
@@ -311,7 +316,18 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
     return {"wall_s": max(last.values()) - t0 if last else 0.0, "requests": ids,
             "ttft_s": [ttft.get(i) for i in ids], "output_tokens": [tokens.get(i, 0) for i in ids],
             "num_cached_tokens": [cached[i] for i in ids], "prompt_tokens": [len(prompts[i]) for i in ids],
-            "itl_s": gaps}
+            "itl_s": gaps, "slowest_steps": sorted(steps, reverse=True)[:_SLOWEST], **_allocator_stats()}
+
+
+def _allocator_stats() -> dict[str, int]:
+    """The caching allocator's retries (each frees cached memory after a failed cudaMalloc, a device-wide
+    wait) and its cudaMalloc calls: long steps that line up with them are memory churn, not compute."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -374,7 +390,11 @@ def summarize(layout: str, ranks: Sequence[dict[str, Any]], output_len: int) -> 
         "wall_s": wall, "output_tokens_per_s": out_tokens / wall if wall > 0 else None,
         "cached_fraction": sum(sum(r["num_cached_tokens"]) for r in decode) / prompt_tokens if prompt_tokens else None,
         "setup_s": [r["setup_s"] for r in ranks],
+        "slowest_steps": sorted((s for r in decode for s in r.get("slowest_steps", [])), reverse=True)[:_SLOWEST],
     }
+    if any("alloc_retries" in r for r in decode):
+        summary.update(alloc_retries=sum(r.get("alloc_retries", 0) for r in decode),
+                       device_allocs=sum(r.get("device_allocs", 0) for r in decode))
     prefill = [r for r in ranks if r["role"] == "prefill"]
     if prefill:
         done = prefill[0]["prefill_done_s"]
@@ -414,6 +434,12 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str
                      f"| {num(r['itl_p99_over_median'], '.2f')} | {num(r['ttft_median_ms'], '.1f')} "
                      f"| {num(r['ttft_p99_ms'], '.1f')} | {num(r['output_tokens_per_s'], '.0f')} "
                      f"| {num(r['cached_fraction'], '.3f')} | {r['wall_s']:.2f} |")
+    for r in results:
+        for step_ms, at_s, descriptor in r.get("slowest_steps", [])[:_SLOWEST]:
+            lines.append(f"{r['layout']} slow step: {step_ms * 1e3:.1f} ms at {at_s:.2f} s, {descriptor}")
+        if "alloc_retries" in r:
+            lines.append(f"{r['layout']}: allocator retries {r['alloc_retries']}, "
+                         f"cudaMalloc calls {r['device_allocs']}")
     for r in results:
         if "sent_blocks" in r:
             lines += ["", f"{r['layout']}: {r['sent_blocks']} blocks sent, {r['dropped_blocks']} dropped by the "
