@@ -191,12 +191,13 @@ class PeerLink:
         if todo and self.alive:
             self._outbox.put((0, next(self._order), {"kind": "announce", "hashes": todo, "req_id": req_id}, None, None))
 
-    def has_room(self, num_blocks: int) -> bool:
+    def has_room(self, num_blocks: int, reserved_blocks: int = 0) -> bool:
         """Whether a prefill of `num_blocks` more blocks fits in `kv_buffer_size` beside the blocks waiting
-        to be sent and those announced and not yet computed; always when nothing waits (a prompt larger
-        than the buffer goes alone), and when the link is down (nothing will be sent)."""
+        to be sent, those announced and not yet computed, and `reserved_blocks` (prefills admitted and
+        not yet announced); always when nothing waits (a prompt larger than the buffer goes alone), and
+        when the link is down (nothing will be sent)."""
         with self._lock:
-            outstanding = self._pending_bytes + len(self._expected) * self._per_block
+            outstanding = self._pending_bytes + (len(self._expected) + reserved_blocks) * self._per_block
             return (not self.alive or outstanding == 0
                     or outstanding + num_blocks * self._per_block <= self.cfg.buffer_bytes)
 
@@ -649,6 +650,7 @@ class NcclScheduler(PrefixBlockScheduler):
         self.link = peer_link(config, shape, model_id, device)
         self._waiting_since: dict[str, float] = {}
         self._announced: dict[str, list[str]] = {}  # producer: request id -> the blocks it announced
+        self._reserved: dict[str, int] = {}  # producer: request id -> blocks of a prefill admitted, not announced
 
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         if self.config.is_consumer:
@@ -656,8 +658,11 @@ class NcclScheduler(PrefixBlockScheduler):
         # The producer starts a prefill only when its blocks will fit in the link's buffer: past it they
         # were dropped and the decode instance prefilled those prompts again (on two H200s, 992 blocks
         # of 8k-token prompts with a 4 GiB buffer).
-        if self.link.has_room(req.num_prompt_tokens // self.block_size):
+        # One schedule() may admit several prefills before any is announced: each counts the others'.
+        blocks = req.num_prompt_tokens // self.block_size
+        if self.link.has_room(blocks, sum(n for r, n in self._reserved.items() if r != req.req_id)):
             self._waiting_since.pop(req.req_id, None)
+            self._reserved[req.req_id] = blocks
             return 0
         since = self._waiting_since.setdefault(req.req_id, time.monotonic())
         if time.monotonic() - since <= self.link.cfg.timeout_s:
@@ -665,9 +670,12 @@ class NcclScheduler(PrefixBlockScheduler):
         logger.warning("NcclConnector: request %r waited %.1f s for room in kv_buffer_size=%d bytes; prefilled "
                        "now, its blocks may not all be sent", req.req_id, self.link.cfg.timeout_s,
                        self.link.cfg.buffer_bytes)
+        self._waiting_since.pop(req.req_id, None)
+        self._reserved[req.req_id] = blocks
         return 0
 
     def prefill_started(self, req: Any) -> None:
+        self._reserved.pop(req.req_id, None)  # counted as announced from now on
         hashes = self.hashes(req, req.num_prompt_tokens // self.block_size)
         self._announced[req.req_id] = hashes
         self.link.announce(hashes, req.req_id)
@@ -697,6 +705,7 @@ class NcclScheduler(PrefixBlockScheduler):
     def request_finished(self, req: Any) -> None:
         super().request_finished(req)
         self._waiting_since.pop(req.req_id, None)
+        self._reserved.pop(req.req_id, None)
         # Ended (or aborted) before all its announced blocks were sent: the consumer stops waiting.
         announced = self._announced.pop(req.req_id, [])
         self.link.withdraw([h for h in announced if not self.link.was_sent(h)])

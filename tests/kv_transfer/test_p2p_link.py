@@ -243,10 +243,13 @@ def test_a_prefill_starts_only_when_its_blocks_fit_the_producers_buffer():
 
         big = req("big", 6)
         assert link.has_room(6) and sched.get_num_new_matched_tokens(big, 0) == 0  # alone: goes, however large
-        first = req("a", 3)
+        sched.request_finished(big)  # aborted before its prefill was scheduled: its room is free again
+        first, second = req("a", 3), req("b", 2)
         assert sched.get_num_new_matched_tokens(first, 0) == 0
+        # Admitted in the same schedule() before the first is announced: it counts the first's blocks.
+        assert sched.get_num_new_matched_tokens(second, 0) is None
+        assert sched.get_num_new_matched_tokens(first, 0) == 0  # asked again: not counted twice
         sched.prefill_started(first)  # 3 blocks announced, none computed
-        second = req("b", 2)
         assert not link.has_room(2) and sched.get_num_new_matched_tokens(second, 0) is None
         assert link.has_room(1)
         hashes = sched.hashes(first, 3)
