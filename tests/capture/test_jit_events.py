@@ -32,3 +32,17 @@ def test_a_capture_report_counts_the_kernels_first_compiled_there():
     assert sum(r.jit_kernels for r in first) > 0
     report = llm.runner.capture_model()
     assert all(r.jit_kernels == 0 for r in report.records)
+
+
+def test_records_each_specialization_with_its_kernel_name_and_time():
+    import time
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    from capture.jit_events import record_triton_jit
+
+    before = time.monotonic()
+    with record_triton_jit() as events:
+        knobs.runtime.jit_cache_hook(key="k1", fn=SimpleNamespace(name="_paged_attn_kernel"))
+    assert knobs.runtime.jit_cache_hook is None
+    assert [name for _, name in events] == ["_paged_attn_kernel"] and before <= events[0][0] <= time.monotonic()

@@ -284,6 +284,8 @@ def _run_prefill(llm: Any, store: Any, ids: list[int], prompts: list[list[int]],
 def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets: list[float], t0: float,
                 output_len: int) -> dict[str, Any]:
     """Serve `n` requests as `source` hands them over, stamping each step's new tokens with its end."""
+    from capture.jit_events import record_triton_jit
+
     params = _params(output_len)
     last: dict[int, float] = {}
     ttft: dict[int, float] = {}
@@ -291,32 +293,37 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
     cached: dict[int, int] = {}
     gaps: list[float] = []
     steps: list[tuple[float, float, str]] = []  # (seconds, ended at, the runner's descriptor)
-    while len(cached) < n:
-        for i in source.due():
-            llm.add_request(_request_id(i), prompts[i], params, stream=True)
-        if not llm.has_unfinished_requests():
-            time.sleep(_IDLE_S)
-            continue
-        began = time.monotonic()
-        finals, deltas = llm.step_outputs()
-        now = time.monotonic()
-        steps.append((now - began, now - t0, str(llm.runner.last_descriptor)))
-        for delta in deltas:
-            i = _index(delta.request_id)
-            for _ in (t for completion in delta.outputs for t in completion.token_ids):
-                if i in last:
-                    gaps.append(now - last[i])
-                else:
-                    ttft[i] = now - (t0 + offsets[i])
-                last[i] = now
-                tokens[i] = tokens.get(i, 0) + 1
-        for out in finals:
-            cached[_index(out.request_id)] = out.num_cached_tokens
+    with record_triton_jit() as jit:
+        while len(cached) < n:
+            for i in source.due():
+                llm.add_request(_request_id(i), prompts[i], params, stream=True)
+            if not llm.has_unfinished_requests():
+                time.sleep(_IDLE_S)
+                continue
+            began = time.monotonic()
+            finals, deltas = llm.step_outputs()
+            now = time.monotonic()
+            steps.append((now - began, now - t0, str(llm.runner.last_descriptor)))
+            for delta in deltas:
+                i = _index(delta.request_id)
+                for _ in (t for completion in delta.outputs for t in completion.token_ids):
+                    if i in last:
+                        gaps.append(now - last[i])
+                    else:
+                        ttft[i] = now - (t0 + offsets[i])
+                    last[i] = now
+                    tokens[i] = tokens.get(i, 0) + 1
+            for out in finals:
+                cached[_index(out.request_id)] = out.num_cached_tokens
     ids = sorted(cached)
+    # Each of the slowest steps with the Triton specializations (compiles or disk loads) made during it.
+    slowest = [(*step, sum(t0 + step[1] - step[0] <= at <= t0 + step[1] for at, _ in jit))
+               for step in sorted(steps, reverse=True)[:_SLOWEST]]
     return {"wall_s": max(last.values()) - t0 if last else 0.0, "requests": ids,
             "ttft_s": [ttft.get(i) for i in ids], "output_tokens": [tokens.get(i, 0) for i in ids],
             "num_cached_tokens": [cached[i] for i in ids], "prompt_tokens": [len(prompts[i]) for i in ids],
-            "itl_s": gaps, "slowest_steps": sorted(steps, reverse=True)[:_SLOWEST], **_allocator_stats()}
+            "itl_s": gaps, "slowest_steps": slowest, "jit_specializations": len(jit),
+            "jit_kernels": sorted({name for _, name in jit}), **_allocator_stats()}
 
 
 def _allocator_stats() -> dict[str, int]:
@@ -391,6 +398,8 @@ def summarize(layout: str, ranks: Sequence[dict[str, Any]], output_len: int) -> 
         "cached_fraction": sum(sum(r["num_cached_tokens"]) for r in decode) / prompt_tokens if prompt_tokens else None,
         "setup_s": [r["setup_s"] for r in ranks],
         "slowest_steps": sorted((s for r in decode for s in r.get("slowest_steps", [])), reverse=True)[:_SLOWEST],
+        "jit_specializations": sum(r.get("jit_specializations", 0) for r in decode),
+        "jit_kernels": sorted({k for r in decode for k in r.get("jit_kernels", [])}),
     }
     if any("alloc_retries" in r for r in decode):
         summary.update(alloc_retries=sum(r.get("alloc_retries", 0) for r in decode),
@@ -435,8 +444,12 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str
                      f"| {num(r['ttft_p99_ms'], '.1f')} | {num(r['output_tokens_per_s'], '.0f')} "
                      f"| {num(r['cached_fraction'], '.3f')} | {r['wall_s']:.2f} |")
     for r in results:
-        for step_ms, at_s, descriptor in r.get("slowest_steps", [])[:_SLOWEST]:
-            lines.append(f"{r['layout']} slow step: {step_ms * 1e3:.1f} ms at {at_s:.2f} s, {descriptor}")
+        for step_ms, at_s, descriptor, jit in r.get("slowest_steps", [])[:_SLOWEST]:
+            lines.append(f"{r['layout']} slow step: {step_ms * 1e3:.1f} ms at {at_s:.2f} s, {descriptor}, "
+                         f"{jit} Triton specializations")
+        if r.get("jit_specializations"):
+            lines.append(f"{r['layout']}: {r['jit_specializations']} Triton specializations while serving, of "
+                         f"{', '.join(r['jit_kernels'])}")
         if "alloc_retries" in r:
             lines.append(f"{r['layout']}: allocator retries {r['alloc_retries']}, "
                          f"cudaMalloc calls {r['device_allocs']}")
