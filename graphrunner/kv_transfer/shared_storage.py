@@ -39,9 +39,9 @@ from graphrunner.kv_transfer.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
     block_keys,
+    block_runs,
     connector_extra,
     gather_blocks,
-    join_blocks,
     logger,
     request_keys,
     scatter_blocks,
@@ -191,15 +191,20 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         if not blocks:
             return 0
         # [L, 2, n, bs, h, d]
-        self._matched[req.req_id] = (join_blocks(blocks), hashes[first:first + len(blocks)])
+        self._matched[req.req_id] = (block_runs(blocks), hashes[first:first + len(blocks)])
         return len(blocks) * bs
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        data, hashes = self._matched.pop(req.req_id)
+        runs, hashes = self._matched.pop(req.req_id)
         n = num_external_tokens // self.block_size
         self.blocks_admitted(req, hashes[:n])
-        first = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
-        self._loads.append(_Load(req.req_id, list(block_ids[first:first + n]), data[:, :, :n]))
+        at = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
+        for data in runs:
+            take = min(data.shape[2], n)
+            if take <= 0:
+                break
+            self._loads.append(_Load(req.req_id, list(block_ids[at:at + take]), data[:, :, :take]))
+            at, n = at + take, n - take
         self.num_external_hit_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> SharedStorageMetadata | None:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from graphrunner.config import KVTransferConfig
 
@@ -330,22 +332,63 @@ def test_cpu_offload_moves_fp8_blocks_unchanged():
     assert again[0].num_cached_tokens == LOADABLE
 
 
-@pytest.mark.parametrize("pick", [[0, 1, 2, 3], [1, 2], [2], [0, 2, 3], [3, 2, 1], "two messages", "copies"])
-def test_joined_blocks_are_the_stacked_blocks_and_a_view_only_of_consecutive_ones(pick):
-    """A message's consecutive blocks join as a view of it (no copy), anything else as a stack; both
-    equal the stacked blocks."""
+@pytest.mark.parametrize("pick", [[0, 1, 2, 3], [1, 2], [2], [0, 2, 3], [3, 2, 1], "two messages", "copies",
+                                  "many copies"])
+def test_block_runs_are_the_stacked_blocks_and_views_of_consecutive_ones(pick):
+    """A message's consecutive blocks come back as views of it (no copy), one run each; blocks read one by
+    one come back as runs of one, or past max_runs stacked into one; concatenated, the runs equal the
+    stacked blocks."""
     import torch
 
-    from graphrunner.kv_transfer.base import join_blocks
+    from graphrunner.kv_transfer.base import block_runs
 
     messages = [torch.randn(3, 2, 4, 4, 2, 8) for _ in range(2)]  # [L, 2, n, bs, h, d]
     if pick == "two messages":
-        blocks = [messages[0][:, :, 3], messages[1][:, :, 0]]
-    elif pick == "copies":
-        blocks = [messages[0][:, :, j].clone() for j in (0, 1)]
+        blocks = [messages[0][:, :, 2], messages[0][:, :, 3], messages[1][:, :, 0]]
+    elif pick in ("copies", "many copies"):
+        blocks = [messages[0][:, :, j % 4].clone() for j in range(2 if pick == "copies" else 5)]
     else:
         blocks = [messages[0][:, :, j] for j in pick]
-    joined = join_blocks(blocks)
-    assert torch.equal(joined, torch.stack(blocks, dim=2))
-    view = isinstance(pick, list) and pick == list(range(pick[0], pick[0] + len(pick)))
-    assert (joined.untyped_storage().data_ptr() == messages[0].untyped_storage().data_ptr()) == view
+    runs = block_runs(blocks, max_runs=3)
+    assert torch.equal(torch.cat(runs, dim=2), torch.stack(blocks, dim=2))
+    if pick == "many copies":
+        assert len(runs) == 1
+        return
+    expected = {"two messages": [2, 1], "copies": [1, 1], "[0, 1, 2, 3]": [4], "[1, 2]": [2], "[2]": [1],
+                "[0, 2, 3]": [1, 2], "[3, 2, 1]": [1, 1, 1]}
+    assert [r.shape[2] for r in runs] == expected[str(pick)]
+    shared = [r.untyped_storage().data_ptr() in (m.untyped_storage().data_ptr() for m in messages) for r in runs]
+    assert all(shared) == (pick != "copies")
+
+
+def _hashes_one_by_one(keys, n, bs, salt):
+    import hashlib
+
+    import numpy as np
+
+    from graphrunner.kv_transfer.base import _block_bytes
+
+    out, parent = [], f"salt:{salt}"
+    for i in range(n):
+        block = keys[i * bs:(i + 1) * bs]
+        data = (_block_bytes(block) if any(isinstance(k, str) for k in block)
+                else np.asarray(block, dtype=np.int64).tobytes())
+        parent = hashlib.sha256(parent.encode() + data).hexdigest()
+        out.append(parent)
+    return out
+
+
+_KEY = st.one_of(st.integers(0, 2**40), st.just("a" * 64), st.just("7" * 64))
+
+
+@given(st.lists(_KEY, min_size=0, max_size=70), st.integers(1, 8), st.integers(0, 3), st.data())
+def test_prefix_hashes_of_a_prompt_at_once_equal_block_by_block_and_in_pieces(keys, bs, salt, data):
+    """The digests of a whole span (one conversion of its token ids) equal the chain built one block at a
+    time, and extending known digests in pieces gives the same chain, with or without content hashes."""
+    from graphrunner.kv_transfer.base import prefix_hashes
+
+    n = len(keys) // bs
+    whole = prefix_hashes(keys, n, bs, salt)
+    assert whole == _hashes_one_by_one(keys, n, bs, salt)
+    cut = data.draw(st.integers(0, n))
+    assert prefix_hashes(keys, n, bs, salt, prefix_hashes(keys, cut, bs, salt)) == whole
