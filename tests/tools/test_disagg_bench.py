@@ -46,6 +46,9 @@ def test_both_layouts_on_cpu_report_finite_latencies_and_loaded_prompts(tmp_path
     for r in (colocated, disagg):  # the tail's steps, slowest first, each named by its descriptor
         durations = [step[0] for step in r["slowest_steps"]]
         assert durations and durations == sorted(durations, reverse=True)
+        # each step's own execute_model calls, host ms, within the step; no device time on a CPU
+        assert all(0 <= step[4] <= 1e3 * step[0] and step[5] is None for step in r["slowest_steps"])
+        assert any(step[4] > 0 for step in r["slowest_steps"])
         assert f"{r['layout']} slow step: {durations[0] * 1e3:.1f} ms" in text
 
 

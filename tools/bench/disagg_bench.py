@@ -284,9 +284,14 @@ def _run_prefill(llm: Any, store: Any, ids: list[int], prompts: list[list[int]],
 def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets: list[float], t0: float,
                 output_len: int) -> dict[str, Any]:
     """Serve `n` requests as `source` hands them over, stamping each step's new tokens with its end."""
+    import torch
+
     from capture.jit_events import record_triton_jit
+    from graphrunner_tools.bench.throughput import StepEvents
 
     params = _params(output_len)
+    on_gpu = torch.cuda.is_available()
+    events = StepEvents(llm.runner, device_events=on_gpu)
     last: dict[int, float] = {}
     ttft: dict[int, float] = {}
     tokens: dict[int, int] = {}
@@ -316,9 +321,23 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
             for out in finals:
                 cached[_index(out.request_id)] = out.num_cached_tokens
     ids = sorted(cached)
-    # Each of the slowest steps with the Triton specializations (compiles or disk loads) made during it.
-    slowest = [(*step, sum(t0 + step[1] - step[0] <= at <= t0 + step[1] for at, _ in jit))
-               for step in sorted(steps, reverse=True)[:_SLOWEST]]
+    if on_gpu:
+        torch.cuda.synchronize()
+    device = events.device_ms() if on_gpu else [None] * len(events.host)
+    # (host start, host ms, device ms) of each execute_model
+    launches = [(a, 1e3 * (b - a), ms) for (a, b), ms in zip(events.host, device, strict=True)]
+    events.close()
+
+    def within(step: tuple[float, float, str]) -> tuple[int, float, float | None]:
+        """The Triton specializations (compiles or disk loads) made during the step, and the host and
+        device ms of the execute_model calls it launched: a slow step with a short device time waited
+        on the host."""
+        began, end = t0 + step[1] - step[0], t0 + step[1]
+        mine = [launch for launch in launches if began <= launch[0] <= end]
+        device = sum(ms for _, _, ms in mine if ms is not None) if on_gpu else None
+        return sum(began <= at <= end for at, _ in jit), sum(ms for _, ms, _ in mine), device
+
+    slowest = [(*step, *within(step)) for step in sorted(steps, reverse=True)[:_SLOWEST]]
     return {"wall_s": max(last.values()) - t0 if last else 0.0, "requests": ids,
             "ttft_s": [ttft.get(i) for i in ids], "output_tokens": [tokens.get(i, 0) for i in ids],
             "num_cached_tokens": [cached[i] for i in ids], "prompt_tokens": [len(prompts[i]) for i in ids],
@@ -444,9 +463,10 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str
                      f"| {num(r['ttft_p99_ms'], '.1f')} | {num(r['output_tokens_per_s'], '.0f')} "
                      f"| {num(r['cached_fraction'], '.3f')} | {r['wall_s']:.2f} |")
     for r in results:
-        for step_ms, at_s, descriptor, jit in r.get("slowest_steps", [])[:_SLOWEST]:
+        for step_ms, at_s, descriptor, jit, host_ms, device_ms in r.get("slowest_steps", [])[:_SLOWEST]:
+            device = "" if device_ms is None else f", device {device_ms:.1f} ms"
             lines.append(f"{r['layout']} slow step: {step_ms * 1e3:.1f} ms at {at_s:.2f} s, {descriptor}, "
-                         f"{jit} Triton specializations")
+                         f"{jit} Triton specializations, execute_model {host_ms:.1f} ms{device}")
         if r.get("jit_specializations"):
             lines.append(f"{r['layout']}: {r['jit_specializations']} Triton specializations while serving, of "
                          f"{', '.join(r['jit_kernels'])}")

@@ -279,18 +279,26 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
 
 
 class StepEvents:
-    """CUDA events around every `execute_model` of a runner while installed; `busy_fraction()`
-    after the run. Recording an event is asynchronous, so the timed run is undisturbed."""
+    """CUDA events around every `execute_model` of a runner while installed (and the host's
+    monotonic clock at its start and return, `host`; only those with `device_events` off, as on a
+    CPU); `close()` after the run. Recording an event is asynchronous, so the timed run is undisturbed."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, device_events: bool = True) -> None:
         import torch
 
         self._runner = runner
         self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host: list[tuple[float, float]] = []
         self._orig = runner.execute_model
         new_event = functools.partial(torch.cuda.Event, enable_timing=True)
 
         def execute_model(*args, **kwargs):
+            began = time.monotonic()
+            if not device_events:
+                try:
+                    return self._orig(*args, **kwargs)
+                finally:
+                    self.host.append((began, time.monotonic()))
             start = new_event()
             start.record()
             try:
@@ -299,8 +307,13 @@ class StepEvents:
                 end = new_event()
                 end.record()
                 self.pairs.append((start, end))
+                self.host.append((began, time.monotonic()))
 
         runner.execute_model = execute_model  # type: ignore[method-assign]
+
+    def device_ms(self) -> list[float]:
+        """Each step's device time between its events, ms (after the device finished the run)."""
+        return [a.elapsed_time(b) for a, b in self.pairs]
 
     def close(self) -> float | None:
         """Uninstall; the steps' device time over the window from the first step's start to the
@@ -308,7 +321,7 @@ class StepEvents:
         del self._runner.execute_model  # the class's method again
         if not self.pairs:
             return None
-        busy = sum(a.elapsed_time(b) for a, b in self.pairs)
+        busy = sum(self.device_ms())
         window = self.pairs[0][0].elapsed_time(self.pairs[-1][1])
         return min(1.0, busy / window) if window > 0 else None
 
