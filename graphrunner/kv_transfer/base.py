@@ -73,6 +73,13 @@ def prefix_hashes(keys: Sequence[Any], num_blocks: int, block_size: int, salt: i
     return hashes
 
 
+def tail_digest(parent: str | None, keys: Sequence[Any], salt: int = 0) -> str:
+    """The digest of a prompt's last block when it is partial (fewer keys than a block holds), after the
+    digest of the full block before it (`parent`; None when it is the first block). Its bytes are
+    shorter than any full block's, so it never names one."""
+    return hashlib.sha256((parent if parent is not None else f"salt:{salt}").encode() + _block_bytes(keys)).hexdigest()
+
+
 def _block_bytes(block: Sequence[Any]) -> bytes:
     """A block's keys as bytes: token ids as int64 (every token's top byte is 0), a block holding a content
     hash as JSON, which has no 0 byte, so the two never read alike."""
@@ -162,6 +169,7 @@ class KVConnectorScheduler:
         self.num_external_hit_tokens = 0  # prompt tokens loaded instead of computed
         self.num_query_tokens = 0  # prompt tokens of the requests asked about
         self._hashes: dict[str, list[str]] = {}  # request id -> its full blocks' digests so far
+        self._tails: dict[str, str] = {}  # request id -> the digest of its prompt's partial last block
 
     def hashes(self, req: Any, num_blocks: int) -> list[str]:
         """The digests of `req`'s first `num_blocks` full blocks (computed once per request)."""
@@ -170,12 +178,26 @@ class KVConnectorScheduler:
             prefix_hashes(request_keys(req), num_blocks, self.block_size, req.cache_salt, known)
         return known[:num_blocks]
 
+    def prompt_hashes(self, req: Any) -> list[str]:
+        """The digests of every block of `req`'s prompt: its full blocks, then its last, partial block
+        if it has one (`tail_digest`), which a producer saves too so that a consumer computes only the
+        prompt's last token."""
+        bs, n = self.block_size, req.num_prompt_tokens
+        full = self.hashes(req, n // bs)
+        if n % bs == 0:
+            return full
+        tail = self._tails.get(req.req_id)
+        if tail is None:
+            tail = self._tails[req.req_id] = tail_digest(full[-1] if full else None,
+                                                         request_keys(req)[n - n % bs:n], req.cache_salt)
+        return [*full, tail]
+
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         """Prompt tokens past `num_computed_tokens` (the local prefix-cache hit, block aligned) this
-        connector can supply for waiting `req`, whole blocks only, leaving at least its last token to
-        compute. 0 by default. None: its blocks are on their way; the scheduler keeps it waiting (and
-        the requests behind it, first come first served) and asks again next step, while the running
-        requests go on; `wait_for_kv` is called when nothing else can run."""
+        connector can supply for waiting `req`, leaving at least its last token to compute (the blocks
+        that hold them are loaded whole). 0 by default. None: its blocks are on their way; the
+        scheduler keeps it waiting (and the requests behind it, first come first served) and asks again
+        next step, while the running requests go on; `wait_for_kv` is called when nothing else can run."""
         return 0
 
     def wait_for_kv(self, timeout: float) -> None:
@@ -201,6 +223,7 @@ class KVConnectorScheduler:
     def request_finished(self, req: Any) -> None:
         """`req` ended (finished or aborted): forget it."""
         self._hashes.pop(req.req_id, None)
+        self._tails.pop(req.req_id, None)
 
     def request_preempted(self, req: Any) -> None:
         """`req` lost its KV and waits to be admitted again."""
@@ -252,4 +275,4 @@ class KVConnectorWorker:
 
 
 __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "block_keys", "block_runs", "gather_blocks", "model_identity",
-           "prefix_hashes", "request_keys", "scatter_blocks"]
+           "prefix_hashes", "request_keys", "scatter_blocks", "tail_digest"]

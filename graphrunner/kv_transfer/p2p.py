@@ -6,7 +6,7 @@ two-rank process group of their own, the `kv_consumer` rank 1. The group is NCCL
 built by a background thread, so neither instance waits for the other to start, and it never
 touches the instance's own tensor-parallel groups.
 
-The producer plans saves as SharedStorageConnector does (every full prompt block it computes, named
+The producer plans saves as SharedStorageConnector does (every prompt block it computes, named
 by its prefix hash) and, when a prefill is first scheduled, announces the hashes of the prompt
 blocks it will send. After the step the runner gathers the blocks on its stream; a sender thread
 sends them (outside the graphs, on the process group's own stream under NCCL) while the instance
@@ -659,7 +659,7 @@ class NcclScheduler(PrefixBlockScheduler):
         # were dropped and the decode instance prefilled those prompts again (on two H200s, 992 blocks
         # of 8k-token prompts with a 4 GiB buffer).
         # One schedule() may admit several prefills before any is announced: each counts the others'.
-        blocks = req.num_prompt_tokens // self.block_size
+        blocks = -(-req.num_prompt_tokens // self.block_size)
         if self.link.has_room(blocks, sum(n for r, n in self._reserved.items() if r != req.req_id)):
             self._waiting_since.pop(req.req_id, None)
             self._reserved[req.req_id] = blocks
@@ -676,7 +676,7 @@ class NcclScheduler(PrefixBlockScheduler):
 
     def prefill_started(self, req: Any) -> None:
         self._reserved.pop(req.req_id, None)  # counted as announced from now on
-        hashes = self.hashes(req, req.num_prompt_tokens // self.block_size)
+        hashes = self.prompt_hashes(req)
         self._announced[req.req_id] = hashes
         self.link.announce(hashes, req.req_id)
 
@@ -699,7 +699,7 @@ class NcclScheduler(PrefixBlockScheduler):
 
     def blocks_admitted(self, req: Any, hashes: Sequence[str]) -> None:
         loaded = set(hashes)
-        prompt = self.hashes(req, (req.num_tokens - 1) // self.block_size)
+        prompt = self.prompt_hashes(req)
         self.link.release(hashes, [h for h in prompt if h not in loaded])
 
     def request_finished(self, req: Any) -> None:

@@ -1,10 +1,12 @@
 """SharedStorageConnector: KV blocks through a directory (vLLM's example connector).
 
-A producer writes every full prompt block it computes to `shared_storage_path`, one file per block
-named by its prefix hash (`base.prefix_hashes`). A consumer's scheduler side, admitting a request,
-reads the blocks that follow its local prefix-cache hit from the directory, as long as they chain,
-and verifies each; the runner copies them into the paged cache before the step, so only the rest of
-the prompt is prefilled. Two processes, or two machines sharing a file system, share a directory.
+A producer writes every prompt block it computes to `shared_storage_path`, one file per block named
+by its prefix hash (`base.prefix_hashes`; a prompt's partial last block by `base.tail_digest`, once
+the prompt is complete). A consumer's scheduler side, admitting a request, reads the blocks that
+follow its local prefix-cache hit from the directory, as long as they chain, and verifies each; the
+runner copies them into the paged cache before the step, so only the rest of the prompt is
+prefilled: with every block there, only its last token (the step samples after it). Two processes,
+or two machines sharing a file system, share a directory.
 
 A block file is `MAGIC`, an 8-byte little-endian header length, a JSON header, then the payload:
 the block's K and V of every layer, [num_layers, 2, block_size, kv_heads, head_dim] in the cache's
@@ -139,7 +141,8 @@ class SharedStorageMetadata:
 
 class PrefixBlockScheduler(KVConnectorScheduler):
     """Matches waiting requests' blocks in a block store, chained from the local prefix-cache hit
-    (consumer), and plans the saves of every full prompt block computed (producer). Subclasses say
+    (consumer), and plans the saves of every prompt block computed, the partial last one with the
+    prompt's last chunk (producer). Subclasses say
     where a block comes from (`fetch_block`) and may ask to wait for blocks on their way
     (`in_flight`)."""
 
@@ -174,15 +177,19 @@ class PrefixBlockScheduler(KVConnectorScheduler):
         if req.req_id not in self._asked:
             self._asked.add(req.req_id)
             self.note_query(req)
-        bs = self.block_size
-        first, last = num_computed_tokens // bs, (req.num_tokens - 1) // bs
-        if first >= last:
+        # Every prompt token but the last (which the step computes, to sample after it), up to the end
+        # of the prompt's last block, partial or not: a request whose whole prompt arrived runs one token,
+        # a decode-shaped step, where loading whole blocks only left up to 16 tokens to prefill.
+        bs, n = self.block_size, req.num_prompt_tokens
+        first, limit = num_computed_tokens // bs, min(req.num_tokens - 1, n)
+        stop = -(-limit // bs)  # the blocks holding tokens before `limit`
+        if first >= stop:
             return 0
-        hashes = self.hashes(req, last)
+        hashes = self.prompt_hashes(req)
         tokens = request_keys(req)
         blocks: list[torch.Tensor] = []
-        for i in range(first, last):
-            block = self.fetch_block(req, i, hashes[i], tokens[i * bs:(i + 1) * bs])
+        for i in range(first, stop):
+            block = self.fetch_block(req, i, hashes[i], tokens[i * bs:min((i + 1) * bs, n)])
             if block is None:
                 if self.in_flight(req, hashes[i]):
                     return None
@@ -192,13 +199,13 @@ class PrefixBlockScheduler(KVConnectorScheduler):
             return 0
         # [L, 2, n, bs, h, d]
         self._matched[req.req_id] = (block_runs(blocks), hashes[first:first + len(blocks)])
-        return len(blocks) * bs
+        return min((first + len(blocks)) * bs, limit) - first * bs
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         runs, hashes = self._matched.pop(req.req_id)
-        n = num_external_tokens // self.block_size
+        n = -(-num_external_tokens // self.block_size)  # the last may be partly used
         self.blocks_admitted(req, hashes[:n])
-        at = req.num_computed_tokens // self.block_size - n  # the external blocks follow the local hit
+        at = (req.num_computed_tokens - num_external_tokens) // self.block_size  # after the local hit
         for data in runs:
             take = min(data.shape[2], n)
             if take <= 0:
@@ -218,15 +225,18 @@ class PrefixBlockScheduler(KVConnectorScheduler):
             bs, scheduled = self.block_size, scheduler_output.num_scheduled_tokens
             for req_id in [r for r in self._saved if r in scheduled]:
                 req = requests[req_id]
-                last = req.num_prompt_tokens // bs
-                full = min(req.num_computed_tokens + scheduled[req_id], req.num_prompt_tokens) // bs
+                n = req.num_prompt_tokens
+                computed = min(req.num_computed_tokens + scheduled[req_id], n)
+                full = computed // bs
                 done = self._saved[req_id]
-                if full > done:
-                    hashes = self.hashes(req, full)
+                # The prompt's partial last block too, once the step completes the prompt.
+                end = -(-n // bs) if computed == n else full
+                if end > done:
+                    hashes = self.prompt_hashes(req) if end > full else self.hashes(req, full)
                     tokens = request_keys(req)
-                    meta.saves.append(_Save(req_id, list(req.block_ids[done:full]), hashes[done:full],
-                                            [block_keys(tokens[i * bs:(i + 1) * bs]) for i in range(done, full)]))
-                if full >= last:
+                    keys = [block_keys(tokens[i * bs:min((i + 1) * bs, n)]) for i in range(done, end)]
+                    meta.saves.append(_Save(req_id, list(req.block_ids[done:end]), hashes[done:end], keys))
+                if computed == n:
                     del self._saved[req_id]
                 else:
                     self._saved[req_id] = full

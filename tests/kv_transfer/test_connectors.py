@@ -17,8 +17,10 @@ from graphrunner.config import KVTransferConfig
 ARGS = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16, seed=0,
             num_kv_blocks=48)
 GRAPHS = dict(enforce_eager=False, compile_backend="eager", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32])
-PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for j in range(70)] for i in range(3)]  # 4 full blocks before the last token
-LOADABLE = 64  # (70 - 1) // 16 blocks
+PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for j in range(70)] for i in range(3)]  # 4 full blocks, then 6 tokens
+LOADABLE = 69  # a connector loads every prompt token but the last
+PROMPT_BLOCKS = 5  # a producer saves the 4 full blocks and the partial last one
+CACHED_BLOCK_TOKENS = 64  # the prefix cache (and CPU offload) keeps the full blocks before the last token
 
 
 def _params():
@@ -64,7 +66,7 @@ def store(tmp_path_factory, reference):
     path = tmp_path_factory.mktemp("kvstore")
     llm, outs = _generate(kv_transfer_config=_storage(path, "kv_producer"))
     _assert_same(_result(outs), reference)
-    assert llm.runner.kv_connector.num_saved_blocks == len(PROMPTS) * 4
+    assert llm.runner.kv_connector.num_saved_blocks == len(PROMPTS) * PROMPT_BLOCKS
     return path
 
 
@@ -96,8 +98,9 @@ def test_consumer_loads_the_producers_blocks(store, reference, async_scheduling)
 
 
 def test_connector_keeps_the_full_graphs(store, reference):
-    """Loads land before the step's graphs replay: decode steps still replay FULL graphs, and a consumer
-    captures the graphs a runner without a connector does."""
+    """Loads land before the step's graphs replay: decode steps still replay FULL graphs, a consumer
+    captures the graphs a runner without a connector does, and with every prompt token but the last
+    loaded, admitting a request adds a decode-shaped row (no prefill step)."""
     from capture.modes import CUDAGraphMode
     from graphrunner.engine import LLM
 
@@ -117,6 +120,8 @@ def test_connector_keeps_the_full_graphs(store, reference):
     assert [o.num_cached_tokens for o in outs] == [LOADABLE] * len(PROMPTS)
     decodes = [desc for uniform, desc in modes if uniform and desc is not None]
     assert decodes and all(desc.cg_mode == CUDAGraphMode.FULL for desc in decodes)
+    # The whole prompt loaded but its last token: even a request's first step is one token a request.
+    assert all(uniform for uniform, _ in modes)
 
 
 def _producer(rank: int, world_size: int, path: str) -> list:
@@ -238,8 +243,8 @@ def test_cpu_offload_brings_an_evicted_prefix_back(reference):
     assert connector.num_slots == 32 and connector.num_offloaded_blocks >= 4
     again = llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
     _assert_same(_result(again), reference[:1])
-    assert again[0].num_cached_tokens == LOADABLE
-    assert connector.num_external_hit_tokens == LOADABLE  # all from host memory
+    assert again[0].num_cached_tokens == CACHED_BLOCK_TOKENS
+    assert connector.num_external_hit_tokens == CACHED_BLOCK_TOKENS  # all from host memory
 
 
 def test_cpu_offload_lru_is_bounded_and_keeps_recent_prefixes():
@@ -329,7 +334,7 @@ def test_cpu_offload_moves_fp8_blocks_unchanged():
     assert connector.num_offloaded_blocks >= 4
     again = llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
     _assert_same(_result(again), want[:1])
-    assert again[0].num_cached_tokens == LOADABLE
+    assert again[0].num_cached_tokens == CACHED_BLOCK_TOKENS
 
 
 @pytest.mark.parametrize("pick", [[0, 1, 2, 3], [1, 2], [2], [0, 2, 3], [3, 2, 1], "two messages", "copies",

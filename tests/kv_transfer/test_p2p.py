@@ -12,9 +12,9 @@ import pytest
 
 from graphrunner.config import KVTransferConfig
 from tests.dist_utils import free_port
-from tests.kv_transfer.test_connectors import LOADABLE, PROMPTS, _assert_same, _generate, _result
+from tests.kv_transfer.test_connectors import LOADABLE, PROMPT_BLOCKS, PROMPTS, _assert_same, _generate, _result
 
-NUM_BLOCKS = len(PROMPTS) * (LOADABLE // 16)
+NUM_BLOCKS = len(PROMPTS) * PROMPT_BLOCKS
 
 
 def _p2p(role: str, port: int, **extra) -> dict:
@@ -147,7 +147,7 @@ def test_producer_dying_mid_transfer_leaves_the_consumer_computing(reference, ca
     from tests.dist_utils import start_world
 
     port = free_port()
-    hashes = [h for p in PROMPTS for h in prefix_hashes(p, LOADABLE // 16, 16)]
+    hashes = [h for p in PROMPTS for h in prefix_hashes(p, LOADABLE // 16, 16)]  # the full blocks
     # Started (forked) before the consumer has threads of its own.
     world = start_world(1, _dying_producer, port, hashes, init_pg=False, timeout_s=60, allow_hang=frozenset({0}))
     consumer = _llm("kv_consumer", port)
@@ -267,7 +267,7 @@ def test_blocks_past_the_buffer_are_dropped_and_logged_while_the_consumer_is_awa
     outs = consumer.generate(PROMPTS, _params(), use_tqdm=False)
     assert time.monotonic() - started < 10
     _assert_same(_result(outs), reference)
-    assert sorted(o.num_cached_tokens for o in outs) == [0, 0, LOADABLE]
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 0, 4 * 16]  # the queued blocks, not the tail
 
 
 def test_a_request_that_ends_before_its_blocks_are_sent_withdraws_them(monkeypatch):

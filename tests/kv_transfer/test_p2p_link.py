@@ -236,7 +236,7 @@ def test_a_prefill_starts_only_when_its_blocks_fit_the_producers_buffer():
     link = sched.link
     try:
         def req(name: str, blocks: int):
-            tokens = [hash(name) % 97 + i for i in range(blocks * s.block_size + 1)]
+            tokens = [hash(name) % 97 + i for i in range(blocks * s.block_size)]  # whole blocks: no tail
             return SimpleNamespace(req_id=name, num_prompt_tokens=len(tokens), num_tokens=len(tokens),
                                    block_key_tokens=tokens, prompt_token_ids=tokens, cache_salt=None,
                                    lora_request=None)

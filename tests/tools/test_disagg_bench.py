@@ -20,8 +20,8 @@ LONG, SHORT = 48, 20
 
 
 def _loadable(prompt_len: int) -> int:
-    """The full 16-token blocks before a prompt's last token (which is always computed)."""
-    return (prompt_len - 1) // 16 * 16
+    """Every prompt token but the last (which is always computed)."""
+    return prompt_len - 1
 
 
 def test_both_layouts_on_cpu_report_finite_latencies_and_loaded_prompts(tmp_path) -> None:
