@@ -63,8 +63,8 @@ def prefix_hashes(keys: Sequence[Any], num_blocks: int, block_size: int, salt: i
     span = keys[first * block_size:num_blocks * block_size]
     # Token ids alone (no content hash): one conversion for the whole span, not one per block (an 8k-token
     # prompt's 512 digests took 5 ms on the decode instance's critical path one block at a time).
-    ids = np.asarray(span)  # a content hash among the ids makes it an array of strings
-    ids = ids.astype(np.int64, copy=False) if ids.dtype.kind in "iu" else None
+    array = np.asarray(span)  # a content hash among the ids makes it an array of strings
+    ids = array.astype(np.int64, copy=False) if array.dtype.kind in "iu" else None
     for i in range(num_blocks - first):
         block = (ids[i * block_size:(i + 1) * block_size].tobytes() if ids is not None
                  else _block_bytes(span[i * block_size:(i + 1) * block_size]))

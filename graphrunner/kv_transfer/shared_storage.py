@@ -142,14 +142,13 @@ class SharedStorageMetadata:
 class PrefixBlockScheduler(KVConnectorScheduler):
     """Matches waiting requests' blocks in a block store, chained from the local prefix-cache hit
     (consumer), and plans the saves of every prompt block computed, the partial last one with the
-    prompt's last chunk (producer). Subclasses say
-    where a block comes from (`fetch_block`) and may ask to wait for blocks on their way
-    (`in_flight`)."""
+    prompt's last chunk (producer). Subclasses say where a block comes from (`fetch_block`) and may
+    ask to wait for blocks on their way (`in_flight`)."""
 
     def __init__(self, config: KVTransferConfig, shape: KVCacheShape, model_id: str) -> None:
         super().__init__(config, shape, model_id)
-        # request id -> its verified blocks and their hashes, until admitted
-        self._matched: dict[str, tuple[torch.Tensor, list[str]]] = {}
+        # request id -> its verified blocks (as `block_runs`) and their hashes, until admitted
+        self._matched: dict[str, tuple[list[torch.Tensor], list[str]]] = {}
         self._loads: list[_Load] = []
         self._saved: dict[str, int] = {}  # prefilling request id -> prompt blocks planned for saving so far
         self._asked: set[str] = set()  # waiting request ids already counted in the hit rate
