@@ -397,3 +397,18 @@ def test_prefix_hashes_of_a_prompt_at_once_equal_block_by_block_and_in_pieces(ke
     assert whole == _hashes_one_by_one(keys, n, bs, salt)
     cut = data.draw(st.integers(0, n))
     assert prefix_hashes(keys, n, bs, salt, prefix_hashes(keys, cut, bs, salt)) == whole
+
+
+@pytest.mark.parametrize("length", [2, 10, 16, 17, 31])
+def test_a_prompt_of_any_length_loads_all_but_its_last_token(tmp_path, length):
+    """Shorter than a block, exactly blocks, or one token past them: the consumer loads every prompt token
+    but the last (the partial last block is saved and loaded too) and gives the tokens and logprobs of an
+    instance computing everything."""
+    prompt = [[(j * 11) % 400 + 5 for j in range(length)]]
+    want = _result(_generate(prompt)[1])
+    producer, outs = _generate(prompt, kv_transfer_config=_storage(tmp_path, "kv_producer"))
+    _assert_same(_result(outs), want)
+    assert producer.runner.kv_connector.num_saved_blocks == -(-length // 16)
+    consumer, outs = _generate(prompt, kv_transfer_config=_storage(tmp_path, "kv_consumer"))
+    _assert_same(_result(outs), want)
+    assert outs[0].num_cached_tokens == length - 1
