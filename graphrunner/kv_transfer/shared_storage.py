@@ -196,8 +196,7 @@ class PrefixBlockScheduler(KVConnectorScheduler):
             blocks.append(block)
         if not blocks:
             return 0
-        # [L, 2, n, bs, h, d]
-        self._matched[req.req_id] = (block_runs(blocks), hashes[first:first + len(blocks)])
+        self._matched[req.req_id] = (block_runs(blocks), hashes[first:first + len(blocks)])  # [L, 2, n, bs, h, d]s
         return min((first + len(blocks)) * bs, limit) - first * bs
 
     def update_state_after_alloc(self, req: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
