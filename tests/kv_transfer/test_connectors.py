@@ -412,3 +412,33 @@ def test_a_prompt_of_any_length_loads_all_but_its_last_token(tmp_path, length):
     consumer, outs = _generate(prompt, kv_transfer_config=_storage(tmp_path, "kv_consumer"))
     _assert_same(_result(outs), want)
     assert outs[0].num_cached_tokens == length - 1
+
+
+@pytest.fixture(scope="module")
+def three_instances(tmp_path_factory):
+    """A producer and a consumer sharing a store, and an instance computing everything (each with its
+    prefix cache, so earlier examples' prompts are local hits for later ones)."""
+    from graphrunner.engine import LLM
+
+    path = tmp_path_factory.mktemp("kvprops")
+    args = {**ARGS, "max_model_len": 128, "num_kv_blocks": 64}
+    return (LLM("builtin:tiny-llama", kv_transfer_config=_storage(path, "kv_producer"), **args),
+            LLM("builtin:tiny-llama", kv_transfer_config=_storage(path, "kv_consumer"), **args),
+            LLM("builtin:tiny-llama", **args))
+
+
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=3), st.integers(0, 40), st.integers(0, 999))
+def test_loaded_prompts_of_any_length_after_any_local_hit_give_the_plain_tokens(three_instances, lengths, shared,
+                                                                                   seed):
+    """Prompts sharing a prefix (so the consumer's own prefix cache hits part of later ones) and of any
+    length: the consumer's tokens and logprobs equal the plain instance's, and every prompt token but the
+    last is either a local hit or loaded."""
+    producer, consumer, plain = three_instances
+    head = [(seed * 7 + j * 13) % 500 + 3 for j in range(shared)]
+    prompts = [head + [(seed + i * 31 + j * 17) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    params = _params()[:1] * len(prompts)
+    want = _result(plain.generate(prompts, params, use_tqdm=False))
+    producer.generate(prompts, params, use_tqdm=False)
+    outs = consumer.generate(prompts, params, use_tqdm=False)
+    _assert_same(_result(outs), want)
+    assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in prompts]
