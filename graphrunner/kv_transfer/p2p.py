@@ -572,7 +572,8 @@ class PeerLink:
             for h in hashes:
                 self._unwanted.pop(h, None)
         # Blocks are kept as views of the message (the transfer has completed on the device): a copy
-        # per block doubled each message's memory on the device, 1 GiB more per 8k-token prompt.
+        # per block doubled each message's memory on the device, 1 GiB more per 8k-token prompt. A
+        # message's memory goes with its last block; its blocks are one prefill chunk's, loaded together.
         kept = unused = 0
         with self._lock:
             for j, block in ((j, data[:, :, j]) for j in fresh):
