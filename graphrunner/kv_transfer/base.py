@@ -58,7 +58,7 @@ def prefix_hashes(keys: Sequence[Any], num_blocks: int, block_size: int, salt: i
     content hash, a str, in place of the placeholder id). `known`: digests already computed for a
     prefix of these blocks (extended, and returned)."""
     hashes = known if known is not None else []
-    parent = hashes[-1] if hashes else f"salt:{salt}"
+    parent = hashes[-1] if hashes else None
     first = len(hashes)
     span = keys[first * block_size:num_blocks * block_size]
     # Token ids alone (no content hash): one conversion for the whole span, not one per block (an 8k-token
@@ -68,7 +68,7 @@ def prefix_hashes(keys: Sequence[Any], num_blocks: int, block_size: int, salt: i
     for i in range(num_blocks - first):
         block = (ids[i * block_size:(i + 1) * block_size].tobytes() if ids is not None
                  else _block_bytes(span[i * block_size:(i + 1) * block_size]))
-        parent = hashlib.sha256(parent.encode() + block).hexdigest()
+        parent = _digest(parent, block, salt)
         hashes.append(parent)
     return hashes
 
@@ -77,7 +77,12 @@ def tail_digest(parent: str | None, keys: Sequence[Any], salt: int = 0) -> str:
     """The digest of a prompt's last block when it is partial (fewer keys than a block holds), after the
     digest of the full block before it (`parent`; None when it is the first block). Its bytes are
     shorter than any full block's, so it never names one."""
-    return hashlib.sha256((parent if parent is not None else f"salt:{salt}").encode() + _block_bytes(keys)).hexdigest()
+    return _digest(parent, _block_bytes(keys), salt)
+
+
+def _digest(parent: str | None, data: bytes, salt: int) -> str:
+    """A block's digest: of its parent's (the salt's for the first block) and its keys' bytes."""
+    return hashlib.sha256((parent if parent is not None else f"salt:{salt}").encode() + data).hexdigest()
 
 
 def _block_bytes(block: Sequence[Any]) -> bytes:
@@ -169,7 +174,6 @@ class KVConnectorScheduler:
         self.num_external_hit_tokens = 0  # prompt tokens loaded instead of computed
         self.num_query_tokens = 0  # prompt tokens of the requests asked about
         self._hashes: dict[str, list[str]] = {}  # request id -> its full blocks' digests so far
-        self._tails: dict[str, str] = {}  # request id -> the digest of its prompt's partial last block
 
     def hashes(self, req: Any, num_blocks: int) -> list[str]:
         """The digests of `req`'s first `num_blocks` full blocks (computed once per request)."""
@@ -186,11 +190,7 @@ class KVConnectorScheduler:
         full = self.hashes(req, n // bs)
         if n % bs == 0:
             return full
-        tail = self._tails.get(req.req_id)
-        if tail is None:
-            tail = self._tails[req.req_id] = tail_digest(full[-1] if full else None,
-                                                         request_keys(req)[n - n % bs:n], req.cache_salt)
-        return [*full, tail]
+        return [*full, tail_digest(full[-1] if full else None, request_keys(req)[n - n % bs:n], req.cache_salt)]
 
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> int | None:
         """Prompt tokens past `num_computed_tokens` (the local prefix-cache hit, block aligned) this
@@ -223,7 +223,6 @@ class KVConnectorScheduler:
     def request_finished(self, req: Any) -> None:
         """`req` ended (finished or aborted): forget it."""
         self._hashes.pop(req.req_id, None)
-        self._tails.pop(req.req_id, None)
 
     def request_preempted(self, req: Any) -> None:
         """`req` lost its KV and waits to be admitted again."""

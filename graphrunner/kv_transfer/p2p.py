@@ -576,11 +576,11 @@ class PeerLink:
         # message's memory goes with its last block; its blocks are one prefill chunk's, loaded together.
         kept = unused = 0
         with self._lock:
-            for j, block in ((j, data[:, :, j]) for j in fresh):
+            for j in fresh:
                 h = hashes[j]
                 if h in self._blocks:
                     continue
-                self._blocks[h] = (tuple(block_keys(tokens[j])), block, time.monotonic())
+                self._blocks[h] = (tuple(block_keys(tokens[j])), data[:, :, j], time.monotonic())
                 self._block_bytes += per_block
                 self._announced.pop(h, None)
                 self.num_received_blocks += 1
@@ -661,19 +661,21 @@ class NcclScheduler(PrefixBlockScheduler):
         # of 8k-token prompts with a 4 GiB buffer).
         # One schedule() may admit several prefills before any is announced: each counts the others'.
         blocks = -(-req.num_prompt_tokens // self.block_size)
-        if self.link.has_room(blocks, sum(n for r, n in self._reserved.items() if r != req.req_id)):
-            self._waiting_since.pop(req.req_id, None)
-            self._reserved[req.req_id] = blocks
-            return 0
-        since = self._waiting_since.setdefault(req.req_id, time.monotonic())
-        if time.monotonic() - since <= self.link.cfg.timeout_s:
+        if not (self.link.has_room(blocks, sum(n for r, n in self._reserved.items() if r != req.req_id))
+                or self._waited_out(req, f"room in kv_buffer_size={self.link.cfg.buffer_bytes} bytes; prefilled "
+                                         "now, its blocks may not all be sent")):
             return None
-        logger.warning("NcclConnector: request %r waited %.1f s for room in kv_buffer_size=%d bytes; prefilled "
-                       "now, its blocks may not all be sent", req.req_id, self.link.cfg.timeout_s,
-                       self.link.cfg.buffer_bytes)
         self._waiting_since.pop(req.req_id, None)
         self._reserved[req.req_id] = blocks
         return 0
+
+    def _waited_out(self, req: Any, what: str) -> bool:
+        """Whether `req` has waited `timeout_s` for `what` since it first waited (logged when it has)."""
+        since = self._waiting_since.setdefault(req.req_id, time.monotonic())
+        if time.monotonic() - since <= self.link.cfg.timeout_s:
+            return False
+        logger.warning("NcclConnector: request %r waited %.1f s for %s", req.req_id, self.link.cfg.timeout_s, what)
+        return True
 
     def prefill_started(self, req: Any) -> None:
         self._reserved.pop(req.req_id, None)  # counted as announced from now on
@@ -688,12 +690,7 @@ class NcclScheduler(PrefixBlockScheduler):
         if not self.link.in_flight(block_hash) or self.link.store_full():
             self._waiting_since.pop(req.req_id, None)
             return False
-        since = self._waiting_since.setdefault(req.req_id, time.monotonic())
-        if time.monotonic() - since <= self.link.cfg.timeout_s:
-            return True
-        logger.warning("NcclConnector: request %r waited %.1f s for announced KV; it computes the rest",
-                       req.req_id, self.link.cfg.timeout_s)
-        return False
+        return not self._waited_out(req, "announced KV; it computes the rest")
 
     def wait_for_kv(self, timeout: float) -> None:
         self.link.wait(timeout)

@@ -128,4 +128,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """Every tensor name a LLaVA checkpoint may hold, in either layout."""
         targets, alternates = self._weight_targets()
         return names_in_every_layout(set(targets) | set(alternates), _RENAMES)
-

@@ -175,4 +175,3 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         """Every tensor name a Qwen2.5-VL checkpoint may hold, in either layout."""
         targets, alternates = self._weight_targets()
         return names_in_every_layout(set(targets) | set(alternates), _RENAMES)
-

@@ -294,19 +294,16 @@ class StepEvents:
 
         def execute_model(*args, **kwargs):
             began = time.monotonic()
-            if not device_events:
-                try:
-                    return self._orig(*args, **kwargs)
-                finally:
-                    self.host.append((began, time.monotonic()))
-            start = new_event()
-            start.record()
+            start = new_event() if device_events else None
+            if start is not None:
+                start.record()
             try:
                 return self._orig(*args, **kwargs)
             finally:
-                end = new_event()
-                end.record()
-                self.pairs.append((start, end))
+                if start is not None:
+                    end = new_event()
+                    end.record()
+                    self.pairs.append((start, end))
                 self.host.append((began, time.monotonic()))
 
         runner.execute_model = execute_model  # type: ignore[method-assign]
