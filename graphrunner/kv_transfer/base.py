@@ -35,6 +35,7 @@ import torch
 
 from graphrunner.config import KVTransferConfig, RunnerConfig
 from graphrunner.kv_shape import KVCacheShape
+from graphrunner.state.staging import to_device_async
 
 logger = logging.getLogger("graphrunner.kv_transfer")
 
@@ -115,7 +116,7 @@ def model_identity(config: RunnerConfig) -> str:
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
     """The KV of `block_ids` from every layer: [num_layers, 2, n, block_size, kv_heads, head_dim]."""
-    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
+    index = to_device_async(np.asarray(block_ids, dtype=np.int64), kv_caches[0].device)
     return torch.stack([cache.index_select(1, index) for cache in kv_caches])
 
 
@@ -155,7 +156,10 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data
     """Write `data` ([num_layers, 2, n, block_size, kv_heads, head_dim], any device) into `block_ids`
     of every layer, in stream order (before anything the step launches after)."""
     device = kv_caches[0].device
-    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+    # A pinned, non-blocking index copy: a list copied to the device straight waits for the stream,
+    # i.e. for the step still running ahead, which made each admission step of an 8k-token prompt
+    # (four block runs) take 13-19 ms of host time against 11 ms per step on llama-3.1-8b.
+    index = to_device_async(np.asarray(block_ids, dtype=np.int64), device)
     data = data.to(device, non_blocking=True)
     if data.dtype.itemsize == 1:
         # fp8 blocks move as their bytes: index_copy_ has no float8 kernel on a CPU, and a byte copy

@@ -25,6 +25,7 @@ import torch
 
 from graphrunner.multimodal.features import MultiModalFeatureSpec
 from graphrunner.protocol import SchedulerOutput
+from graphrunner.state.staging import to_device_async
 from graphrunner.step.inputs import InputBatch
 
 
@@ -129,7 +130,8 @@ class MRopeInputs:
                     rows.append(row)
                     deltas.append(delta)
             if rows:
-                b.delta[torch.tensor(rows, device=self.device)] = torch.tensor(deltas, device=self.device)
+                b.delta[to_device_async(np.asarray(rows, dtype=np.int64), self.device)] = to_device_async(
+                    np.asarray(deltas), self.device, b.delta.dtype)
         if not self._prompt_positions:
             return
         offset = 0

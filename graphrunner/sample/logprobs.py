@@ -23,6 +23,7 @@ import torch
 from graphrunner.kernels import use_triton
 from graphrunner.protocol import Logprob, NewRequestData
 from graphrunner.sample.logprobs_triton import logprobs_triton, triton_fits
+from graphrunner.state.staging import to_device_async
 
 DEFAULT_PROMPT_CHUNK = 256  # prompt positions per logits slice: 256 x 152k x 4 B = 156 MB
 
@@ -247,7 +248,7 @@ class PromptLogprobs:
             targets = prompt_logprob_targets(prompt, start, int(query_lens[i]), len(prompt))
             if targets:
                 first = int(offsets[i])
-                target_ids = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+                target_ids = to_device_async(np.asarray(targets, dtype=np.int64), hidden.device)
                 tensors = prompt_logprobs(hidden[first : first + len(targets)], target_ids, collector.num_logprobs,
                                           compute_logits=self.compute_logits)
                 collector.add_chunk(start, tensors)
