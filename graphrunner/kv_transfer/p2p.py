@@ -56,7 +56,7 @@ import json
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -71,7 +71,9 @@ from graphrunner.kv_shape import KVCacheShape
 from graphrunner.kv_transfer.base import block_keys, connector_extra, logger
 from graphrunner.kv_transfer.shared_storage import PrefixBlockScheduler, PrefixBlockWorker
 
-_EXTRA_KEYS = ("kv_ip", "kv_port", "backend", "timeout_s", "kv_buffer_size")
+_EXTRA_KEYS = ("kv_ip", "kv_port", "backend", "timeout_s", "kv_buffer_size", "nccl_num_channels")
+_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS
+_RECEIVE_SPANS = 4096
 _BACKENDS = ("nccl", "gloo")
 _PREFIX = "graphrunner_kv_p2p"
 _SENT_MEMORY = 1 << 20  # block hashes a producer remembers as sent (not sent again)
@@ -105,6 +107,7 @@ class LinkConfig:
     backend: str
     timeout_s: float
     buffer_bytes: int
+    num_channels: int = 8
 
 
 def link_config(config: KVTransferConfig, device: torch.device | str) -> LinkConfig:
@@ -133,7 +136,13 @@ def link_config(config: KVTransferConfig, device: torch.device | str) -> LinkCon
     buffer = extra.get("kv_buffer_size", 1 << 30)
     if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer <= 0:
         raise ValueError(f"NcclConnector: kv_buffer_size must be a positive number of bytes, got {buffer!r}")
-    return LinkConfig(ip, port, backend, float(timeout), buffer)
+    # vLLM's P2P NCCL connector's name and default. Each channel is a CTA that holds an SM while a
+    # transfer runs, beside the decode steps of the same GPU.
+    channels = extra.get("nccl_num_channels", 8)
+    if not isinstance(channels, int) or isinstance(channels, bool) or not 1 <= channels <= _MAX_CHANNELS:
+        raise ValueError(f"NcclConnector: nccl_num_channels must be an integer in 1..{_MAX_CHANNELS}, got "
+                         f"{channels!r}")
+    return LinkConfig(ip, port, backend, float(timeout), buffer, channels)
 
 
 def _geometry(shape: KVCacheShape, model_id: str) -> dict[str, Any]:
@@ -175,6 +184,8 @@ class PeerLink:
         self._announced: dict[str, float] = {}
         self.num_sent_blocks = self.num_received_blocks = self.num_refused_blocks = self.num_dropped_blocks = 0
         self.num_evicted_unused_blocks = 0  # received, then let go before any request loaded them
+        # (began, ended) on the monotonic clock of the last payloads received: the transfers a step ran beside
+        self.receive_spans: deque[tuple[float, float]] = deque(maxlen=_RECEIVE_SPANS)
         self._thread = threading.Thread(target=self._run, name=f"kv-p2p-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -390,6 +401,7 @@ class PeerLink:
                                                              timeout))
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.config.max_ctas = self.cfg.num_channels
         torch.cuda.set_device(self.wire)  # per thread: this one makes every NCCL call of the link
         return LinkGroups(control, dist.ProcessGroupNCCL(dist.PrefixStore("payload", prefixed), self.rank, 2, options))
 
@@ -517,8 +529,12 @@ class PeerLink:
             head_len, body_len = self._recv(groups.control, 2, torch.int64, cpu, "waiting for a message").tolist()
             header = json.loads(bytes(self._recv(groups.control, head_len, torch.uint8, cpu,
                                                  "receiving a message header").numpy()))
-            body = (self._recv(groups.payload, body_len, torch.uint8, self.wire, "receiving " + self._describe(header))
-                    if body_len else None)
+            body = None
+            if body_len:
+                began = time.monotonic()
+                body = self._recv(groups.payload, body_len, torch.uint8, self.wire,
+                                  "receiving " + self._describe(header))
+                self.receive_spans.append((began, time.monotonic()))
             kind = header.get("kind")
             if kind == "close":
                 logger.info("NcclConnector: the producer closed the link")

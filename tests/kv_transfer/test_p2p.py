@@ -59,8 +59,10 @@ def test_options_name_bad_values():
         link_config(config(kv_port=1234, timeout_s=0), "cpu")
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['port'\]"):
         link_config(config(port=1234), "cpu")
+    with pytest.raises(ValueError, match=r"nccl_num_channels must be an integer in 1..64, got 0"):
+        link_config(config(kv_port=1234, nccl_num_channels=0), "cpu")
     cfg = link_config(config(kv_port=1234), "cpu")
-    assert (cfg.ip, cfg.backend, cfg.timeout_s) == ("127.0.0.1", "gloo", 30.0)
+    assert (cfg.ip, cfg.backend, cfg.timeout_s, cfg.num_channels) == ("127.0.0.1", "gloo", 30.0, 8)
 
 
 def test_consumer_loads_the_producers_blocks(reference):

@@ -59,7 +59,7 @@ cases = st.fixed_dictionaries({
     "num_slots": st.integers(1, 4),
     "slice_sizes": st.lists(st.sampled_from([8, 16, 24, 40]), min_size=1, max_size=3),
     "rank": st.sampled_from([8, 16]),
-    "in_features": st.sampled_from([16, 40, 64, 1100]),  # 1100: the shrink splits K in 3 (decode)
+    "in_features": st.sampled_from([16, 40, 64, 1100, 4200]),  # the shrink splits 1100 in 3 at decode, 4200 in 2 above
     "seed": st.integers(0, 2**16),
 })
 
@@ -107,9 +107,25 @@ def test_kernels_match_the_reference(case):
     assert torch.equal(got[base], out[base])  # rows without an adapter: untouched
 
 
-def test_decode_splits_k_and_prefill_does_not():
+@needs_triton
+def test_kernels_match_the_reference_at_prefill_size():
+    """Above 512 tokens: 64-row blocks, a slot over several of them, an empty slot between two full
+    ones, base rows between adapters' rows, K split in 2."""
+    reqs = [(300, 2), (40, -1), (150, 0), (129, 2), (20, -1)]
+    buffers, T = _metadata(reqs, 7, 4)
+    (x, out, a, b), slices = _case(T, 4, [24, 40], 16, 4200, [16, 4, 9, 16], 5)
+    assert lora_k_splits(T, 4200) == 2
+    expected = out.clone()
+    lora_reference(x, expected, a, b, buffers.token_slot[:T], slices)
+    got = out.clone()
+    lora_shrink_expand(x, got, a, b, buffers.sorted_tokens[:T], buffers.starts, torch.tensor(slices, dtype=torch.int32),
+                       40)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_splits_k_finely_and_prefill_only_a_wide_k():
     assert lora_k_splits(1, 14336) == 28 and lora_k_splits(64, 4096) == 8 and lora_k_splits(16, 300) == 1
-    assert lora_k_splits(65, 14336) == 1 and lora_k_splits(1, 10 ** 6) == 32
+    assert lora_k_splits(65, 14336) == 4 and lora_k_splits(2048, 4096) == 1 and lora_k_splits(1, 10 ** 6) == 32
 
 
 def test_upload_groups_rows_by_slot():

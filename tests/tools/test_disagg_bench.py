@@ -50,6 +50,13 @@ def test_both_layouts_on_cpu_report_finite_latencies_and_loaded_prompts(tmp_path
         assert all(0 <= step[4] <= 1e3 * step[0] and step[5] is None for step in r["slowest_steps"])
         assert any(step[4] > 0 for step in r["slowest_steps"])
         assert f"{r['layout']} slow step: {durations[0] * 1e3:.1f} ms" in text
+        # the ms of each step during which blocks arrived: none without a link
+        assert all(0 <= step[6] <= 1e3 * step[0] for step in r["slowest_steps"])
+    assert not colocated["steps_receiving"]
+    [[(beside, _), (alone, _)]] = disagg["steps_receiving"]
+    assert beside + alone > 0
+    if beside:
+        assert "steps ran while blocks arrived" in text
 
 
 def test_a_missing_layout_or_gpu_is_named_in_the_table() -> None:

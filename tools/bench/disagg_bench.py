@@ -80,6 +80,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-buffer-gib", type=float, default=4.0,
                    help="disagg: NcclConnector's kv_buffer_size (blocks waiting to be sent, or received and not "
                         "yet loaded), in GiB")
+    p.add_argument("--nccl-num-channels", type=int, default=8,
+                   help="disagg: NcclConnector's nccl_num_channels (CTAs, so SMs, a transfer may hold)")
     p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE", help="NONE = eager")
     p.add_argument("--capture-sizes", default=None, help="comma-separated token counts; unset = the default ladder")
     p.add_argument("--compile-backend", default=None, help="unset = inductor on CUDA, eager on CPU")
@@ -165,7 +167,8 @@ def _build_llm(args: argparse.Namespace, role: str) -> Any:
     if role != "instance":
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         extra = {"kv_port": args.kv_port, "backend": "nccl" if args.device == "cuda" else "gloo",
-                 "timeout_s": _LINK_TIMEOUT_S, "kv_buffer_size": int(args.kv_buffer_gib * (1 << 30))}
+                 "timeout_s": _LINK_TIMEOUT_S, "kv_buffer_size": int(args.kv_buffer_gib * (1 << 30)),
+                 "nccl_num_channels": args.nccl_num_channels}
         kv_transfer = {"kv_connector": "NcclConnector", "kv_role": kv_role, "kv_connector_extra_config": extra}
     sizes = [int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None
     return LLM(args.model, dtype=args.dtype, device=args.device, seed=_SEED, max_num_seqs=args.max_num_seqs,
@@ -337,8 +340,21 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
         device = sum(ms for _, _, ms in mine if ms is not None) if on_gpu else None
         return sum(began <= at <= end for at, _ in jit), sum(ms for _, ms, _ in mine), device
 
-    slowest = [(*step, *within(step)) for step in sorted(steps, reverse=True)[:_SLOWEST]]
-    return {"wall_s": max(last.values()) - t0 if last else 0.0, "requests": ids,
+    link = getattr(llm.scheduler.kv_connector, "link", None)
+    spans = list(link.receive_spans) if link is not None else []
+
+    def receiving(step: tuple[float, float, str]) -> float:
+        """Milliseconds of the step during which the link was receiving blocks onto this GPU."""
+        began, end = t0 + step[1] - step[0], t0 + step[1]
+        return 1e3 * sum(max(0.0, min(end, b) - max(began, a)) for a, b in spans)
+
+    slowest = [(*step, *within(step), receiving(step)) for step in sorted(steps, reverse=True)[:_SLOWEST]]
+    beside = [step[0] for step in steps if receiving(step) > 0]
+    alone = [step[0] for step in steps if receiving(step) == 0]
+    by_link = {} if link is None else {"steps_receiving": [len(beside), _percentile(beside, 50)],
+                                       "steps_alone": [len(alone), _percentile(alone, 50)]}
+    return {**by_link,
+            "wall_s": max(last.values()) - t0 if last else 0.0, "requests": ids,
             "ttft_s": [ttft.get(i) for i in ids], "output_tokens": [tokens.get(i, 0) for i in ids],
             "num_cached_tokens": [cached[i] for i in ids], "prompt_tokens": [len(prompts[i]) for i in ids],
             "itl_s": gaps, "slowest_steps": slowest, "jit_specializations": len(jit),
@@ -419,6 +435,7 @@ def summarize(layout: str, ranks: Sequence[dict[str, Any]], output_len: int) -> 
         "slowest_steps": sorted((s for r in decode for s in r.get("slowest_steps", [])), reverse=True)[:_SLOWEST],
         "jit_specializations": sum(r.get("jit_specializations", 0) for r in decode),
         "jit_kernels": sorted({k for r in decode for k in r.get("jit_kernels", [])}),
+        "steps_receiving": [[r["steps_receiving"], r["steps_alone"]] for r in decode if r.get("steps_receiving")],
     }
     if any("alloc_retries" in r for r in decode):
         summary.update(alloc_retries=sum(r.get("alloc_retries", 0) for r in decode),
@@ -463,10 +480,16 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str
                      f"| {num(r['ttft_p99_ms'], '.1f')} | {num(r['output_tokens_per_s'], '.0f')} "
                      f"| {num(r['cached_fraction'], '.3f')} | {r['wall_s']:.2f} |")
     for r in results:
-        for step_ms, at_s, descriptor, jit, host_ms, device_ms in r.get("slowest_steps", [])[:_SLOWEST]:
+        for step_ms, at_s, descriptor, jit, host_ms, device_ms, receiving_ms in r.get("slowest_steps", [])[:_SLOWEST]:
             device = "" if device_ms is None else f", device {device_ms:.1f} ms"
             lines.append(f"{r['layout']} slow step: {step_ms * 1e3:.1f} ms at {at_s:.2f} s, {descriptor}, "
-                         f"{jit} Triton specializations, execute_model {host_ms:.1f} ms{device}")
+                         f"{jit} Triton specializations, execute_model {host_ms:.1f} ms{device}, "
+                         f"receiving blocks {receiving_ms:.1f} ms")
+        for (n_beside, med_beside), (n_alone, med_alone) in r.get("steps_receiving", []):
+            if n_beside:
+                alone_ms = num(None if med_alone is None else 1e3 * med_alone, ".2f")
+                lines.append(f"{r['layout']}: {n_beside} steps ran while blocks arrived (median "
+                             f"{1e3 * med_beside:.2f} ms), {n_alone} without (median {alone_ms} ms)")
         if r.get("jit_specializations"):
             lines.append(f"{r['layout']}: {r['jit_specializations']} Triton specializations while serving, of "
                          f"{', '.join(r['jit_kernels'])}")

@@ -8,23 +8,27 @@ where a merged projection (q|k|v, gate|up) has one A per slice and its B rows ar
 output. Two launches serve every slice of a projection at once, so a merged projection pays the
 same two launches as a plain one:
 
-- shrink: grid (row blocks, slices x K splits, slots). Program (m, (i, c), s) reads the m-th BLOCK_M
-  block of slot s's rows (`sorted_tokens[starts[s]:starts[s + 1]]`), multiplies their c-th K chunk
-  with A[s, i]'s (rank padded to BLOCK_R) and writes the partial h[c, i, rows] in fp32.
-- expand: grid (row blocks, slices x N tiles, slots). Program (m, (i, j), s) sums the K splits of
-  h[:, i, rows] in split order, casts them to B's dtype (as vLLM does), multiplies them with the j-th
-  BLOCK_N tile of B[s]'s slice i and adds the product into out[rows, offset_i + tile] in fp32,
-  rounding once.
+- shrink: grid (row blocks, slices x K splits). Program (m, (i, c)) finds its slot s and rows from
+  `starts` (row blocks are numbered slot after slot, cdiv(rows of s, BLOCK_M) each), multiplies those
+  rows' c-th K chunk with A[s, i]'s (rank padded to BLOCK_R) and writes the partial h[c, i, rows] in fp32.
+- expand: grid (row blocks, slices x N tiles). Program (m, (i, j)) sums the K splits of h[:, i, rows]
+  in split order, casts them to B's dtype (as vLLM does), multiplies them with the j-th BLOCK_N tile of
+  B[s]'s slice i and adds the product into out[rows, offset_i + tile] in fp32, rounding once.
 
-The K splits are for decode: a slot's few rows form one row block, so without them one program per
-slice walked all of K (14336 columns of Llama-3.1-8B's down projection: 112 dependent steps of 128)
+Row blocks numbered across the slots, not a grid axis per slot: with one axis per slot, 32 slots
+launched 32 times the programs and all but a thirty-second of them exited at once, which made the
+expand of Llama-3.1-8B's gate|up at 2,048 tokens cost 444-475 us beside the 700 us base GEMM (H200).
+
+The K splits are mostly for decode: a slot's few rows form one row block, so without them one program
+per slice walked all of K (14336 columns of Llama-3.1-8B's down projection: 112 dependent steps of 128)
 while the other SMs idled; with LoRA on, batch-1 decode of that model took 7.44 ms against 4.25 ms
 without (H200, 8 adapters of rank 16). Up to 64 tokens the shrink splits K into chunks of
-`_SPLIT_K_COLUMNS`; above, the row blocks fill the GPU and K stays whole. Partials summed in a fixed
+`_SPLIT_K_COLUMNS`; above, the row blocks fill the GPU and only a K wider than
+`_PREFILL_SPLIT_K_COLUMNS` is split. Partials summed in a fixed
 order keep the result deterministic (no atomics).
 
 Rows without an adapter are in no slot's range, so no program reads them: their output is the base
-projection's, bit for bit. Programs past a slot's row count exit before any load. Every token is in
+projection's, bit for bit. Programs past the last row block exit before any load. Every token is in
 at most one range, so the read-modify-write of `out` has no races. The grids depend on the padded
 token count and static sizes only (no host sync, no data-dependent shape): one CUDA-graph capture at
 T replays correctly for any mix of adapters.
@@ -50,6 +54,10 @@ LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _SPLIT_K_COLUMNS = 512  # columns of K per shrink program at decode (four 128-column steps)
 _MAX_SPLITS = 32
+# Above 64 tokens only a K as wide as Llama-3.1-8B's down projection (14336) is split, in 4: its shrink
+# took 49-53 us at 2,048 tokens whole and 21-23 us in 4, while a split of K = 4096 saved the shrink 1-5 us
+# and cost the expand, which sums the partials, up to 16 us (H200, rank 16).
+_PREFILL_SPLIT_K_COLUMNS = 4096
 
 
 def _next_pow2(n: int) -> int:
@@ -60,27 +68,36 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _row_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Programs along the rows: enough for any split of T rows over L slots (each slot's last block
+    may be partial: at most cdiv(T, BLOCK_M) + L - 1 blocks in all)."""
+    return _cdiv(num_tokens, block_m) + min(num_slots, num_tokens) - 1
+
+
 def lora_k_splits(num_tokens: int, in_features: int) -> int:
-    """K chunks of the shrink (module docstring): 1 above 64 tokens, else one per `_SPLIT_K_COLUMNS`."""
-    if num_tokens > 64:
-        return 1
-    return max(1, min(_MAX_SPLITS, _cdiv(in_features, _SPLIT_K_COLUMNS)))
+    """K chunks of the shrink (module docstring): one per `_SPLIT_K_COLUMNS` up to 64 tokens, else one
+    per `_PREFILL_SPLIT_K_COLUMNS`."""
+    columns = _SPLIT_K_COLUMNS if num_tokens <= 64 else _PREFILL_SPLIT_K_COLUMNS
+    return max(1, min(_MAX_SPLITS, _cdiv(in_features, columns)))
 
 
 def lora_tiles(num_tokens: int, rank: int, in_features: int, max_slice: int,
                element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N) for T tokens, padded rank R, input width K, widest slice.
 
-    BLOCK_M 16 up to 64 tokens (decode: a slot rarely has more rows than that), else 64: each A and B
-    tile is read once per row block, so larger blocks read the adapter fewer times at prefill.
+    BLOCK_M 16 up to 512 tokens, else 64. A row block holds one slot's rows only, so at decode (a few
+    rows per slot) a 64-row block is mostly masked: 32 slots over 256 tokens took 199 us of shrinks and
+    expands per Llama-3.1-8B layer at 64 rows against 98 us at 16 (base projections 192 us); at 2,048
+    tokens 64 rows read each A and B tile fewer times (258 against 293 us, H200, rank 16).
     BLOCK_R is the rank rounded up to a power of two (the whole rank in one tile; R <= 256),
-    BLOCK_K 128 (long contiguous reads of x and A rows) and BLOCK_N 64, both cut to the shapes; fp32
+    BLOCK_K 128 (long contiguous reads of x and A rows) and BLOCK_N 128 (the expand of gate|up at 256
+    tokens over 8 slots: 37 us against 44 us at 64 and 73 us at 256, H200), both cut to the shapes; fp32
     operands take half of each (at 64 rows the full tiles spill registers on sm_90 in ptxas)."""
     wide = 1 if element_size <= 2 else 2
-    block_m = 16 if num_tokens <= 64 else 64
+    block_m = 16 if num_tokens <= 512 else 64
     block_r = max(_MIN_DOT, _next_pow2(rank))
     block_k = max(_MIN_DOT, min(128 // wide, _next_pow2(in_features)))
-    block_n = max(_MIN_DOT, min(64 // wide, _next_pow2(max_slice)))
+    block_n = max(_MIN_DOT, min(128 // wide, _next_pow2(max_slice)))
     return block_m, block_r, block_k, block_n
 
 
@@ -89,17 +106,30 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, k_chunk, stride_sorted,
+    def _row_block(starts_ptr, pid, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+        """(slot, first sorted row, end of the slot's rows) of row block `pid`: the slots' blocks are
+        numbered one after the other (slot 0's cdiv(count, BLOCK_M), then slot 1's, ...); past the
+        last block, first >= end."""
+        offs = tl.arange(0, BLOCK_L)
+        lo = tl.load(starts_ptr + offs, mask=offs < L, other=0)
+        hi = tl.load(starts_ptr + offs + 1, mask=offs < L, other=0)
+        blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)  # block number at which each slot's blocks end
+        slot = tl.sum((ends <= pid).to(tl.int32), 0)
+        mine = offs == slot
+        base = tl.sum(tl.where(mine, ends - blocks, 0), 0)
+        first = tl.sum(tl.where(mine, lo, 0), 0) + (pid - base) * BLOCK_M
+        end = tl.sum(tl.where(mine, hi, 0), 0)
+        return slot, first, end
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, K, R, L, k_chunk, stride_sorted,
                        stride_xm, stride_as, stride_ai, stride_ar, stride_hc, stride_hi, stride_hm,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       IEEE: tl.constexpr):
-        pid_m = tl.program_id(0)
+                       BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
         i = tl.program_id(1) // SPLITS
         c = tl.program_id(1) % SPLITS
-        slot = tl.program_id(2)
-        start = tl.load(starts_ptr + slot)
-        end = tl.load(starts_ptr + slot + 1)
-        first = start + pid_m * BLOCK_M
+        slot, first, end = _row_block(starts_ptr, tl.program_id(0), L, BLOCK_M, BLOCK_L)
         if first < end:
             offs_m = first + tl.arange(0, BLOCK_M)
             mask_m = offs_m < end
@@ -124,17 +154,14 @@ if HAS_TRITON:
                      mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
-    def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, tiles_per_slice, stride_sorted,
-                       stride_hc, stride_hi, stride_hm, stride_bs, stride_bn, stride_om, SPLITS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        pid_m = tl.program_id(0)
+    def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, L, tiles_per_slice,
+                       stride_sorted, stride_hc, stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
+                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(1)
-        slot = tl.program_id(2)
         i = pid_n // tiles_per_slice
         j = pid_n % tiles_per_slice
-        start = tl.load(starts_ptr + slot)
-        end = tl.load(starts_ptr + slot + 1)
-        first = start + pid_m * BLOCK_M
+        slot, first, end = _row_block(starts_ptr, tl.program_id(0), L, BLOCK_M, BLOCK_L)
         offset = tl.load(slices_ptr + 2 * i)
         size = tl.load(slices_ptr + 2 * i + 1)
         if (first < end) & (j * BLOCK_N < size):
@@ -183,10 +210,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     splits = h.shape[0]
     block_m, block_r, block_k, _ = lora_tiles(T, R, K, 1, x.element_size())
     k_chunk = _cdiv(_cdiv(K, splits), block_k) * block_k  # whole BLOCK_K steps per chunk
-    _shrink_kernel[(_cdiv(T, block_m), S * splits, L)](
-        x, a, h, sorted_tokens, starts, K, R, k_chunk, sorted_tokens.stride(0), x.stride(0), a.stride(0),
+    _shrink_kernel[(_row_blocks(T, L, block_m), S * splits)](
+        x, a, h, sorted_tokens, starts, K, R, L, k_chunk, sorted_tokens.stride(0), x.stride(0), a.stride(0),
         a.stride(1), a.stride(2), h.stride(0), h.stride(1), h.stride(2), SPLITS=splits, BLOCK_M=block_m,
-        BLOCK_R=block_r, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=_next_pow2(L), IEEE=x.dtype == torch.float32)
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
@@ -196,10 +223,10 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     L = b.shape[0]
     block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice, b.element_size())
     tiles = _cdiv(max_slice, block_n)
-    _expand_kernel[(_cdiv(T, block_m), S * tiles, L)](
-        h, b, out, sorted_tokens, starts, slices, R, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
+    _expand_kernel[(_row_blocks(T, L, block_m), S * tiles)](
+        h, b, out, sorted_tokens, starts, slices, R, L, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
         h.stride(2), b.stride(0), b.stride(1), out.stride(0), SPLITS=C, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
+        BLOCK_N=block_n, BLOCK_L=_next_pow2(L), IEEE=b.dtype == torch.float32)
 
 
 def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
