@@ -124,8 +124,8 @@ def test_kernels_match_the_reference_at_prefill_size():
 
 
 def test_decode_splits_k_finely_and_prefill_only_a_wide_k():
-    assert lora_k_splits(1, 14336) == 28 and lora_k_splits(64, 4096) == 8 and lora_k_splits(16, 300) == 1
-    assert lora_k_splits(65, 14336) == 4 and lora_k_splits(2048, 4096) == 1 and lora_k_splits(1, 10 ** 6) == 32
+    assert lora_k_splits(1, 2048) == 4 and lora_k_splits(64, 4096) == 8 and lora_k_splits(16, 300) == 1
+    assert lora_k_splits(65, 14336) == 4 and lora_k_splits(2048, 4096) == 1 and lora_k_splits(1, 14336) == 8
 
 
 def test_upload_groups_rows_by_slot():

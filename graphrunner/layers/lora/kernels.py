@@ -53,7 +53,10 @@ __all__ = ["LORA_DTYPES", "lora_expand", "lora_k_splits", "lora_reference", "lor
 LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _SPLIT_K_COLUMNS = 512  # columns of K per shrink program at decode (four 128-column steps)
-_MAX_SPLITS = 32
+# The expand sums every split's partial for each of its output tiles: Llama-3.1-8B's down projection
+# (K = 14336) in 28 splits took 9.8 us at one token and 13.2 us at 64, in 8 splits 9.1 and 10.5 us
+# (shrink and expand, H200, rank 16).
+_MAX_SPLITS = 8
 # Above 64 tokens only a K as wide as Llama-3.1-8B's down projection (14336) is split, in 4: its shrink
 # took 49-53 us at 2,048 tokens whole and 21-23 us in 4, while a split of K = 4096 saved the shrink 1-5 us
 # and cost the expand, which sums the partials, up to 16 us (H200, rank 16).
