@@ -141,15 +141,18 @@ def test_upload_groups_rows_by_slot():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
-def test_kernels_native_dtypes_gpu(dtype, num_tokens):
-    """Llama-3.1-8B's q|k|v (4096 -> 4096 + 1024 + 1024) at rank 16, 8 slots, a row mix with base rows."""
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256, 1024])
+@pytest.mark.parametrize("projection", ["qkv", "down"])
+def test_kernels_native_dtypes_gpu(dtype, num_tokens, projection):
+    """Llama-3.1-8B's q|k|v (4096 -> 4096 + 1024 + 1024) or down (14336 -> 4096, K split above 64 tokens
+    too) at rank 16, 8 slots, a row mix with base rows."""
+    in_features, sizes = (4096, [4096, 1024, 1024]) if projection == "qkv" else (14336, [4096])
     g = np.random.default_rng(num_tokens)
     slots = g.integers(-1, 8, size=num_tokens).astype(np.int32)
-    buffers = LoraBuffers(8, 512, torch.device("cuda"))
+    buffers = LoraBuffers(8, 1024, torch.device("cuda"))
     buffers.upload(slots, np.ones(num_tokens, dtype=np.int32), num_tokens)
-    (x, out, a, b), slices = _case(num_tokens, 8, [4096, 1024, 1024], 16, 4096, [16] * 8, num_tokens,
-                                   dtype=dtype, device="cuda")
+    (x, out, a, b), slices = _case(num_tokens, 8, sizes, 16, in_features, [16] * 8, num_tokens, dtype=dtype,
+                                   device="cuda")
     expected = out.clone()
     lora_reference(x, expected, a, b, buffers.token_slot[:num_tokens], slices)
     got = out.clone()
