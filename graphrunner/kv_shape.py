@@ -45,10 +45,25 @@ class KVCacheShape:
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per local layer (zeros), stored
-        head-major."""
-        stored = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        return [torch.zeros(stored, dtype=self.dtype, device=device).permute(0, 1, 3, 2, 4)
-                for _ in range(self.num_layers)]
+        head-major. The layers are views of one allocation, evenly spaced (`stacked_layers`), so that
+        moving blocks of every layer is one copy rather than one per layer."""
+        stored = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return list(torch.zeros(stored, dtype=self.dtype, device=device).permute(0, 1, 2, 4, 3, 5).unbind(0))
 
 
-__all__ = ["KVCacheShape"]
+def stacked_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-layer caches as one [num_layers, 2, num_blocks, ...] view when they are evenly spaced
+    views of one allocation with one layout (as `KVCacheShape.allocate` makes them), else None."""
+    first = kv_caches[0]
+    step = kv_caches[1].storage_offset() - first.storage_offset() if len(kv_caches) > 1 else first.numel()
+    if step < first.numel():
+        return None
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, cache in enumerate(kv_caches):
+        if (cache.untyped_storage().data_ptr() != storage or cache.storage_offset() != offset + i * step
+                or cache.shape != first.shape or cache.stride() != first.stride()):
+            return None
+    return first.as_strided((len(kv_caches), *first.shape), (step, *first.stride()), offset)
+
+
+__all__ = ["KVCacheShape", "stacked_layers"]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from graphrunner.config import KVTransferConfig, RunnerConfig
-from graphrunner.kv_shape import KVCacheShape
+from graphrunner.kv_shape import KVCacheShape, stacked_layers
 from graphrunner.state.staging import to_device_async
 
 logger = logging.getLogger("graphrunner.kv_transfer")
@@ -117,6 +117,9 @@ def model_identity(config: RunnerConfig) -> str:
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
     """The KV of `block_ids` from every layer: [num_layers, 2, n, block_size, kv_heads, head_dim]."""
     index = to_device_async(np.asarray(block_ids, dtype=np.int64), kv_caches[0].device)
+    stacked = stacked_layers(kv_caches)
+    if stacked is not None:  # one copy, where a stack of per-layer copies copied every byte twice
+        return stacked.index_select(2, index)
     return torch.stack([cache.index_select(1, index) for cache in kv_caches])
 
 
@@ -165,6 +168,10 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data
         # fp8 blocks move as their bytes: index_copy_ has no float8 kernel on a CPU, and a byte copy
         # cannot change a quantized value.
         data, kv_caches = data.view(torch.uint8), [cache.view(torch.uint8) for cache in kv_caches]
+    stacked = stacked_layers(kv_caches)
+    if stacked is not None:  # one launch for every layer (32 a run of blocks for llama-3.1-8b otherwise)
+        stacked.index_copy_(2, index, data)
+        return
     for layer, cache in enumerate(kv_caches):
         cache.index_copy_(1, index, data[layer])
 

@@ -292,6 +292,32 @@ def test_fp8_blocks_scatter_and_gather_as_their_bytes():
     assert not caches[0][:, [0, 2, 4]].view(torch.uint8).any()  # other blocks untouched
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_blocks_move_the_same_through_one_allocation_and_per_layer_tensors(layers):
+    """`allocate` gives evenly spaced views of one allocation, moved in one copy for every layer
+    (`stacked_layers`); separate per-layer tensors (no common allocation) move layer by layer. Both
+    land the same values in the same places and gather them back."""
+    import torch
+
+    from graphrunner.kv_shape import KVCacheShape, stacked_layers
+    from graphrunner.kv_transfer.base import gather_blocks, scatter_blocks
+
+    shape = KVCacheShape(layers, 4, 2, 8, torch.float32)
+    together = shape.allocate(6, torch.device("cpu"))
+    apart = [torch.zeros_like(cache) for cache in together]  # same layout, own storages
+    stacked = stacked_layers(together)
+    assert stacked is not None and (stacked_layers(apart) is None) == (layers > 1)
+    assert all(torch.equal(stacked[i], cache) for i, cache in enumerate(together))
+    data = torch.randn(layers, 2, 3, 4, 2, 8)[:, :, [2, 0, 1]]  # [L, 2, n, bs, h, d], not contiguous
+    for caches in (together, apart):
+        scatter_blocks(caches, [4, 0, 2], data)
+        assert torch.equal(gather_blocks(caches, [4, 0, 2]), data)
+        assert not torch.stack([cache[:, [1, 3, 5]] for cache in caches]).any()  # other blocks untouched
+    assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+    shifted = [together[0]] + [cache[:, 1:] for cache in together[1:]]  # not one layout
+    assert layers == 1 or stacked_layers(shifted) is None
+
+
 def test_fp8_kv_blocks_travel_as_their_bytes(tmp_path):
     """fp8 KV (kv_cache_dtype="fp8"): a consumer loads the producer's quantized blocks byte for byte
     and gives the fp8 run's tokens and logprobs; the store names the dtype, so a bf16/fp32 instance

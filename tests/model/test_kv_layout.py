@@ -33,9 +33,11 @@ def test_allocate_hands_out_the_logical_shape_stored_head_major():
     shape = KVCacheShape(num_layers=2, block_size=4, num_kv_heads=3, head_dim=8, dtype=torch.float32)
     caches = shape.allocate(5, torch.device("cpu"))
     assert len(caches) == 2
-    for cache in caches:
+    layer_elems = 2 * 5 * 4 * 3 * 8
+    assert caches[0].untyped_storage().nbytes() == 2 * layer_elems * 4  # one allocation, no padding
+    for i, cache in enumerate(caches):
         assert cache.shape == (2, 5, 4, 3, 8) and not cache.any()
-        assert cache.untyped_storage().nbytes() == 2 * 5 * 4 * 3 * 8 * 4  # no padding, one layer's blocks
+        assert cache.storage_offset() == i * layer_elems  # the layers one after the other
         assert cache.stride() == (5 * 96, 96, 8, 32, 1)  # a head's tokens adjacent, then the next head's
     assert shape.block_bytes == 2 * 2 * 4 * 3 * 8 * 4
 
