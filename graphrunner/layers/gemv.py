@@ -32,7 +32,8 @@ from graphrunner.kernels import HAS_TRITON
 from graphrunner.kernels.device import DeviceProperties
 from graphrunner.kernels.pdl import pdl_launch
 
-__all__ = ["GEMV_DTYPES", "Tile", "gemv_plan", "gemv_triton", "norm_gemv_plan", "norm_gemv_triton", "silu_mul_triton"]
+__all__ = ["GEMV_DTYPES", "Tile", "gemv_extra_rows_triton", "gemv_fits", "gemv_plan", "gemv_triton", "norm_gemv_plan",
+           "norm_gemv_triton", "silu_mul_triton"]
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Tile = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
@@ -76,12 +77,21 @@ if HAS_TRITON:
         return w.to(tl.float32) * x_tile(x_ptr, ks, K, EVEN_K, SWIGLU)[None, :]
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GDC: tl.constexpr, SWIGLU: tl.constexpr):
-        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K.
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, a_ptr, h_ptr, NA, stride_an,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     GDC: tl.constexpr, SWIGLU: tl.constexpr, EXTRA: tl.constexpr):
+        # Program j: y[j*BLOCK_N : (j+1)*BLOCK_N] = W[those rows] . x, over the full K. With EXTRA, the
+        # programs past W's rows do the same for the NA rows of A (stride_an) into h, fp32, unrounded.
+        pid = tl.program_id(0)
+        w_programs = tl.cdiv(N, BLOCK_N)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        if EXTRA:
+            if pid >= w_programs:
+                rows = (pid - w_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = rows < NA
+                w_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_an
         ks0 = tl.arange(0, BLOCK_K)  # [BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         k_start = 0
@@ -98,6 +108,16 @@ if HAS_TRITON:
         for k0 in range(k_start, K, BLOCK_K):
             acc += _tile_product(x_ptr, w_rows, ok, k0 + ks0, K, EVEN_K, SWIGLU)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if EXTRA:
+            if pid >= w_programs:
+                tl.store(h_ptr + rows, y, mask=ok)
+            else:
+                _store_rows(y, b_ptr, y_ptr, rows, ok, HAS_BIAS)
+        else:
+            _store_rows(y, b_ptr, y_ptr, rows, ok, HAS_BIAS)
+
+    @triton.jit
+    def _store_rows(y, b_ptr, y_ptr, rows, ok, HAS_BIAS: tl.constexpr):
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
@@ -148,9 +168,7 @@ if HAS_TRITON:
             w = tl.load(w_rows + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * _normed_tile(x_ptr, res_ptr, nw_ptr, ks, K, inv)[None, :]
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
+        _store_rows(y, b_ptr, y_ptr, rows, ok, HAS_BIAS)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, half, BLOCK: tl.constexpr):
@@ -212,6 +230,13 @@ def norm_gemv_plan(N: int, K: int, device: DeviceProperties | None = None) -> Ti
 
 
 
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether x . weight^T (+ bias) is a `gemv_triton` launch: one row of a GEMV dtype, the weight's,
+    unit stride along K."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
                 out_dtype: torch.dtype | None = None, swiglu: bool = False, pdl_rows: int = 0) -> torch.Tensor:
     """x [1, K] (unit stride) . weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's; one launch).
@@ -227,13 +252,40 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv_triton: x and weight need unit stride along K, got {x.stride()}, {weight.stride()}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)  # [1, N]
+    _launch_gemv(x, weight, bias, y, tile, swiglu, pdl_rows)
+    return y
+
+
+def gemv_extra_rows_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, extra: torch.Tensor,
+                           tile: Tile, *, pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x . weight^T (+ bias) [1, N] in x's dtype, x . extra^T [1, NA] in fp32), one launch: the programs
+    past weight's rows read `extra`'s (NA rows of K, unit stride along K; e.g. every LoRA slot's A of a
+    projection, whose products with x are then that projection's shrink, without a launch of its own)."""
+    (m, k_x), (n, k) = x.shape, weight.shape
+    if m != 1 or k_x != k or extra.dim() != 2 or extra.shape[1] != k or extra.dtype != weight.dtype:
+        raise ValueError(f"gemv_extra_rows_triton: x {tuple(x.shape)} must be [1, K] and extra "
+                         f"{tuple(extra.shape)} [NA, K] of {weight.dtype}, K = weight's {k}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or extra.stride(1) != 1:
+        raise ValueError(f"gemv_extra_rows_triton: x, weight and extra need unit stride along K, got {x.stride()}, "
+                         f"{weight.stride()}, {extra.stride()}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    h = torch.empty(1, extra.shape[0], dtype=torch.float32, device=x.device)
+    _launch_gemv(x, weight, bias, y, tile, False, pdl_rows, extra, h)
+    return y, h
+
+
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, tile: Tile,
+                 swiglu: bool, pdl_rows: int, extra: torch.Tensor | None = None, h: torch.Tensor | None = None) -> None:
+    n, k = weight.shape
     block_n, block_k, warps = tile
     launch = pdl_launch(1, pdl_rows)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GDC=bool(launch), SWIGLU=swiglu,
-        num_warps=warps, **launch)
-    return y
+    na = 0 if extra is None else extra.shape[0]
+    _gemv_kernel[(triton.cdiv(n, block_n) + triton.cdiv(na, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        extra if extra is not None else weight, h if h is not None else y, na,
+        extra.stride(0) if extra is not None else 0, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, GDC=bool(launch), SWIGLU=swiglu, EXTRA=extra is not None, num_warps=warps,
+        **launch)
 
 
 def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

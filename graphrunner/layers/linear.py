@@ -24,8 +24,9 @@ and `logits` for the LM head (fp32 out). The methods:
 
 Quantized weights attach here as further methods. LoRA adapters attach as `lora` (layers/lora/):
 while its `active` flag is set (a forward run or captured for a batch with adapters), a projection
-adds each token row's adapter to its output, the fused norm and SiLU·mul entries then run unfused
-(the adapter reads the normed input). Unset, and for a runner without LoRA (`lora` None), nothing
+runs through `lora.project`, which adds each token row's adapter to its output (under the one-row
+GEMV, the adapter's shrink rides in the GEMV's launch); the fused norm and SiLU·mul entries then run
+unfused (the adapter reads the normed input). Unset, and for a runner without LoRA (`lora` None), nothing
 of it runs.
 
 Each layer class is a plain projection at tp_size=1, but already knows how its weight is split
@@ -54,8 +55,8 @@ from graphrunner.kernels.device import DeviceProperties, device_properties
 from graphrunner.kernels.pdl import pdl_max_rows
 from graphrunner.layers.fp8 import fp8_gemv_plan, fp8_linear, quantize_weight_fp8
 from graphrunner.layers.gemv import (
-    GEMV_DTYPES,
     Tile,
+    gemv_fits,
     gemv_plan,
     gemv_triton,
     norm_gemv_plan,
@@ -107,15 +108,10 @@ class LinearMethod:
 TORCH_LINEAR = LinearMethod()
 
 
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype))
-
-
 def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Sequence[int],
                  pdl_rows: int) -> torch.Tensor:
     """F.linear, or `gemv_triton` with `tile` for a single row: chosen on the real shapes at run time."""
-    if _gemv_fits(x, weight, bias):
+    if gemv_fits(x, weight, bias):
         return gemv_triton(x, weight, bias, tuple(tile), pdl_rows=pdl_rows)  # type: ignore[arg-type]
     return F.linear(x, weight, bias)
 
@@ -124,7 +120,7 @@ def _swiglu_rows(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                  fused: bool, pdl_rows: int) -> torch.Tensor:
     """One row (with `fused`): the GEMV forms silu(gate) * up while it loads x. Otherwise the Triton
     SiLU·mul kernel, then `_linear_rows`."""
-    if fused and _gemv_fits(gate_up, weight, bias):
+    if fused and gemv_fits(gate_up, weight, bias):
         return gemv_triton(gate_up, weight, bias, tuple(tile), swiglu=True, pdl_rows=pdl_rows)  # type: ignore[arg-type]
     return _linear_rows(silu_mul_triton(gate_up), weight, bias, tile, pdl_rows)
 
@@ -134,7 +130,7 @@ def _add_norm_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
                    pdl_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One row (with a `norm_tile`): `norm_gemv_triton`, one launch. Otherwise the Triton add + RMSNorm
     kernel, then `_linear_rows`. The normalized row is bit-identical either way."""
-    if (norm_tile and _gemv_fits(x, weight, bias) and residual.dtype == norm_weight.dtype == x.dtype
+    if (norm_tile and gemv_fits(x, weight, bias) and residual.dtype == norm_weight.dtype == x.dtype
             and residual.stride(-1) == 1):
         return norm_gemv_triton(x, residual, norm_weight, eps, weight, bias, tuple(norm_tile),  # type: ignore[arg-type]
                                 pdl_rows=pdl_rows)
@@ -199,7 +195,7 @@ class GemvMethod(LinearMethod):
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One half-precision row: the GEMV writing fp32 (its accumulator, no cast kernel), so batch 1
         and larger batches round alike."""
-        if hidden.dtype in _HALF and _gemv_fits(hidden, weight, None) and not torch.compiler.is_compiling():
+        if hidden.dtype in _HALF and gemv_fits(hidden, weight, None) and not torch.compiler.is_compiling():
             return gemv_triton(hidden, weight, None, self.tile, out_dtype=torch.float32, pdl_rows=self.pdl_rows)
         return super().logits(hidden, weight)
 
@@ -389,11 +385,10 @@ class _LinearBase(nn.Module):
                              f"got {tensor.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
-        out = self.method.linear(x, self.weight, self.bias)
         lora = self.lora
         if lora is not None and lora.active:
-            lora.apply(x, out)
-        return out
+            return lora.project(self.method, x, self.weight, self.bias)
+        return self.method.linear(x, self.weight, self.bias)
 
     def _param(self, name: str) -> nn.Parameter:
         param = getattr(self, name, None)
@@ -600,9 +595,8 @@ class RowLinear(_LinearBase):
         """project(x, weight[, bias]) summed over the TP ranks; the bias is added once, after the sum.
         An active adapter adds its share to this rank's partial sum, before the reduction."""
         lora = self.lora
-        if lora is not None and lora.active:
-            out = project(x, self.weight, self.bias if self.tp_size == 1 else None)
-            lora.apply(x, out)
+        if lora is not None and lora.active:  # `project` is the plain projection then (the entries run unfused)
+            out = lora.project(self.method, x, self.weight, self.bias if self.tp_size == 1 else None)
             if self.tp_size == 1:
                 return out
         elif self.tp_size == 1:

@@ -203,6 +203,12 @@ def test_cuda_graphs_match_peft_gpu(world, mode):
                         lora_request=[_request(adapters, name) for _, name in MIX], use_tqdm=False)
     for (i, name), out in zip(MIX, outs, strict=True):
         assert out.outputs[0].token_ids == refs[name][i], (mode, i, name)
+    # One request at a time: batch-1 steps, where the one-row GEMV reads every slot's A (`LoraWeights.project`)
+    assert all(w.gemv_shrink for w in llm.runner.lora.weights.values())
+    for i, name in MIX[:2]:
+        alone = llm.generate([PROMPTS[i]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                             lora_request=_request(adapters, name), use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == refs[name][i], (mode, "alone", i, name)
     llm.shutdown()
 
 

@@ -108,6 +108,29 @@ def test_kernels_match_the_reference(case):
 
 
 @needs_triton
+@given(cases)
+def test_projection_with_adapters_matches_the_reference_at_every_row_count(case):
+    """`graphrunner::lora_linear`, the op a projection with adapters runs under the one-row GEMV: one
+    row reads every slot's A in the GEMV's launch and expands its own slot's h; several rows run the
+    GEMM, the shrink and the expand. Both equal x W^T plus the reference's adapters."""
+    import graphrunner.layers.lora.weights  # noqa: F401  (registers the op)
+
+    for reqs in ([(1, case["reqs"][0][1])], case["reqs"]):  # one row, then the drawn mix
+        buffers, T = _metadata(reqs, 0 if len(reqs) == 1 else case["pad"], case["num_slots"])
+        g = np.random.default_rng(case["seed"])
+        ranks = [int(g.integers(1, case["rank"] + 1)) for _ in range(case["num_slots"])]
+        (x, _, a, b), slices = _case(T, case["num_slots"], case["slice_sizes"], case["rank"], case["in_features"],
+                                     ranks, case["seed"])
+        weight = torch.randn(b.shape[1], x.shape[1], generator=torch.Generator().manual_seed(case["seed"]))
+        expected = x @ weight.t()
+        lora_reference(x, expected, a, b, buffers.token_slot[:T], slices)
+        got = torch.ops.graphrunner.lora_linear(x, weight, None, a, b, buffers.sorted_tokens, buffers.starts,
+                                                torch.tensor(slices, dtype=torch.int32),
+                                                max(size for _, size in slices), (4, 64, 4), 0)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
 def test_kernels_match_the_reference_at_prefill_size():
     """Above 512 tokens: 64-row blocks, a slot over several of them, an empty slot between two full
     ones, base rows between adapters' rows, K split in 2."""

@@ -46,9 +46,10 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.kernels import HAS_TRITON
+from graphrunner.layers.gemv import gemv_extra_rows_triton
 
-__all__ = ["LORA_DTYPES", "lora_expand", "lora_k_splits", "lora_reference", "lora_shrink", "lora_shrink_expand",
-           "lora_tiles"]
+__all__ = ["LORA_DTYPES", "lora_expand", "lora_gemv_expand", "lora_k_splits", "lora_reference", "lora_shrink",
+           "lora_shrink_expand", "lora_tiles"]
 
 LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
@@ -158,7 +159,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, slices_ptr, R, L, tiles_per_slice,
-                       stride_sorted, stride_hc, stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
+                       stride_sorted, stride_hs, stride_hc, stride_hi, stride_hm, stride_bs, stride_bn, stride_om,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(1)
@@ -175,7 +176,7 @@ if HAS_TRITON:
             mask_r = offs_r < R
             offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < size
-            h_ptrs = h_ptr + i * stride_hi + rows[:, None] * stride_hm + offs_r[None, :]
+            h_ptrs = h_ptr + slot.to(tl.int64) * stride_hs + i * stride_hi + rows[:, None] * stride_hm + offs_r[None, :]
             h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for c in tl.static_range(SPLITS):  # the shrink's K partials, in split order
                 h += tl.load(h_ptrs + c * stride_hc, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
@@ -220,16 +221,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
-                starts: torch.Tensor, slices: torch.Tensor, max_slice: int) -> None:
-    """out[t, slice i] += (sum over c of h[c, i, t]) B[s, slice i]^T for every token row t of slot s's range."""
+                starts: torch.Tensor, slices: torch.Tensor, max_slice: int, slot_stride: int = 0) -> None:
+    """out[t, slice i] += (sum over c of h[c, i, t]) B[s, slice i]^T for every token row t of slot s's range;
+    with `slot_stride`, slot s reads its h that many elements further (h of every slot, `lora_gemv_expand`)."""
     C, S, T, R = h.shape
     L = b.shape[0]
     block_m, block_r, _, block_n = lora_tiles(T, R, 1, max_slice, b.element_size())
     tiles = _cdiv(max_slice, block_n)
     _expand_kernel[(_row_blocks(T, L, block_m), S * tiles)](
-        h, b, out, sorted_tokens, starts, slices, R, L, tiles, sorted_tokens.stride(0), h.stride(0), h.stride(1),
-        h.stride(2), b.stride(0), b.stride(1), out.stride(0), SPLITS=C, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_N=block_n, BLOCK_L=_next_pow2(L), IEEE=b.dtype == torch.float32)
+        h, b, out, sorted_tokens, starts, slices, R, L, tiles, sorted_tokens.stride(0), slot_stride, h.stride(0),
+        h.stride(1), h.stride(2), b.stride(0), b.stride(1), out.stride(0), SPLITS=C, BLOCK_M=block_m,
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_L=_next_pow2(L), IEEE=b.dtype == torch.float32)
 
 
 def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -242,6 +244,21 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     h = torch.empty(splits, S, x.shape[0], R, dtype=torch.float32, device=x.device)
     lora_shrink(x, a, sorted_tokens, starts, h)
     lora_expand(h, b, out, sorted_tokens, starts, slices, max_slice)
+
+
+def lora_gemv_expand(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                     b: torch.Tensor, sorted_tokens: torch.Tensor, starts: torch.Tensor, slices: torch.Tensor,
+                     max_slice: int, tile: tuple[int, int, int], pdl_rows: int = 0) -> torch.Tensor:
+    """x [1, K] W^T (+ bias) with the row's adapter added, in two launches: the single-row GEMV reads
+    every slot's A after W's rows (`gemv_extra_rows_triton`), so h of every slot comes out of the
+    projection's own launch, and the expand adds the row's slot's h B^T (a shrink launch fewer than
+    `lora_shrink_expand` after the projection)."""
+    L, S, R, K = a.shape
+    out, h = gemv_extra_rows_triton(x, weight, bias, a.reshape(L * S * R, K), tile, pdl_rows=pdl_rows)
+    # h [1, L*S*R] as the expand's [C=1, S, T=1, R], slot s at s*S*R
+    lora_expand(h.as_strided((1, S, 1, R), (L * S * R, R, L * S * R, 1)), b, out, sorted_tokens, starts, slices,
+                max_slice, slot_stride=S * R)
+    return out
 
 
 def lora_reference(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
