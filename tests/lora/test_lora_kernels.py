@@ -121,10 +121,12 @@ def test_projection_with_adapters_matches_the_reference_at_every_row_count(case)
         ranks = [int(g.integers(1, case["rank"] + 1)) for _ in range(case["num_slots"])]
         (x, _, a, b), slices = _case(T, case["num_slots"], case["slice_sizes"], case["rank"], case["in_features"],
                                      ranks, case["seed"])
-        weight = torch.randn(b.shape[1], x.shape[1], generator=torch.Generator().manual_seed(case["seed"]))
-        expected = x @ weight.t()
+        g = torch.Generator().manual_seed(case["seed"])
+        weight = torch.randn(b.shape[1], x.shape[1], generator=g)
+        bias = torch.randn(b.shape[1], generator=g) if case["seed"] % 2 else None  # added to W's rows only
+        expected = x @ weight.t() + (0 if bias is None else bias)
         lora_reference(x, expected, a, b, buffers.token_slot[:T], slices)
-        got = torch.ops.graphrunner.lora_linear(x, weight, None, a, b, buffers.sorted_tokens, buffers.starts,
+        got = torch.ops.graphrunner.lora_linear(x, weight, bias, a, b, buffers.sorted_tokens, buffers.starts,
                                                 torch.tensor(slices, dtype=torch.int32),
                                                 max(size for _, size in slices), (4, 64, 4), 0)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
