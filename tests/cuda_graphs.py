@@ -1,5 +1,6 @@
-"""Capture a CUDA graph of a callable in tests: warm it up on a side stream (Triton compiles there,
-outside capture), then capture it. GPU-only tests use it; importing it needs no GPU."""
+"""CUDA helpers of the tests: capture a CUDA graph of a callable (warmed up on a side stream, where
+Triton compiles, outside capture), and run a callable where any wait for the device raises. GPU-only
+tests use them; importing this needs no GPU."""
 
 from __future__ import annotations
 
@@ -19,3 +20,17 @@ def capture_cuda_graph(fn: Callable[[], object]):
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def never_syncing(fn: Callable[..., object]) -> Callable[..., object]:
+    """`fn` under CUDA's sync debug mode "error": a call that waits for the device raises."""
+    import torch
+
+    def call(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return call

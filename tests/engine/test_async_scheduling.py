@@ -10,12 +10,12 @@ emulated FULL graphs.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrunner import LLM, SamplingParams
 from graphrunner.cli import main
+from tests.cuda_graphs import never_syncing
 
 SIZES = (1, 2, 4, 8, 16)
 # 13 blocks of 4 tokens; one request needs up to 12 (40-token prompt + 8 outputs): preemption.
@@ -163,16 +163,6 @@ def test_gpu_async_steps_never_sync_with_the_host():
     expected = _result(LLM("builtin:tiny-llama", **kw), prompts, params)
     llm = LLM("builtin:tiny-llama", async_scheduling=True, **kw)
     runner = llm.runner
-
-    def strict(fn):
-        def call(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        return call
-
-    runner.execute_model, runner.sample_tokens = strict(runner.execute_model), strict(runner.sample_tokens)
+    runner.execute_model = never_syncing(runner.execute_model)
+    runner.sample_tokens = never_syncing(runner.sample_tokens)
     assert _result(llm, prompts, params) == expected

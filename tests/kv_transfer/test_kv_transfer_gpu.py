@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.cuda_graphs import never_syncing
+
 pytestmark = pytest.mark.gpu
 
 ARGS = dict(device="cuda", max_num_seqs=8, max_model_len=256, block_size=16, seed=0, num_kv_blocks=64)
@@ -21,20 +23,6 @@ def _generate(llm, prompts=PROMPTS):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
-def _never_syncing(fn):
-    """`fn` under CUDA's sync debug mode "error": a call that waits for the device raises."""
-    import torch
-
-    def call(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    return call
-
-
 def test_shared_storage_on_cuda_equals_one_llm(tmp_path):
     from graphrunner.engine import LLM
 
@@ -45,7 +33,7 @@ def test_shared_storage_on_cuda_equals_one_llm(tmp_path):
     reference, _ = _generate(LLM("builtin:tiny-llama", **ARGS))
     produced, _ = _generate(LLM("builtin:tiny-llama", kv_transfer_config=storage("kv_producer"), **ARGS))
     consumer = LLM("builtin:tiny-llama", kv_transfer_config=storage("kv_consumer"), async_scheduling=True, **ARGS)
-    consumer.runner.execute_model = _never_syncing(consumer.runner.execute_model)  # loading blocks included
+    consumer.runner.execute_model = never_syncing(consumer.runner.execute_model)  # loading blocks included
     consumed, cached = _generate(consumer)
     assert produced == reference and consumed == reference
     assert cached == [149] * len(PROMPTS)  # every prompt token but the last

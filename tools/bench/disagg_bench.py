@@ -331,11 +331,14 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
     launches = [(a, 1e3 * (b - a), ms) for (a, b), ms in zip(events.host, device, strict=True)]
     events.close()
 
+    def window(step: tuple[float, float, str]) -> tuple[float, float]:
+        return t0 + step[1] - step[0], t0 + step[1]
+
     def within(step: tuple[float, float, str]) -> tuple[int, float, float | None]:
         """The Triton specializations (compiles or disk loads) made during the step, and the host and
         device ms of the execute_model calls it launched: a slow step with a short device time waited
         on the host."""
-        began, end = t0 + step[1] - step[0], t0 + step[1]
+        began, end = window(step)
         mine = [launch for launch in launches if began <= launch[0] <= end]
         device = sum(ms for _, _, ms in mine if ms is not None) if on_gpu else None
         return sum(began <= at <= end for at, _ in jit), sum(ms for _, ms, _ in mine), device
@@ -345,12 +348,14 @@ def _run_decode(llm: Any, source: Any, n: int, prompts: list[list[int]], offsets
 
     def receiving(step: tuple[float, float, str]) -> float:
         """Milliseconds of the step during which the link was receiving blocks onto this GPU."""
-        began, end = t0 + step[1] - step[0], t0 + step[1]
+        began, end = window(step)
         return 1e3 * sum(max(0.0, min(end, b) - max(began, a)) for a, b in spans)
 
-    slowest = [(*step, *within(step), receiving(step)) for step in sorted(steps, reverse=True)[:_SLOWEST]]
-    beside = [step[0] for step in steps if receiving(step) > 0]
-    alone = [step[0] for step in steps if receiving(step) == 0]
+    overlap = [receiving(step) for step in steps]
+    order = sorted(range(len(steps)), key=lambda k: steps[k], reverse=True)[:_SLOWEST]
+    slowest = [(*steps[k], *within(steps[k]), overlap[k]) for k in order]
+    beside = [step[0] for step, ms in zip(steps, overlap, strict=True) if ms > 0]
+    alone = [step[0] for step, ms in zip(steps, overlap, strict=True) if ms == 0]
     by_link = {} if link is None else {"steps_receiving": [len(beside), _percentile(beside, 50)],
                                        "steps_alone": [len(alone), _percentile(alone, 50)]}
     return {**by_link,

@@ -279,9 +279,9 @@ def _build_llm(spec: ThroughputSpec, device: torch.device, mode: CUDAGraphMode, 
 
 
 class StepEvents:
-    """CUDA events around every `execute_model` of a runner while installed (and the host's
-    monotonic clock at its start and return, `host`; only those with `device_events` off, as on a
-    CPU); `close()` after the run. Recording an event is asynchronous, so the timed run is undisturbed."""
+    """CUDA events around every `execute_model` of a runner while installed, and the host's monotonic
+    clock at its start and return (`host`; the only record with `device_events` off, as on a CPU);
+    `close()` after the run. Recording an event is asynchronous, so the timed run is undisturbed."""
 
     def __init__(self, runner: ModelRunner, device_events: bool = True) -> None:
         import torch
